@@ -1,0 +1,1 @@
+"""The engine worker: one inference engine behind a streaming NDJSON endpoint."""

@@ -1,0 +1,49 @@
+"""The worker's HTTP surface: ``POST /internal/generate``, ``GET /health``, ``GET /metrics``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import orjson
+from fastapi import FastAPI, Request
+from pydantic import ValidationError
+from starlette.responses import Response
+
+from engine_worker.protocol import GenerateRequest
+from engine_worker.stream import NDJSONStream
+from sluice.errors import InvalidRequest, ModelNotFound, SluiceError, Unavailable, error_response
+
+if TYPE_CHECKING:
+    from engine_worker.worker import Worker
+
+
+def create_app(worker: Worker) -> FastAPI:
+    app = FastAPI(title="Sluice engine worker", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(SluiceError)
+    async def _sluice_error(request: Request, exc: SluiceError) -> Response:
+        return error_response(exc)
+
+    @app.post("/internal/generate", response_model=None)
+    async def generate(request: Request) -> NDJSONStream:
+        if worker.draining:
+            raise Unavailable("worker is draining", retry_after_s=1)
+        try:
+            body = GenerateRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise InvalidRequest(
+                f"invalid generate request: {first['msg']}",
+                param=".".join(str(p) for p in first["loc"]),
+            ) from None
+        if body.model != worker.settings.served_model_name:
+            raise ModelNotFound(f"this worker serves {worker.settings.served_model_name!r}")
+        return worker.open_stream(body)
+
+    @app.get("/health")
+    async def health() -> Response:
+        status = 503 if worker.draining else 200
+        body = {"status": "draining" if worker.draining else "ok", "worker": worker.describe()}
+        return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+    return app

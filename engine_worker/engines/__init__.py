@@ -1,0 +1,1 @@
+"""Engines behind the worker: ``sim`` (anywhere), ``vllm`` (default), ``trtllm`` (NVIDIA)."""

@@ -1,0 +1,47 @@
+"""The seam every engine implements."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine_worker.protocol import Delta, GenerateRequest
+
+
+@dataclass(slots=True)
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "running": self.running,
+            "waiting": self.waiting,
+            "kv_usage": self.kv_usage,
+            "prefix_queries": self.prefix_queries,
+            "prefix_hits": self.prefix_hits,
+        }
+
+
+class Engine(Protocol):
+    """One inference engine with continuous batching.
+
+    ``generate`` yields :class:`Delta` s; closing the iterator early aborts the
+    request in the engine and frees its slot.
+    """
+
+    name: str
+    #: Sequences the engine runs at once; the worker advertises it as its capacity.
+    capacity: int
+
+    async def start(self) -> None: ...
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]: ...
+
+    def stats(self) -> EngineStats: ...
+
+    async def shutdown(self) -> None: ...

@@ -1,0 +1,67 @@
+"""The internal wire format between gateway and worker.
+
+Request: ``POST /internal/generate`` with a :class:`GenerateRequest` JSON body.
+Response: NDJSON, one line per engine step::
+
+    {"ids": [318, 257], "text": " the cat"}
+    {"ids": [13], "text": ".", "finish_reason": "stop",
+     "usage": {"prompt_tokens": 12, "completion_tokens": 3, "cached_tokens": 0}}
+
+A failure after the stream started is one ``{"error": {...}}`` line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, Field
+
+
+class GenerateRequest(BaseModel):
+    request_id: str = Field(min_length=1, max_length=128)
+    model: str
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    priority: int = 0
+    #: Token ids already delivered to the client by an earlier worker (migration).
+    resume_token_ids: list[int] = Field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+        }
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one engine step produced for one request."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+    def encode(self) -> bytes:
+        line: dict[str, Any] = {"ids": self.token_ids, "text": self.text}
+        if self.finish_reason is not None:
+            line["finish_reason"] = self.finish_reason
+        if self.usage is not None:
+            line["usage"] = self.usage.as_dict()
+        return orjson.dumps(line) + b"\n"

@@ -1,0 +1,84 @@
+"""The worker's NDJSON response: engine deltas out, client disconnect aborts the engine."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import anyio
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from engine_worker.protocol import Delta
+from sluice.errors import SluiceError
+
+log = logging.getLogger("sluice.worker")
+
+
+class NDJSONStream(Response):
+    """Send one line per delta; a disconnect cancels the send loop and closes the engine stream.
+
+    Closing the engine's iterator is what aborts the request inside the engine,
+    so a gateway that hangs up frees the sequence at once, not at the next token.
+    """
+
+    media_type = "application/x-ndjson"
+
+    def __init__(
+        self,
+        deltas: AsyncIterator[Delta],
+        on_start: Callable[[], None],
+        on_done: Callable[[], None],
+    ) -> None:
+        super().__init__(status_code=200)
+        self._deltas = deltas
+        self._on_start = on_start
+        self._on_done = on_done
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._on_start()
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/x-ndjson")],
+                }
+            )
+            async with anyio.create_task_group() as tg:
+
+                async def watch_disconnect() -> None:
+                    while True:
+                        message = await receive()
+                        if message["type"] == "http.disconnect":
+                            tg.cancel_scope.cancel()
+                            return
+
+                tg.start_soon(watch_disconnect)
+                await self._pump(send)
+                tg.cancel_scope.cancel()
+        except OSError:
+            pass  # the gateway went away between two sends
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._deltas.aclose()  # type: ignore[attr-defined]
+            self._on_done()
+
+    async def _pump(self, send: Send) -> None:
+        try:
+            async for delta in self._deltas:
+                await send({"type": "http.response.body", "body": delta.encode(), "more_body": True})
+        except SluiceError as exc:
+            line = exc.body()
+            await send({"type": "http.response.body", "body": _line(line), "more_body": True})
+        except Exception as exc:  # an engine failure mid-stream must reach the gateway as a line
+            log.exception("engine failed mid-stream")
+            err = SluiceError(f"engine error: {type(exc).__name__}")
+            await send({"type": "http.response.body", "body": _line(err.body()), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _line(obj: dict[str, object]) -> bytes:
+    import orjson
+
+    return orjson.dumps(obj) + b"\n"

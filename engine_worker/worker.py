@@ -1,0 +1,126 @@
+"""The worker process: engine + HTTP service + Redis registration, with a graceful drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from engine_worker.config import WorkerSettings
+from engine_worker.engines.base import Engine
+from engine_worker.protocol import GenerateRequest
+from engine_worker.registration import Registration
+from engine_worker.stream import NDJSONStream
+from sluice.redis_pool import create_pool
+from sluice.serve import Server, run_async, uvicorn_config
+
+log = logging.getLogger("sluice.worker")
+
+
+def build_engine(settings: WorkerSettings) -> Engine:
+    if settings.engine == "sim":
+        from engine_worker.engines.sim import SimEngine
+
+        return SimEngine(
+            ttft_ms=settings.sim_ttft_ms,
+            token_ms=settings.sim_token_ms,
+            max_seqs=settings.sim_max_seqs,
+        )
+    raise ValueError(f"engine {settings.engine!r} is not available in this build")
+
+
+class Worker:
+    """One engine behind ``/internal/generate``.
+
+    Lifecycle: :meth:`run` (blocking) or :meth:`async_run`; on SIGTERM it
+    deregisters (no new grants), answers new requests with 503, waits up to
+    ``drain_timeout_s`` for in-flight streams, then exits.
+    """
+
+    def __init__(self, settings: WorkerSettings, engine: Engine | None = None) -> None:
+        self.settings = settings
+        self.engine = engine or build_engine(settings)
+        self.draining = False
+        self.in_flight = 0
+        self.served = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._registration: Registration | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Worker(id={self.settings.worker_id} engine={self.engine.name} "
+            f"in_flight={self.in_flight} served={self.served} draining={self.draining})"
+        )
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "id": self.settings.worker_id,
+            "model": self.settings.served_model_name,
+            "engine": self.engine.name,
+            "capacity": self.engine.capacity,
+            "in_flight": self.in_flight,
+            "served": self.served,
+            "stats": self.engine.stats().as_dict(),
+        }
+
+    def open_stream(self, request: GenerateRequest) -> NDJSONStream:
+        return NDJSONStream(self.engine.generate(request), self._stream_started, self._stream_done)
+
+    def _stream_started(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def _stream_done(self) -> None:
+        self.in_flight -= 1
+        self.served += 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def drain(self) -> None:
+        self.draining = True
+        if self._registration is not None:
+            await self._registration.deregister()
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(self._idle.wait(), self.settings.drain_timeout_s)
+            log.info("drained in %.2fs", time.monotonic() - started)
+        except TimeoutError:
+            log.warning("drain timeout: %d streams still open, cancelling", self.in_flight)
+
+    def run(self) -> None:
+        run_async(self.async_run())
+
+    async def async_run(self) -> None:
+        from engine_worker.app import create_app
+
+        s = self.settings
+        redis = await create_pool(s.redis_url)
+        try:
+            await self.engine.start()
+            server = Server(uvicorn_config(create_app(self), s.host, s.port, graceful_s=1), self.drain)
+            serving = asyncio.create_task(server.serve())
+            while not server.started:
+                if serving.done():
+                    await serving  # raises the bind error
+                    return
+                await asyncio.sleep(0.02)
+            self._registration = Registration(
+                redis,
+                model=s.served_model_name,
+                worker_id=s.worker_id,
+                url=s.url(),
+                engine=self.engine.name,
+                capacity=self.engine.capacity,
+                heartbeat_ms=s.heartbeat_ms,
+                stats=lambda: self.engine.stats().as_dict(),
+            )
+            await self._registration.start()
+            log.info("worker %s serving %r at %s", s.worker_id, s.served_model_name, s.url())
+            await serving
+        finally:
+            if self._registration is not None:
+                await self._registration.deregister()
+            await self.engine.shutdown()
+            await redis.aclose()
+            log.info("worker stopped: %r", self)

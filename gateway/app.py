@@ -1,0 +1,244 @@
+"""The gateway's HTTP surface. Routes only parse, pick JSON vs stream, and delegate.
+
+>>> app = create_app(GatewaySettings(redis_url="redis://127.0.0.1:6379/0"))
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import httpx
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from gateway.config import GatewaySettings
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.routing import Router
+from gateway.serving import Serving
+from gateway.upstream import Dispatcher
+from sluice.errors import (
+    BodyTooLarge,
+    InvalidRequest,
+    MethodNotAllowed,
+    ModelNotFound,
+    RouteNotFound,
+    SluiceError,
+    Unavailable,
+    error_response,
+)
+from sluice.redis_pool import create_pool
+
+log = logging.getLogger("sluice.gateway")
+
+M = TypeVar("M", bound=BaseModel)
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+#: Past this much, an oversized body is no longer drained before the 413.
+_DRAIN_LIMIT = 64 * 1024 * 1024
+
+
+@dataclass
+class Services:
+    redis: Redis
+    http: httpx.AsyncClient
+    router: Router
+    serving: Serving
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+        await self.redis.aclose()
+
+
+async def open_services(settings: GatewaySettings) -> Services:
+    redis = await create_pool(settings.redis_url)
+    http = httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=settings.connect_timeout_s),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
+    )
+    router = Router(redis)
+    serving = Serving(settings, Dispatcher(settings, router, http))
+    return Services(redis=redis, http=http, router=router, serving=serving)
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    services: Services | None = None
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        nonlocal services
+        services = await open_services(settings)
+        log.info("gateway ready on %s:%d (redis %s)", settings.host, settings.port, _redact(settings.redis_url))
+        try:
+            yield
+        finally:
+            await services.aclose()
+
+    def svc() -> Services:
+        if services is None:
+            raise Unavailable("gateway is starting", retry_after_s=1)
+        return services
+
+    app = FastAPI(title="Sluice", version="0.1.0", lifespan=lifespan)
+    _install_error_handlers(app)
+
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
+        req = await _parse(request, ChatCompletionRequest, settings.max_body_bytes)
+        return await svc().serving.chat(req, _request_id(request))
+
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        req = await _parse(request, CompletionRequest, settings.max_body_bytes)
+        return await svc().serving.completions(req, _request_id(request))
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        models = await svc().router.live_models()
+        return _json({"object": "list", "data": [_model_card(m) for m in models]})
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> Response:
+        if await svc().router.live_workers(model) == 0:
+            raise ModelNotFound(f"The model '{model}' does not exist", param="model")
+        return _json(_model_card(model))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return _json({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        try:
+            models = await svc().router.live_models()
+        except (RedisError, OSError):
+            raise Unavailable("redis is unreachable", retry_after_s=2) from None
+        if not models:
+            raise Unavailable("no live worker", retry_after_s=2)
+        return _json({"status": "ready", "models": models})
+
+    _install_openapi(app, [ChatCompletionRequest, CompletionRequest])
+    return app
+
+
+def _model_card(model: str) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": 0, "owned_by": "sluice"}
+
+
+def _json(obj: object, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+
+
+def _request_id(request: Request) -> str:
+    given = request.headers.get("x-request-id", "")
+    return given if _REQUEST_ID.match(given) else uuid.uuid4().hex
+
+
+def _redact(url: str) -> str:
+    return re.sub(r"//[^@/]*@", "//***@", url)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    too_large = BodyTooLarge(f"request body exceeds the {limit}-byte limit")
+    if declared is not None and declared.isdigit() and int(declared) > _DRAIN_LIMIT:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= limit:
+            chunks.append(chunk)
+        elif size > _DRAIN_LIMIT:
+            break
+    if size > limit:
+        raise too_large
+    return b"".join(chunks)
+
+
+async def _parse(request: Request, model: type[M], limit: int) -> M:
+    body = await _read_body(request, limit)
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise InvalidRequest("request body is not valid JSON") from None
+    if not isinstance(obj, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        raise _validation_error(exc.errors()) from None
+
+
+def _validation_error(errors: Any) -> InvalidRequest:
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return InvalidRequest(f"{param}: {msg}" if param else msg, param=param)
+
+
+_REF = "#/components/schemas/{model}"
+
+
+def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """The request body's schema for OpenAPI (the body is parsed by hand, not by FastAPI)."""
+    schema = model.model_json_schema(ref_template=_REF)
+    schema.pop("$defs", None)
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _install_openapi(app: FastAPI, models: list[type[BaseModel]]) -> None:
+    """Add the hand-parsed bodies' nested models to ``components.schemas``."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = build()
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                schemas.update(model.model_json_schema(ref_template=_REF).get("$defs", {}))
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(SluiceError)
+    async def sluice_error(request: Request, exc: SluiceError) -> Response:
+        return error_response(exc, {"x-request-id": _request_id(request)})
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(_validation_error(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            return error_response(RouteNotFound(f"no route {request.method} {request.url.path}"))
+        if exc.status_code == 405:
+            return error_response(MethodNotAllowed(f"method {request.method} not allowed here"))
+        err = SluiceError(str(exc.detail))
+        err.status = exc.status_code
+        return error_response(err)
+
+    @app.exception_handler(RedisError)
+    async def redis_error(request: Request, exc: RedisError) -> Response:
+        log.warning("redis error: %s", exc)
+        return error_response(Unavailable("the gateway's state store is unreachable", retry_after_s=2))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(SluiceError("internal error in the gateway"))

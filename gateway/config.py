@@ -1,0 +1,31 @@
+"""Gateway settings: environment ``SLUICE_GATEWAY_*`` (and ``SLUICE_REDIS_URL``), or CLI flags."""
+
+from __future__ import annotations
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SLUICE_GATEWAY_", extra="ignore")
+
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        validation_alias=AliasChoices("SLUICE_GATEWAY_REDIS_URL", "SLUICE_REDIS_URL", "redis_url"),
+    )
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    #: Request bodies above this size get 413 before they are parsed.
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    #: Workers tried for one request before the first token (first try included).
+    max_attempts: int = Field(default=3, ge=1, le=10)
+    retry_backoff_ms: float = Field(default=50.0, ge=0)
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    #: From dispatch to the first token; past it the attempt counts as failed.
+    ttft_timeout_s: float = Field(default=60.0, gt=0)
+    #: Longest silence between two upstream lines once tokens flow.
+    stall_timeout_s: float = Field(default=30.0, gt=0)
+    #: SSE comment pings keep idle proxies from closing a slow stream.
+    sse_ping_s: float = Field(default=15.0, gt=0)
+    #: Seconds uvicorn waits for open streams on shutdown.
+    shutdown_grace_s: float = Field(default=30.0, ge=0)

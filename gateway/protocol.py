@@ -1,0 +1,180 @@
+"""OpenAI wire models (requests) and byte builders (responses). No I/O here.
+
+Requests are validated once with pydantic; chunks are built from byte
+templates with orjson, never through a model per chunk (the hot path).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by chat and text completions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(default=1, ge=1)
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("n > 1 is not supported yet; send n separate requests")
+        return n
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] = Field(min_length=1)
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+
+def worker_payload(
+    req: ChatCompletionRequest | CompletionRequest, request_id: str, prompt: str | None = None
+) -> dict[str, Any]:
+    """The body of ``POST /internal/generate`` for one choice."""
+    payload: dict[str, Any] = {
+        "request_id": request_id,
+        "model": req.model,
+        "max_tokens": req.token_limit(),
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "seed": req.seed,
+        "stop": req.stop_list(),
+    }
+    if isinstance(req, ChatCompletionRequest):
+        payload["messages"] = [m.model_dump(exclude_none=True) for m in req.messages]
+    else:
+        payload["prompt"] = prompt
+    return payload
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+class ChunkWriter:
+    """Builds SSE ``data:`` events for one streaming response from byte templates.
+
+    >>> w = ChunkWriter("chat", "sim")
+    >>> w.delta(0, "Hi", None, first=True)[:6]
+    b'data: '
+    """
+
+    def __init__(self, kind: Literal["chat", "text"], model: str) -> None:
+        self.kind = kind
+        self.id = new_id(kind)
+        self.created = int(time.time())
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        self._head = (
+            b'data: {"id":"' + self.id.encode() + b'","object":"' + obj.encode()
+            + b'","created":' + str(self.created).encode()
+            + b',"model":' + orjson.dumps(model)
+        )
+        self._choice_head = self._head + b',"choices":[{"index":'
+
+    def delta(self, index: int, text: str, finish_reason: str | None, *, first: bool = False) -> bytes:
+        if self.kind == "chat":
+            body = {"role": "assistant", "content": text} if first else {"content": text}
+            middle = b',"delta":' + orjson.dumps(body)
+        else:
+            middle = b',"text":' + orjson.dumps(text)
+        finish = b"null" if finish_reason is None else orjson.dumps(finish_reason)
+        return (
+            self._choice_head + str(index).encode() + middle
+            + b',"logprobs":null,"finish_reason":' + finish + b"}]}\n\n"
+        )
+
+    def usage(self, usage: dict[str, Any]) -> bytes:
+        return self._head + b',"choices":[],"usage":' + orjson.dumps(usage) + b"}\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def new_id(kind: Literal["chat", "text"]) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def completion_body(
+    kind: Literal["chat", "text"],
+    model: str,
+    choices: list[tuple[str, str | None]],
+    usage: dict[str, Any],
+) -> bytes:
+    """One ``chat.completion`` or ``text_completion`` JSON body."""
+    rendered: list[dict[str, Any]] = []
+    for index, (text, finish_reason) in enumerate(choices):
+        choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish_reason}
+        if kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        rendered.append(choice)
+    return orjson.dumps(
+        {
+            "id": new_id(kind),
+            "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": rendered,
+            "usage": usage,
+        }
+    )

@@ -1,0 +1,227 @@
+"""Serving one completion request: open upstream streams, relay them as SSE or one JSON body."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import anyio
+from sse_starlette import EventSourceResponse
+from starlette.responses import Response
+
+from gateway.config import GatewaySettings
+from gateway.protocol import (
+    DONE,
+    ChatCompletionRequest,
+    ChunkWriter,
+    CompletionRequest,
+    completion_body,
+    usage_dict,
+    worker_payload,
+)
+from gateway.upstream import Dispatcher, Line, Upstream
+from sluice.errors import SluiceError, error_event
+
+log = logging.getLogger("sluice.gateway")
+access = logging.getLogger("sluice.access")
+
+Kind = Literal["chat", "text"]
+
+
+@dataclass
+class Tally:
+    """What one request produced, for usage and the access log."""
+
+    request_id: str
+    model: str
+    started: float = field(default_factory=time.monotonic)
+    first_token_s: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    workers: list[str] = field(default_factory=list)
+    status: str = "ok"
+
+    def add(self, line: Line) -> None:
+        if self.first_token_s is None:
+            self.first_token_s = time.monotonic() - self.started
+        self.completion_tokens += len(line.get("ids", ()))
+        usage = line.get("usage")
+        if usage:
+            self.prompt_tokens += int(usage.get("prompt_tokens", 0))
+            self.cached_tokens += int(usage.get("cached_tokens", 0))
+
+    def usage(self) -> dict[str, object]:
+        return usage_dict(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+    def log(self) -> None:
+        ttft = "-" if self.first_token_s is None else f"{self.first_token_s * 1000:.0f}ms"
+        access.info(
+            "request_id=%s model=%s status=%s ttft=%s total=%.0fms prompt_tokens=%d "
+            "completion_tokens=%d workers=%s",
+            self.request_id, self.model, self.status, ttft,
+            (time.monotonic() - self.started) * 1000, self.prompt_tokens,
+            self.completion_tokens, ",".join(self.workers) or "-",
+        )
+
+
+class Serving:
+    def __init__(self, settings: GatewaySettings, dispatcher: Dispatcher) -> None:
+        self._settings = settings
+        self._dispatcher = dispatcher
+        self._unknown_logged: set[str] = set()
+
+    async def chat(self, req: ChatCompletionRequest, request_id: str) -> Response:
+        return await self._serve("chat", req, [None], request_id)
+
+    async def completions(self, req: CompletionRequest, request_id: str) -> Response:
+        return await self._serve("text", req, list(req.prompts()), request_id)
+
+    def _note_unknown(self, req: ChatCompletionRequest | CompletionRequest) -> None:
+        for name in req.unknown_fields():
+            if name not in self._unknown_logged:
+                self._unknown_logged.add(name)
+                log.info("ignoring unknown request field %r (logged once)", name)
+
+    async def _serve(
+        self,
+        kind: Kind,
+        req: ChatCompletionRequest | CompletionRequest,
+        prompts: list[str | None],
+        request_id: str,
+    ) -> Response:
+        self._note_unknown(req)
+        tally = Tally(request_id=request_id, model=req.model)
+        headers = {"x-request-id": request_id}
+        try:
+            upstreams = await self._open_all(req, prompts, request_id)
+        except SluiceError as exc:
+            tally.status = str(exc.status)
+            tally.log()
+            raise
+        tally.workers = [u.lease.worker_id for u in upstreams]
+        if req.stream:
+            return EventSourceResponse(
+                self._sse(kind, req, upstreams, tally),
+                ping=self._settings.sse_ping_s,
+                headers=headers,
+            )
+        return await self._collect(kind, req, upstreams, tally, headers)
+
+    async def _open_all(
+        self, req: ChatCompletionRequest | CompletionRequest, prompts: list[str | None], request_id: str
+    ) -> list[Upstream]:
+        payloads = [
+            worker_payload(req, f"{request_id}-{i}" if len(prompts) > 1 else request_id, prompt)
+            for i, prompt in enumerate(prompts)
+        ]
+        results = await asyncio.gather(
+            *(self._dispatcher.open(req.model, p) for p in payloads), return_exceptions=True
+        )
+        opened = [r for r in results if isinstance(r, Upstream)]
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            for upstream in opened:
+                await upstream.aclose()
+            raise failure
+        return opened
+
+    def _choice_lines(self, upstreams: list[Upstream]) -> AsyncIterator[tuple[int, Line]]:
+        stall = self._settings.stall_timeout_s
+        if len(upstreams) == 1:
+            return _indexed(0, upstreams[0].lines(stall))
+        return _merge([_indexed(i, u.lines(stall)) for i, u in enumerate(upstreams)])
+
+    async def _sse(
+        self,
+        kind: Kind,
+        req: ChatCompletionRequest | CompletionRequest,
+        upstreams: list[Upstream],
+        tally: Tally,
+    ) -> AsyncIterator[bytes]:
+        writer = ChunkWriter(kind, req.model)
+        started: set[int] = set()
+        try:
+            async for index, line in self._choice_lines(upstreams):
+                tally.add(line)
+                first = index not in started
+                started.add(index)
+                yield writer.delta(index, line.get("text", ""), line.get("finish_reason"), first=first)
+            if req.include_usage():
+                yield writer.usage(tally.usage())
+        except SluiceError as exc:
+            tally.status = f"stream_error:{exc.code or exc.type}"
+            log.warning("request %s failed mid-stream: %s", tally.request_id, exc.message)
+            yield error_event(exc)
+        except BaseException:
+            tally.status = "client_closed"
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                for upstream in upstreams:
+                    await upstream.aclose()
+                tally.log()
+        yield DONE
+
+    async def _collect(
+        self,
+        kind: Kind,
+        req: ChatCompletionRequest | CompletionRequest,
+        upstreams: list[Upstream],
+        tally: Tally,
+        headers: dict[str, str],
+    ) -> Response:
+        texts = [""] * len(upstreams)
+        finishes: list[str | None] = [None] * len(upstreams)
+        try:
+            async for index, line in self._choice_lines(upstreams):
+                tally.add(line)
+                texts[index] += line.get("text", "")
+                finishes[index] = line.get("finish_reason") or finishes[index]
+        except SluiceError as exc:
+            tally.status = str(exc.status)
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                for upstream in upstreams:
+                    await upstream.aclose()
+                tally.log()
+        body = completion_body(kind, req.model, list(zip(texts, finishes)), tally.usage())
+        return Response(body, media_type="application/json", headers=headers)
+
+
+async def _indexed(index: int, lines: AsyncIterator[Line]) -> AsyncIterator[tuple[int, Line]]:
+    async for line in lines:
+        yield index, line
+
+
+async def _merge(sources: list[AsyncIterator[tuple[int, Line]]]) -> AsyncIterator[tuple[int, Line]]:
+    """Interleave several choice streams in arrival order."""
+    queue: asyncio.Queue[tuple[int, Line] | BaseException | None] = asyncio.Queue(maxsize=64)
+
+    async def pump(source: AsyncIterator[tuple[int, Line]]) -> None:
+        try:
+            async for item in source:
+                await queue.put(item)
+            await queue.put(None)
+        except Exception as exc:  # handed to the consumer, which re-raises it
+            await queue.put(exc)
+
+    tasks = [asyncio.create_task(pump(s)) for s in sources]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()

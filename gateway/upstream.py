@@ -1,0 +1,169 @@
+"""Talking to workers: open an NDJSON stream, retry before the first token, read lines.
+
+    Dispatcher.open()  -> Upstream (first line already read)
+    Upstream.lines()   -> parsed lines until the one with ``finish_reason``
+    Upstream.aclose()  -> closes the connection (the worker aborts) and frees the lease
+
+Retries happen only before the first token: a connection error, a worker 5xx,
+a draining worker or a first-token stall moves the request to another worker
+(the failed one excluded) with exponential backoff and jitter. Once a token has
+been relayed, the client has seen output and a failure is reported in-band.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import orjson
+
+from gateway.config import GatewaySettings
+from gateway.routing import Lease, Router
+from sluice.errors import DeadlineExceeded, SluiceError, Unavailable, UpstreamFailed, from_body
+
+log = logging.getLogger("sluice.gateway")
+
+Line = dict[str, Any]
+
+
+class _Retryable(Exception):
+    """This attempt failed in a way another worker may not."""
+
+
+class Upstream:
+    """One open stream from a worker, holding its lease until closed."""
+
+    def __init__(self, router: Router, lease: Lease, response: httpx.Response) -> None:
+        self.lease = lease
+        self._router = router
+        self._response = response
+        self._raw = response.aiter_raw()
+        self._buffer = b""
+        self._pending: list[bytes] = []
+        self._closed = False
+        self.first: Line | None = None
+
+    async def _read_line(self, timeout_s: float) -> Line | None:
+        while not self._pending:
+            async with asyncio.timeout(timeout_s):
+                chunk = await anext(self._raw, None)
+            if chunk is None:
+                return None
+            self._buffer += chunk
+            *lines, self._buffer = self._buffer.split(b"\n")
+            self._pending.extend(line for line in lines if line)
+        line: Line = orjson.loads(self._pending.pop(0))
+        return line
+
+    async def lines(self, stall_timeout_s: float) -> AsyncIterator[Line]:
+        """Yield lines, the first one included, until the finishing line.
+
+        Raises :class:`UpstreamFailed` when the worker breaks off or sends an
+        error line, :class:`DeadlineExceeded` when it stalls.
+        """
+        line = self.first
+        while True:
+            if line is None:
+                raise UpstreamFailed("the worker closed the stream before it finished")
+            if "error" in line:
+                raise _error_line(line)
+            yield line
+            if line.get("finish_reason") is not None:
+                return
+            try:
+                line = await self._read_line(stall_timeout_s)
+            except TimeoutError:
+                raise DeadlineExceeded(
+                    f"no token for {stall_timeout_s:g}s from the worker", code="stall_timeout"
+                ) from None
+            except (httpx.TransportError, orjson.JSONDecodeError) as exc:
+                raise UpstreamFailed(f"the worker stream broke: {type(exc).__name__}") from None
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._response.aclose()
+        finally:
+            await self._router.release(self.lease)
+
+
+def _error_line(line: Line) -> SluiceError:
+    err = line.get("error") or {}
+    return UpstreamFailed(str(err.get("message") or "engine error"))
+
+
+class Dispatcher:
+    def __init__(self, settings: GatewaySettings, router: Router, http: httpx.AsyncClient) -> None:
+        self._settings = settings
+        self._router = router
+        self._http = http
+
+    async def open(self, model: str, payload: dict[str, Any]) -> Upstream:
+        """Route and connect, retrying on other workers until a first line arrives."""
+        s = self._settings
+        body = orjson.dumps(payload)
+        excluded: list[str] = []
+        reason = "no attempt made"
+        for attempt in range(1, s.max_attempts + 1):
+            lease = await self._router.acquire(model, excluded)
+            try:
+                return await self._attempt(lease, body)
+            except _Retryable as exc:
+                reason = str(exc)
+                log.warning(
+                    "attempt %d/%d on worker %s failed before the first token: %s",
+                    attempt, s.max_attempts, lease.worker_id, reason,
+                )
+                excluded.append(lease.worker_id)
+            if attempt < s.max_attempts:
+                backoff = s.retry_backoff_ms / 1000 * 2 ** (attempt - 1)
+                await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
+        raise Unavailable(
+            f"no worker could serve the request after {s.max_attempts} attempts ({reason})",
+            retry_after_s=1,
+        )
+
+    async def _attempt(self, lease: Lease, body: bytes) -> Upstream:
+        s = self._settings
+        request = self._http.build_request(
+            "POST", lease.url + "/internal/generate", content=body,
+            headers={"content-type": "application/json"},
+        )
+        upstream: Upstream | None = None
+        try:
+            async with asyncio.timeout(s.ttft_timeout_s):
+                response = await self._http.send(request, stream=True)
+                upstream = Upstream(self._router, lease, response)
+                if response.status_code != 200:
+                    detail = await response.aread()
+                    if response.status_code >= 500 or response.status_code == 404:
+                        raise _Retryable(f"worker answered {response.status_code}")
+                    raise from_body(response.status_code, detail)
+                upstream.first = await upstream._read_line(s.ttft_timeout_s)
+            if upstream.first is None:
+                raise _Retryable("worker closed the stream before the first token")
+            if "error" in upstream.first:
+                raise _Retryable(f"worker error before the first token: {_error_line(upstream.first)}")
+            return upstream
+        except TimeoutError:
+            await _close(upstream, lease, self._router)
+            raise _Retryable(f"no first token within {s.ttft_timeout_s:g}s") from None
+        except httpx.TransportError as exc:
+            await _close(upstream, lease, self._router)
+            raise _Retryable(f"{type(exc).__name__} talking to the worker") from None
+        except BaseException:
+            await _close(upstream, lease, self._router)
+            raise
+
+
+async def _close(upstream: Upstream | None, lease: Lease, router: Router) -> None:
+    if upstream is not None:
+        await upstream.aclose()
+    else:
+        await router.release(lease)

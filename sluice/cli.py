@@ -1,0 +1,115 @@
+"""The ``sluice`` command line.
+
+    sluice up         embedded Redis + N workers + gateway, one command
+    sluice gateway    one gateway process
+    sluice worker     one engine worker process
+    sluice check URL  exit 0 when URL answers 200 (for compose healthchecks)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from pydantic import ValidationError
+
+
+def _add_redis(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--redis-url",
+        help="Redis to use (env SLUICE_REDIS_URL). 'sluice up' without it starts a private redis-server.",
+    )
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sluice",
+        description="Sluice: an OpenAI-compatible LLM serving gateway with a shared Redis priority queue.",
+    )
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run Redis, workers and the gateway together (Ctrl-C stops all)")
+    up.add_argument("--engine", choices=["sim", "vllm", "trtllm"], default="sim",
+                    help="inference engine for the workers (default: sim)")
+    up.add_argument("--workers", type=int, default=1, help="engine workers to start (default 1)")
+    up.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
+    up.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    up.add_argument("--model", help="local Hugging Face model folder (vllm/trtllm engines)")
+    up.add_argument("--served-model-name", help="name clients put in 'model' (default: sim, or the folder name)")
+    up.add_argument("--ready-timeout-s", type=float, default=900.0,
+                    help="how long to wait for the gateway to become ready (default 900)")
+    _add_redis(up)
+
+    gw = sub.add_parser("gateway", help="run one gateway process")
+    gw.add_argument("--host", help="bind address (default 127.0.0.1)")
+    gw.add_argument("--port", type=int, help="port (default 8000)")
+    _add_redis(gw)
+
+    wk = sub.add_parser("worker", help="run one engine worker process")
+    wk.add_argument("--engine", choices=["sim", "vllm", "trtllm"], help="engine (default sim)")
+    wk.add_argument("--host", help="bind address (default 127.0.0.1)")
+    wk.add_argument("--port", type=int, help="port (default 8100)")
+    wk.add_argument("--advertise-url", help="URL gateways use to reach this worker")
+    wk.add_argument("--worker-id", help="stable id in the registry (default host-random)")
+    wk.add_argument("--model", help="local Hugging Face model folder (vllm/trtllm engines)")
+    wk.add_argument("--served-model-name", help="name clients put in 'model'")
+    wk.add_argument("--heartbeat-ms", type=int, help="heartbeat period (default 1000)")
+    wk.add_argument("--drain-timeout-s", type=float, help="SIGTERM drain limit (default 30)")
+    wk.add_argument("--sim-ttft-ms", type=float, help="sim: time to first token (default 20)")
+    wk.add_argument("--sim-token-ms", type=float, help="sim: time per decode step (default 5)")
+    wk.add_argument("--sim-max-seqs", type=int, help="sim: sequences run at once (default 64)")
+    _add_redis(wk)
+
+    ck = sub.add_parser("check", help="exit 0 if URL answers 200, else 1 (healthchecks)")
+    ck.add_argument("url", help="e.g. http://127.0.0.1:8000/ready")
+    ck.add_argument("--timeout-s", type=float, default=3.0)
+    return parser
+
+
+def _given(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _build_parser().parse_args(argv)
+    from sluice.logs import configure_logging
+
+    configure_logging(args.log_level, process=args.command)
+    try:
+        if args.command == "up":
+            from sluice.up import Supervisor, UpOptions
+
+            sys.exit(Supervisor(UpOptions.from_args(args)).run())
+        if args.command == "gateway":
+            from gateway.config import GatewaySettings
+            from gateway.gateway import run
+
+            run(GatewaySettings(**_given(args, "host", "port", "redis_url")))
+        elif args.command == "worker":
+            from engine_worker.config import WorkerSettings
+            from engine_worker.worker import Worker
+
+            fields = _given(
+                args, "engine", "host", "port", "advertise_url", "worker_id", "model",
+                "served_model_name", "heartbeat_ms", "drain_timeout_s", "sim_ttft_ms",
+                "sim_token_ms", "sim_max_seqs", "redis_url",
+            )
+            Worker(WorkerSettings(**fields)).run()
+        elif args.command == "check":
+            sys.exit(_check(args.url, args.timeout_s))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        print(f"sluice {args.command}: invalid setting {where}: {first['msg']}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _check(url: str, timeout_s: float) -> int:
+    import httpx
+
+    try:
+        return 0 if httpx.get(url, timeout=timeout_s).status_code == 200 else 1
+    except httpx.HTTPError:
+        return 1

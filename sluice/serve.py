@@ -1,0 +1,100 @@
+"""Running an ASGI app under uvicorn with Sluice's shutdown rules."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Awaitable, Callable, Generator
+from types import FrameType
+
+import uvicorn
+from starlette.types import ASGIApp
+
+log = logging.getLogger("sluice.serve")
+
+
+class Server(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM/SIGINT runs ``on_signal`` (drain) first.
+
+    ``on_signal`` decides when to set ``should_exit``; a second signal forces exit.
+    Unlike uvicorn, the signal is not re-raised after serving, so the caller's
+    clean-up runs and the process exits 0.
+    """
+
+    def __init__(
+        self, config: uvicorn.Config, on_signal: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        super().__init__(config)
+        self._on_signal = on_signal
+        self._signalled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)  # type: ignore[arg-type]
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._on_signal is None or self._signalled or self._loop is None:
+            if self.should_exit:
+                self.force_exit = True
+            self.should_exit = True
+            return
+        self._signalled = True
+        log.info("got %s: draining", signal.Signals(sig).name)
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        assert self._on_signal is not None
+
+        async def drain() -> None:
+            try:
+                await self._on_signal()  # type: ignore[misc]
+            finally:
+                self.should_exit = True
+
+        self._drain_task = asyncio.create_task(drain(), name="drain")
+
+
+def uvicorn_config(
+    app: ASGIApp, host: str, port: int, *, graceful_s: float, lifespan: bool = False
+) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        loop="none",
+        http="httptools",
+        lifespan="on" if lifespan else "off",
+        access_log=False,
+        log_config=None,
+        timeout_graceful_shutdown=graceful_s,
+        timeout_keep_alive=30,
+        backlog=4096,
+    )
+
+
+def run_async(main: Awaitable[None]) -> None:
+    """Run a coroutine on uvloop when available."""
+    try:
+        import uvloop
+
+        uvloop.run(main)  # type: ignore[arg-type]
+    except ImportError:
+        asyncio.run(main)  # type: ignore[arg-type]

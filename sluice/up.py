@@ -1,0 +1,206 @@
+"""``sluice up``: one command for Redis, workers and the gateway, with no orphans left behind.
+
+Children get SIGTERM when this process dies (PR_SET_PDEATHSIG) and are stopped
+in order on Ctrl-C or SIGTERM: gateway first (no new requests), then workers
+(they drain), then the embedded Redis. A worker that dies is restarted with
+exponential backoff, as a compose ``restart: unless-stopped`` would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from types import FrameType
+
+import httpx
+
+from sluice.embedded_redis import EmbeddedRedis, free_port
+from sluice.processes import child_preexec
+
+log = logging.getLogger("sluice.up")
+
+
+@dataclass
+class UpOptions:
+    engine: str = "sim"
+    workers: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str | None = None
+    served_model_name: str | None = None
+    redis_url: str | None = None
+    ready_timeout_s: float = 900.0
+    log_level: str = "INFO"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> UpOptions:
+        return cls(
+            engine=args.engine,
+            workers=args.workers,
+            host=args.host,
+            port=args.port,
+            model=args.model,
+            served_model_name=args.served_model_name,
+            redis_url=args.redis_url or os.environ.get("SLUICE_REDIS_URL"),
+            ready_timeout_s=args.ready_timeout_s,
+            log_level=args.log_level,
+        )
+
+
+class Child:
+    """One supervised process; ``restart()`` brings it back with backoff."""
+
+    def __init__(self, name: str, argv: list[str]) -> None:
+        self.name = name
+        self.argv = argv
+        self.process: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+        self._next_start = 0.0
+
+    def start(self) -> None:
+        # Own session: a terminal's Ctrl-C reaches only the supervisor, which then
+        # stops the children in order (each gets exactly one signal and drains).
+        self.process = subprocess.Popen(self.argv, preexec_fn=child_preexec, start_new_session=True)
+        log.info("started %s (pid %d)", self.name, self.process.pid)
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def restart_if_due(self) -> None:
+        now = time.monotonic()
+        if self._next_start == 0.0:
+            code = self.process.returncode if self.process else None
+            delay = min(30.0, 0.5 * 2**self.restarts)
+            log.warning("%s exited with code %s; restarting in %.1fs", self.name, code, delay)
+            self._next_start = now + delay
+        elif now >= self._next_start:
+            self.restarts += 1
+            self._next_start = 0.0
+            self.start()
+
+    def stop(self, timeout_s: float) -> None:
+        if not self.alive():
+            return
+        assert self.process is not None
+        self.process.terminate()
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop in %.0fs; killing it", self.name, timeout_s)
+            self.process.kill()
+            self.process.wait()
+
+
+class Supervisor:
+    def __init__(self, options: UpOptions) -> None:
+        self.options = options
+        self._stop = False
+        self.redis: EmbeddedRedis | None = None
+        self.gateway: Child | None = None
+        self.workers: list[Child] = []
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._stop = True
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        try:
+            return self._run()
+        finally:
+            self._shutdown()
+
+    def _run(self) -> int:
+        o = self.options
+        redis_url = o.redis_url
+        if redis_url is None:
+            self.redis = EmbeddedRedis().start()
+            redis_url = self.redis.url
+            log.info("embedded redis-server on %s", redis_url)
+        base = [sys.executable, "-m", "sluice", "--log-level", o.log_level]
+        for i in range(o.workers):
+            port = free_port()
+            argv = [*base, "worker", "--engine", o.engine, "--port", str(port),
+                    "--redis-url", redis_url, "--worker-id", f"worker-{i}-{port}"]
+            if o.model:
+                argv += ["--model", o.model]
+            if o.served_model_name:
+                argv += ["--served-model-name", o.served_model_name]
+            self.workers.append(Child(f"worker-{i}", argv))
+        self.gateway = Child("gateway", [*base, "gateway", "--host", o.host, "--port", str(o.port),
+                                         "--redis-url", redis_url])
+        for child in [*self.workers, self.gateway]:
+            child.start()
+        if not self._wait_ready():
+            return 1
+        self._banner()
+        while not self._stop:
+            time.sleep(0.2)
+            for child in [*self.workers, self.gateway]:
+                if not child.alive() and not self._stop:
+                    child.restart_if_due()
+        log.info("stopping")
+        return 0
+
+    def _url(self) -> str:
+        host = self.options.host if self.options.host not in ("0.0.0.0", "::") else "127.0.0.1"
+        return f"http://{host}:{self.options.port}"
+
+    def _wait_ready(self) -> bool:
+        deadline = time.monotonic() + self.options.ready_timeout_s
+        while not self._stop and time.monotonic() < deadline:
+            assert self.gateway is not None
+            if not self.gateway.alive():
+                print(f"sluice up: the gateway exited (code {self.gateway.process.returncode}); "
+                      "see the log above", file=sys.stderr)  # type: ignore[union-attr]
+                return False
+            if not any(w.alive() for w in self.workers):
+                codes = [w.process.returncode for w in self.workers if w.process]
+                print(f"sluice up: every worker exited (codes {codes}); see the log above",
+                      file=sys.stderr)
+                return False
+            try:
+                if httpx.get(self._url() + "/ready", timeout=2).status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        if not self._stop:
+            print(f"sluice up: not ready after {self.options.ready_timeout_s:.0f}s", file=sys.stderr)
+        return self._stop and False
+
+    def _banner(self) -> None:
+        url = self._url()
+        try:
+            models = httpx.get(url + "/ready", timeout=2).json().get("models", [])
+        except (httpx.HTTPError, ValueError):
+            models = []
+        model = models[0] if models else "MODEL"
+        print(
+            f"\nSluice is ready at {url}  (models: {', '.join(models) or '-'}; "
+            f"{len(self.workers)} {self.options.engine} worker(s))\n\n"
+            f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f"    -d '{{\"model\": \"{model}\", \"stream\": true, "
+            f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n\n"
+            "Ctrl-C stops everything.\n",
+            flush=True,
+        )
+
+    def _shutdown(self) -> None:
+        if self.gateway is not None:
+            self.gateway.stop(timeout_s=35)
+        for worker in self.workers:
+            if worker.alive():
+                assert worker.process is not None
+                worker.process.terminate()
+        for worker in self.workers:
+            worker.stop(timeout_s=40)
+        if self.redis is not None:
+            self.redis.stop()
+        log.info("all children stopped")
