@@ -35,4 +35,11 @@ class WorkerSettings(BaseSettings):
     sim_max_seqs: int = Field(default=64, ge=1)
 
     def url(self) -> str:
-        return self.advertise_url or f"http://{self.host}:{self.port}"
+        """Where gateways reach this worker: the advertised URL, else this host's address."""
+        if self.advertise_url:
+            return self.advertise_url
+        host = self.host
+        if host in ("0.0.0.0", "::", ""):
+            # Bound to every interface (containers): advertise the address others can route to.
+            host = socket.gethostbyname(socket.gethostname())
+        return f"http://{host}:{self.port}"

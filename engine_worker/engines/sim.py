@@ -22,7 +22,7 @@ from engine_worker.engines.base import EngineStats
 from engine_worker.protocol import Delta, GenerateRequest, Usage
 
 _SYLLABLES = [c + v for c in "bcdfghjklmnprstvwxz" for v in "aeiou"]
-VOCAB = [_SYLLABLES[i % len(_SYLLABLES)] + _SYLLABLES[(i * 7 + 3) % len(_SYLLABLES)] for i in range(1024)]
+VOCAB = [_SYLLABLES[i % len(_SYLLABLES)] + _SYLLABLES[(i // len(_SYLLABLES) * 7) % len(_SYLLABLES)] for i in range(1024)]
 #: Natural lengths (the simulated end-of-sequence) lie in this range.
 MIN_NATURAL, NATURAL_SPAN = 32, 224
 

@@ -1,0 +1,69 @@
+"""Streaming load against a Sluice gateway (or any OpenAI-compatible server).
+
+    locust -f loadtest/locustfile.py --headless -u 50 -r 10 -t 60s --host http://127.0.0.1:8000
+
+Besides the request itself, every stream reports two extra locust events:
+``ttft`` (time to first token, ms) and ``tokens`` (completion tokens, as the
+"response time" column, so its average is tokens per request).
+Environment: SLUICE_LOAD_MODEL (default sim), SLUICE_LOAD_MAX_TOKENS (default 64).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from locust import between, task
+from locust.contrib.fasthttp import FastHttpUser
+
+MODEL = os.environ.get("SLUICE_LOAD_MODEL", "sim")
+MAX_TOKENS = int(os.environ.get("SLUICE_LOAD_MAX_TOKENS", "64"))
+
+
+class StreamingChatUser(FastHttpUser):
+    wait_time = between(0.0, 0.2)
+
+    @task
+    def stream_chat(self) -> None:
+        body = {
+            "model": MODEL,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": MAX_TOKENS,
+            "messages": [{"role": "user", "content": f"Write about rivers #{time.monotonic_ns() % 997}"}],
+        }
+        started = time.perf_counter()
+        first_token_ms: float | None = None
+        tokens = 0
+        with self.client.post(
+            "/v1/chat/completions", json=body, stream=True, catch_response=True, name="chat stream"
+        ) as resp:
+            if resp.status_code != 200:
+                resp.failure(f"status {resp.status_code}")
+                return
+            buffer = b""
+            for chunk in resp.stream:
+                buffer += chunk
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                        continue
+                    data = json.loads(event[6:])
+                    if "error" in data:
+                        resp.failure(data["error"].get("message", "in-band error"))
+                        return
+                    if data.get("choices") and first_token_ms is None:
+                        first_token_ms = (time.perf_counter() - started) * 1000
+                    if data.get("usage"):
+                        tokens = data["usage"]["completion_tokens"]
+            resp.success()
+        if first_token_ms is not None:
+            self.environment.events.request.fire(
+                request_type="SSE", name="ttft", response_time=first_token_ms,
+                response_length=0, exception=None, context={},
+            )
+        self.environment.events.request.fire(
+            request_type="SSE", name="tokens", response_time=tokens,
+            response_length=tokens, exception=None, context={},
+        )

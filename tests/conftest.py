@@ -1,0 +1,167 @@
+"""Fixtures: a real redis-server, real worker and gateway processes on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from sluice import keys
+from sluice.embedded_redis import EmbeddedRedis, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Proc:
+    """A sluice child process with its log file; ``stop()`` sends SIGTERM and waits."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str]) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+        )
+        self.url = ""
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def kill(self) -> None:
+        if self.alive():
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+        self._log.close()
+
+    def stop(self, timeout_s: float = 15) -> int:
+        if self.alive():
+            self.process.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+    def wait_http(self, path: str, timeout_s: float = 30) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited early:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + path, timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.name} not ready at {path} after {timeout_s}s:\n{self.log_tail()}")
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+@pytest.fixture(scope="session")
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+StartWorker = Callable[..., Proc]
+StartGateway = Callable[..., Proc]
+
+
+@pytest.fixture(scope="session")
+def procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Proc]]:
+    started: list[Proc] = []
+    yield started
+    for proc in started:
+        proc.stop(timeout_s=5)
+
+
+@pytest.fixture(scope="session")
+def start_worker(
+    redis_url: str, redis_client: redis.Redis, procs: list[Proc], tmp_path_factory: pytest.TempPathFactory
+) -> StartWorker:
+    logs = tmp_path_factory.mktemp("logs")
+
+    def start(model: str = "sim", *extra: str, env: dict[str, str] | None = None, **flags: object) -> Proc:
+        port = free_port()
+        worker_id = f"w-{model}-{port}"
+        argv = [
+            sys.executable, "-m", "sluice", "worker", "--engine", str(flags.pop("engine", "sim")),
+            "--port", str(port), "--redis-url", redis_url, "--served-model-name", model,
+            "--worker-id", worker_id, "--heartbeat-ms", str(flags.pop("heartbeat_ms", 200)),
+        ]
+        for name, value in flags.items():
+            argv += ["--" + name.replace("_", "-"), str(value)]
+        argv += list(extra)
+        proc = Proc(worker_id, argv, logs / f"{worker_id}.log", {**_env(), **(env or {})})
+        proc.url = f"http://127.0.0.1:{port}"
+        procs.append(proc)
+        proc.wait_http("/health", timeout_s=float(os.environ.get("SLUICE_TEST_WORKER_START_S", "60")))
+        deadline = time.monotonic() + 10
+        while not redis_client.exists(keys.heartbeat(model, worker_id)):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{worker_id} never registered:\n{proc.log_tail()}")
+            time.sleep(0.02)
+        proc.name = worker_id
+        return proc
+
+    return start
+
+
+@pytest.fixture(scope="session")
+def start_gateway(
+    redis_url: str, procs: list[Proc], tmp_path_factory: pytest.TempPathFactory
+) -> StartGateway:
+    logs = tmp_path_factory.mktemp("gateway-logs")
+
+    def start(env: dict[str, str] | None = None) -> Proc:
+        port = free_port()
+        argv = [sys.executable, "-m", "sluice", "gateway", "--port", str(port), "--redis-url", redis_url]
+        proc = Proc(f"gateway-{port}", argv, logs / f"gateway-{port}.log", {**_env(), **(env or {})})
+        proc.url = f"http://127.0.0.1:{port}"
+        procs.append(proc)
+        proc.wait_http("/health")
+        return proc
+
+    return start
+
+
+@pytest.fixture(scope="session")
+def stack(start_worker: StartWorker, start_gateway: StartGateway) -> Proc:
+    """A gateway and two sim workers serving model ``sim``; shared, never killed by tests."""
+    start_worker("sim")
+    start_worker("sim")
+    return start_gateway()
+
+
+@pytest.fixture(scope="session")
+def base_url(stack: Proc) -> str:
+    return stack.url + "/v1"

@@ -1,0 +1,65 @@
+"""The worker process: drain on SIGTERM, abort on disconnect."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import orjson
+
+from sluice import keys
+
+
+def _running(worker) -> int:
+    return int(httpx.get(worker.url + "/health").json()["worker"]["stats"]["running"])
+
+
+def test_gateway_disconnect_aborts_engine_request(start_worker, start_gateway) -> None:
+    worker = start_worker("abort-test", sim_token_ms=20)
+    gateway = start_gateway()
+    body = {"model": "abort-test", "prompt": "long", "max_tokens": 500, "stream": True}
+    with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=10) as resp:
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert _running(worker) == 1
+    deadline = time.monotonic() + 1.0
+    while _running(worker) != 0:
+        assert time.monotonic() < deadline, "engine still running 1s after the client left"
+        time.sleep(0.02)
+
+
+def test_sigterm_drains_in_flight_then_exits(start_worker, start_gateway, redis_client) -> None:
+    model = "drain-test"
+    worker = start_worker(model, sim_token_ms=10)
+    gateway = start_gateway()
+    result: dict[str, object] = {}
+
+    def stream() -> None:
+        with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0) as client:
+            chunks = client.completions.create(model=model, prompt="p", max_tokens=100, stream=True)
+            result["chunks"] = [c for c in chunks if c.choices]
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    deadline = time.monotonic() + 5
+    while _running(worker) == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    worker.process.terminate()
+    time.sleep(0.2)
+    # Deregistered at once, so no new request is routed here...
+    assert not redis_client.hexists(keys.workers(model), worker.name)
+    # ...but the stream already running finishes whole.
+    thread.join(10)
+    chunks = result["chunks"]
+    assert len(chunks) == 100 and chunks[-1].choices[0].finish_reason == "length"  # type: ignore[index]
+    assert worker.process.wait(10) == 0
+
+
+def test_worker_rejects_bad_internal_request(start_worker) -> None:
+    worker = start_worker("bad-internal")
+    resp = httpx.post(worker.url + "/internal/generate", content=b'{"model": 1}')
+    assert resp.status_code == 400
+    assert set(orjson.loads(resp.content)["error"]) == {"message", "type", "param", "code"}

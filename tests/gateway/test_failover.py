@@ -1,0 +1,49 @@
+"""Worker death: traffic moves to the survivors, and dead workers leave the registry."""
+
+from __future__ import annotations
+
+import time
+
+import openai
+
+from sluice import keys
+
+
+def test_sigkill_one_of_two_workers(start_worker, start_gateway, redis_client) -> None:
+    model = "failover"
+    first = start_worker(model)
+    second = start_worker(model)
+    gateway = start_gateway()
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0) as client:
+        for _ in range(4):
+            client.completions.create(model=model, prompt="warm", max_tokens=2)
+        first.kill()
+        # Right after the kill the dead worker's heartbeat is still alive; requests
+        # routed to it must be retried on the survivor, so every one succeeds.
+        for i in range(20):
+            resp = client.completions.create(model=model, prompt=f"after {i}", max_tokens=3)
+            assert resp.choices[0].finish_reason == "length"
+            stream = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": str(i)}], max_tokens=3, stream=True
+            )
+            assert sum(1 for c in stream if c.choices) == 3
+    # Three missed heartbeats (200 ms each) later, the dead worker is no longer live.
+    time.sleep(0.8)
+    assert not redis_client.exists(keys.heartbeat(model, first.name))
+    assert redis_client.exists(keys.heartbeat(model, second.name))
+
+
+def test_no_live_worker_is_503_with_retry_after(start_worker, start_gateway) -> None:
+    model = "lonely"
+    worker = start_worker(model)
+    gateway = start_gateway()
+    worker.kill()
+    time.sleep(0.8)
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0) as client:
+        try:
+            client.completions.create(model=model, prompt="x", max_tokens=2)
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503
+            assert int(exc.response.headers["retry-after"]) >= 1
+        else:
+            raise AssertionError("expected 503")
