@@ -42,21 +42,20 @@ class StreamingChatUser(FastHttpUser):
             if resp.status_code != 200:
                 resp.failure(f"status {resp.status_code}")
                 return
-            buffer = b""
-            for chunk in resp.stream:
-                buffer += chunk
-                while b"\n\n" in buffer:
-                    event, buffer = buffer.split(b"\n\n", 1)
-                    if not event.startswith(b"data: ") or event == b"data: [DONE]":
-                        continue
-                    data = json.loads(event[6:])
-                    if "error" in data:
-                        resp.failure(data["error"].get("message", "in-band error"))
-                        return
-                    if data.get("choices") and first_token_ms is None:
-                        first_token_ms = (time.perf_counter() - started) * 1000
-                    if data.get("usage"):
-                        tokens = data["usage"]["completion_tokens"]
+            # Line by line: FastResponse.stream and iter_content wait for whole
+            # blocks, which would hide the real time to first token.
+            raw = resp._response
+            while line := raw.readline(b"\n"):
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    resp.failure(data["error"].get("message", "in-band error"))
+                    return
+                if data.get("choices") and first_token_ms is None:
+                    first_token_ms = (time.perf_counter() - started) * 1000
+                if data.get("usage"):
+                    tokens = data["usage"]["completion_tokens"]
             resp.success()
         if first_token_ms is not None:
             self.environment.events.request.fire(
