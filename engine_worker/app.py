@@ -36,8 +36,8 @@ def create_app(worker: Worker) -> FastAPI:
                 f"invalid generate request: {first['msg']}",
                 param=".".join(str(p) for p in first["loc"]),
             ) from None
-        if body.model != worker.settings.served_model_name:
-            raise ModelNotFound(f"this worker serves {worker.settings.served_model_name!r}")
+        if body.model != worker.model:
+            raise ModelNotFound(f"this worker serves {worker.model!r}")
         return worker.open_stream(body)
 
     @app.get("/health")

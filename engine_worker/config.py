@@ -25,14 +25,33 @@ class WorkerSettings(BaseSettings):
     engine: Literal["sim", "vllm", "trtllm"] = "sim"
     #: Local Hugging Face model folder (vllm and trtllm engines).
     model: str | None = None
-    #: Name clients use in the ``model`` field.
-    served_model_name: str = "sim"
+    #: Name clients use in the ``model`` field; default "sim", or the model folder's name.
+    served_model_name: str | None = None
     heartbeat_ms: int = Field(default=1000, ge=50)
     #: On SIGTERM: stop taking requests, wait this long for in-flight ones, then exit.
     drain_timeout_s: float = Field(default=30.0, ge=0)
     sim_ttft_ms: float = Field(default=20.0, ge=0)
     sim_token_ms: float = Field(default=5.0, ge=0)
     sim_max_seqs: int = Field(default=64, ge=1)
+    #: vLLM: context length (prompt + completion).
+    vllm_max_model_len: int = Field(default=2048, ge=16)
+    #: vLLM: sequences batched at once; also the capacity this worker advertises.
+    vllm_max_num_seqs: int = Field(default=16, ge=1)
+    #: vLLM: KV cache size in GiB (0 lets vLLM decide; on CPU it must be set).
+    vllm_kv_cache_gib: float = Field(default=0.5, ge=0)
+    #: vLLM: skip graph compilation. Unset: eager on CPU (starts in ~20 s instead of
+    #: ~85 s, and the compiled CPU path changed greedy answers in our runs), graphs on GPU.
+    vllm_enforce_eager: bool | None = None
+    #: vLLM on NVIDIA GPUs: use FlashInfer's TensorRT-LLM attention/MoE kernels (untested here).
+    vllm_trtllm_kernels: bool = False
+    #: vLLM: extra AsyncEngineArgs as a JSON object, e.g. '{"dtype": "float32"}'.
+    vllm_engine_args: dict[str, object] = Field(default_factory=dict)
+    #: TensorRT-LLM: sequences batched at once (untested here).
+    trtllm_max_batch_size: int = Field(default=64, ge=1)
+    #: TensorRT-LLM: context length.
+    trtllm_max_seq_len: int = Field(default=4096, ge=16)
+    #: TensorRT-LLM: share of free GPU memory for the KV cache.
+    trtllm_kv_cache_fraction: float = Field(default=0.9, gt=0, le=1)
 
     def url(self) -> str:
         """Where gateways reach this worker: the advertised URL, else this host's address."""

@@ -30,6 +30,12 @@ class GenerateRequest(BaseModel):
     top_k: int | None = None
     seed: int | None = None
     stop: list[str] = Field(default_factory=list)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    #: vLLM extensions: generate exactly up to max_tokens / at least min_tokens.
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
     priority: int = 0
     #: Token ids already delivered to the client by an earlier worker (migration).
     resume_token_ids: list[int] = Field(default_factory=list)

@@ -6,11 +6,12 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 import anyio
+import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from engine_worker.protocol import Delta
-from sluice.errors import SluiceError
+from sluice.errors import SluiceError, error_response
 
 log = logging.getLogger("sluice.worker")
 
@@ -38,13 +39,6 @@ class NDJSONStream(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._on_start()
         try:
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", b"application/x-ndjson")],
-                }
-            )
             async with anyio.create_task_group() as tg:
 
                 async def watch_disconnect() -> None:
@@ -55,7 +49,7 @@ class NDJSONStream(Response):
                             return
 
                 tg.start_soon(watch_disconnect)
-                await self._pump(send)
+                await self._respond(scope, receive, send)
                 tg.cancel_scope.cancel()
         except OSError:
             pass  # the gateway went away between two sends
@@ -64,13 +58,28 @@ class NDJSONStream(Response):
                 await self._deltas.aclose()  # type: ignore[attr-defined]
             self._on_done()
 
-    async def _pump(self, send: Send) -> None:
+    async def _respond(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # The status waits for the first delta, so a request the engine refuses
+        # (prompt too long, bad sampling parameters) is a plain HTTP error.
         try:
-            async for delta in self._deltas:
-                await send({"type": "http.response.body", "body": delta.encode(), "more_body": True})
+            first = await anext(self._deltas, None)
         except SluiceError as exc:
-            line = exc.body()
-            await send({"type": "http.response.body", "body": _line(line), "more_body": True})
+            await error_response(exc)(scope, receive, send)
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/x-ndjson")],
+            }
+        )
+        try:
+            if first is not None:
+                await send({"type": "http.response.body", "body": first.encode(), "more_body": True})
+                async for delta in self._deltas:
+                    await send({"type": "http.response.body", "body": delta.encode(), "more_body": True})
+        except SluiceError as exc:
+            await send({"type": "http.response.body", "body": _line(exc.body()), "more_body": True})
         except Exception as exc:  # an engine failure mid-stream must reach the gateway as a line
             log.exception("engine failed mid-stream")
             err = SluiceError(f"engine error: {type(exc).__name__}")
@@ -79,6 +88,4 @@ class NDJSONStream(Response):
 
 
 def _line(obj: dict[str, object]) -> bytes:
-    import orjson
-
     return orjson.dumps(obj) + b"\n"

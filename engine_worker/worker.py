@@ -11,13 +11,23 @@ from engine_worker.engines.base import Engine
 from engine_worker.protocol import GenerateRequest
 from engine_worker.registration import Registration
 from engine_worker.stream import NDJSONStream
+from sluice.models import resolve
 from sluice.redis_pool import create_pool
 from sluice.serve import Server, run_async, uvicorn_config
 
 log = logging.getLogger("sluice.worker")
 
 
+def served_name(settings: WorkerSettings) -> str:
+    if settings.served_model_name:
+        return settings.served_model_name
+    if settings.engine == "sim":
+        return "sim"
+    return resolve(settings.model).name
+
+
 def build_engine(settings: WorkerSettings) -> Engine:
+    """The engine the settings ask for; raises :class:`ModelError` for a bad model path."""
     if settings.engine == "sim":
         from engine_worker.engines.sim import SimEngine
 
@@ -26,7 +36,28 @@ def build_engine(settings: WorkerSettings) -> Engine:
             token_ms=settings.sim_token_ms,
             max_seqs=settings.sim_max_seqs,
         )
-    raise ValueError(f"engine {settings.engine!r} is not available in this build")
+    model_dir = resolve(settings.model)
+    if settings.engine == "vllm":
+        from engine_worker.engines.vllm_engine import VllmEngine
+
+        return VllmEngine(
+            model_dir,
+            served_model_name=served_name(settings),
+            max_model_len=settings.vllm_max_model_len,
+            max_num_seqs=settings.vllm_max_num_seqs,
+            kv_cache_bytes=int(settings.vllm_kv_cache_gib * 2**30) or None,
+            enforce_eager=settings.vllm_enforce_eager,
+            trtllm_kernels=settings.vllm_trtllm_kernels,
+            extra_args=settings.vllm_engine_args,
+        )
+    from engine_worker.engines.trtllm_engine import TrtllmEngine
+
+    return TrtllmEngine(
+        model_dir,
+        max_batch_size=settings.trtllm_max_batch_size,
+        max_seq_len=settings.trtllm_max_seq_len,
+        kv_cache_fraction=settings.trtllm_kv_cache_fraction,
+    )
 
 
 class Worker:
@@ -39,6 +70,7 @@ class Worker:
 
     def __init__(self, settings: WorkerSettings, engine: Engine | None = None) -> None:
         self.settings = settings
+        self.model = served_name(settings)
         self.engine = engine or build_engine(settings)
         self.draining = False
         self.in_flight = 0
@@ -56,7 +88,7 @@ class Worker:
     def describe(self) -> dict[str, object]:
         return {
             "id": self.settings.worker_id,
-            "model": self.settings.served_model_name,
+            "model": self.model,
             "engine": self.engine.name,
             "capacity": self.engine.capacity,
             "in_flight": self.in_flight,
@@ -107,7 +139,7 @@ class Worker:
                 await asyncio.sleep(0.02)
             self._registration = Registration(
                 redis,
-                model=s.served_model_name,
+                model=self.model,
                 worker_id=s.worker_id,
                 url=s.url(),
                 engine=self.engine.name,
@@ -116,7 +148,7 @@ class Worker:
                 stats=lambda: self.engine.stats().as_dict(),
             )
             await self._registration.start()
-            log.info("worker %s serving %r at %s", s.worker_id, s.served_model_name, s.url())
+            log.info("worker %s serving %r at %s", s.worker_id, self.model, s.url())
             await serving
         finally:
             if self._registration is not None:

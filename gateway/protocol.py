@@ -38,6 +38,12 @@ class _SamplingFields(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)
     stop: str | list[str] | None = None
     seed: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    #: vLLM extensions, accepted the same way vLLM's own server does.
+    repetition_penalty: float | None = Field(default=None, gt=0, le=2)
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
     n: int = Field(default=1, ge=1)
     user: str | None = None
     stream: bool = False
@@ -93,6 +99,11 @@ def worker_payload(
         "top_k": req.top_k,
         "seed": req.seed,
         "stop": req.stop_list(),
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "ignore_eos": req.ignore_eos,
+        "min_tokens": req.min_tokens,
     }
     if isinstance(req, ChatCompletionRequest):
         payload["messages"] = [m.model_dump(exclude_none=True) for m in req.messages]

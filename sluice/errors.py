@@ -134,10 +134,10 @@ def from_body(status: int, body: bytes) -> SluiceError:
     try:
         err = orjson.loads(body)["error"]
         message = str(err.get("message") or "upstream error")
-        param = err.get("param")
+        param, code = err.get("param"), err.get("code")
     except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
-        message, param = "upstream error", None
+        message, param, code = "upstream error", None, None
     for cls in (BodyTooLarge, InvalidRequest, ModelNotFound, RateLimited, Unavailable):
         if cls.status == status:
-            return cls(message, param=param)
+            return cls(message, param=param, code=code)
     return UpstreamFailed(message)

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 
 import httpx
@@ -37,6 +37,7 @@ class UpOptions:
     redis_url: str | None = None
     ready_timeout_s: float = 900.0
     log_level: str = "INFO"
+    worker_args: list[str] = field(default_factory=list)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> UpOptions:
@@ -50,6 +51,7 @@ class UpOptions:
             redis_url=args.redis_url or os.environ.get("SLUICE_REDIS_URL"),
             ready_timeout_s=args.ready_timeout_s,
             log_level=args.log_level,
+            worker_args=list(args.worker_arg),
         )
 
 
@@ -116,8 +118,27 @@ class Supervisor:
         finally:
             self._shutdown()
 
-    def _run(self) -> int:
+    def _model(self) -> str | None:
+        """The model folder workers get; prepares the default model on first use."""
+        from sluice.models import default_model_dir, is_prepared, prepare_default, resolve
+
         o = self.options
+        if o.engine == "sim":
+            return None
+        if o.model is None and not is_prepared(default_model_dir()):
+            log.info("preparing the default model (once)")
+            prepare_default(log=lambda line: log.info("%s", line))
+        return str(resolve(o.model))
+
+    def _run(self) -> int:
+        from sluice.models import ModelError
+
+        o = self.options
+        try:
+            model = self._model()
+        except ModelError as exc:
+            print(f"sluice up: {exc}", file=sys.stderr)
+            return 2
         redis_url = o.redis_url
         if redis_url is None:
             self.redis = EmbeddedRedis().start()
@@ -128,10 +149,11 @@ class Supervisor:
             port = free_port()
             argv = [*base, "worker", "--engine", o.engine, "--port", str(port),
                     "--redis-url", redis_url, "--worker-id", f"worker-{i}-{port}"]
-            if o.model:
-                argv += ["--model", o.model]
+            if model:
+                argv += ["--model", model]
             if o.served_model_name:
                 argv += ["--served-model-name", o.served_model_name]
+            argv += o.worker_args
             self.workers.append(Child(f"worker-{i}", argv))
         self.gateway = Child("gateway", [*base, "gateway", "--host", o.host, "--port", str(o.port),
                                          "--redis-url", redis_url])

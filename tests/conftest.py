@@ -113,8 +113,11 @@ def start_worker(
     def start(model: str = "sim", *extra: str, env: dict[str, str] | None = None, **flags: object) -> Proc:
         port = free_port()
         worker_id = f"w-{model}-{port}"
+        engine = str(flags.pop("engine", "sim"))
+        # vLLM loads a model and warms up: allow minutes on a busy 2-core machine.
+        start_s = 60.0 if engine == "sim" else 600.0
         argv = [
-            sys.executable, "-m", "sluice", "worker", "--engine", str(flags.pop("engine", "sim")),
+            sys.executable, "-m", "sluice", "worker", "--engine", engine,
             "--port", str(port), "--redis-url", redis_url, "--served-model-name", model,
             "--worker-id", worker_id, "--heartbeat-ms", str(flags.pop("heartbeat_ms", 200)),
         ]
@@ -124,7 +127,7 @@ def start_worker(
         proc = Proc(worker_id, argv, logs / f"{worker_id}.log", {**_env(), **(env or {})})
         proc.url = f"http://127.0.0.1:{port}"
         procs.append(proc)
-        proc.wait_http("/health", timeout_s=float(os.environ.get("SLUICE_TEST_WORKER_START_S", "60")))
+        proc.wait_http("/health", timeout_s=start_s)
         deadline = time.monotonic() + 10
         while not redis_client.exists(keys.heartbeat(model, worker_id)):
             if time.monotonic() > deadline:

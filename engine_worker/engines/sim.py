@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine_worker.engines.base import EngineStats
+from engine_worker.engines.prompts import chat_messages
 from engine_worker.protocol import Delta, GenerateRequest, Usage
 
 _SYLLABLES = [c + v for c in "bcdfghjklmnprstvwxz" for v in "aeiou"]
@@ -29,14 +30,8 @@ MIN_NATURAL, NATURAL_SPAN = 32, 224
 
 def render_chat(messages: list[dict[str, object]]) -> str:
     """The simulator's chat template."""
-    parts = [f"<|{m.get('role', 'user')}|> {_content_text(m.get('content'))}" for m in messages]
+    parts = [f"<|{m['role']}|> {m['content']}" for m in chat_messages(messages)]
     return "\n".join(parts) + "\n<|assistant|>"
-
-
-def _content_text(content: object) -> str:
-    if isinstance(content, list):
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return "" if content is None else str(content)
 
 
 def prompt_text(request: GenerateRequest) -> str:
@@ -71,6 +66,7 @@ class _Seq:
     prompt_tokens: int
     next_index: int
     limit: int
+    end_reason: str
     queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
     ready_at: float = 0.0
     text: str = ""
@@ -116,15 +112,21 @@ class SimEngine:
         prompt = prompt_text(request)
         tokens = SimSequence(prompt, request.seed)
         resumed = len(request.resume_token_ids)
-        limit = tokens.natural_length
-        if request.max_tokens is not None:
-            limit = min(limit, resumed + request.max_tokens)
+        # The simulated end-of-sequence, unless ignored; never before min_tokens.
+        end = tokens.natural_length
+        if request.ignore_eos and request.max_tokens is not None:
+            end = resumed + request.max_tokens
+        end = max(end, request.min_tokens)
+        limit, end_reason = end, "stop"
+        if request.max_tokens is not None and resumed + request.max_tokens <= end:
+            limit, end_reason = resumed + request.max_tokens, "length"
         seq = _Seq(
             request=request,
             tokens=tokens,
             prompt_tokens=len(prompt.split()) + resumed,
             next_index=resumed,
             limit=limit,
+            end_reason=end_reason,
         )
         self._waiting.append(seq)
         self._wake.set()
@@ -180,7 +182,7 @@ class SimEngine:
                 finish = "stop"
                 break
         if finish is None and seq.next_index >= seq.limit:
-            finish = "stop" if seq.next_index >= seq.tokens.natural_length else "length"
+            finish = seq.end_reason
         usage = None
         if finish is not None:
             seq.done = True

