@@ -9,6 +9,9 @@ from fastapi import FastAPI, Request
 from pydantic import ValidationError
 from starlette.responses import Response
 
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from engine_worker.metrics import metrics_text
 from engine_worker.protocol import GenerateRequest
 from engine_worker.stream import NDJSONStream
 from sluice.errors import InvalidRequest, ModelNotFound, SluiceError, Unavailable, error_response
@@ -45,5 +48,9 @@ def create_app(worker: Worker) -> FastAPI:
         status = 503 if worker.draining else 200
         body = {"status": "draining" if worker.draining else "ok", "worker": worker.describe()}
         return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(metrics_text(worker), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -36,6 +36,8 @@ class GenerateRequest(BaseModel):
     #: vLLM extensions: generate exactly up to max_tokens / at least min_tokens.
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
+    #: Log-probabilities per token: None = off, k = the sampled token plus the top k.
+    logprobs: int | None = Field(default=None, ge=0, le=20)
     priority: int = 0
     #: Token ids already delivered to the client by an earlier worker (migration).
     resume_token_ids: list[int] = Field(default_factory=list)
@@ -63,9 +65,13 @@ class Delta:
     text: str
     finish_reason: str | None = None
     usage: Usage | None = None
+    #: Per token: [token text, logprob, [[alternative text, logprob], ...]].
+    logprobs: list[list[Any]] | None = None
 
     def encode(self) -> bytes:
         line: dict[str, Any] = {"ids": self.token_ids, "text": self.text}
+        if self.logprobs is not None:
+            line["lp"] = self.logprobs
         if self.finish_reason is not None:
             line["finish_reason"] = self.finish_reason
         if self.usage is not None:

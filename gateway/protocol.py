@@ -11,7 +11,7 @@ import uuid
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class StreamOptions(BaseModel):
@@ -44,17 +44,11 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0, le=2)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
-    n: int = Field(default=1, ge=1)
+    #: Choices per prompt; each runs as its own generation (seed + i when a seed is given).
+    n: int = Field(default=1, ge=1, le=16)
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("n > 1 is not supported yet; send n separate requests")
-        return n
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -71,13 +65,28 @@ class _SamplingFields(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        return self
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] = Field(min_length=1)
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
     def token_limit(self) -> int | None:
         return self.max_tokens
@@ -86,8 +95,23 @@ class CompletionRequest(_SamplingFields):
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
 
 
+def worker_payloads(req: ChatCompletionRequest | CompletionRequest, request_id: str) -> list[dict[str, Any]]:
+    """One ``POST /internal/generate`` body per choice: prompts x n, in choice-index order."""
+    prompts: list[str | None] = list(req.prompts()) if isinstance(req, CompletionRequest) else [None]
+    count = len(prompts) * req.n
+    return [
+        worker_payload(
+            req,
+            request_id if count == 1 else f"{request_id}-{index}",
+            prompts[index // req.n],
+            choice=index % req.n,
+        )
+        for index in range(count)
+    ]
+
+
 def worker_payload(
-    req: ChatCompletionRequest | CompletionRequest, request_id: str, prompt: str | None = None
+    req: ChatCompletionRequest | CompletionRequest, request_id: str, prompt: str | None, *, choice: int = 0
 ) -> dict[str, Any]:
     """The body of ``POST /internal/generate`` for one choice."""
     payload: dict[str, Any] = {
@@ -97,13 +121,14 @@ def worker_payload(
         "temperature": req.temperature,
         "top_p": req.top_p,
         "top_k": req.top_k,
-        "seed": req.seed,
+        "seed": None if req.seed is None else req.seed + choice,
         "stop": req.stop_list(),
         "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty,
         "ignore_eos": req.ignore_eos,
         "min_tokens": req.min_tokens,
+        "logprobs": req.logprobs_count(),
     }
     if isinstance(req, ChatCompletionRequest):
         payload["messages"] = [m.model_dump(exclude_none=True) for m in req.messages]
@@ -141,16 +166,25 @@ class ChunkWriter:
         )
         self._choice_head = self._head + b',"choices":[{"index":'
 
-    def delta(self, index: int, text: str, finish_reason: str | None, *, first: bool = False) -> bytes:
+    def delta(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        *,
+        first: bool = False,
+        logprobs: dict[str, Any] | None = None,
+    ) -> bytes:
         if self.kind == "chat":
             body = {"role": "assistant", "content": text} if first else {"content": text}
             middle = b',"delta":' + orjson.dumps(body)
         else:
             middle = b',"text":' + orjson.dumps(text)
         finish = b"null" if finish_reason is None else orjson.dumps(finish_reason)
+        lp = b"null" if logprobs is None else orjson.dumps(logprobs)
         return (
             self._choice_head + str(index).encode() + middle
-            + b',"logprobs":null,"finish_reason":' + finish + b"}]}\n\n"
+            + b',"logprobs":' + lp + b',"finish_reason":' + finish + b"}]}\n\n"
         )
 
     def usage(self, usage: dict[str, Any]) -> bytes:
@@ -167,13 +201,13 @@ def new_id(kind: Literal["chat", "text"]) -> str:
 def completion_body(
     kind: Literal["chat", "text"],
     model: str,
-    choices: list[tuple[str, str | None]],
+    choices: list[tuple[str, str | None, dict[str, Any] | None]],
     usage: dict[str, Any],
 ) -> bytes:
     """One ``chat.completion`` or ``text_completion`` JSON body."""
     rendered: list[dict[str, Any]] = []
-    for index, (text, finish_reason) in enumerate(choices):
-        choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish_reason}
+    for index, (text, finish_reason, logprobs) in enumerate(choices):
+        choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
         if kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
         else:

@@ -14,6 +14,7 @@ from sse_starlette import EventSourceResponse
 from starlette.responses import Response
 
 from gateway.config import GatewaySettings
+from gateway.logprobs import render as render_logprobs
 from gateway.protocol import (
     DONE,
     ChatCompletionRequest,
@@ -21,7 +22,7 @@ from gateway.protocol import (
     CompletionRequest,
     completion_body,
     usage_dict,
-    worker_payload,
+    worker_payloads,
 )
 from gateway.upstream import Dispatcher, Line, Upstream
 from sluice.errors import SluiceError, error_event
@@ -38,6 +39,8 @@ class Tally:
 
     request_id: str
     model: str
+    #: Choices per prompt: the prompt is billed once per prompt, not once per choice.
+    n: int = 1
     started: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
     prompt_tokens: int = 0
@@ -46,12 +49,12 @@ class Tally:
     workers: list[str] = field(default_factory=list)
     status: str = "ok"
 
-    def add(self, line: Line) -> None:
+    def add(self, index: int, line: Line) -> None:
         if self.first_token_s is None:
             self.first_token_s = time.monotonic() - self.started
         self.completion_tokens += len(line.get("ids", ()))
         usage = line.get("usage")
-        if usage:
+        if usage and index % self.n == 0:
             self.prompt_tokens += int(usage.get("prompt_tokens", 0))
             self.cached_tokens += int(usage.get("cached_tokens", 0))
 
@@ -76,10 +79,10 @@ class Serving:
         self._unknown_logged: set[str] = set()
 
     async def chat(self, req: ChatCompletionRequest, request_id: str) -> Response:
-        return await self._serve("chat", req, [None], request_id)
+        return await self._serve("chat", req, request_id)
 
     async def completions(self, req: CompletionRequest, request_id: str) -> Response:
-        return await self._serve("text", req, list(req.prompts()), request_id)
+        return await self._serve("text", req, request_id)
 
     def _note_unknown(self, req: ChatCompletionRequest | CompletionRequest) -> None:
         for name in req.unknown_fields():
@@ -91,14 +94,13 @@ class Serving:
         self,
         kind: Kind,
         req: ChatCompletionRequest | CompletionRequest,
-        prompts: list[str | None],
         request_id: str,
     ) -> Response:
         self._note_unknown(req)
-        tally = Tally(request_id=request_id, model=req.model)
+        tally = Tally(request_id=request_id, model=req.model, n=req.n)
         headers = {"x-request-id": request_id}
         try:
-            upstreams = await self._open_all(req, prompts, request_id)
+            upstreams = await self._open_all(req, request_id)
         except SluiceError as exc:
             tally.status = str(exc.status)
             tally.log()
@@ -113,12 +115,9 @@ class Serving:
         return await self._collect(kind, req, upstreams, tally, headers)
 
     async def _open_all(
-        self, req: ChatCompletionRequest | CompletionRequest, prompts: list[str | None], request_id: str
+        self, req: ChatCompletionRequest | CompletionRequest, request_id: str
     ) -> list[Upstream]:
-        payloads = [
-            worker_payload(req, f"{request_id}-{i}" if len(prompts) > 1 else request_id, prompt)
-            for i, prompt in enumerate(prompts)
-        ]
+        payloads = worker_payloads(req, request_id)
         results = await asyncio.gather(
             *(self._dispatcher.open(req.model, p) for p in payloads), return_exceptions=True
         )
@@ -144,13 +143,16 @@ class Serving:
         tally: Tally,
     ) -> AsyncIterator[bytes]:
         writer = ChunkWriter(kind, req.model)
-        started: set[int] = set()
+        offsets: dict[int, int] = {}
         try:
             async for index, line in self._choice_lines(upstreams):
-                tally.add(line)
-                first = index not in started
-                started.add(index)
-                yield writer.delta(index, line.get("text", ""), line.get("finish_reason"), first=first)
+                tally.add(index, line)
+                first = index not in offsets
+                text = line.get("text", "")
+                lp = line.get("lp")
+                rendered = None if lp is None else render_logprobs(kind, lp, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(text)
+                yield writer.delta(index, text, line.get("finish_reason"), first=first, logprobs=rendered)
             if req.include_usage():
                 yield writer.usage(tally.usage())
         except SluiceError as exc:
@@ -177,11 +179,13 @@ class Serving:
     ) -> Response:
         texts = [""] * len(upstreams)
         finishes: list[str | None] = [None] * len(upstreams)
+        entries: list[list[list[object]]] = [[] for _ in upstreams]
         try:
             async for index, line in self._choice_lines(upstreams):
-                tally.add(line)
+                tally.add(index, line)
                 texts[index] += line.get("text", "")
                 finishes[index] = line.get("finish_reason") or finishes[index]
+                entries[index].extend(line.get("lp") or ())
         except SluiceError as exc:
             tally.status = str(exc.status)
             raise
@@ -190,7 +194,12 @@ class Serving:
                 for upstream in upstreams:
                     await upstream.aclose()
                 tally.log()
-        body = completion_body(kind, req.model, list(zip(texts, finishes)), tally.usage())
+        wants = req.logprobs_count() is not None
+        choices = [
+            (text, finish, render_logprobs(kind, lp) if wants else None)
+            for text, finish, lp in zip(texts, finishes, entries)
+        ]
+        body = completion_body(kind, req.model, choices, tally.usage())
         return Response(body, media_type="application/json", headers=headers)
 
 

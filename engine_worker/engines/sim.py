@@ -59,6 +59,15 @@ class SimSequence:
         return " " + VOCAB[token_id]
 
 
+def sim_logprobs(token_id: int, top: int) -> list[object]:
+    """Made-up but consistent log-probabilities: the sampled token ranks first."""
+    sampled = -0.05 - (token_id % 7) / 10
+    alternatives = [[SimSequence.text(token_id), sampled]] + [
+        [SimSequence.text((token_id + k) % len(VOCAB)), sampled - k] for k in range(1, top)
+    ]
+    return [SimSequence.text(token_id), sampled, alternatives[:top]]
+
+
 @dataclass(eq=False)
 class _Seq:
     request: GenerateRequest
@@ -187,4 +196,7 @@ class SimEngine:
         if finish is not None:
             seq.done = True
             usage = Usage(prompt_tokens=seq.prompt_tokens, completion_tokens=seq.generated)
-        seq.queue.put_nowait(Delta([token_id], piece, finish, usage))
+        lps = None
+        if seq.request.logprobs is not None:
+            lps = [sim_logprobs(token_id, seq.request.logprobs)]
+        seq.queue.put_nowait(Delta([token_id], piece, finish, usage, lps))

@@ -31,6 +31,7 @@ from typing import Any
 from engine_worker.engines.base import EngineStats
 from engine_worker.engines.prompts import completion_budget, prompt_token_ids
 from engine_worker.protocol import Delta, GenerateRequest, Usage
+from sluice.errors import InvalidRequest
 
 log = logging.getLogger("sluice.worker.trtllm")
 
@@ -99,6 +100,8 @@ class TrtllmEngine:
     def sampling_params(self, request: GenerateRequest, prompt_len: int) -> Any:
         from tensorrt_llm import SamplingParams
 
+        if request.logprobs is not None:
+            raise InvalidRequest("logprobs are not supported by the trtllm engine yet", param="logprobs")
         fields: dict[str, Any] = {
             # TensorRT-LLM's default is only 32 tokens: always set it.
             "max_tokens": completion_budget(request, prompt_len, self.max_seq_len),

@@ -108,6 +108,7 @@ class VllmEngine:
             "seed": request.seed,
             "ignore_eos": request.ignore_eos,
             "min_tokens": request.min_tokens,
+            "logprobs": request.logprobs,
         }
         for name in ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
@@ -145,7 +146,10 @@ class VllmEngine:
                         completion_tokens=completion,
                         cached_tokens=int(out.num_cached_tokens or 0),
                     )
-                yield Delta(list(choice.token_ids), choice.text, finish, usage)
+                lps = None
+                if request.logprobs is not None and choice.logprobs is not None:
+                    lps = logprob_entries(choice.token_ids, choice.logprobs, request.logprobs)
+                yield Delta(list(choice.token_ids), choice.text, finish, usage, lps)
                 if finished:
                     return
         finally:
@@ -153,6 +157,24 @@ class VllmEngine:
                 self.aborted += 1
                 await stream.aclose()
                 await self._engine.abort(request_id)
+
+
+def _finite(logprob: float) -> float:
+    return max(float(logprob), -9999.0)  # JSON has no -inf
+
+
+def logprob_entries(ids: Any, per_token: Any, top: int) -> list[list[Any]]:
+    """vLLM's ``{token_id: Logprob}`` per position, as [text, logprob, [[alt, logprob], ...]]."""
+    entries = []
+    for token_id, options in zip(ids, per_token):
+        sampled = options[token_id]
+        ranked = sorted(options.values(), key=lambda o: -o.logprob)[:top]
+        entries.append([
+            sampled.decoded_token or "",
+            _finite(sampled.logprob),
+            [[o.decoded_token or "", _finite(o.logprob)] for o in ranked],
+        ])
+    return entries
 
 
 def _has_gpu() -> bool:

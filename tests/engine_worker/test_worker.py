@@ -63,3 +63,19 @@ def test_worker_rejects_bad_internal_request(start_worker) -> None:
     resp = httpx.post(worker.url + "/internal/generate", content=b'{"model": 1}')
     assert resp.status_code == 400
     assert set(orjson.loads(resp.content)["error"]) == {"message", "type", "param", "code"}
+
+
+def test_metrics_and_heartbeat_carry_engine_stats(start_worker, redis_client) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    worker = start_worker("metrics-test", sim_max_seqs=7)
+    httpx.post(worker.url + "/internal/generate",
+               json={"request_id": "m1", "model": "metrics-test", "prompt": "x", "max_tokens": 3})
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(worker.url + "/metrics").text)}
+    assert families["sluice_worker_capacity"].samples[0].value == 7
+    assert families["sluice_worker_requests"].samples[0].value >= 1
+    assert "sluice_engine_running_requests" in families
+    beat = orjson.loads(redis_client.get(keys.heartbeat("metrics-test", worker.name)))
+    assert set(beat) >= {"running", "waiting", "kv_usage", "prefix_queries", "prefix_hits"}
+    record = orjson.loads(redis_client.hget(keys.workers("metrics-test"), worker.name))
+    assert record["capacity"] == 7

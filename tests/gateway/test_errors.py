@@ -69,7 +69,7 @@ def test_unknown_fields_are_ignored(stack) -> None:
     [
         ({"model": "no-such-model"}, openai.NotFoundError, "model"),
         ({"max_tokens": 0}, openai.BadRequestError, "max_tokens"),
-        ({"n": 2}, openai.BadRequestError, "n"),
+        ({"n": 17}, openai.BadRequestError, "n"),
         ({"top_p": 1.5}, openai.BadRequestError, "top_p"),
         ({"messages": []}, openai.BadRequestError, "messages"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, openai.BadRequestError, "messages.0.role"),

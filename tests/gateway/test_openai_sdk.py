@@ -92,3 +92,40 @@ def test_models(client: openai.OpenAI) -> None:
     assert client.models.retrieve("sim").id == "sim"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")
+
+
+def test_n_choices(client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=4, n=3, seed=1)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert len({c.message.content for c in resp.choices}) == 3  # seed + i per choice
+    assert resp.usage is not None and resp.usage.completion_tokens == 12
+    stream = client.completions.create(model="sim", prompt=["a", "b"], max_tokens=2, n=2, stream=True)
+    finished = {c.choices[0].index for c in stream if c.choices and c.choices[0].finish_reason}
+    assert finished == {0, 1, 2, 3}
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(
+        model="sim", messages=MESSAGES, max_tokens=4, logprobs=True, top_logprobs=2
+    )
+    content = resp.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert len(content) == 4
+    assert "".join(t.token for t in content) == resp.choices[0].message.content
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    stream = client.chat.completions.create(
+        model="sim", messages=MESSAGES, max_tokens=4, logprobs=True, stream=True
+    )
+    streamed = [t for c in stream if c.choices for t in c.choices[0].logprobs.content]  # type: ignore[union-attr]
+    assert [t.token for t in streamed] == [t.token for t in content]
+
+
+def test_completion_logprobs(client: openai.OpenAI) -> None:
+    resp = client.completions.create(model="sim", prompt="lp", max_tokens=3, logprobs=1)
+    lp = resp.choices[0].logprobs
+    assert lp is not None and len(lp.tokens) == 3 and len(lp.top_logprobs) == 3
+    assert lp.text_offset == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
+
+
+def test_top_logprobs_without_logprobs_is_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="sim", messages=MESSAGES, top_logprobs=2)

@@ -113,3 +113,14 @@ def test_context_overflow_is_a_clear_400(client) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="word " * 3000, max_tokens=5)
     assert info.value.code == "context_length_exceeded"  # type: ignore[attr-defined]
+
+
+def test_logprobs_and_n(client) -> None:
+    resp = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=5, logprobs=True, top_logprobs=2, n=2
+    )
+    assert len(resp.choices) == 2
+    assert resp.choices[0].message.content == resp.choices[1].message.content  # greedy
+    content = resp.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(t.top_logprobs) == 2 for t in content)
+    assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
