@@ -4,6 +4,7 @@
     sluice gateway    one gateway process
     sluice worker     one engine worker process
     sluice model prepare   make the default model's Hugging Face folder (offline, once)
+    sluice bench      gateway vs direct-to-worker figures, side by side
     sluice check URL  exit 0 when URL answers 200 (for compose healthchecks)
 """
 
@@ -81,6 +82,13 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     prep.add_argument("--out", help="target folder (default: ~/.cache/sluice/models/SmolLM2-135M-Instruct)")
 
+    from sluice.bench import add_arguments as bench_arguments
+
+    bench = sub.add_parser(
+        "bench", help="measure gateway vs direct-to-worker throughput and TTFT, side by side"
+    )
+    bench_arguments(bench)
+
     ck = sub.add_parser("check", help="exit 0 if URL answers 200, else 1 (healthchecks)")
     ck.add_argument("url", help="e.g. http://127.0.0.1:8000/ready")
     ck.add_argument("--timeout-s", type=float, default=3.0)
@@ -128,6 +136,10 @@ def main(argv: list[str] | None = None) -> None:
             from sluice.models import main_prepare
 
             sys.exit(main_prepare(args.out))
+        elif args.command == "bench":
+            from sluice.bench import main as bench_main
+
+            sys.exit(bench_main(args))
         elif args.command == "check":
             sys.exit(_check(args.url, args.timeout_s))
     except ValidationError as exc:

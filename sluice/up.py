@@ -106,6 +106,7 @@ class Supervisor:
         self.redis: EmbeddedRedis | None = None
         self.gateway: Child | None = None
         self.workers: list[Child] = []
+        self.redis_url: str | None = None
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._stop = True
@@ -114,9 +115,14 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         try:
-            return self._run()
+            failed = self.start()
+            if failed is not None:
+                return failed
+            self._banner()
+            self._supervise()
+            return 0
         finally:
-            self._shutdown()
+            self.stop()
 
     def _model(self) -> str | None:
         """The model folder workers get; prepares the default model on first use."""
@@ -130,7 +136,11 @@ class Supervisor:
             prepare_default(log=lambda line: log.info("%s", line))
         return str(resolve(o.model))
 
-    def _run(self) -> int:
+    def start(self) -> int | None:
+        """Start Redis (unless given), workers and gateway; wait for ``/ready``.
+
+        Returns None once ready, else the exit code to fail with.
+        """
         from sluice.models import ModelError
 
         o = self.options
@@ -144,6 +154,7 @@ class Supervisor:
             self.redis = EmbeddedRedis().start()
             redis_url = self.redis.url
             log.info("embedded redis-server on %s", redis_url)
+        self.redis_url = redis_url
         base = [sys.executable, "-m", "sluice", "--log-level", o.log_level]
         for i in range(o.workers):
             port = free_port()
@@ -159,18 +170,17 @@ class Supervisor:
                                          "--redis-url", redis_url])
         for child in [*self.workers, self.gateway]:
             child.start()
-        if not self._wait_ready():
-            return 1
-        self._banner()
+        return None if self._wait_ready() else 1
+
+    def _supervise(self) -> None:
         while not self._stop:
             time.sleep(0.2)
             for child in [*self.workers, self.gateway]:
                 if not child.alive() and not self._stop:
                     child.restart_if_due()
         log.info("stopping")
-        return 0
 
-    def _url(self) -> str:
+    def url(self) -> str:
         host = self.options.host if self.options.host not in ("0.0.0.0", "::") else "127.0.0.1"
         return f"http://{host}:{self.options.port}"
 
@@ -188,7 +198,7 @@ class Supervisor:
                       file=sys.stderr)
                 return False
             try:
-                if httpx.get(self._url() + "/ready", timeout=2).status_code == 200:
+                if httpx.get(self.url() + "/ready", timeout=2).status_code == 200:
                     return True
             except httpx.HTTPError:
                 pass
@@ -198,7 +208,7 @@ class Supervisor:
         return self._stop and False
 
     def _banner(self) -> None:
-        url = self._url()
+        url = self.url()
         try:
             models = httpx.get(url + "/ready", timeout=2).json().get("models", [])
         except (httpx.HTTPError, ValueError):
@@ -214,7 +224,7 @@ class Supervisor:
             flush=True,
         )
 
-    def _shutdown(self) -> None:
+    def stop(self) -> None:
         if self.gateway is not None:
             self.gateway.stop(timeout_s=35)
         for worker in self.workers:

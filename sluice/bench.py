@@ -1,0 +1,207 @@
+"""``sluice bench``: the same load through the gateway and directly at the worker.
+
+Both paths get the same prompts, the same fixed output length (``ignore_eos``)
+and greedy decoding, one concurrency level at a time, in one run; each run
+starts its prompts with a fresh salt so the prefix cache favours neither path.
+Printed per path and concurrency: output tokens/s, TTFT p50/p99, and the
+gateway/direct ratios. A benchmark, not a test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+import httpx
+import orjson
+
+TOPICS = ["rivers", "canal locks", "tides", "dams", "harbours", "rain", "glaciers", "wells"]
+
+
+@dataclass
+class RunResult:
+    path: str
+    concurrency: int
+    requests: int
+    tokens: int
+    wall_s: float
+    ttfts_s: list[float]
+    errors: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+    def ttft_ms(self, q: float) -> float:
+        if not self.ttfts_s:
+            return float("nan")
+        ordered = sorted(self.ttfts_s)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+
+def _prompts(count: int) -> list[str]:
+    salt = uuid.uuid4().hex[:8]
+    return [f"[{salt}-{i}] Write a few sentences about {TOPICS[i % len(TOPICS)]}." for i in range(count)]
+
+
+async def _direct_one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, int]:
+    body = {"request_id": uuid.uuid4().hex, "model": model, "prompt": prompt,
+            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+    started = time.perf_counter()
+    ttft, tokens, buffer = 0.0, 0, b""
+    async with client.stream("POST", url + "/internal/generate", json=body) as resp:
+        resp.raise_for_status()
+        async for chunk in resp.aiter_raw():
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                if not line:
+                    continue
+                data = orjson.loads(line)
+                if "error" in data:
+                    raise RuntimeError(data["error"]["message"])
+                if not ttft:
+                    ttft = time.perf_counter() - started
+                tokens += len(data["ids"])
+    return ttft, tokens
+
+
+async def _gateway_one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, int]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    ttft, tokens = 0.0, 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                raise RuntimeError(data["error"]["message"])
+            if data["choices"] and not ttft:
+                ttft = time.perf_counter() - started
+            if data.get("usage"):
+                tokens = data["usage"]["completion_tokens"]
+    return ttft, tokens
+
+
+async def run_load(path: str, url: str, model: str, concurrency: int, requests: int, max_tokens: int) -> RunResult:
+    one = _direct_one if path == "direct" else _gateway_one
+    prompts = _prompts(requests)
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    ttfts: list[float] = []
+    totals = {"tokens": 0, "errors": 0}
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=5), limits=limits) as client:
+
+        async def user() -> None:
+            while not queue.empty():
+                prompt = queue.get_nowait()
+                try:
+                    ttft, tokens = await one(client, url, model, prompt, max_tokens)
+                except (httpx.HTTPError, RuntimeError):
+                    totals["errors"] += 1
+                    continue
+                ttfts.append(ttft)
+                totals["tokens"] += tokens
+
+        started = time.perf_counter()
+        await asyncio.gather(*(user() for _ in range(concurrency)))
+        wall = time.perf_counter() - started
+    return RunResult(path, concurrency, requests, totals["tokens"], wall, ttfts, totals["errors"])
+
+
+def _report(results: list[RunResult]) -> str:
+    lines = [
+        f"{'path':8} {'conc':>4} {'reqs':>5} {'errors':>6} {'tokens':>7} {'tok/s':>9} "
+        f"{'ttft p50 ms':>12} {'ttft p99 ms':>12}"
+    ]
+    for r in results:
+        lines.append(
+            f"{r.path:8} {r.concurrency:>4} {r.requests:>5} {r.errors:>6} {r.tokens:>7} "
+            f"{r.tokens_per_s:>9.1f} {r.ttft_ms(0.5):>12.1f} {r.ttft_ms(0.99):>12.1f}"
+        )
+    lines.append("")
+    for conc in sorted({r.concurrency for r in results}):
+        pair = {r.path: r for r in results if r.concurrency == conc}
+        if {"direct", "gateway"} <= set(pair):
+            g, d = pair["gateway"], pair["direct"]
+            lines.append(
+                f"concurrency {conc}: gateway/direct tokens/s = {g.tokens_per_s / d.tokens_per_s:.3f}, "
+                f"TTFT p50 = {g.ttft_ms(0.5) / d.ttft_ms(0.5):.3f}x, "
+                f"TTFT p99 = {g.ttft_ms(0.99) / d.ttft_ms(0.99):.3f}x"
+            )
+    return "\n".join(lines)
+
+
+async def bench(gateway_url: str, worker_url: str, model: str, levels: list[int], requests: int,
+                max_tokens: int, warmup: int) -> list[RunResult]:
+    await run_load("gateway", gateway_url, model, 1, warmup, max_tokens)
+    results = []
+    for conc in levels:
+        n = max(requests, conc * 2)
+        # Alternate which path goes first, so neither always meets a warmer engine.
+        order = ["direct", "gateway"] if conc % 2 else ["gateway", "direct"]
+        for path in order:
+            url = worker_url if path == "direct" else gateway_url
+            results.append(await run_load(path, url, model, conc, n, max_tokens))
+    return sorted(results, key=lambda r: (r.concurrency, r.path))
+
+
+def _worker_url(redis_url: str, model: str) -> str:
+    import redis
+
+    from sluice import keys
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        records = client.hvals(keys.workers(model))
+    finally:
+        client.close()
+    if not records:
+        raise SystemExit(f"sluice bench: no worker registered for {model!r}")
+    return str(orjson.loads(records[0])["url"])
+
+
+def main(args: argparse.Namespace) -> int:
+    from sluice.up import Supervisor, UpOptions
+
+    options = UpOptions(engine=args.engine, workers=1, port=args.port, model=args.model,
+                        log_level="WARNING", worker_args=list(args.worker_arg))
+    stack = Supervisor(options)
+    try:
+        failed = stack.start()
+        if failed is not None:
+            return failed
+        model = httpx.get(stack.url() + "/ready", timeout=5).json()["models"][0]
+        worker_url = _worker_url(stack.redis_url or "", model)
+        levels = [int(c) for c in args.concurrency.split(",")]
+        print(f"sluice bench: engine={args.engine} model={model} max_tokens={args.max_tokens} "
+              f"requests>={args.requests} per level, levels={levels}", flush=True)
+        results = asyncio.run(bench(stack.url(), worker_url, model, levels, args.requests,
+                                    args.max_tokens, args.warmup))
+        print(_report(results), flush=True)
+        if any(r.errors for r in results):
+            return 1
+        return 0
+    finally:
+        stack.stop()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", choices=["sim", "vllm"], default="vllm", help="engine to measure (default vllm)")
+    p.add_argument("--model", help="model folder (default: the prepared default model)")
+    p.add_argument("--concurrency", default="1,16", help="comma-separated levels (default 1,16)")
+    p.add_argument("--requests", type=int, default=32, help="requests per path and level (default 32)")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
+    p.add_argument("--warmup", type=int, default=4, help="warm-up requests before measuring (default 4)")
+    p.add_argument("--port", type=int, default=8799, help="gateway port for the private stack")
+    p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                   help="extra flag for the worker (repeatable)")
