@@ -33,6 +33,8 @@ class WorkerSettings(BaseSettings):
     sim_ttft_ms: float = Field(default=20.0, ge=0)
     sim_token_ms: float = Field(default=5.0, ge=0)
     sim_max_seqs: int = Field(default=64, ge=1)
+    #: sim fault injection: the first N requests fail before their first token (worker 500).
+    sim_fail_first: int = Field(default=0, ge=0)
     #: vLLM: context length (prompt + completion).
     vllm_max_model_len: int = Field(default=2048, ge=16)
     #: vLLM: sequences batched at once; also the capacity this worker advertises.

@@ -66,6 +66,10 @@ class NDJSONStream(Response):
         except SluiceError as exc:
             await error_response(exc)(scope, receive, send)
             return
+        except Exception as exc:  # the engine failed before any token: a 500 the gateway retries
+            log.exception("engine failed before the first token")
+            await error_response(SluiceError(f"engine error: {type(exc).__name__}"))(scope, receive, send)
+            return
         await send(
             {
                 "type": "http.response.start",

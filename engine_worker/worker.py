@@ -35,6 +35,7 @@ def build_engine(settings: WorkerSettings) -> Engine:
             ttft_ms=settings.sim_ttft_ms,
             token_ms=settings.sim_token_ms,
             max_seqs=settings.sim_max_seqs,
+            fail_first=settings.sim_fail_first,
         )
     model_dir = resolve(settings.model)
     if settings.engine == "vllm":

@@ -25,7 +25,8 @@ from starlette.responses import Response
 
 from gateway.config import GatewaySettings
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.routing import Router
+from gateway.admission import Admission
+from gateway.context import RequestContext, resolve_deadline, resolve_priority
 from gateway.serving import Serving
 from gateway.upstream import Dispatcher
 from sluice.errors import (
@@ -52,10 +53,11 @@ _DRAIN_LIMIT = 64 * 1024 * 1024
 class Services:
     redis: Redis
     http: httpx.AsyncClient
-    router: Router
+    admission: Admission
     serving: Serving
 
     async def aclose(self) -> None:
+        await self.admission.close()
         await self.http.aclose()
         await self.redis.aclose()
 
@@ -66,9 +68,10 @@ async def open_services(settings: GatewaySettings) -> Services:
         timeout=httpx.Timeout(None, connect=settings.connect_timeout_s),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
     )
-    router = Router(redis)
-    serving = Serving(settings, Dispatcher(settings, router, http))
-    return Services(redis=redis, http=http, router=router, serving=serving)
+    admission = Admission(redis, settings)
+    await admission.start()
+    serving = Serving(settings, Dispatcher(settings, admission, http))
+    return Services(redis=redis, http=http, admission=admission, serving=serving)
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -95,21 +98,21 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         req = await _parse(request, ChatCompletionRequest, settings.max_body_bytes)
-        return await svc().serving.chat(req, _request_id(request))
+        return await svc().serving.chat(req, _context(request, req, settings))
 
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         req = await _parse(request, CompletionRequest, settings.max_body_bytes)
-        return await svc().serving.completions(req, _request_id(request))
+        return await svc().serving.completions(req, _context(request, req, settings))
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        models = await svc().router.live_models()
+        models = await svc().admission.live_models()
         return _json({"object": "list", "data": [_model_card(m) for m in models]})
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> Response:
-        if await svc().router.live_workers(model) == 0:
+        if await svc().admission.live_workers(model) == 0:
             raise ModelNotFound(f"The model '{model}' does not exist", param="model")
         return _json(_model_card(model))
 
@@ -120,7 +123,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/ready")
     async def ready() -> Response:
         try:
-            models = await svc().router.live_models()
+            models = await svc().admission.live_models()
         except (RedisError, OSError):
             raise Unavailable("redis is unreachable", retry_after_s=2) from None
         if not models:
@@ -137,6 +140,17 @@ def _model_card(model: str) -> dict[str, Any]:
 
 def _json(obj: object, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+
+
+def _context(
+    request: Request, req: ChatCompletionRequest | CompletionRequest, settings: GatewaySettings
+) -> RequestContext:
+    return RequestContext(
+        request_id=_request_id(request),
+        priority=resolve_priority(req.priority, req.service_tier, request.headers, settings),
+        deadline=resolve_deadline(request.headers, settings),
+        disconnected=request.is_disconnected,
+    )
 
 
 def _request_id(request: Request) -> str:

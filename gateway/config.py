@@ -27,5 +27,22 @@ class GatewaySettings(BaseSettings):
     stall_timeout_s: float = Field(default=30.0, gt=0)
     #: SSE comment pings keep idle proxies from closing a slow stream.
     sse_ping_s: float = Field(default=15.0, gt=0)
+    #: Longest wait in the model's queue before 429 + Retry-After.
+    queue_timeout_s: float = Field(default=30.0, gt=0)
+    #: Requests waiting per model beyond which new ones get 429 at once.
+    max_queue: int = Field(default=1024, ge=1)
+    #: A granted slot's lease; renewed every third of it while the stream runs.
+    lease_ttl_s: float = Field(default=15.0, ge=0.3)
+    #: How often this gateway reclaims leases of gateways that stopped renewing.
+    reap_interval_s: float = Field(default=1.0, gt=0)
+    #: Aging: waiting this long is worth one priority level (0 = strict classes).
+    priority_aging_s: float = Field(default=1.0, ge=0)
+    #: Priorities (lower runs first) are clamped to this range.
+    min_priority: int = -1000
+    max_priority: int = 1000
+    #: Whole-request limit when the client gives none (header X-Sluice-Timeout-Ms).
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    #: Upper bound for a client's X-Sluice-Timeout-Ms.
+    max_request_timeout_s: float = Field(default=3600.0, gt=0)
     #: Seconds uvicorn waits for open streams on shutdown.
     shutdown_grace_s: float = Field(default=30.0, ge=0)

@@ -47,6 +47,9 @@ class _SamplingFields(BaseModel):
     #: Choices per prompt; each runs as its own generation (seed + i when a seed is given).
     n: int = Field(default=1, ge=1, le=16)
     user: str | None = None
+    #: Lower runs first (vLLM's convention); also header X-Sluice-Priority or service_tier.
+    priority: int | None = None
+    service_tier: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
 

@@ -14,6 +14,7 @@ from sse_starlette import EventSourceResponse
 from starlette.responses import Response
 
 from gateway.config import GatewaySettings
+from gateway.context import RequestContext
 from gateway.logprobs import render as render_logprobs
 from gateway.protocol import (
     DONE,
@@ -41,6 +42,7 @@ class Tally:
     model: str
     #: Choices per prompt: the prompt is billed once per prompt, not once per choice.
     n: int = 1
+    priority: int = 0
     started: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
     prompt_tokens: int = 0
@@ -64,9 +66,9 @@ class Tally:
     def log(self) -> None:
         ttft = "-" if self.first_token_s is None else f"{self.first_token_s * 1000:.0f}ms"
         access.info(
-            "request_id=%s model=%s status=%s ttft=%s total=%.0fms prompt_tokens=%d "
+            "request_id=%s model=%s priority=%d status=%s ttft=%s total=%.0fms prompt_tokens=%d "
             "completion_tokens=%d workers=%s",
-            self.request_id, self.model, self.status, ttft,
+            self.request_id, self.model, self.priority, self.status, ttft,
             (time.monotonic() - self.started) * 1000, self.prompt_tokens,
             self.completion_tokens, ",".join(self.workers) or "-",
         )
@@ -78,11 +80,11 @@ class Serving:
         self._dispatcher = dispatcher
         self._unknown_logged: set[str] = set()
 
-    async def chat(self, req: ChatCompletionRequest, request_id: str) -> Response:
-        return await self._serve("chat", req, request_id)
+    async def chat(self, req: ChatCompletionRequest, ctx: RequestContext) -> Response:
+        return await self._serve("chat", req, ctx)
 
-    async def completions(self, req: CompletionRequest, request_id: str) -> Response:
-        return await self._serve("text", req, request_id)
+    async def completions(self, req: CompletionRequest, ctx: RequestContext) -> Response:
+        return await self._serve("text", req, ctx)
 
     def _note_unknown(self, req: ChatCompletionRequest | CompletionRequest) -> None:
         for name in req.unknown_fields():
@@ -94,13 +96,13 @@ class Serving:
         self,
         kind: Kind,
         req: ChatCompletionRequest | CompletionRequest,
-        request_id: str,
+        ctx: RequestContext,
     ) -> Response:
         self._note_unknown(req)
-        tally = Tally(request_id=request_id, model=req.model, n=req.n)
-        headers = {"x-request-id": request_id}
+        tally = Tally(request_id=ctx.request_id, model=req.model, n=req.n, priority=ctx.priority)
+        headers = {"x-request-id": ctx.request_id}
         try:
-            upstreams = await self._open_all(req, request_id)
+            upstreams = await self._open_all(req, ctx)
         except SluiceError as exc:
             tally.status = str(exc.status)
             tally.log()
@@ -108,18 +110,18 @@ class Serving:
         tally.workers = [u.lease.worker_id for u in upstreams]
         if req.stream:
             return EventSourceResponse(
-                self._sse(kind, req, upstreams, tally),
+                self._sse(kind, req, upstreams, tally, ctx.deadline),
                 ping=self._settings.sse_ping_s,
                 headers=headers,
             )
-        return await self._collect(kind, req, upstreams, tally, headers)
+        return await self._collect(kind, req, upstreams, tally, headers, ctx.deadline)
 
     async def _open_all(
-        self, req: ChatCompletionRequest | CompletionRequest, request_id: str
+        self, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext
     ) -> list[Upstream]:
-        payloads = worker_payloads(req, request_id)
+        payloads = worker_payloads(req, ctx.request_id)
         results = await asyncio.gather(
-            *(self._dispatcher.open(req.model, p) for p in payloads), return_exceptions=True
+            *(self._dispatcher.open(req.model, p, ctx) for p in payloads), return_exceptions=True
         )
         opened = [r for r in results if isinstance(r, Upstream)]
         failure = next((r for r in results if isinstance(r, BaseException)), None)
@@ -129,11 +131,11 @@ class Serving:
             raise failure
         return opened
 
-    def _choice_lines(self, upstreams: list[Upstream]) -> AsyncIterator[tuple[int, Line]]:
+    def _choice_lines(self, upstreams: list[Upstream], deadline: float) -> AsyncIterator[tuple[int, Line]]:
         stall = self._settings.stall_timeout_s
         if len(upstreams) == 1:
-            return _indexed(0, upstreams[0].lines(stall))
-        return _merge([_indexed(i, u.lines(stall)) for i, u in enumerate(upstreams)])
+            return _indexed(0, upstreams[0].lines(stall, deadline))
+        return _merge([_indexed(i, u.lines(stall, deadline)) for i, u in enumerate(upstreams)])
 
     async def _sse(
         self,
@@ -141,11 +143,12 @@ class Serving:
         req: ChatCompletionRequest | CompletionRequest,
         upstreams: list[Upstream],
         tally: Tally,
+        deadline: float,
     ) -> AsyncIterator[bytes]:
         writer = ChunkWriter(kind, req.model)
         offsets: dict[int, int] = {}
         try:
-            async for index, line in self._choice_lines(upstreams):
+            async for index, line in self._choice_lines(upstreams, deadline):
                 tally.add(index, line)
                 first = index not in offsets
                 text = line.get("text", "")
@@ -176,12 +179,13 @@ class Serving:
         upstreams: list[Upstream],
         tally: Tally,
         headers: dict[str, str],
+        deadline: float,
     ) -> Response:
         texts = [""] * len(upstreams)
         finishes: list[str | None] = [None] * len(upstreams)
         entries: list[list[list[object]]] = [[] for _ in upstreams]
         try:
-            async for index, line in self._choice_lines(upstreams):
+            async for index, line in self._choice_lines(upstreams, deadline):
                 tally.add(index, line)
                 texts[index] += line.get("text", "")
                 finishes[index] = line.get("finish_reason") or finishes[index]

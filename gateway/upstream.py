@@ -15,14 +15,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import orjson
 
+from gateway.admission import Admission, Lease
 from gateway.config import GatewaySettings
-from gateway.routing import Lease, Router
+from gateway.context import RequestContext
 from sluice.errors import DeadlineExceeded, SluiceError, Unavailable, UpstreamFailed, from_body
 
 log = logging.getLogger("sluice.gateway")
@@ -37,9 +39,9 @@ class _Retryable(Exception):
 class Upstream:
     """One open stream from a worker, holding its lease until closed."""
 
-    def __init__(self, router: Router, lease: Lease, response: httpx.Response) -> None:
+    def __init__(self, admission: Admission, lease: Lease, response: httpx.Response) -> None:
         self.lease = lease
-        self._router = router
+        self._admission = admission
         self._response = response
         self._raw = response.aiter_raw()
         self._buffer = b""
@@ -59,11 +61,12 @@ class Upstream:
         line: Line = orjson.loads(self._pending.pop(0))
         return line
 
-    async def lines(self, stall_timeout_s: float) -> AsyncIterator[Line]:
+    async def lines(self, stall_timeout_s: float, deadline: float) -> AsyncIterator[Line]:
         """Yield lines, the first one included, until the finishing line.
 
         Raises :class:`UpstreamFailed` when the worker breaks off or sends an
-        error line, :class:`DeadlineExceeded` when it stalls.
+        error line, :class:`DeadlineExceeded` when it stalls or the request's
+        ``deadline`` (epoch seconds) passes.
         """
         line = self.first
         while True:
@@ -74,9 +77,12 @@ class Upstream:
             yield line
             if line.get("finish_reason") is not None:
                 return
+            left = deadline - time.time()
             try:
-                line = await self._read_line(stall_timeout_s)
+                line = await self._read_line(min(stall_timeout_s, max(left, 0.0)))
             except TimeoutError:
+                if left <= stall_timeout_s:
+                    raise DeadlineExceeded("the request ran past its deadline", code="request_timeout") from None
                 raise DeadlineExceeded(
                     f"no token for {stall_timeout_s:g}s from the worker", code="stall_timeout"
                 ) from None
@@ -90,7 +96,7 @@ class Upstream:
         try:
             await self._response.aclose()
         finally:
-            await self._router.release(self.lease)
+            await self._admission.release(self.lease)
 
 
 def _error_line(line: Line) -> SluiceError:
@@ -99,21 +105,30 @@ def _error_line(line: Line) -> SluiceError:
 
 
 class Dispatcher:
-    def __init__(self, settings: GatewaySettings, router: Router, http: httpx.AsyncClient) -> None:
+    def __init__(self, settings: GatewaySettings, admission: Admission, http: httpx.AsyncClient) -> None:
         self._settings = settings
-        self._router = router
+        self._admission = admission
         self._http = http
 
-    async def open(self, model: str, payload: dict[str, Any]) -> Upstream:
-        """Route and connect, retrying on other workers until a first line arrives."""
+    async def open(self, model: str, payload: dict[str, Any], ctx: RequestContext) -> Upstream:
+        """Admit, route and connect, retrying on other workers until a first line arrives."""
         s = self._settings
+        payload["priority"] = ctx.priority
         body = orjson.dumps(payload)
         excluded: list[str] = []
         reason = "no attempt made"
         for attempt in range(1, s.max_attempts + 1):
-            lease = await self._router.acquire(model, excluded)
+            lease = await self._admission.acquire(
+                model,
+                f"{payload['request_id']}~{attempt}",
+                priority=ctx.priority,
+                exclude=excluded,
+                queue_deadline=min(time.time() + s.queue_timeout_s, ctx.deadline),
+                boost=attempt > 1,
+                disconnected=ctx.disconnected,
+            )
             try:
-                return await self._attempt(lease, body)
+                return await self._attempt(lease, body, ctx.deadline)
             except _Retryable as exc:
                 reason = str(exc)
                 log.warning(
@@ -129,41 +144,45 @@ class Dispatcher:
             retry_after_s=1,
         )
 
-    async def _attempt(self, lease: Lease, body: bytes) -> Upstream:
+    async def _attempt(self, lease: Lease, body: bytes, deadline: float) -> Upstream:
         s = self._settings
+        ttft_s = max(0.0, min(s.ttft_timeout_s, deadline - time.time()))
         request = self._http.build_request(
             "POST", lease.url + "/internal/generate", content=body,
             headers={"content-type": "application/json"},
         )
         upstream: Upstream | None = None
         try:
-            async with asyncio.timeout(s.ttft_timeout_s):
+            async with asyncio.timeout(ttft_s):
                 response = await self._http.send(request, stream=True)
-                upstream = Upstream(self._router, lease, response)
+                upstream = Upstream(self._admission, lease, response)
                 if response.status_code != 200:
                     detail = await response.aread()
                     if response.status_code >= 500 or response.status_code == 404:
                         raise _Retryable(f"worker answered {response.status_code}")
                     raise from_body(response.status_code, detail)
-                upstream.first = await upstream._read_line(s.ttft_timeout_s)
+                upstream.first = await upstream._read_line(ttft_s)
             if upstream.first is None:
                 raise _Retryable("worker closed the stream before the first token")
             if "error" in upstream.first:
                 raise _Retryable(f"worker error before the first token: {_error_line(upstream.first)}")
             return upstream
         except TimeoutError:
-            await _close(upstream, lease, self._router)
-            raise _Retryable(f"no first token within {s.ttft_timeout_s:g}s") from None
+            await _close(upstream, lease, self._admission)
+            if time.time() >= deadline:
+                raise DeadlineExceeded("the request ran past its deadline before its first token",
+                                       code="request_timeout") from None
+            raise _Retryable(f"no first token within {ttft_s:g}s") from None
         except httpx.TransportError as exc:
-            await _close(upstream, lease, self._router)
+            await _close(upstream, lease, self._admission)
             raise _Retryable(f"{type(exc).__name__} talking to the worker") from None
         except BaseException:
-            await _close(upstream, lease, self._router)
+            await _close(upstream, lease, self._admission)
             raise
 
 
-async def _close(upstream: Upstream | None, lease: Lease, router: Router) -> None:
+async def _close(upstream: Upstream | None, lease: Lease, admission: Admission) -> None:
     if upstream is not None:
         await upstream.aclose()
     else:
-        await router.release(lease)
+        await admission.release(lease)

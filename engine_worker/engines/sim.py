@@ -86,8 +86,12 @@ class _Seq:
 class SimEngine:
     name = "sim"
 
-    def __init__(self, *, ttft_ms: float = 20.0, token_ms: float = 5.0, max_seqs: int = 64) -> None:
+    def __init__(
+        self, *, ttft_ms: float = 20.0, token_ms: float = 5.0, max_seqs: int = 64, fail_first: int = 0
+    ) -> None:
         self.capacity = max_seqs
+        #: Fault injection: this many requests fail before their first token.
+        self._fail_left = fail_first
         self._ttft_s = ttft_ms / 1000
         self._token_s = token_ms / 1000
         self._waiting: deque[_Seq] = deque()
@@ -118,6 +122,9 @@ class SimEngine:
         )
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
+        if self._fail_left > 0:
+            self._fail_left -= 1
+            raise RuntimeError("simulated engine failure before the first token")
         prompt = prompt_text(request)
         tokens = SimSequence(prompt, request.seed)
         resumed = len(request.resume_token_ids)

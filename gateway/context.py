@@ -1,0 +1,61 @@
+"""What the gateway knows about one client request besides its body."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+
+from gateway.config import GatewaySettings
+from sluice.errors import InvalidRequest
+
+#: OpenAI's service tiers as priority classes (lower runs first, as in vLLM).
+SERVICE_TIERS = {"priority": -10, "default": 0, "auto": 0, "flex": 10, "scale": -10}
+
+
+@dataclass
+class RequestContext:
+    request_id: str
+    priority: int = 0
+    #: Epoch seconds by which the whole request must be done.
+    deadline: float = field(default_factory=lambda: time.time() + 600)
+    disconnected: Callable[[], Awaitable[bool]] | None = None
+
+    def remaining_s(self) -> float:
+        return self.deadline - time.time()
+
+
+def resolve_priority(
+    body_priority: int | None, service_tier: str | None, headers: Mapping[str, str], s: GatewaySettings
+) -> int:
+    """Body ``priority``, else header ``X-Sluice-Priority``, else ``service_tier``; clamped."""
+    priority = body_priority
+    if priority is None and "x-sluice-priority" in headers:
+        raw = headers["x-sluice-priority"]
+        try:
+            priority = int(raw)
+        except ValueError:
+            raise InvalidRequest(f"X-Sluice-Priority must be an integer, got {raw!r}") from None
+    if priority is None and service_tier is not None:
+        if service_tier not in SERVICE_TIERS:
+            raise InvalidRequest(
+                f"unknown service_tier {service_tier!r}; one of {sorted(SERVICE_TIERS)}",
+                param="service_tier",
+            )
+        priority = SERVICE_TIERS[service_tier]
+    return max(s.min_priority, min(s.max_priority, priority or 0))
+
+
+def resolve_deadline(headers: Mapping[str, str], s: GatewaySettings) -> float:
+    """Epoch deadline from ``X-Sluice-Timeout-Ms`` (capped), else the configured default."""
+    timeout_s = s.request_timeout_s
+    raw = headers.get("x-sluice-timeout-ms")
+    if raw is not None:
+        try:
+            timeout_s = int(raw) / 1000
+        except ValueError:
+            raise InvalidRequest(f"X-Sluice-Timeout-Ms must be an integer, got {raw!r}") from None
+        if timeout_s <= 0:
+            raise InvalidRequest("X-Sluice-Timeout-Ms must be positive")
+        timeout_s = min(timeout_s, s.max_request_timeout_s)
+    return time.time() + timeout_s

@@ -1,0 +1,162 @@
+"""Admission in Lua: each entry point runs atomically in Redis, so every gateway replica
+shares one priority queue and one view of worker slots.
+
+KEYS (all carry the model's hash tag, so one script touches one Cluster slot):
+    1 workers   2 inflight   3 leases   4 lease owners   5 queue   6 queue meta   7 done
+ARGV (shared): 1 heartbeat key prefix, 2 grant key prefix, 3 now (ms), 4 lease TTL (ms)
+
+Grant lists (``sl:{m}:grant:{request}``) are derived inside the scripts from the
+grant prefix; they share the model's hash tag, hence the same slot.
+"""
+
+from __future__ import annotations
+
+_PRELUDE = r"""
+local workers_key, inflight_key, leases_key, owner_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local queue_key, qmeta_key, done_key = KEYS[5], KEYS[6], KEYS[7]
+local hb_prefix, grant_prefix = ARGV[1], ARGV[2]
+local now, lease_ttl = tonumber(ARGV[3]), tonumber(ARGV[4])
+
+-- Live workers (heartbeat present) with their capacity and slots in use.
+local function live_workers()
+  local entries = redis.call('HGETALL', workers_key)
+  local out = {}
+  for i = 1, #entries, 2 do
+    local id, rec = entries[i], entries[i + 1]
+    if redis.call('EXISTS', hb_prefix .. id) == 1 then
+      local r = cjson.decode(rec)
+      out[#out + 1] = {id = id, url = r.url, cap = math.max(tonumber(r.capacity) or 1, 1),
+                       used = tonumber(redis.call('HGET', inflight_key, id) or '0')}
+    else
+      redis.call('HDEL', workers_key, id)
+    end
+  end
+  return out
+end
+
+-- The least-loaded worker with a free slot, not excluded; nil if none.
+local function choose(ws, excluded)
+  local best = nil
+  for _, w in ipairs(ws) do
+    if w.used < w.cap and not excluded[w.id] then
+      if best == nil or w.used / w.cap < best.used / best.cap then best = w end
+    end
+  end
+  return best
+end
+
+local function all_excluded(ws, excluded)
+  for _, w in ipairs(ws) do
+    if not excluded[w.id] then return false end
+  end
+  return true
+end
+
+local function deliver(req, payload)
+  local g = grant_prefix .. req
+  redis.call('RPUSH', g, payload)
+  redis.call('PEXPIRE', g, lease_ttl)
+end
+
+-- A slot on w for req: count it, lease it (renewed while the stream runs), tell the waiter.
+local function grant(w, req)
+  w.used = w.used + 1
+  redis.call('HINCRBY', inflight_key, w.id, 1)
+  redis.call('ZADD', leases_key, now + lease_ttl, req)
+  redis.call('HSET', owner_key, req, w.id)
+  deliver(req, cjson.encode({id = w.id, url = w.url}))
+end
+
+local function dequeue(req)
+  redis.call('ZREM', queue_key, req)
+  redis.call('HDEL', qmeta_key, req)
+end
+
+-- Hand free slots to the head of the queue, in priority order.
+local function pump(ws)
+  local granted = 0
+  while true do
+    local head = redis.call('ZRANGE', queue_key, 0, 0)
+    if #head == 0 then break end
+    local req = head[1]
+    local meta = cjson.decode(redis.call('HGET', qmeta_key, req) or '{}')
+    local excluded = {}
+    for _, id in ipairs(meta.exclude or {}) do excluded[id] = true end
+    if (tonumber(meta.deadline) or 0) < now then
+      dequeue(req)                                  -- its waiter has given up
+    elseif #ws == 0 or all_excluded(ws, excluded) then
+      dequeue(req)                                  -- nothing live can ever serve it
+      deliver(req, '{"none":true}')
+    else
+      local w = choose(ws, excluded)
+      if w == nil then break end
+      dequeue(req)
+      grant(w, req)
+      granted = granted + 1
+    end
+  end
+  return granted
+end
+
+-- Give a lease's slot back. Returns 1 if the lease existed.
+local function free_lease(req)
+  redis.call('ZREM', leases_key, req)
+  local w = redis.call('HGET', owner_key, req)
+  if not w then return 0 end
+  redis.call('HDEL', owner_key, req)
+  if tonumber(redis.call('HGET', inflight_key, w) or '0') > 0 then
+    redis.call('HINCRBY', inflight_key, w, -1)
+  end
+  return 1
+end
+"""
+
+#: ARGV 5 request id, 6 queue score, 7 queue deadline (ms), 8 max queue length, 9 excluded ids (JSON).
+#: Returns {'granted', grant JSON} | {'queued', rank} | {'full', length} | {'none'}.
+ACQUIRE = _PRELUDE + r"""
+local req = ARGV[5]
+local ws = live_workers()
+if #ws == 0 then return {'none'} end
+local length = redis.call('ZCARD', queue_key)
+if length >= tonumber(ARGV[8]) then return {'full', length} end
+redis.call('ZADD', queue_key, tonumber(ARGV[6]), req)
+redis.call('HSET', qmeta_key, req, cjson.encode({deadline = tonumber(ARGV[7]), exclude = cjson.decode(ARGV[9])}))
+pump(ws)
+local g = redis.call('LPOP', grant_prefix .. req)
+if g then
+  if string.find(g, '"none"', 1, true) then return {'none'} end
+  return {'granted', g}
+end
+return {'queued', redis.call('ZRANK', queue_key, req)}
+"""
+
+#: ARGV 5 lease (request) id. Frees the slot and hands it to the queue's head.
+RELEASE = _PRELUDE + r"""
+local freed = free_lease(ARGV[5])
+if freed == 1 then
+  redis.call('LPUSH', done_key, now)
+  redis.call('LTRIM', done_key, 0, 255)
+end
+pump(live_workers())
+return freed
+"""
+
+#: ARGV 5 request id. A waiter leaves the queue: {'removed'} | {'granted', grant JSON} | {'gone'}.
+CANCEL = _PRELUDE + r"""
+local req = ARGV[5]
+if redis.call('ZREM', queue_key, req) == 1 then
+  redis.call('HDEL', qmeta_key, req)
+  return {'removed'}
+end
+local g = redis.call('LPOP', grant_prefix .. req)
+if g and not string.find(g, '"none"', 1, true) then return {'granted', g} end
+return {'gone'}
+"""
+
+#: Reclaims leases whose holder stopped renewing them (a dead gateway), then pumps.
+REAP = _PRELUDE + r"""
+local expired = redis.call('ZRANGEBYSCORE', leases_key, '-inf', now, 'LIMIT', 0, 256)
+for _, req in ipairs(expired) do free_lease(req) end
+pump(live_workers())
+return #expired
+"""

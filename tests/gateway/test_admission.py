@@ -1,0 +1,177 @@
+"""The shared priority queue: order across replicas, deadlines, cancellation, leases, overload."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from sluice import keys
+
+
+def _inflight(redis_client, model: str) -> int:
+    return sum(int(v) for v in redis_client.hvals(keys.inflight(model)))
+
+
+def _wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _hold_slot(gateway_url: str, model: str, tokens: int) -> threading.Thread:
+    """A long streaming request that occupies one slot until it finishes."""
+
+    def run() -> None:
+        body = {"model": model, "prompt": "blocker", "max_tokens": tokens, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", gateway_url + "/v1/completions", json=body, timeout=60) as resp:
+                for _ in resp.iter_lines():
+                    pass
+        except httpx.HTTPError:
+            pass  # the gateway-kill test cuts these streams on purpose
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+async def _completion_order(gateways: list[str], model: str, plan: list[tuple[str, int]]) -> list[str]:
+    """Submit requests (name, priority) 40 ms apart, round-robin over gateways; return finish order."""
+    order: list[str] = []
+    clients = [openai.AsyncOpenAI(base_url=g + "/v1", api_key="x", max_retries=0, timeout=60) for g in gateways]
+
+    async def one(i: int, name: str, priority: int) -> None:
+        await clients[i % len(clients)].completions.create(
+            model=model, prompt=name, max_tokens=3, extra_body={"priority": priority, "ignore_eos": True}
+        )
+        order.append(name)
+
+    tasks = []
+    for i, (name, priority) in enumerate(plan):
+        tasks.append(asyncio.create_task(one(i, name, priority)))
+        await asyncio.sleep(0.04)
+    await asyncio.gather(*tasks)
+    for c in clients:
+        await c.close()
+    return order
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+async def test_high_priority_admitted_first(start_worker, start_gateway, redis_client, replicas) -> None:
+    model = f"prio-{replicas}"
+    start_worker(model, sim_max_seqs=1, sim_token_ms=10, sim_ttft_ms=0)
+    gateways = [start_gateway().url for _ in range(replicas)]
+    blocker = _hold_slot(gateways[0], model, tokens=80)
+    await asyncio.to_thread(_wait_for, lambda: _inflight(redis_client, model) == 1, 5, "the blocker")
+    plan = [(f"low{i}", 5) for i in range(3)] + [(f"high{i}", -5) for i in range(3)]
+    order = await _completion_order(gateways, model, plan)
+    blocker.join(10)
+    assert order[:3] == ["high0", "high1", "high2"], order
+    assert sorted(order[3:]) == ["low0", "low1", "low2"], order
+
+
+def test_queue_timeout_is_429_then_sdk_retry_succeeds(start_worker, start_gateway, redis_client) -> None:
+    model = "qtimeout"
+    start_worker(model, sim_max_seqs=1, sim_token_ms=10, sim_ttft_ms=0)
+    gateway = start_gateway(env={"SLUICE_GATEWAY_QUEUE_TIMEOUT_S": "0.5"})
+    blocker = _hold_slot(gateway.url, model, tokens=120)
+    _wait_for(lambda: _inflight(redis_client, model) == 1, 5, "the blocker")
+    started = time.monotonic()
+    resp = httpx.post(gateway.url + "/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2})
+    assert resp.status_code == 429
+    assert 0.4 < time.monotonic() - started < 3
+    assert 1 <= int(resp.headers["retry-after"]) <= 60
+    assert resp.json()["error"]["type"] == "rate_limit_error"
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=5) as client:
+        done = client.completions.create(model=model, prompt="x", max_tokens=2)
+    assert done.choices[0].finish_reason == "length"
+    blocker.join(10)
+
+
+def test_disconnect_while_queued_and_while_streaming(start_worker, start_gateway, redis_client) -> None:
+    model = "cancel"
+    worker = start_worker(model, sim_max_seqs=1, sim_token_ms=20, sim_ttft_ms=0)
+    gateway = start_gateway()
+    body = {"model": model, "prompt": "long", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=30) as streaming:
+        lines = streaming.iter_lines()  # keep a reference: a dropped iterator closes the stream
+        next(lines)
+        # A second request queues behind the first; its client gives up after 0.5 s.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(gateway.url + "/v1/completions",
+                       json={"model": model, "prompt": "queued", "max_tokens": 2}, timeout=0.5)
+        _wait_for(lambda: redis_client.zcard(keys.queue(model)) == 0, 3, "the queued request to leave")
+        assert _inflight(redis_client, model) == 1
+    # The streaming client hung up: the engine aborts and the slot comes back.
+    _wait_for(lambda: _inflight(redis_client, model) == 0, 2, "the slot to come back")
+    _wait_for(
+        lambda: httpx.get(worker.url + "/health").json()["worker"]["stats"]["running"] == 0, 1, "the abort"
+    )
+    assert redis_client.zcard(keys.leases(model)) == 0
+
+
+def test_worker_500_before_first_token_is_retried_elsewhere(start_worker, start_gateway) -> None:
+    model = "flaky"
+    start_worker(model, sim_fail_first=1000)
+    start_worker(model)
+    gateway = start_gateway()
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0) as client:
+        reference = None
+        for _ in range(12):
+            resp = client.completions.create(model=model, prompt="same", max_tokens=6, seed=3)
+            assert len(resp.choices) == 1 and resp.choices[0].finish_reason == "length"
+            assert resp.usage is not None and resp.usage.completion_tokens == 6
+            reference = reference or resp.choices[0].text
+            assert resp.choices[0].text == reference  # one generation, never a spliced one
+
+
+def test_sigkill_gateway_its_leases_come_back(start_worker, start_gateway, redis_client) -> None:
+    model = "lease"
+    start_worker(model, sim_max_seqs=4, sim_token_ms=10)
+    env = {"SLUICE_GATEWAY_LEASE_TTL_S": "1.5", "SLUICE_GATEWAY_REAP_INTERVAL_S": "0.3"}
+    doomed = start_gateway(env=env)
+    start_gateway(env=env)  # the survivor, whose reaper reclaims the leases
+    for _ in range(2):
+        _hold_slot(doomed.url, model, tokens=1000)
+    _wait_for(lambda: _inflight(redis_client, model) == 2, 5, "two leases")
+    killed_at = time.monotonic()
+    doomed.kill()
+    _wait_for(lambda: _inflight(redis_client, model) == 0, 4, "the dead gateway's slots")
+    assert time.monotonic() - killed_at < 1.5 + 0.3 + 1.5
+    assert redis_client.zcard(keys.leases(model)) == 0
+
+
+async def test_4x_overload_answers_fast_and_clean(start_worker, start_gateway) -> None:
+    model = "overload"
+    start_worker(model, sim_max_seqs=4, sim_token_ms=5, sim_ttft_ms=0)
+    gateway = start_gateway(env={"SLUICE_GATEWAY_QUEUE_TIMEOUT_S": "1", "SLUICE_GATEWAY_MAX_QUEUE": "6"})
+    statuses: list[int] = []
+    durations: list[float] = []
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        started = time.monotonic()
+        resp = await client.post(
+            "/v1/completions",
+            json={"model": model, "prompt": f"p{i}", "max_tokens": 40, "ignore_eos": True},
+        )
+        durations.append(time.monotonic() - started)
+        statuses.append(resp.status_code)
+        if resp.status_code != 200:
+            assert resp.status_code in (429, 503), resp.text
+            assert int(resp.headers["retry-after"]) >= 1
+            assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+    limits = httpx.Limits(max_connections=100)
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=20, limits=limits) as client:
+        # Capacity 4 and ~0.2 s per request: 64 at once is far beyond 4x what it can take.
+        await asyncio.gather(*(one(client, i) for i in range(64)))
+    assert statuses.count(200) >= 4
+    assert statuses.count(429) >= 16
+    # Nobody waits past the queue timeout plus one generation (and scheduling slack).
+    assert max(durations) < 1 + 0.5 + 2.0, max(durations)
