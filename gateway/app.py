@@ -27,6 +27,7 @@ from gateway.config import GatewaySettings
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.admission import Admission
 from gateway.context import RequestContext, resolve_deadline, resolve_priority
+from gateway.idempotency import Idempotency, fingerprint
 from gateway.serving import Serving
 from gateway.upstream import Dispatcher
 from sluice.errors import (
@@ -70,7 +71,9 @@ async def open_services(settings: GatewaySettings) -> Services:
     )
     admission = Admission(redis, settings)
     await admission.start()
-    serving = Serving(settings, Dispatcher(settings, admission, http))
+    serving = Serving(
+        settings, Dispatcher(settings, admission, http), Idempotency(redis, settings.idempotency_ttl_s)
+    )
     return Services(redis=redis, http=http, admission=admission, serving=serving)
 
 
@@ -97,13 +100,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        req = await _parse(request, ChatCompletionRequest, settings.max_body_bytes)
-        return await svc().serving.chat(req, _context(request, req, settings))
+        req, body = await _parse(request, ChatCompletionRequest, settings.max_body_bytes)
+        return await svc().serving.chat(req, _context(request, req, body, settings))
 
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
-        req = await _parse(request, CompletionRequest, settings.max_body_bytes)
-        return await svc().serving.completions(req, _context(request, req, settings))
+        req, body = await _parse(request, CompletionRequest, settings.max_body_bytes)
+        return await svc().serving.completions(req, _context(request, req, body, settings))
 
     @app.get("/v1/models")
     async def list_models() -> Response:
@@ -143,13 +146,17 @@ def _json(obj: object, status: int = 200) -> Response:
 
 
 def _context(
-    request: Request, req: ChatCompletionRequest | CompletionRequest, settings: GatewaySettings
+    request: Request, req: ChatCompletionRequest | CompletionRequest, body: bytes,
+    settings: GatewaySettings,
 ) -> RequestContext:
+    key = request.headers.get("idempotency-key")
     return RequestContext(
         request_id=_request_id(request),
         priority=resolve_priority(req.priority, req.service_tier, request.headers, settings),
         deadline=resolve_deadline(request.headers, settings),
         disconnected=request.is_disconnected,
+        idempotency_key=None if key is None else Idempotency.check_key(key),
+        fingerprint=fingerprint(body) if key is not None else "",
     )
 
 
@@ -180,7 +187,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _parse(request: Request, model: type[M], limit: int) -> M:
+async def _parse(request: Request, model: type[M], limit: int) -> tuple[M, bytes]:
     body = await _read_body(request, limit)
     try:
         obj = orjson.loads(body)
@@ -189,7 +196,7 @@ async def _parse(request: Request, model: type[M], limit: int) -> M:
     if not isinstance(obj, dict):
         raise InvalidRequest("request body must be a JSON object")
     try:
-        return model.model_validate(obj)
+        return model.model_validate(obj), body
     except ValidationError as exc:
         raise _validation_error(exc.errors()) from None
 

@@ -44,5 +44,7 @@ class GatewaySettings(BaseSettings):
     request_timeout_s: float = Field(default=600.0, gt=0)
     #: Upper bound for a client's X-Sluice-Timeout-Ms.
     max_request_timeout_s: float = Field(default=3600.0, gt=0)
+    #: How long an Idempotency-Key and its stored result live.
+    idempotency_ttl_s: float = Field(default=3600.0, gt=0)
     #: Seconds uvicorn waits for open streams on shutdown.
     shutdown_grace_s: float = Field(default=30.0, ge=0)

@@ -20,6 +20,9 @@ class RequestContext:
     #: Epoch seconds by which the whole request must be done.
     deadline: float = field(default_factory=lambda: time.time() + 600)
     disconnected: Callable[[], Awaitable[bool]] | None = None
+    idempotency_key: str | None = None
+    #: SHA-256 of the raw body, to tell a true retry from a key reused for another request.
+    fingerprint: str = ""
 
     def remaining_s(self) -> float:
         return self.deadline - time.time()

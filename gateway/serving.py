@@ -15,6 +15,7 @@ from starlette.responses import Response
 
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
+from gateway.idempotency import Idempotency
 from gateway.logprobs import render as render_logprobs
 from gateway.protocol import (
     DONE,
@@ -75,9 +76,10 @@ class Tally:
 
 
 class Serving:
-    def __init__(self, settings: GatewaySettings, dispatcher: Dispatcher) -> None:
+    def __init__(self, settings: GatewaySettings, dispatcher: Dispatcher, idempotency: Idempotency) -> None:
         self._settings = settings
         self._dispatcher = dispatcher
+        self._idempotency = idempotency
         self._unknown_logged: set[str] = set()
 
     async def chat(self, req: ChatCompletionRequest, ctx: RequestContext) -> Response:
@@ -99,6 +101,22 @@ class Serving:
         ctx: RequestContext,
     ) -> Response:
         self._note_unknown(req)
+        key = ctx.idempotency_key
+        if key is not None:
+            replay = await self._idempotency.claim(key, ctx.fingerprint, req.stream, ctx.deadline)
+            if replay is not None:
+                return replay
+        try:
+            return await self._generate(kind, req, ctx)
+        except BaseException:
+            if key is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._idempotency.forget(key)
+            raise
+
+    async def _generate(
+        self, kind: Kind, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext
+    ) -> Response:
         tally = Tally(request_id=ctx.request_id, model=req.model, n=req.n, priority=ctx.priority)
         headers = {"x-request-id": ctx.request_id}
         try:
@@ -110,11 +128,14 @@ class Serving:
         tally.workers = [u.lease.worker_id for u in upstreams]
         if req.stream:
             return EventSourceResponse(
-                self._sse(kind, req, upstreams, tally, ctx.deadline),
+                self._sse(kind, req, upstreams, tally, ctx),
                 ping=self._settings.sse_ping_s,
                 headers=headers,
             )
-        return await self._collect(kind, req, upstreams, tally, headers, ctx.deadline)
+        response = await self._collect(kind, req, upstreams, tally, headers, ctx.deadline)
+        if ctx.idempotency_key is not None:
+            await self._idempotency.complete(ctx.idempotency_key, ctx.fingerprint, False, response.body)
+        return response
 
     async def _open_all(
         self, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext
@@ -143,12 +164,13 @@ class Serving:
         req: ChatCompletionRequest | CompletionRequest,
         upstreams: list[Upstream],
         tally: Tally,
-        deadline: float,
+        ctx: RequestContext,
     ) -> AsyncIterator[bytes]:
         writer = ChunkWriter(kind, req.model)
+        completed = False
         offsets: dict[int, int] = {}
         try:
-            async for index, line in self._choice_lines(upstreams, deadline):
+            async for index, line in self._choice_lines(upstreams, ctx.deadline):
                 tally.add(index, line)
                 first = index not in offsets
                 text = line.get("text", "")
@@ -158,6 +180,7 @@ class Serving:
                 yield writer.delta(index, text, line.get("finish_reason"), first=first, logprobs=rendered)
             if req.include_usage():
                 yield writer.usage(tally.usage())
+            completed = True
         except SluiceError as exc:
             tally.status = f"stream_error:{exc.code or exc.type}"
             log.warning("request %s failed mid-stream: %s", tally.request_id, exc.message)
@@ -170,7 +193,16 @@ class Serving:
                 for upstream in upstreams:
                     await upstream.aclose()
                 tally.log()
+                await self._settle_stream(ctx, completed)
         yield DONE
+
+    async def _settle_stream(self, ctx: RequestContext, completed: bool) -> None:
+        if ctx.idempotency_key is None:
+            return
+        if completed:
+            await self._idempotency.complete(ctx.idempotency_key, ctx.fingerprint, True, None)
+        else:
+            await self._idempotency.forget(ctx.idempotency_key)
 
     async def _collect(
         self,

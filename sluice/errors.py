@@ -6,6 +6,7 @@
      ├── ModelNotFound          404 invalid_request_error / model_not_found
      ├── RouteNotFound          404 invalid_request_error / not_found
      ├── MethodNotAllowed       405 invalid_request_error
+     ├── Conflict               409 invalid_request_error / conflict
      ├── RateLimited            429 rate_limit_error (+ Retry-After)
      ├── Unavailable            503 service_unavailable (+ Retry-After)
      ├── UpstreamFailed         502 server_error
@@ -87,6 +88,12 @@ class MethodNotAllowed(SluiceError):
     status = 405
     type = "invalid_request_error"
     code = "method_not_allowed"
+
+
+class Conflict(SluiceError):
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
 
 
 class RateLimited(SluiceError):

@@ -1,0 +1,78 @@
+"""``Idempotency-Key``: the same key within its TTL yields one generation.
+
+Record ``sl:idem:{key}`` (JSON): ``{"state": "pending"|"done", "fp": body hash,
+"stream": bool, "body": completed JSON body (non-streaming only)}``.
+
+- first caller: claims the key (SET NX) and generates;
+- a later caller with the same body: gets the stored result once it is done
+  (waiting while it is pending); a streaming request still running, or done,
+  answers 409 until stream re-attach exists;
+- the same key with a different body: 409;
+- a generation that fails forgets the key, so the client's retry runs again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+
+import orjson
+from redis.asyncio import Redis
+from starlette.responses import Response
+
+from sluice.errors import Conflict, DeadlineExceeded, InvalidRequest
+
+_PREFIX = "sl:idem:"
+MAX_KEY_LENGTH = 255
+
+
+def fingerprint(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
+
+
+class Idempotency:
+    def __init__(self, redis: Redis, ttl_s: float) -> None:
+        self._redis = redis
+        self._ttl_ms = int(ttl_s * 1000)
+
+    @staticmethod
+    def check_key(key: str) -> str:
+        if not key or len(key) > MAX_KEY_LENGTH or not key.isprintable():
+            raise InvalidRequest(f"Idempotency-Key must be 1-{MAX_KEY_LENGTH} printable characters")
+        return key
+
+    async def claim(self, key: str, fp: str, stream: bool, deadline: float) -> Response | None:
+        """None when this caller owns the key and must generate; else the answer to send."""
+        pending = orjson.dumps({"state": "pending", "fp": fp, "stream": stream})
+        while True:
+            if await self._redis.set(_PREFIX + key, pending, nx=True, px=self._ttl_ms):
+                return None
+            raw = await self._redis.get(_PREFIX + key)
+            if raw is None:
+                continue  # the owner failed and forgot the key: try to claim it again
+            record = orjson.loads(raw)
+            if record.get("fp") != fp:
+                raise Conflict("this Idempotency-Key was used with a different request body")
+            if record.get("stream") or stream:
+                raise Conflict(
+                    "a streaming request with this Idempotency-Key exists; re-attaching to a "
+                    "stream is not available yet"
+                )
+            if record.get("state") == "done":
+                return Response(
+                    record["body"].encode(), media_type="application/json",
+                    headers={"idempotent-replayed": "true"},
+                )
+            if time.time() > deadline:
+                raise DeadlineExceeded("the request with this Idempotency-Key is still running")
+            await asyncio.sleep(0.05)
+
+    async def complete(self, key: str, fp: str, stream: bool, body: bytes | None) -> None:
+        record = {"state": "done", "fp": fp, "stream": stream}
+        if body is not None:
+            record["body"] = body.decode()
+        await self._redis.set(_PREFIX + key, orjson.dumps(record), px=self._ttl_ms)
+
+    async def forget(self, key: str) -> None:
+        await self._redis.delete(_PREFIX + key)

@@ -1,0 +1,73 @@
+"""Idempotency-Key: one generation per key."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import httpx
+import openai
+import pytest
+
+
+def _served(worker) -> int:
+    return int(httpx.get(worker.url + "/health").json()["worker"]["served"])
+
+
+@pytest.fixture(scope="module")
+def idem(start_worker, start_gateway):
+    worker = start_worker("idem", sim_token_ms=10, sim_ttft_ms=0)
+    return worker, start_gateway()
+
+
+async def test_concurrent_callers_share_one_generation(idem) -> None:
+    worker, gateway = idem
+    before = _served(worker)
+    key = {"Idempotency-Key": uuid.uuid4().hex}
+    body = {"model": "idem", "prompt": "once", "max_tokens": 20, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+        first, second = await asyncio.gather(
+            client.post("/v1/completions", json=body, headers=key),
+            client.post("/v1/completions", json=body, headers=key),
+        )
+        third = await client.post("/v1/completions", json=body, headers=key)
+    assert first.status_code == second.status_code == third.status_code == 200
+    assert first.json() == second.json() == third.json()  # same id, same text
+    assert third.headers["idempotent-replayed"] == "true"
+    assert _served(worker) == before + 1
+
+
+def test_same_key_other_body_is_409(idem) -> None:
+    _, gateway = idem
+    key = uuid.uuid4().hex
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0) as client:
+        client.completions.create(model="idem", prompt="a", max_tokens=2,
+                                  extra_headers={"Idempotency-Key": key})
+        with pytest.raises(openai.ConflictError):
+            client.completions.create(model="idem", prompt="b", max_tokens=2,
+                                      extra_headers={"Idempotency-Key": key})
+
+
+def test_streaming_duplicate_is_409_while_running(idem) -> None:
+    _, gateway = idem
+    key = {"Idempotency-Key": uuid.uuid4().hex}
+    body = {"model": "idem", "prompt": "s", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", gateway.url + "/v1/completions", json=body, headers=key, timeout=30) as first:
+        lines = first.iter_lines()
+        next(lines)
+        again = httpx.post(gateway.url + "/v1/completions", json=body, headers=key, timeout=30)
+        assert again.status_code == 409
+        assert again.json()["error"]["code"] == "conflict"
+
+
+def test_failed_generation_frees_the_key(idem) -> None:
+    _, gateway = idem
+    key = {"Idempotency-Key": uuid.uuid4().hex}
+    bad = httpx.post(gateway.url + "/v1/completions", headers=key,
+                     json={"model": "no-such-model", "prompt": "x"})
+    assert bad.status_code == 404
+    # The first call claimed the key, then failed: the key was forgotten, so the retry
+    # runs instead of waiting forever on a result that will never come.
+    good = httpx.post(gateway.url + "/v1/completions", headers=key,
+                      json={"model": "no-such-model", "prompt": "x"})
+    assert good.status_code == 404
