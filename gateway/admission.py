@@ -10,6 +10,10 @@ Queue order: lower score first, with ``score = arrival_ms + priority * aging_ms`
 when aging is on (a request one priority level lower overtakes after waiting
 ``aging_ms`` longer), else ``priority * 1e12 + arrival_ms`` (strict classes).
 Retries and migrations are boosted ahead of everything.
+
+Headroom: a share of every worker's slots (``reserved_slots``) is kept for
+urgent requests (priority <= ``urgent_priority_max``), so under overload the top
+class waits for one of those rather than for the next release of a full worker.
 """
 
 from __future__ import annotations
@@ -86,7 +90,8 @@ class Admission:
     def _args(self, model: str, *extra: object) -> list[object]:
         return [
             keys.heartbeat_prefix(model), keys.grant_prefix(model), int(time.time() * 1000),
-            int(self._s.lease_ttl_s * 1000), *extra,
+            int(self._s.lease_ttl_s * 1000), self._s.reserved_slots, self._s.urgent_priority_max,
+            *extra,
         ]
 
     def score(self, priority: int, boost: bool) -> float:
@@ -113,7 +118,7 @@ class Admission:
         result = await self._acquire(
             keys=keys.admission(model),
             args=self._args(model, lease_id, self.score(priority, boost), int(deadline * 1000),
-                            self._s.max_queue, orjson.dumps(list(exclude)).decode()),
+                            self._s.max_queue, orjson.dumps(list(exclude)).decode(), priority),
         )
         status = result[0].decode()
         if status == "granted":
@@ -132,8 +137,9 @@ class Admission:
         disconnected: Callable[[], Awaitable[bool]] | None,
     ) -> Lease:
         grant_key = keys.grant_prefix(model) + lease_id
-        while (remaining := deadline - time.time()) > 0:
-            got = await self._redis.blpop([grant_key], timeout=min(remaining, 1.0))
+        while (remaining := deadline - time.time()) > 0.001:
+            # Redis counts BLPOP timeouts in whole milliseconds, and 0 means forever.
+            got = await self._redis.blpop([grant_key], timeout=max(0.01, min(remaining, 1.0)))
             if got is not None:
                 if b'"none"' in got[1]:
                     raise await self._no_worker(model, True)

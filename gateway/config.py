@@ -37,6 +37,10 @@ class GatewaySettings(BaseSettings):
     reap_interval_s: float = Field(default=1.0, gt=0)
     #: Aging: waiting this long is worth one priority level (0 = strict classes).
     priority_aging_s: float = Field(default=1.0, ge=0)
+    #: Share of each worker's slots only urgent requests may fill (headroom under overload).
+    reserved_slots: float = Field(default=0.125, ge=0, lt=1)
+    #: Priorities at or below this are urgent (service_tier "priority" maps to -10).
+    urgent_priority_max: int = -1
     #: Priorities (lower runs first) are clamped to this range.
     min_priority: int = -1000
     max_priority: int = 1000

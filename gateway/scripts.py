@@ -3,7 +3,9 @@ shares one priority queue and one view of worker slots.
 
 KEYS (all carry the model's hash tag, so one script touches one Cluster slot):
     1 workers   2 inflight   3 leases   4 lease owners   5 queue   6 queue meta   7 done
-ARGV (shared): 1 heartbeat key prefix, 2 grant key prefix, 3 now (ms), 4 lease TTL (ms)
+ARGV (shared): 1 heartbeat key prefix, 2 grant key prefix, 3 now (ms), 4 lease TTL (ms),
+               5 share of each worker's slots reserved for urgent requests,
+               6 highest priority value that counts as urgent (lower is more urgent)
 
 Grant lists (``sl:{m}:grant:{request}``) are derived inside the scripts from the
 grant prefix; they share the model's hash tag, hence the same slot.
@@ -16,6 +18,7 @@ local workers_key, inflight_key, leases_key, owner_key = KEYS[1], KEYS[2], KEYS[
 local queue_key, qmeta_key, done_key = KEYS[5], KEYS[6], KEYS[7]
 local hb_prefix, grant_prefix = ARGV[1], ARGV[2]
 local now, lease_ttl = tonumber(ARGV[3]), tonumber(ARGV[4])
+local reserve, urgent_max = tonumber(ARGV[5]), tonumber(ARGV[6])
 
 -- Live workers (heartbeat present) with their capacity and slots in use.
 local function live_workers()
@@ -34,11 +37,18 @@ local function live_workers()
   return out
 end
 
--- The least-loaded worker with a free slot, not excluded; nil if none.
-local function choose(ws, excluded)
+-- Slots a request of this priority may fill on w: all of them for urgent requests,
+-- the unreserved share for the rest (never less than one).
+local function usable(w, priority)
+  if priority <= urgent_max then return w.cap end
+  return math.max(1, w.cap - math.ceil(w.cap * reserve))
+end
+
+-- The least-loaded worker with a slot this priority may use, not excluded; nil if none.
+local function choose(ws, excluded, priority)
   local best = nil
   for _, w in ipairs(ws) do
-    if w.used < w.cap and not excluded[w.id] then
+    if w.used < usable(w, priority) and not excluded[w.id] then
       if best == nil or w.used / w.cap < best.used / best.cap then best = w end
     end
   end
@@ -88,7 +98,7 @@ local function pump(ws)
       dequeue(req)                                  -- nothing live can ever serve it
       deliver(req, '{"none":true}')
     else
-      local w = choose(ws, excluded)
+      local w = choose(ws, excluded, tonumber(meta.priority) or 0)
       if w == nil then break end
       dequeue(req)
       grant(w, req)
@@ -111,16 +121,18 @@ local function free_lease(req)
 end
 """
 
-#: ARGV 5 request id, 6 queue score, 7 queue deadline (ms), 8 max queue length, 9 excluded ids (JSON).
+#: ARGV 7 request id, 8 queue score, 9 queue deadline (ms), 10 max queue length,
+#: 11 excluded ids (JSON), 12 priority.
 #: Returns {'granted', grant JSON} | {'queued', rank} | {'full', length} | {'none'}.
 ACQUIRE = _PRELUDE + r"""
-local req = ARGV[5]
+local req = ARGV[7]
 local ws = live_workers()
 if #ws == 0 then return {'none'} end
 local length = redis.call('ZCARD', queue_key)
-if length >= tonumber(ARGV[8]) then return {'full', length} end
-redis.call('ZADD', queue_key, tonumber(ARGV[6]), req)
-redis.call('HSET', qmeta_key, req, cjson.encode({deadline = tonumber(ARGV[7]), exclude = cjson.decode(ARGV[9])}))
+if length >= tonumber(ARGV[10]) then return {'full', length} end
+redis.call('ZADD', queue_key, tonumber(ARGV[8]), req)
+redis.call('HSET', qmeta_key, req, cjson.encode({deadline = tonumber(ARGV[9]),
+  exclude = cjson.decode(ARGV[11]), priority = tonumber(ARGV[12])}))
 pump(ws)
 local g = redis.call('LPOP', grant_prefix .. req)
 if g then
@@ -130,9 +142,9 @@ end
 return {'queued', redis.call('ZRANK', queue_key, req)}
 """
 
-#: ARGV 5 lease (request) id. Frees the slot and hands it to the queue's head.
+#: ARGV 7 lease (request) id. Frees the slot and hands it to the queue's head.
 RELEASE = _PRELUDE + r"""
-local freed = free_lease(ARGV[5])
+local freed = free_lease(ARGV[7])
 if freed == 1 then
   redis.call('LPUSH', done_key, now)
   redis.call('LTRIM', done_key, 0, 255)
@@ -141,9 +153,9 @@ pump(live_workers())
 return freed
 """
 
-#: ARGV 5 request id. A waiter leaves the queue: {'removed'} | {'granted', grant JSON} | {'gone'}.
+#: ARGV 7 request id. A waiter leaves the queue: {'removed'} | {'granted', grant JSON} | {'gone'}.
 CANCEL = _PRELUDE + r"""
-local req = ARGV[5]
+local req = ARGV[7]
 if redis.call('ZREM', queue_key, req) == 1 then
   redis.call('HDEL', qmeta_key, req)
   return {'removed'}

@@ -173,6 +173,11 @@ def _worker_url(redis_url: str, model: str) -> str:
 def main(args: argparse.Namespace) -> int:
     from sluice.up import Supervisor, UpOptions
 
+    if args.scenario == "priority":
+        from sluice.priority_bench import main as priority_main
+
+        return priority_main(args)
+
     options = UpOptions(engine=args.engine, workers=1, port=args.port, model=args.model,
                         log_level="WARNING", worker_args=list(args.worker_arg))
     stack = Supervisor(options)
@@ -196,11 +201,18 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scenario", choices=["overhead", "priority"], default="overhead",
+                   help="overhead: gateway vs direct worker (default); priority: per-class TTFT and "
+                        "shedding at 0.5x and 2x capacity (sim engine)")
+    p.add_argument("--duration-s", type=float, default=20.0, help="priority: seconds per phase")
+    p.add_argument("--queue-timeout-s", type=float, default=2.0, help="priority: gateway queue timeout")
+    p.add_argument("--sim-max-seqs", type=int, default=8, help="priority: sim worker slots")
+    p.add_argument("--sim-token-ms", type=float, default=10.0, help="priority: sim decode step")
     p.add_argument("--engine", choices=["sim", "vllm"], default="vllm", help="engine to measure (default vllm)")
     p.add_argument("--model", help="model folder (default: the prepared default model)")
     p.add_argument("--concurrency", default="1,16", help="comma-separated levels (default 1,16)")
     p.add_argument("--requests", type=int, default=32, help="requests per path and level (default 32)")
-    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
+    p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (default 32)")
     p.add_argument("--warmup", type=int, default=4, help="warm-up requests before measuring (default 4)")
     p.add_argument("--port", type=int, default=8799, help="gateway port for the private stack")
     p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",

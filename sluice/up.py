@@ -9,6 +9,7 @@ exponential backoff, as a compose ``restart: unless-stopped`` would.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -55,12 +56,20 @@ class UpOptions:
         )
 
 
+def _worker_env(engine: str, index: int) -> dict[str, str] | None:
+    """vLLM on CPU pins its compute to core 0 by default: spread workers over the cores."""
+    if engine != "vllm" or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return None
+    return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(index % (os.cpu_count() or 1))}
+
+
 class Child:
     """One supervised process; ``restart()`` brings it back with backoff."""
 
-    def __init__(self, name: str, argv: list[str]) -> None:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         self.name = name
         self.argv = argv
+        self.env = env
         self.process: subprocess.Popen[bytes] | None = None
         self.restarts = 0
         self._next_start = 0.0
@@ -68,8 +77,16 @@ class Child:
     def start(self) -> None:
         # Own session: a terminal's Ctrl-C reaches only the supervisor, which then
         # stops the children in order (each gets exactly one signal and drains).
-        self.process = subprocess.Popen(self.argv, preexec_fn=child_preexec, start_new_session=True)
+        self.process = subprocess.Popen(
+            self.argv, preexec_fn=child_preexec, start_new_session=True, env=self.env
+        )
         log.info("started %s (pid %d)", self.name, self.process.pid)
+
+    def kill_group(self) -> None:
+        """Kill what the child left behind (vLLM's engine processes survive a SIGKILLed worker)."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -77,6 +94,7 @@ class Child:
     def restart_if_due(self) -> None:
         now = time.monotonic()
         if self._next_start == 0.0:
+            self.kill_group()
             code = self.process.returncode if self.process else None
             delay = min(30.0, 0.5 * 2**self.restarts)
             log.warning("%s exited with code %s; restarting in %.1fs", self.name, code, delay)
@@ -87,16 +105,16 @@ class Child:
             self.start()
 
     def stop(self, timeout_s: float) -> None:
-        if not self.alive():
-            return
-        assert self.process is not None
-        self.process.terminate()
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            log.warning("%s did not stop in %.0fs; killing it", self.name, timeout_s)
-            self.process.kill()
-            self.process.wait()
+        if self.alive():
+            assert self.process is not None
+            self.process.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0fs; killing it", self.name, timeout_s)
+                self.process.kill()
+                self.process.wait()
+        self.kill_group()
 
 
 class Supervisor:
@@ -165,7 +183,7 @@ class Supervisor:
             if o.served_model_name:
                 argv += ["--served-model-name", o.served_model_name]
             argv += o.worker_args
-            self.workers.append(Child(f"worker-{i}", argv))
+            self.workers.append(Child(f"worker-{i}", argv, env=_worker_env(o.engine, i)))
         self.gateway = Child("gateway", [*base, "gateway", "--host", o.host, "--port", str(o.port),
                                          "--redis-url", redis_url])
         for child in [*self.workers, self.gateway]:

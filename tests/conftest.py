@@ -27,8 +27,10 @@ class Proc:
         self.name = name
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        # Own process group, so kill() also takes vLLM's engine processes with it.
         self.process = subprocess.Popen(
-            argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+            argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+            start_new_session=True,
         )
         self.url = ""
 
@@ -42,9 +44,14 @@ class Proc:
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
+    def _kill_group(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     def kill(self) -> None:
-        if self.alive():
-            self.process.send_signal(signal.SIGKILL)
+        self._kill_group()
         self.process.wait()
         self._log.close()
 
@@ -56,6 +63,7 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self._kill_group()
         self._log.close()
         return self.process.returncode
 

@@ -72,6 +72,8 @@ class VllmEngine:
         }
         if self._kv_cache_bytes:
             args["kv_cache_memory_bytes"] = self._kv_cache_bytes
+        if not _has_gpu():
+            args["block_size"] = 32  # CPU defaults to 128: finer blocks share more prefix
         if self._trtllm_kernels:
             args.update(trtllm_kernel_args())
         args.update(self._extra)
