@@ -177,8 +177,12 @@ class Admission:
         return Unavailable(f"every live worker for '{model}' failed this request", retry_after_s=1)
 
     async def release(self, lease: Lease) -> None:
+        """Give the slot back; with Redis unreachable the lease simply expires and is reaped."""
         self._active.pop(lease.lease_id, None)
-        await self._release(keys=keys.admission(lease.model), args=self._args(lease.model, lease.lease_id))
+        try:
+            await self._release(keys=keys.admission(lease.model), args=self._args(lease.model, lease.lease_id))
+        except (RedisError, OSError) as exc:
+            log.warning("could not release lease %s (%s); it will expire", lease.lease_id, exc)
 
     async def retry_after_s(self, model: str, position: int) -> float:
         """Seconds until ``position`` requests ahead have drained at the recent service rate."""

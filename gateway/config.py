@@ -21,6 +21,8 @@ class GatewaySettings(BaseSettings):
     max_attempts: int = Field(default=3, ge=1, le=10)
     retry_backoff_ms: float = Field(default=50.0, ge=0)
     connect_timeout_s: float = Field(default=2.0, gt=0)
+    #: Times one stream may move to another worker after its worker broke off mid-stream.
+    max_migrations: int = Field(default=2, ge=0, le=10)
     #: From dispatch to the first token; past it the attempt counts as failed.
     ttft_timeout_s: float = Field(default=60.0, gt=0)
     #: Longest silence between two upstream lines once tokens flow.

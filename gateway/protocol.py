@@ -11,7 +11,7 @@ import uuid
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class StreamOptions(BaseModel):
@@ -52,6 +52,14 @@ class _SamplingFields(BaseModel):
     service_tier: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type", "text") != "text":
+            raise ValueError(f"response_format {value.get('type')!r} (guided decoding) is not supported yet")
+        return value
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import anyio
 from sse_starlette import EventSourceResponse
@@ -27,7 +27,7 @@ from gateway.protocol import (
     worker_payloads,
 )
 from gateway.upstream import Dispatcher, Line, Upstream
-from sluice.errors import SluiceError, error_event
+from sluice.errors import DeadlineExceeded, SluiceError, UpstreamFailed, error_event
 
 log = logging.getLogger("sluice.gateway")
 access = logging.getLogger("sluice.access")
@@ -50,6 +50,7 @@ class Tally:
     completion_tokens: int = 0
     cached_tokens: int = 0
     workers: list[str] = field(default_factory=list)
+    migrations: int = 0
     status: str = "ok"
 
     def add(self, index: int, line: Line) -> None:
@@ -68,10 +69,10 @@ class Tally:
         ttft = "-" if self.first_token_s is None else f"{self.first_token_s * 1000:.0f}ms"
         access.info(
             "request_id=%s model=%s priority=%d status=%s ttft=%s total=%.0fms prompt_tokens=%d "
-            "completion_tokens=%d workers=%s",
+            "completion_tokens=%d migrations=%d workers=%s",
             self.request_id, self.model, self.priority, self.status, ttft,
             (time.monotonic() - self.started) * 1000, self.prompt_tokens,
-            self.completion_tokens, ",".join(self.workers) or "-",
+            self.completion_tokens, self.migrations, ",".join(self.workers) or "-",
         )
 
 
@@ -119,28 +120,30 @@ class Serving:
     ) -> Response:
         tally = Tally(request_id=ctx.request_id, model=req.model, n=req.n, priority=ctx.priority)
         headers = {"x-request-id": ctx.request_id}
+        payloads = worker_payloads(req, ctx.request_id)
         try:
-            upstreams = await self._open_all(req, ctx)
+            upstreams = await self._open_all(req, payloads, ctx)
         except SluiceError as exc:
             tally.status = str(exc.status)
             tally.log()
             raise
         tally.workers = [u.lease.worker_id for u in upstreams]
+        lines = self._choice_lines(req, upstreams, payloads, ctx, tally)
         if req.stream:
             return EventSourceResponse(
-                self._sse(kind, req, upstreams, tally, ctx),
+                self._sse(kind, req, upstreams, lines, tally, ctx),
                 ping=self._settings.sse_ping_s,
                 headers=headers,
             )
-        response = await self._collect(kind, req, upstreams, tally, headers, ctx.deadline)
+        response = await self._collect(kind, req, upstreams, lines, tally, headers)
         if ctx.idempotency_key is not None:
             await self._idempotency.complete(ctx.idempotency_key, ctx.fingerprint, False, response.body)
         return response
 
     async def _open_all(
-        self, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext
+        self, req: ChatCompletionRequest | CompletionRequest, payloads: list[dict[str, Any]],
+        ctx: RequestContext,
     ) -> list[Upstream]:
-        payloads = worker_payloads(req, ctx.request_id)
         results = await asyncio.gather(
             *(self._dispatcher.open(req.model, p, ctx) for p in payloads), return_exceptions=True
         )
@@ -152,17 +155,67 @@ class Serving:
             raise failure
         return opened
 
-    def _choice_lines(self, upstreams: list[Upstream], deadline: float) -> AsyncIterator[tuple[int, Line]]:
-        stall = self._settings.stall_timeout_s
-        if len(upstreams) == 1:
-            return _indexed(0, upstreams[0].lines(stall, deadline))
-        return _merge([_indexed(i, u.lines(stall, deadline)) for i, u in enumerate(upstreams)])
+    def _choice_lines(
+        self, req: ChatCompletionRequest | CompletionRequest, upstreams: list[Upstream],
+        payloads: list[dict[str, Any]], ctx: RequestContext, tally: Tally,
+    ) -> AsyncIterator[tuple[int, Line]]:
+        streams = [self._follow(req, i, upstreams, payloads[i], ctx, tally) for i in range(len(upstreams))]
+        return streams[0] if len(streams) == 1 else _merge(streams)
+
+    async def _follow(
+        self, req: ChatCompletionRequest | CompletionRequest, index: int, upstreams: list[Upstream],
+        payload: dict[str, Any], ctx: RequestContext, tally: Tally,
+    ) -> AsyncIterator[tuple[int, Line]]:
+        """One choice's lines; if its worker breaks off mid-stream, migrate and go on.
+
+        The new worker continues from prompt + the token ids already relayed
+        (``resume_token_ids``) with the remaining ``max_tokens``, so the client's
+        stream has no gap and no repeated token.
+        """
+        sent: list[int] = []
+        failed: list[str] = []
+        while True:
+            upstream = upstreams[index]
+            resumed = len(payload.get("resume_token_ids", ()))
+            try:
+                async for line in upstream.lines(self._settings.stall_timeout_s, ctx.deadline):
+                    sent.extend(line.get("ids", ()))
+                    if resumed and line.get("usage"):
+                        # The worker counted the resumed ids as prompt; the client's prompt is shorter.
+                        line["usage"] = {**line["usage"], "prompt_tokens": line["usage"]["prompt_tokens"] - resumed}
+                    yield index, line
+                return
+            except (UpstreamFailed, DeadlineExceeded) as exc:
+                if not self._may_migrate(exc, len(failed), ctx):
+                    raise
+                failed.append(upstream.worker_id)
+                log.warning("request %s: worker %s broke off after %d tokens (%s); migrating",
+                            ctx.request_id, upstream.worker_id, len(sent), exc.message)
+                await upstream.aclose()
+            limit = payload.get("max_tokens")
+            payload = {**payload, "request_id": f"{ctx.request_id}-{index}-m{len(failed)}",
+                       "resume_token_ids": list(sent),
+                       "max_tokens": None if limit is None else limit - len(sent) + resumed}
+            if payload["max_tokens"] is not None and payload["max_tokens"] <= 0:
+                yield index, {"ids": [], "text": "", "finish_reason": "length"}
+                return
+            upstreams[index] = await self._dispatcher.open(
+                req.model, payload, ctx, exclude=failed, boost=True
+            )
+            tally.migrations += 1
+            tally.workers.append(upstreams[index].worker_id)
+
+    def _may_migrate(self, exc: SluiceError, migrations: int, ctx: RequestContext) -> bool:
+        if exc.code == "request_timeout" or ctx.remaining_s() <= 0:
+            return False
+        return migrations < self._settings.max_migrations
 
     async def _sse(
         self,
         kind: Kind,
         req: ChatCompletionRequest | CompletionRequest,
         upstreams: list[Upstream],
+        lines: AsyncIterator[tuple[int, Line]],
         tally: Tally,
         ctx: RequestContext,
     ) -> AsyncIterator[bytes]:
@@ -170,7 +223,7 @@ class Serving:
         completed = False
         offsets: dict[int, int] = {}
         try:
-            async for index, line in self._choice_lines(upstreams, ctx.deadline):
+            async for index, line in lines:
                 tally.add(index, line)
                 first = index not in offsets
                 text = line.get("text", "")
@@ -209,15 +262,15 @@ class Serving:
         kind: Kind,
         req: ChatCompletionRequest | CompletionRequest,
         upstreams: list[Upstream],
+        lines: AsyncIterator[tuple[int, Line]],
         tally: Tally,
         headers: dict[str, str],
-        deadline: float,
     ) -> Response:
         texts = [""] * len(upstreams)
         finishes: list[str | None] = [None] * len(upstreams)
         entries: list[list[list[object]]] = [[] for _ in upstreams]
         try:
-            async for index, line in self._choice_lines(upstreams, deadline):
+            async for index, line in lines:
                 tally.add(index, line)
                 texts[index] += line.get("text", "")
                 finishes[index] = line.get("finish_reason") or finishes[index]
@@ -237,11 +290,6 @@ class Serving:
         ]
         body = completion_body(kind, req.model, choices, tally.usage())
         return Response(body, media_type="application/json", headers=headers)
-
-
-async def _indexed(index: int, lines: AsyncIterator[Line]) -> AsyncIterator[tuple[int, Line]]:
-    async for line in lines:
-        yield index, line
 
 
 async def _merge(sources: list[AsyncIterator[tuple[int, Line]]]) -> AsyncIterator[tuple[int, Line]]:

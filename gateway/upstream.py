@@ -98,6 +98,10 @@ class Upstream:
         finally:
             await self._admission.release(self.lease)
 
+    @property
+    def worker_id(self) -> str:
+        return self.lease.worker_id
+
 
 def _error_line(line: Line) -> SluiceError:
     err = line.get("error") or {}
@@ -110,12 +114,24 @@ class Dispatcher:
         self._admission = admission
         self._http = http
 
-    async def open(self, model: str, payload: dict[str, Any], ctx: RequestContext) -> Upstream:
-        """Admit, route and connect, retrying on other workers until a first line arrives."""
+    async def open(
+        self,
+        model: str,
+        payload: dict[str, Any],
+        ctx: RequestContext,
+        *,
+        exclude: list[str] | tuple[str, ...] = (),
+        boost: bool = False,
+    ) -> Upstream:
+        """Admit, route and connect, retrying on other workers until a first line arrives.
+
+        ``boost`` puts the request ahead of the queue (a migration); ``exclude``
+        names workers that already failed it.
+        """
         s = self._settings
         payload["priority"] = ctx.priority
         body = orjson.dumps(payload)
-        excluded: list[str] = []
+        excluded: list[str] = list(exclude)
         reason = "no attempt made"
         for attempt in range(1, s.max_attempts + 1):
             lease = await self._admission.acquire(
@@ -124,7 +140,7 @@ class Dispatcher:
                 priority=ctx.priority,
                 exclude=excluded,
                 queue_deadline=min(time.time() + s.queue_timeout_s, ctx.deadline),
-                boost=attempt > 1,
+                boost=boost or attempt > 1,
                 disconnected=ctx.disconnected,
             )
             try:

@@ -118,7 +118,10 @@ def start_worker(
 ) -> StartWorker:
     logs = tmp_path_factory.mktemp("logs")
 
-    def start(model: str = "sim", *extra: str, env: dict[str, str] | None = None, **flags: object) -> Proc:
+    def start(
+        model: str = "sim", *extra: str, env: dict[str, str] | None = None,
+        redis_at: str | None = None, **flags: object,
+    ) -> Proc:
         port = free_port()
         worker_id = f"w-{model}-{port}"
         engine = str(flags.pop("engine", "sim"))
@@ -126,7 +129,7 @@ def start_worker(
         start_s = 60.0 if engine == "sim" else 600.0
         argv = [
             sys.executable, "-m", "sluice", "worker", "--engine", engine,
-            "--port", str(port), "--redis-url", redis_url, "--served-model-name", model,
+            "--port", str(port), "--redis-url", redis_at or redis_url, "--served-model-name", model,
             "--worker-id", worker_id, "--heartbeat-ms", str(flags.pop("heartbeat_ms", 200)),
         ]
         for name, value in flags.items():
@@ -137,10 +140,15 @@ def start_worker(
         procs.append(proc)
         proc.wait_http("/health", timeout_s=start_s)
         deadline = time.monotonic() + 10
-        while not redis_client.exists(keys.heartbeat(model, worker_id)):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{worker_id} never registered:\n{proc.log_tail()}")
-            time.sleep(0.02)
+        client = redis.Redis.from_url(redis_at) if redis_at else redis_client
+        try:
+            while not client.exists(keys.heartbeat(model, worker_id)):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{worker_id} never registered:\n{proc.log_tail()}")
+                time.sleep(0.02)
+        finally:
+            if redis_at:
+                client.close()
         proc.name = worker_id
         return proc
 
@@ -153,9 +161,10 @@ def start_gateway(
 ) -> StartGateway:
     logs = tmp_path_factory.mktemp("gateway-logs")
 
-    def start(env: dict[str, str] | None = None) -> Proc:
+    def start(env: dict[str, str] | None = None, redis_at: str | None = None) -> Proc:
         port = free_port()
-        argv = [sys.executable, "-m", "sluice", "gateway", "--port", str(port), "--redis-url", redis_url]
+        argv = [sys.executable, "-m", "sluice", "gateway", "--port", str(port),
+                "--redis-url", redis_at or redis_url]
         proc = Proc(f"gateway-{port}", argv, logs / f"gateway-{port}.log", {**_env(), **(env or {})})
         proc.url = f"http://127.0.0.1:{port}"
         procs.append(proc)
