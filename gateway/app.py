@@ -28,6 +28,7 @@ from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.admission import Admission
 from gateway.context import RequestContext, resolve_deadline, resolve_priority
 from gateway.idempotency import Idempotency, fingerprint
+from gateway.journal import last_event_id
 from gateway.serving import Serving
 from gateway.upstream import Dispatcher
 from sluice.errors import (
@@ -72,7 +73,7 @@ async def open_services(settings: GatewaySettings) -> Services:
     admission = Admission(redis, settings)
     await admission.start()
     serving = Serving(
-        settings, Dispatcher(settings, admission, http), Idempotency(redis, settings.idempotency_ttl_s)
+        settings, Dispatcher(settings, admission, http), Idempotency(redis, settings.idempotency_ttl_s), redis
     )
     return Services(redis=redis, http=http, admission=admission, serving=serving)
 
@@ -107,6 +108,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def completions(request: Request) -> Response:
         req, body = await _parse(request, CompletionRequest, settings.max_body_bytes)
         return await svc().serving.completions(req, _context(request, req, body, settings))
+
+    @app.get("/v1/streams/{key}")
+    async def reattach(key: str, request: Request) -> Response:
+        """Re-attach to a stream started with this Idempotency-Key, after Last-Event-ID."""
+        after = last_event_id(request.headers.get("last-event-id") or request.query_params.get("last_event_id"))
+        return await svc().serving.reattach(Idempotency.check_key(key), after)
 
     @app.get("/v1/models")
     async def list_models() -> Response:
@@ -157,6 +164,7 @@ def _context(
         disconnected=request.is_disconnected,
         idempotency_key=None if key is None else Idempotency.check_key(key),
         fingerprint=fingerprint(body) if key is not None else "",
+        last_event_id=last_event_id(request.headers.get("last-event-id")),
     )
 
 

@@ -23,6 +23,8 @@ class RequestContext:
     idempotency_key: str | None = None
     #: SHA-256 of the raw body, to tell a true retry from a key reused for another request.
     fingerprint: str = ""
+    #: SSE ``Last-Event-ID`` of a client re-attaching to a resumable stream.
+    last_event_id: int = 0
 
     def remaining_s(self) -> float:
         return self.deadline - time.time()

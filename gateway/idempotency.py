@@ -5,8 +5,8 @@ Record ``sl:idem:{key}`` (JSON): ``{"state": "pending"|"done", "fp": body hash,
 
 - first caller: claims the key (SET NX) and generates;
 - a later caller with the same body: gets the stored result once it is done
-  (waiting while it is pending); a streaming request still running, or done,
-  answers 409 until stream re-attach exists;
+  (waiting while it is pending); for a streaming request it re-attaches to the
+  journaled stream (see gateway/journal.py), from ``Last-Event-ID`` on;
 - the same key with a different body: 409;
 - a generation that fails forgets the key, so the client's retry runs again.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from typing import Literal
 
 import orjson
 from redis.asyncio import Redis
@@ -42,8 +43,9 @@ class Idempotency:
             raise InvalidRequest(f"Idempotency-Key must be 1-{MAX_KEY_LENGTH} printable characters")
         return key
 
-    async def claim(self, key: str, fp: str, stream: bool, deadline: float) -> Response | None:
-        """None when this caller owns the key and must generate; else the answer to send."""
+    async def claim(self, key: str, fp: str, stream: bool, deadline: float) -> Response | Literal["attach"] | None:
+        """None when this caller owns the key and must generate; "attach" to re-attach to
+        the key's stream; else the stored answer to send."""
         pending = orjson.dumps({"state": "pending", "fp": fp, "stream": stream})
         while True:
             if await self._redis.set(_PREFIX + key, pending, nx=True, px=self._ttl_ms):
@@ -54,11 +56,8 @@ class Idempotency:
             record = orjson.loads(raw)
             if record.get("fp") != fp:
                 raise Conflict("this Idempotency-Key was used with a different request body")
-            if record.get("stream") or stream:
-                raise Conflict(
-                    "a streaming request with this Idempotency-Key exists; re-attaching to a "
-                    "stream is not available yet"
-                )
+            if stream:  # same body, so the stored request streams too
+                return "attach"
             if record.get("state") == "done":
                 return Response(
                     record["body"].encode(), media_type="application/json",
@@ -73,6 +72,10 @@ class Idempotency:
         if body is not None:
             record["body"] = body.decode()
         await self._redis.set(_PREFIX + key, orjson.dumps(record), px=self._ttl_ms)
+
+    async def lookup(self, key: str) -> dict[str, object] | None:
+        raw = await self._redis.get(_PREFIX + key)
+        return None if raw is None else dict(orjson.loads(raw))
 
     async def forget(self, key: str) -> None:
         await self._redis.delete(_PREFIX + key)

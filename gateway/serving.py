@@ -10,12 +10,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import anyio
+from redis.asyncio import Redis
 from sse_starlette import EventSourceResponse
 from starlette.responses import Response
 
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
 from gateway.idempotency import Idempotency
+from gateway.journal import JournalWriter, start_producer, stream_key
+from gateway.journal import tail as journal_tail
 from gateway.logprobs import render as render_logprobs
 from gateway.protocol import (
     DONE,
@@ -27,7 +30,14 @@ from gateway.protocol import (
     worker_payloads,
 )
 from gateway.upstream import Dispatcher, Line, Upstream
-from sluice.errors import DeadlineExceeded, SluiceError, UpstreamFailed, error_event
+from sluice.errors import (
+    Conflict,
+    DeadlineExceeded,
+    RouteNotFound,
+    SluiceError,
+    UpstreamFailed,
+    error_event,
+)
 
 log = logging.getLogger("sluice.gateway")
 access = logging.getLogger("sluice.access")
@@ -77,10 +87,14 @@ class Tally:
 
 
 class Serving:
-    def __init__(self, settings: GatewaySettings, dispatcher: Dispatcher, idempotency: Idempotency) -> None:
+    def __init__(
+        self, settings: GatewaySettings, dispatcher: Dispatcher, idempotency: Idempotency, redis: Redis
+    ) -> None:
         self._settings = settings
         self._dispatcher = dispatcher
         self._idempotency = idempotency
+        self._redis = redis
+        self._producers: set[asyncio.Task[None]] = set()
         self._unknown_logged: set[str] = set()
 
     async def chat(self, req: ChatCompletionRequest, ctx: RequestContext) -> Response:
@@ -105,6 +119,8 @@ class Serving:
         key = ctx.idempotency_key
         if key is not None:
             replay = await self._idempotency.claim(key, ctx.fingerprint, req.stream, ctx.deadline)
+            if replay == "attach":
+                return await self.reattach(key, ctx.last_event_id)
             if replay is not None:
                 return replay
         try:
@@ -130,11 +146,16 @@ class Serving:
         tally.workers = [u.lease.worker_id for u in upstreams]
         lines = self._choice_lines(req, upstreams, payloads, ctx, tally)
         if req.stream:
-            return EventSourceResponse(
-                self._sse(kind, req, upstreams, lines, tally, ctx),
-                ping=self._settings.sse_ping_s,
-                headers=headers,
-            )
+            events = self._sse(kind, req, upstreams, lines, tally, ctx)
+            if ctx.idempotency_key is not None:
+                # Resumable: the generation feeds the journal, independent of this client,
+                # and this client is its first reader.
+                writer = JournalWriter(self._redis, ctx.idempotency_key, ttl_s=self._settings.idempotency_ttl_s)
+                task = await start_producer(writer, events)
+                self._producers.add(task)
+                task.add_done_callback(self._producers.discard)
+                events = journal_tail(self._redis, ctx.idempotency_key, 0)
+            return EventSourceResponse(events, ping=self._settings.sse_ping_s, headers=headers)
         response = await self._collect(kind, req, upstreams, lines, tally, headers)
         if ctx.idempotency_key is not None:
             await self._idempotency.complete(ctx.idempotency_key, ctx.fingerprint, False, response.body)
@@ -248,6 +269,16 @@ class Serving:
                 tally.log()
                 await self._settle_stream(ctx, completed)
         yield DONE
+
+    async def reattach(self, key: str, after: int) -> Response:
+        record = await self._idempotency.lookup(key)
+        if record is None or not await self._redis.exists(stream_key(key)):
+            raise RouteNotFound(f"no resumable stream for Idempotency-Key {key!r}")
+        if not record.get("stream"):
+            raise Conflict("this Idempotency-Key belongs to a non-streaming request")
+        return EventSourceResponse(
+            journal_tail(self._redis, key, after), ping=self._settings.sse_ping_s
+        )
 
     async def _settle_stream(self, ctx: RequestContext, completed: bool) -> None:
         if ctx.idempotency_key is None:

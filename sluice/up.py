@@ -117,6 +117,10 @@ class Child:
         self.kill_group()
 
 
+#: A worker that dies this many times before the stack is ready stops `sluice up`.
+_STARTUP_RESTARTS = 3
+
+
 class Supervisor:
     def __init__(self, options: UpOptions) -> None:
         self.options = options
@@ -210,11 +214,15 @@ class Supervisor:
                 print(f"sluice up: the gateway exited (code {self.gateway.process.returncode}); "
                       "see the log above", file=sys.stderr)  # type: ignore[union-attr]
                 return False
-            if not any(w.alive() for w in self.workers):
-                codes = [w.process.returncode for w in self.workers if w.process]
-                print(f"sluice up: every worker exited (codes {codes}); see the log above",
-                      file=sys.stderr)
-                return False
+            for worker in self.workers:
+                if worker.alive():
+                    continue
+                if worker.restarts >= _STARTUP_RESTARTS:
+                    code = worker.process.returncode if worker.process else None
+                    print(f"sluice up: {worker.name} keeps exiting (last code {code}); see the log above",
+                          file=sys.stderr)
+                    return False
+                worker.restart_if_due()
             try:
                 if httpx.get(self.url() + "/ready", timeout=2).status_code == 200:
                     return True

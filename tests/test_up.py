@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 
 from sluice.embedded_redis import free_port
@@ -99,3 +100,51 @@ def test_help_explains_commands() -> None:
     assert result.returncode == 0
     for word in ("up", "gateway", "worker", "check"):
         assert word in result.stdout
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_up_restarts_a_dead_worker(tmp_path: Path) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    log = open(tmp_path / "up.log", "wb")  # noqa: SIM115
+    up = subprocess.Popen(
+        [sys.executable, "-m", "sluice", "up", "--engine", "sim", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT, env=env,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert time.monotonic() < deadline and up.poll() is None
+            try:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        workers = [p for p in _descendants(up.pid) if " worker " in _cmdline(p)]
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while True:
+            assert time.monotonic() < deadline, (tmp_path / "up.log").read_text()[-2000:]
+            fresh = [p for p in _descendants(up.pid) if " worker " in _cmdline(p) and p != workers[0]]
+            if fresh and httpx.get(url + "/ready", timeout=1).status_code == 200:
+                resp = httpx.post(url + "/v1/completions", json={"model": "sim", "prompt": "x", "max_tokens": 2})
+                if resp.status_code == 200:
+                    break
+            time.sleep(0.1)
+        assert "restarting" in (tmp_path / "up.log").read_text()
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        log.close()
