@@ -41,6 +41,10 @@ class GenerateRequest(BaseModel):
     priority: int = 0
     #: Token ids already delivered to the client by an earlier worker (migration).
     resume_token_ids: list[int] = Field(default_factory=list)
+    #: Characters of text the client already has for those ids. An engine may hold text
+    #: back (a possible stop string, a partial UTF-8 character) while sending the ids;
+    #: the resuming worker emits that held-back text first.
+    resume_text_chars: int | None = Field(default=None, ge=0)
 
 
 @dataclass(slots=True)

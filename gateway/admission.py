@@ -26,6 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import anyio
 import orjson
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -67,6 +68,7 @@ class Admission:
         self._release = redis.register_script(scripts.RELEASE)
         self._cancel = redis.register_script(scripts.CANCEL)
         self._reap = redis.register_script(scripts.REAP)
+        self._renew = redis.register_script(scripts.RENEW)
         self._live = redis.register_script(_LIVE)
         self._active: dict[str, str] = {}  # lease id -> model, renewed in the background
         self._tasks: list[asyncio.Task[None]] = []
@@ -137,16 +139,21 @@ class Admission:
         disconnected: Callable[[], Awaitable[bool]] | None,
     ) -> Lease:
         grant_key = keys.grant_prefix(model) + lease_id
-        while (remaining := deadline - time.time()) > 0.001:
-            # Redis counts BLPOP timeouts in whole milliseconds, and 0 means forever.
-            got = await self._redis.blpop([grant_key], timeout=max(0.01, min(remaining, 1.0)))
-            if got is not None:
-                if b'"none"' in got[1]:
-                    raise await self._no_worker(model, True)
-                return self._granted(model, lease_id, got[1])
-            if disconnected is not None and await disconnected():
-                await self._leave(model, lease_id)
-                raise ClientGone("client disconnected while queued")
+        try:
+            while (remaining := deadline - time.time()) > 0.001:
+                # Redis counts BLPOP timeouts in whole milliseconds, and 0 means forever.
+                got = await self._redis.blpop([grant_key], timeout=max(0.01, min(remaining, 1.0)))
+                if got is not None:
+                    if b'"none"' in got[1]:
+                        raise await self._no_worker(model, True)
+                    return self._granted(model, lease_id, got[1])
+                if disconnected is not None and await disconnected():
+                    await self._leave_and_release(model, lease_id)
+                    raise ClientGone("client disconnected while queued")
+        except asyncio.CancelledError:
+            with anyio.CancelScope(shield=True):
+                await self._leave_and_release(model, lease_id)
+            raise
         rank = await self._redis.zrank(keys.queue(model), lease_id)
         lease = await self._leave(model, lease_id)
         if lease is not None:
@@ -156,6 +163,11 @@ class Admission:
             f"no capacity for '{model}' within the queue timeout ({position} ahead)",
             retry_after_s=await self.retry_after_s(model, position),
         )
+
+    async def _leave_and_release(self, model: str, lease_id: str) -> None:
+        lease = await self._leave(model, lease_id)
+        if lease is not None:
+            await self.release(lease)
 
     async def _leave(self, model: str, lease_id: str) -> Lease | None:
         """Leave the queue; if a grant raced in, return it (the caller serves or releases it)."""
@@ -206,16 +218,14 @@ class Admission:
         period = self._s.lease_ttl_s / 3
         while True:
             await asyncio.sleep(period)
-            if not self._active:
-                continue
-            expiry = int((time.time() + self._s.lease_ttl_s) * 1000)
-            try:
-                pipe = self._redis.pipeline(transaction=False)
-                for lease_id, model in list(self._active.items()):
-                    pipe.zadd(keys.leases(model), {lease_id: expiry}, xx=True)
-                await pipe.execute()
-            except (RedisError, OSError) as exc:
-                log.warning("lease renewal failed: %s", exc)
+            by_model: dict[str, list[str]] = {}
+            for lease_id, model in list(self._active.items()):
+                by_model.setdefault(model, []).append(lease_id)
+            for model, lease_ids in by_model.items():
+                try:
+                    await self._renew(keys=keys.admission(model), args=self._args(model, *lease_ids))
+                except (RedisError, OSError) as exc:
+                    log.warning("lease renewal failed: %s", exc)
 
     async def reap_once(self) -> int:
         reaped = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ SERVICE_TIERS = {"priority": -10, "default": 0, "auto": 0, "flex": 10, "scale": 
 
 @dataclass
 class RequestContext:
+    #: The client's X-Request-Id (or a fresh one): for logs and the response header only.
     request_id: str
     priority: int = 0
     #: Epoch seconds by which the whole request must be done.
@@ -25,6 +27,9 @@ class RequestContext:
     fingerprint: str = ""
     #: SSE ``Last-Event-ID`` of a client re-attaching to a resumable stream.
     last_event_id: int = 0
+    #: Server-made and unique: names leases and engine requests, so two clients sending
+    #: the same X-Request-Id can never share a slot.
+    internal_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def remaining_s(self) -> float:
         return self.deadline - time.time()

@@ -48,9 +48,9 @@ class JournalWriter:
     async def run(self, events: AsyncIterator[bytes]) -> None:
         """Journal every event; ``events`` ends with ``[DONE]``."""
         last_flush = time.monotonic()
-        await self._redis.delete(self._key)  # a retry under the same key starts a fresh journal
-        await self._redis.set(self._live, b"1", px=3000)
         try:
+            await self._redis.delete(self._key)  # a retry under the same key starts a fresh journal
+            await self._redis.set(self._live, b"1", px=3000)
             async for event in events:
                 self._pending.append(event)
                 now = time.monotonic()
@@ -58,6 +58,7 @@ class JournalWriter:
                     await self._flush()
                     last_flush = now
         finally:
+            await events.aclose()  # type: ignore[attr-defined]  # runs the generation's clean-up
             with contextlib.suppress(RedisError, OSError):
                 await self._flush()
                 await self._redis.delete(self._live)

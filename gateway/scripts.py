@@ -3,7 +3,8 @@ shares one priority queue and one view of worker slots.
 
 KEYS (all carry the model's hash tag, so one script touches one Cluster slot):
     1 workers   2 inflight   3 leases   4 lease owners   5 queue   6 queue meta   7 done
-ARGV (shared): 1 heartbeat key prefix, 2 grant key prefix, 3 now (ms), 4 lease TTL (ms),
+ARGV (shared): 1 heartbeat key prefix, 2 grant key prefix, 3 (unused: time comes from Redis),
+               4 lease TTL (ms),
                5 share of each worker's slots reserved for urgent requests,
                6 highest priority value that counts as urgent (lower is more urgent)
 
@@ -17,7 +18,10 @@ _PRELUDE = r"""
 local workers_key, inflight_key, leases_key, owner_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local queue_key, qmeta_key, done_key = KEYS[5], KEYS[6], KEYS[7]
 local hb_prefix, grant_prefix = ARGV[1], ARGV[2]
-local now, lease_ttl = tonumber(ARGV[3]), tonumber(ARGV[4])
+local lease_ttl = tonumber(ARGV[4])
+-- Redis's clock, not the calling gateway's: leases must not depend on replicas' clock skew.
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local reserve, urgent_max = tonumber(ARGV[5]), tonumber(ARGV[6])
 
 -- Live workers (heartbeat present) with their capacity and slots in use.
@@ -82,13 +86,21 @@ local function dequeue(req)
   redis.call('HDEL', qmeta_key, req)
 end
 
--- Hand free slots to the head of the queue, in priority order.
+local function any_free(ws)
+  for _, w in ipairs(ws) do
+    if w.used < w.cap then return true end
+  end
+  return false
+end
+
+-- Hand free slots to waiting requests in priority order. An entry that cannot use
+-- any free slot (its workers are excluded or full, or only urgent slots are left)
+-- is skipped, not allowed to block the ones behind it; the scan is bounded.
 local function pump(ws)
   local granted = 0
-  while true do
-    local head = redis.call('ZRANGE', queue_key, 0, 0)
-    if #head == 0 then break end
-    local req = head[1]
+  local window = redis.call('ZRANGE', queue_key, 0, 63)
+  for _, req in ipairs(window) do
+    if not any_free(ws) then break end
     local meta = cjson.decode(redis.call('HGET', qmeta_key, req) or '{}')
     local excluded = {}
     for _, id in ipairs(meta.exclude or {}) do excluded[id] = true end
@@ -99,10 +111,11 @@ local function pump(ws)
       deliver(req, '{"none":true}')
     else
       local w = choose(ws, excluded, tonumber(meta.priority) or 0)
-      if w == nil then break end
-      dequeue(req)
-      grant(w, req)
-      granted = granted + 1
+      if w ~= nil then
+        dequeue(req)
+        grant(w, req)
+        granted = granted + 1
+      end
     end
   end
   return granted
@@ -171,4 +184,12 @@ local expired = redis.call('ZRANGEBYSCORE', leases_key, '-inf', now, 'LIMIT', 0,
 for _, req in ipairs(expired) do free_lease(req) end
 pump(live_workers())
 return #expired
+"""
+
+#: ARGV 7.. lease ids held by the calling gateway: push their expiry to now + TTL.
+RENEW = _PRELUDE + r"""
+for i = 7, #ARGV do
+  redis.call('ZADD', leases_key, 'XX', now + lease_ttl, ARGV[i])
+end
+return #ARGV - 6
 """

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import anyio
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 from sse_starlette import EventSourceResponse
 from starlette.responses import Response
 
+from gateway.admission import ClientGone
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
 from gateway.idempotency import Idempotency
@@ -35,6 +38,7 @@ from sluice.errors import (
     DeadlineExceeded,
     RouteNotFound,
     SluiceError,
+    Unavailable,
     UpstreamFailed,
     error_event,
 )
@@ -136,7 +140,7 @@ class Serving:
     ) -> Response:
         tally = Tally(request_id=ctx.request_id, model=req.model, n=req.n, priority=ctx.priority)
         headers = {"x-request-id": ctx.request_id}
-        payloads = worker_payloads(req, ctx.request_id)
+        payloads = worker_payloads(req, ctx.internal_id)
         try:
             upstreams = await self._open_all(req, payloads, ctx)
         except SluiceError as exc:
@@ -148,15 +152,17 @@ class Serving:
         if req.stream:
             events = self._sse(kind, req, upstreams, lines, tally, ctx)
             if ctx.idempotency_key is not None:
-                # Resumable: the generation feeds the journal, independent of this client,
-                # and this client is its first reader.
+                # Resumable: the generation feeds the journal, independent of this client
+                # (a migration must not give up because the first reader left), and this
+                # client is its first reader.
+                ctx.disconnected = None
                 writer = JournalWriter(self._redis, ctx.idempotency_key, ttl_s=self._settings.idempotency_ttl_s)
                 task = await start_producer(writer, events)
                 self._producers.add(task)
                 task.add_done_callback(self._producers.discard)
                 events = journal_tail(self._redis, ctx.idempotency_key, 0)
             return EventSourceResponse(events, ping=self._settings.sse_ping_s, headers=headers)
-        response = await self._collect(kind, req, upstreams, lines, tally, headers)
+        response = await self._collect(kind, req, upstreams, lines, tally, headers, ctx.disconnected)
         if ctx.idempotency_key is not None:
             await self._idempotency.complete(ctx.idempotency_key, ctx.fingerprint, False, response.body)
         return response
@@ -194,6 +200,7 @@ class Serving:
         stream has no gap and no repeated token.
         """
         sent: list[int] = []
+        chars = 0
         failed: list[str] = []
         while True:
             upstream = upstreams[index]
@@ -201,6 +208,7 @@ class Serving:
             try:
                 async for line in upstream.lines(self._settings.stall_timeout_s, ctx.deadline):
                     sent.extend(line.get("ids", ()))
+                    chars += len(line.get("text", ""))
                     if resumed and line.get("usage"):
                         # The worker counted the resumed ids as prompt; the client's prompt is shorter.
                         line["usage"] = {**line["usage"], "prompt_tokens": line["usage"]["prompt_tokens"] - resumed}
@@ -214,9 +222,11 @@ class Serving:
                             ctx.request_id, upstream.worker_id, len(sent), exc.message)
                 await upstream.aclose()
             limit = payload.get("max_tokens")
-            payload = {**payload, "request_id": f"{ctx.request_id}-{index}-m{len(failed)}",
-                       "resume_token_ids": list(sent),
-                       "max_tokens": None if limit is None else limit - len(sent) + resumed}
+            payload = {**payload, "request_id": f"{ctx.internal_id}-{index}-m{len(failed)}",
+                       "resume_token_ids": list(sent), "resume_text_chars": chars,
+                       "max_tokens": None if limit is None else limit - len(sent) + resumed,
+                       # Counted from the original start, like max_tokens (5 of 10 already sent).
+                       "min_tokens": max(0, int(payload.get("min_tokens") or 0) - len(sent) + resumed)}
             if payload["max_tokens"] is not None and payload["max_tokens"] <= 0:
                 yield index, {"ids": [], "text": "", "finish_reason": "length"}
                 return
@@ -259,6 +269,10 @@ class Serving:
             tally.status = f"stream_error:{exc.code or exc.type}"
             log.warning("request %s failed mid-stream: %s", tally.request_id, exc.message)
             yield error_event(exc)
+        except Exception as exc:  # e.g. Redis down during a migration: still end the stream cleanly
+            tally.status = f"stream_error:{type(exc).__name__}"
+            log.warning("request %s failed mid-stream: %r", tally.request_id, exc)
+            yield error_event(Unavailable("the stream could not continue", retry_after_s=2))
         except BaseException:
             tally.status = "client_closed"
             raise
@@ -271,11 +285,18 @@ class Serving:
         yield DONE
 
     async def reattach(self, key: str, after: int) -> Response:
-        record = await self._idempotency.lookup(key)
-        if record is None or not await self._redis.exists(stream_key(key)):
-            raise RouteNotFound(f"no resumable stream for Idempotency-Key {key!r}")
-        if not record.get("stream"):
-            raise Conflict("this Idempotency-Key belongs to a non-streaming request")
+        deadline = time.monotonic() + self._settings.queue_timeout_s + self._settings.ttft_timeout_s
+        while True:
+            record = await self._idempotency.lookup(key)
+            if record is None:
+                raise RouteNotFound(f"no resumable stream for Idempotency-Key {key!r}")
+            if not record.get("stream"):
+                raise Conflict("this Idempotency-Key belongs to a non-streaming request")
+            if await self._redis.exists(stream_key(key)):
+                break
+            if record.get("state") == "done" or time.monotonic() > deadline:
+                raise RouteNotFound(f"the stream for Idempotency-Key {key!r} is no longer kept")
+            await asyncio.sleep(0.05)  # its first request is still being admitted
         return EventSourceResponse(
             journal_tail(self._redis, key, after), ping=self._settings.sse_ping_s
         )
@@ -283,10 +304,13 @@ class Serving:
     async def _settle_stream(self, ctx: RequestContext, completed: bool) -> None:
         if ctx.idempotency_key is None:
             return
-        if completed:
-            await self._idempotency.complete(ctx.idempotency_key, ctx.fingerprint, True, None)
-        else:
-            await self._idempotency.forget(ctx.idempotency_key)
+        try:
+            if completed:
+                await self._idempotency.complete(ctx.idempotency_key, ctx.fingerprint, True, None)
+            else:
+                await self._idempotency.forget(ctx.idempotency_key)
+        except (RedisError, OSError) as exc:
+            log.warning("could not settle Idempotency-Key %s: %s", ctx.idempotency_key, exc)
 
     async def _collect(
         self,
@@ -296,16 +320,21 @@ class Serving:
         lines: AsyncIterator[tuple[int, Line]],
         tally: Tally,
         headers: dict[str, str],
+        disconnected: Callable[[], Awaitable[bool]] | None,
     ) -> Response:
         texts = [""] * len(upstreams)
         finishes: list[str | None] = [None] * len(upstreams)
         entries: list[list[list[object]]] = [[] for _ in upstreams]
-        try:
+
+        async def gather() -> None:
             async for index, line in lines:
                 tally.add(index, line)
                 texts[index] += line.get("text", "")
                 finishes[index] = line.get("finish_reason") or finishes[index]
                 entries[index].extend(line.get("lp") or ())
+
+        try:
+            await _unless_disconnected(gather(), disconnected)
         except SluiceError as exc:
             tally.status = str(exc.status)
             raise
@@ -321,6 +350,25 @@ class Serving:
         ]
         body = completion_body(kind, req.model, choices, tally.usage())
         return Response(body, media_type="application/json", headers=headers)
+
+
+async def _unless_disconnected(
+    work: Coroutine[Any, Any, None], disconnected: Callable[[], Awaitable[bool]] | None
+) -> None:
+    """Run ``work``; if the client goes away first, cancel it (the engine then aborts)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if disconnected is not None and await disconnected():
+                raise ClientGone("client disconnected while its completion was generated")
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 async def _merge(sources: list[AsyncIterator[tuple[int, Line]]]) -> AsyncIterator[tuple[int, Line]]:

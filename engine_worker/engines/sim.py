@@ -132,7 +132,7 @@ class SimEngine:
         end = tokens.natural_length
         if request.ignore_eos and request.max_tokens is not None:
             end = resumed + request.max_tokens
-        end = max(end, request.min_tokens)
+        end = max(end, resumed + request.min_tokens)
         limit, end_reason = end, "stop"
         if request.max_tokens is not None and resumed + request.max_tokens <= end:
             limit, end_reason = resumed + request.max_tokens, "length"

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from engine_worker.engines.base import EngineStats
-from engine_worker.engines.prompts import completion_budget, prompt_token_ids
+from engine_worker.engines.prompts import completion_budget, held_back_text, prompt_token_ids
 from engine_worker.protocol import Delta, GenerateRequest, Usage
 from sluice.errors import InvalidRequest
 
@@ -131,6 +131,7 @@ class TrtllmEngine:
         )
         seen_ids = 0
         seen_text = 0
+        pending = held_back_text(self._tokenizer, request)
         finished = False
         try:
             async for step in result:
@@ -149,7 +150,8 @@ class TrtllmEngine:
                         cached_tokens=int(getattr(step, "cached_tokens", 0) or 0),
                     )
                 if ids or text or finish:
-                    yield Delta(ids, text, finish, usage)
+                    yield Delta(ids, pending + text, finish, usage)
+                    pending = ""
                 if finished:
                     return
         finally:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from engine_worker.engines.base import EngineStats
-from engine_worker.engines.prompts import completion_budget, prompt_token_ids
+from engine_worker.engines.prompts import completion_budget, held_back_text, prompt_token_ids
 from engine_worker.protocol import Delta, GenerateRequest, Usage
 
 log = logging.getLogger("sluice.worker.vllm")
@@ -126,6 +126,7 @@ class VllmEngine:
         resumed = list(request.resume_token_ids)
         params = self.sampling_params(request, len(prompt) + len(resumed))
         request_id = f"{request.request_id}-{uuid.uuid4().hex[:8]}"
+        pending = held_back_text(self._tokenizer, request)
         finished = False
         completion = 0
         stream = self._engine.generate(
@@ -151,7 +152,8 @@ class VllmEngine:
                 lps = None
                 if request.logprobs is not None and choice.logprobs is not None:
                     lps = logprob_entries(choice.token_ids, choice.logprobs, request.logprobs)
-                yield Delta(list(choice.token_ids), choice.text, finish, usage, lps)
+                yield Delta(list(choice.token_ids), pending + choice.text, finish, usage, lps)
+                pending = ""
                 if finished:
                     return
         finally:

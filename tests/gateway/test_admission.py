@@ -175,3 +175,31 @@ async def test_4x_overload_answers_fast_and_clean(start_worker, start_gateway) -
     assert statuses.count(429) >= 16
     # Nobody waits past the queue timeout plus one generation (and scheduling slack).
     assert max(durations) < 1 + 0.5 + 2.0, max(durations)
+
+
+async def test_clients_sharing_an_x_request_id_never_share_a_slot(start_worker, start_gateway, redis_client) -> None:
+    """Regression: lease ids came from X-Request-Id, so equal ids collided and leaked a slot."""
+    model = "same-id"
+    start_worker(model, sim_max_seqs=1, sim_token_ms=5, sim_ttft_ms=0)
+    gateway = start_gateway()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+        answers = await asyncio.gather(*(
+            client.post("/v1/completions", headers={"x-request-id": "dup"},
+                        json={"model": model, "prompt": f"p{i}", "max_tokens": 5, "ignore_eos": True})
+            for i in range(4)
+        ))
+    assert [a.status_code for a in answers] == [200] * 4
+    _wait_for(lambda: _inflight(redis_client, model) == 0, 2, "every slot back")
+
+
+def test_non_streaming_client_that_leaves_frees_the_engine(start_worker, start_gateway, redis_client) -> None:
+    """Regression: a non-streaming request kept generating after its client left."""
+    model = "leave-json"
+    worker = start_worker(model, sim_token_ms=20, sim_ttft_ms=0)
+    gateway = start_gateway()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gateway.url + "/v1/completions", timeout=0.5,
+                   json={"model": model, "prompt": "x", "max_tokens": 500, "ignore_eos": True})
+    _wait_for(lambda: _inflight(redis_client, model) == 0, 2, "the slot")
+    _wait_for(lambda: httpx.get(worker.url + "/health").json()["worker"]["stats"]["running"] == 0, 1,
+              "the engine abort")
