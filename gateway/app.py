@@ -26,10 +26,12 @@ from starlette.responses import Response
 from gateway.config import GatewaySettings
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.admission import Admission
+from gateway.caps import check_caps, token_estimate
 from gateway.context import RequestContext, resolve_deadline, resolve_priority
 from gateway.idempotency import Idempotency, fingerprint
 from gateway.journal import last_event_id
 from gateway.serving import Serving
+from gateway.tenancy import Tenancy
 from gateway.upstream import Dispatcher
 from sluice.errors import (
     BodyTooLarge,
@@ -41,7 +43,7 @@ from sluice.errors import (
     Unavailable,
     error_response,
 )
-from sluice.redis_pool import create_pool
+from sluice.redis_pool import create_pool, redact_url
 
 log = logging.getLogger("sluice.gateway")
 
@@ -57,6 +59,7 @@ class Services:
     http: httpx.AsyncClient
     admission: Admission
     serving: Serving
+    tenancy: Tenancy
 
     async def aclose(self) -> None:
         await self.admission.close()
@@ -70,12 +73,15 @@ async def open_services(settings: GatewaySettings) -> Services:
         timeout=httpx.Timeout(None, connect=settings.connect_timeout_s),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
     )
+    tenancy = Tenancy(redis, settings)
+    await tenancy.check_startup()
     admission = Admission(redis, settings)
     await admission.start()
     serving = Serving(
-        settings, Dispatcher(settings, admission, http), Idempotency(redis, settings.idempotency_ttl_s), redis
+        settings, Dispatcher(settings, admission, http), Idempotency(redis, settings.idempotency_ttl_s),
+        redis, tenancy,
     )
-    return Services(redis=redis, http=http, admission=admission, serving=serving)
+    return Services(redis=redis, http=http, admission=admission, serving=serving, tenancy=tenancy)
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -85,7 +91,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal services
         services = await open_services(settings)
-        log.info("gateway ready on %s:%d (redis %s)", settings.host, settings.port, _redact(settings.redis_url))
+        log.info("gateway ready on %s:%d (redis %s)", settings.host, settings.port, redact_url(settings.redis_url))
         try:
             yield
         finally:
@@ -99,15 +105,33 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app = FastAPI(title="Sluice", version="0.1.0", lifespan=lifespan)
     _install_error_handlers(app)
 
+    async def admitted(request: Request, model: type[M]) -> tuple[M, RequestContext]:
+        """Authenticate, parse, cap, clamp priority, charge the key's limits."""
+        s = svc()
+        key = await s.tenancy.authenticate(request.headers.get("authorization"))
+        req, body = await _parse(request, model, settings.max_body_bytes)
+        check_caps(req, settings)  # type: ignore[arg-type]
+        ctx = _context(request, req, body, settings)  # type: ignore[arg-type]
+        if key is not None:
+            if ctx.priority < key.priority_ceiling:
+                ctx.headers["x-sluice-priority-clamped"] = "true"
+                ctx.priority = key.priority_ceiling
+            ctx.grant = await s.tenancy.admit(
+                key, token_estimate(req), ctx.internal_id, ctx.remaining_s()  # type: ignore[arg-type]
+            )
+            ctx.headers.update(ctx.grant.headers)
+        ctx.headers["x-sluice-priority"] = str(ctx.priority)
+        return req, ctx
+
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        req, body = await _parse(request, ChatCompletionRequest, settings.max_body_bytes)
-        return await svc().serving.chat(req, _context(request, req, body, settings))
+        req, ctx = await admitted(request, ChatCompletionRequest)
+        return await svc().serving.chat(req, ctx)
 
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
-        req, body = await _parse(request, CompletionRequest, settings.max_body_bytes)
-        return await svc().serving.completions(req, _context(request, req, body, settings))
+        req, ctx = await admitted(request, CompletionRequest)
+        return await svc().serving.completions(req, ctx)
 
     @app.get("/v1/streams/{key}")
     async def reattach(key: str, request: Request) -> Response:
@@ -171,10 +195,6 @@ def _context(
 def _request_id(request: Request) -> str:
     given = request.headers.get("x-request-id", "")
     return given if _REQUEST_ID.match(given) else uuid.uuid4().hex
-
-
-def _redact(url: str) -> str:
-    return re.sub(r"//[^@/]*@", "//***@", url)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

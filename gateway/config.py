@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -52,5 +54,18 @@ class GatewaySettings(BaseSettings):
     max_request_timeout_s: float = Field(default=3600.0, gt=0)
     #: How long an Idempotency-Key and its stored result live.
     idempotency_ttl_s: float = Field(default=3600.0, gt=0)
+    #: "auto": API keys required as soon as one exists in Redis; "keys": always; "open": never.
+    auth: Literal["auto", "keys", "open"] = "auto"
+    #: Serve without API keys on a non-loopback address (refused by default).
+    allow_open: bool = False
+    #: Bearer token for /metrics; without it, /metrics answers loopback clients only.
+    admin_key: str | None = None
+    #: Request caps (400 when exceeded).
+    max_messages: int = Field(default=512, ge=1)
+    max_prompt_chars: int = Field(default=1_000_000, ge=1)
+    max_tokens_cap: int = Field(default=32_768, ge=1)
+    max_n: int = Field(default=16, ge=1)
+    max_stop: int = Field(default=4, ge=0)
+    max_stop_chars: int = Field(default=256, ge=1)
     #: Seconds uvicorn waits for open streams on shutdown.
     shutdown_grace_s: float = Field(default=30.0, ge=0)

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from gateway.config import GatewaySettings
+from gateway.tenancy import Grant
 from sluice.errors import InvalidRequest
 
 #: OpenAI's service tiers as priority classes (lower runs first, as in vLLM).
@@ -30,6 +31,10 @@ class RequestContext:
     #: Server-made and unique: names leases and engine requests, so two clients sending
     #: the same X-Request-Id can never share a slot.
     internal_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    #: The caller's rate-limit charge (None when the gateway runs without API keys).
+    grant: Grant | None = None
+    #: Headers every answer to this request carries (rate limits, effective priority).
+    headers: dict[str, str] = field(default_factory=dict)
 
     def remaining_s(self) -> float:
         return self.deadline - time.time()

@@ -45,7 +45,7 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     #: Choices per prompt; each runs as its own generation (seed + i when a seed is given).
-    n: int = Field(default=1, ge=1, le=16)
+    n: int = Field(default=1, ge=1)
     user: str | None = None
     #: Lower runs first (vLLM's convention); also header X-Sluice-Priority or service_tier.
     priority: int | None = None

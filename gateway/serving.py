@@ -32,6 +32,7 @@ from gateway.protocol import (
     usage_dict,
     worker_payloads,
 )
+from gateway.tenancy import Tenancy
 from gateway.upstream import Dispatcher, Line, Upstream
 from sluice.errors import (
     Conflict,
@@ -92,9 +93,11 @@ class Tally:
 
 class Serving:
     def __init__(
-        self, settings: GatewaySettings, dispatcher: Dispatcher, idempotency: Idempotency, redis: Redis
+        self, settings: GatewaySettings, dispatcher: Dispatcher, idempotency: Idempotency, redis: Redis,
+        tenancy: Tenancy,
     ) -> None:
         self._settings = settings
+        self._tenancy = tenancy
         self._dispatcher = dispatcher
         self._idempotency = idempotency
         self._redis = redis
@@ -130,16 +133,17 @@ class Serving:
         try:
             return await self._generate(kind, req, ctx)
         except BaseException:
-            if key is not None:
-                with anyio.CancelScope(shield=True):
+            with anyio.CancelScope(shield=True):
+                if key is not None:
                     await self._idempotency.forget(key)
+                await self._settle_usage(ctx, 0)
             raise
 
     async def _generate(
         self, kind: Kind, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext
     ) -> Response:
         tally = Tally(request_id=ctx.request_id, model=req.model, n=req.n, priority=ctx.priority)
-        headers = {"x-request-id": ctx.request_id}
+        headers = {"x-request-id": ctx.request_id, **ctx.headers}
         payloads = worker_payloads(req, ctx.internal_id)
         try:
             upstreams = await self._open_all(req, payloads, ctx)
@@ -162,7 +166,7 @@ class Serving:
                 task.add_done_callback(self._producers.discard)
                 events = journal_tail(self._redis, ctx.idempotency_key, 0)
             return EventSourceResponse(events, ping=self._settings.sse_ping_s, headers=headers)
-        response = await self._collect(kind, req, upstreams, lines, tally, headers, ctx.disconnected)
+        response = await self._collect(kind, req, upstreams, lines, tally, headers, ctx)
         if ctx.idempotency_key is not None:
             await self._idempotency.complete(ctx.idempotency_key, ctx.fingerprint, False, response.body)
         return response
@@ -282,6 +286,7 @@ class Serving:
                     await upstream.aclose()
                 tally.log()
                 await self._settle_stream(ctx, completed)
+                await self._settle_usage(ctx, tally.prompt_tokens + tally.completion_tokens)
         yield DONE
 
     async def reattach(self, key: str, after: int) -> Response:
@@ -300,6 +305,16 @@ class Serving:
         return EventSourceResponse(
             journal_tail(self._redis, key, after), ping=self._settings.sse_ping_s
         )
+
+    async def _settle_usage(self, ctx: RequestContext, used_tokens: int) -> None:
+        """Correct the key's TPM charge with what the request really used; once."""
+        grant, ctx.grant = ctx.grant, None
+        if grant is None:
+            return
+        try:
+            await self._tenancy.settle(grant, used_tokens)
+        except (RedisError, OSError) as exc:
+            log.warning("could not settle the rate-limit charge of %s: %s", ctx.request_id, exc)
 
     async def _settle_stream(self, ctx: RequestContext, completed: bool) -> None:
         if ctx.idempotency_key is None:
@@ -320,7 +335,7 @@ class Serving:
         lines: AsyncIterator[tuple[int, Line]],
         tally: Tally,
         headers: dict[str, str],
-        disconnected: Callable[[], Awaitable[bool]] | None,
+        ctx: RequestContext,
     ) -> Response:
         texts = [""] * len(upstreams)
         finishes: list[str | None] = [None] * len(upstreams)
@@ -334,7 +349,7 @@ class Serving:
                 entries[index].extend(line.get("lp") or ())
 
         try:
-            await _unless_disconnected(gather(), disconnected)
+            await _unless_disconnected(gather(), ctx.disconnected)
         except SluiceError as exc:
             tally.status = str(exc.status)
             raise
@@ -343,6 +358,7 @@ class Serving:
                 for upstream in upstreams:
                     await upstream.aclose()
                 tally.log()
+                await self._settle_usage(ctx, tally.prompt_tokens + tally.completion_tokens)
         wants = req.logprobs_count() is not None
         choices = [
             (text, finish, render_logprobs(kind, lp) if wants else None)

@@ -4,6 +4,7 @@
     sluice gateway    one gateway process
     sluice worker     one engine worker process
     sluice model prepare   make the default model's Hugging Face folder (offline, once)
+    sluice keys       create, list and revoke API keys
     sluice bench      gateway vs direct-to-worker figures, side by side
     sluice check URL  exit 0 when URL answers 200 (for compose healthchecks)
 """
@@ -85,6 +86,10 @@ def _build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--out", help="target folder (default: ~/.cache/sluice/models/SmolLM2-135M-Instruct)")
 
     from sluice.bench import add_arguments as bench_arguments
+    from sluice.keys_cli import add_arguments as keys_arguments
+
+    keys = sub.add_parser("keys", help="create, list and revoke API keys")
+    keys_arguments(keys)
 
     bench = sub.add_parser(
         "bench", help="measure gateway vs direct-to-worker throughput and TTFT, side by side"
@@ -138,6 +143,10 @@ def main(argv: list[str] | None = None) -> None:
             from sluice.models import main_prepare
 
             sys.exit(main_prepare(args.out))
+        elif args.command == "keys":
+            from sluice.keys_cli import main as keys_main
+
+            sys.exit(keys_main(args))
         elif args.command == "bench":
             from sluice.bench import main as bench_main
 

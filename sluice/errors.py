@@ -3,6 +3,7 @@
     SluiceError                 500 server_error
      ├── InvalidRequest         400 invalid_request_error
      │    └── BodyTooLarge      413 invalid_request_error
+     ├── AuthenticationFailed   401 authentication_error / invalid_api_key
      ├── ModelNotFound          404 invalid_request_error / model_not_found
      ├── RouteNotFound          404 invalid_request_error / not_found
      ├── MethodNotAllowed       405 invalid_request_error
@@ -45,6 +46,8 @@ class SluiceError(Exception):
         if code is not None:
             self.code = code
         self.retry_after_s = retry_after_s
+        #: More response headers (e.g. x-ratelimit-*), sent with the JSON rendering.
+        self.extra_headers: dict[str, str] = {}
 
     def body(self) -> dict[str, object]:
         return {
@@ -58,8 +61,8 @@ class SluiceError(Exception):
 
     def headers(self) -> dict[str, str]:
         if self.retry_after_s is None:
-            return {}
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+            return dict(self.extra_headers)
+        return {**self.extra_headers, "Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
 
 class InvalidRequest(SluiceError):
@@ -70,6 +73,12 @@ class InvalidRequest(SluiceError):
 class BodyTooLarge(InvalidRequest):
     status = 413
     code = "request_too_large"
+
+
+class AuthenticationFailed(SluiceError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
 
 
 class ModelNotFound(SluiceError):

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = logging.getLogger("sluice.redis")
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password, for logs and banners."""
+    return re.sub(r"//[^@/]*@", "//***@", url)
 
 
 async def create_pool(url: str, *, retries: int = 20, delay_s: float = 0.25) -> Redis:

@@ -23,6 +23,7 @@ import httpx
 
 from sluice.embedded_redis import EmbeddedRedis, free_port
 from sluice.processes import child_preexec
+from sluice.redis_pool import redact_url
 
 log = logging.getLogger("sluice.up")
 
@@ -242,7 +243,8 @@ class Supervisor:
         model = models[0] if models else "MODEL"
         print(
             f"\nSluice is ready at {url}  (models: {', '.join(models) or '-'}; "
-            f"{len(self.workers)} {self.options.engine} worker(s))\n\n"
+            f"{len(self.workers)} {self.options.engine} worker(s))\n"
+            f"Redis: {redact_url(self.redis_url or '')}{' (embedded, not persisted)' if self.redis else ''}\n\n"
             f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             f"    -d '{{\"model\": \"{model}\", \"stream\": true, "
             f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n\n"

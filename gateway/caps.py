@@ -1,0 +1,46 @@
+"""Request caps beyond the wire schema: each a clear 400, checked before any work starts."""
+
+from __future__ import annotations
+
+from gateway.config import GatewaySettings
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from sluice.errors import InvalidRequest
+
+
+def prompt_chars(req: ChatCompletionRequest | CompletionRequest) -> int:
+    if isinstance(req, CompletionRequest):
+        return sum(len(p) for p in req.prompts())
+    total = 0
+    for message in req.messages:
+        if isinstance(message.content, str):
+            total += len(message.content)
+        elif message.content:
+            total += sum(len(str(part.get("text", ""))) for part in message.content)
+    return total
+
+
+def check_caps(req: ChatCompletionRequest | CompletionRequest, s: GatewaySettings) -> None:
+    if isinstance(req, ChatCompletionRequest) and len(req.messages) > s.max_messages:
+        raise InvalidRequest(f"at most {s.max_messages} messages per request", param="messages")
+    chars = prompt_chars(req)
+    if chars > s.max_prompt_chars:
+        param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+        raise InvalidRequest(f"the prompt has {chars} characters; the limit is {s.max_prompt_chars}",
+                             param=param, code="context_length_exceeded")
+    limit = req.token_limit()
+    if limit is not None and limit > s.max_tokens_cap:
+        param = "max_completion_tokens" if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens else "max_tokens"
+        raise InvalidRequest(f"{param} is at most {s.max_tokens_cap}", param=param)
+    if req.n > s.max_n:
+        raise InvalidRequest(f"n is at most {s.max_n}", param="n")
+    stops = req.stop_list()
+    if len(stops) > s.max_stop:
+        raise InvalidRequest(f"at most {s.max_stop} stop sequences", param="stop")
+    if any(len(stop) > s.max_stop_chars or not stop for stop in stops):
+        raise InvalidRequest(f"stop sequences must be 1-{s.max_stop_chars} characters", param="stop")
+
+
+def token_estimate(req: ChatCompletionRequest | CompletionRequest) -> int:
+    """Tokens charged against a key's TPM at admission (corrected by real usage at the end)."""
+    choices = req.n * (len(req.prompts()) if isinstance(req, CompletionRequest) else 1)
+    return prompt_chars(req) // 4 + 1 + choices * (req.token_limit() or 256)

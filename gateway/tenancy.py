@@ -1,0 +1,176 @@
+"""Who may call, how much, and how urgently: API keys and per-key limits in Redis.
+
+Limits are token buckets refilled continuously (requests per minute, tokens per
+minute) plus a cap on concurrent requests, all in one Lua script per key, so
+every gateway replica enforces the same budget. Tokens are charged at admission
+with an estimate (prompt characters / 4 + max_tokens) and corrected with the
+real usage when the request ends.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+from gateway.config import GatewaySettings
+from sluice.apikeys import ApiKey, KeyStore
+from sluice.errors import AuthenticationFailed, RateLimited
+
+log = logging.getLogger("sluice.tenancy")
+
+_ADMIT = r"""
+local b, s = KEYS[1], KEYS[2]
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local rpm, tpm, est, maxc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local stream_id, stream_ttl = ARGV[5], tonumber(ARGV[6])
+local function level(tokens_field, ts_field, cap)
+  local tokens = tonumber(redis.call('HGET', b, tokens_field) or cap)
+  local ts = tonumber(redis.call('HGET', b, ts_field) or now)
+  return math.min(cap, tokens + (now - ts) * cap / 60000)
+end
+local rt, tt = level('rt', 'rts', rpm), level('tt', 'tts', tpm)
+redis.call('ZREMRANGEBYSCORE', s, '-inf', now)
+local conc = redis.call('ZCARD', s)
+local need = math.min(est, tpm)
+local verdict, retry_ms = 'ok', 0
+if rt < 1 then
+  verdict, retry_ms = 'requests', math.ceil((1 - rt) * 60000 / rpm)
+elseif tt < need then
+  verdict, retry_ms = 'tokens', math.ceil((need - tt) * 60000 / tpm)
+elseif conc >= maxc then
+  verdict, retry_ms = 'concurrency', 1000
+end
+if verdict == 'ok' then
+  rt, tt = rt - 1, tt - need
+  redis.call('ZADD', s, now + stream_ttl, stream_id)
+end
+redis.call('HSET', b, 'rt', tostring(rt), 'rts', now, 'tt', tostring(tt), 'tts', now)
+redis.call('PEXPIRE', b, 120000)
+redis.call('PEXPIRE', s, stream_ttl + 1000)
+return {verdict, retry_ms, math.floor(rt), math.floor(tt),
+        math.ceil((rpm - rt) * 60000 / rpm), math.ceil((tpm - tt) * 60000 / tpm)}
+"""
+
+_SETTLE = r"""
+local b, s = KEYS[1], KEYS[2]
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local tpm, delta = tonumber(ARGV[1]), tonumber(ARGV[2])
+local tokens = tonumber(redis.call('HGET', b, 'tt') or tpm)
+local ts = tonumber(redis.call('HGET', b, 'tts') or now)
+tokens = math.min(tpm, tokens + (now - ts) * tpm / 60000) - delta
+redis.call('HSET', b, 'tt', tostring(math.min(tpm, tokens)), 'tts', now)
+redis.call('ZREM', s, ARGV[3])
+return 1
+"""
+
+
+def _duration(ms: float) -> str:
+    """OpenAI's reset format: 1s, 6m0s, 250ms."""
+    if ms < 1000:
+        return f"{max(int(ms), 0)}ms"
+    seconds = ms / 1000
+    if seconds < 60:
+        return f"{seconds:.0f}s" if seconds == int(seconds) else f"{seconds:.1f}s"
+    return f"{int(seconds // 60)}m{int(seconds % 60)}s"
+
+
+class StartupRefused(RuntimeError):
+    """The gateway must not start with this configuration; the message says why."""
+
+
+@dataclass
+class Grant:
+    """An admitted request's charge, settled with real usage at the end."""
+
+    key: ApiKey
+    stream_id: str
+    estimate: int
+    headers: dict[str, str]
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Tenancy:
+    def __init__(self, redis: Redis, settings: GatewaySettings) -> None:
+        self._redis = redis
+        self._s = settings
+        self.keys = KeyStore(redis)
+        self._admit = redis.register_script(_ADMIT)
+        self._settle = redis.register_script(_SETTLE)
+        self._keys_seen = (0.0, False)
+
+    async def check_startup(self) -> None:
+        """Refuse an unauthenticated gateway on a non-loopback address unless allowed."""
+        enforced = self._s.auth == "keys" or (self._s.auth == "auto" and await self.keys.any_keys())
+        if enforced:
+            return
+        if not is_loopback(self._s.host) and not self._s.allow_open:
+            raise StartupRefused(
+                f"refusing to serve {self._s.host}:{self._s.port} without API keys: create one with "
+                "'sluice keys create', or set SLUICE_GATEWAY_ALLOW_OPEN=true to serve openly"
+            )
+        log.warning("no API keys configured: serving without authentication (%s)",
+                    "loopback only" if is_loopback(self._s.host) else "OPEN, explicitly allowed")
+
+    async def _enforced(self) -> bool:
+        if self._s.auth != "auto":
+            return self._s.auth == "keys"
+        checked, present = self._keys_seen
+        if time.monotonic() - checked > 2.0:
+            present = await self.keys.any_keys()
+            self._keys_seen = (time.monotonic(), present)
+        return present
+
+    async def authenticate(self, authorization: str | None) -> ApiKey | None:
+        """The caller's key; None when the gateway runs open. Raises 401 otherwise."""
+        if not await self._enforced():
+            return None
+        if not authorization or not authorization.lower().startswith("bearer "):
+            raise AuthenticationFailed("missing API key: send 'Authorization: Bearer <key>'")
+        key = await self.keys.verify(authorization[7:].strip())
+        if key is None:
+            raise AuthenticationFailed("invalid or revoked API key")
+        return key
+
+    async def admit(self, key: ApiKey, estimate: int, stream_id: str, ttl_s: float) -> Grant:
+        result = await self._admit(
+            keys=[f"sl:rl:{{{key.prefix}}}", f"sl:rl:{{{key.prefix}}}:streams"],
+            args=[key.rpm, key.tpm, estimate, key.max_concurrent, stream_id, int(ttl_s * 1000)],
+        )
+        verdict = result[0].decode()
+        headers = {
+            "x-ratelimit-limit-requests": str(key.rpm),
+            "x-ratelimit-limit-tokens": str(key.tpm),
+            "x-ratelimit-remaining-requests": str(max(int(result[2]), 0)),
+            "x-ratelimit-remaining-tokens": str(max(int(result[3]), 0)),
+            "x-ratelimit-reset-requests": _duration(int(result[4])),
+            "x-ratelimit-reset-tokens": _duration(int(result[5])),
+        }
+        if verdict != "ok":
+            what = {"requests": f"{key.rpm} requests per minute", "tokens": f"{key.tpm} tokens per minute",
+                    "concurrency": f"{key.max_concurrent} concurrent requests"}[verdict]
+            err = RateLimited(f"rate limit reached for key {key.prefix}: {what}",
+                              retry_after_s=max(1, math.ceil(int(result[1]) / 1000)))
+            err.extra_headers = headers
+            raise err
+        return Grant(key=key, stream_id=stream_id, estimate=estimate, headers=headers)
+
+    async def settle(self, grant: Grant, used_tokens: int) -> None:
+        await self._settle(
+            keys=[f"sl:rl:{{{grant.key.prefix}}}", f"sl:rl:{{{grant.key.prefix}}}:streams"],
+            args=[grant.key.tpm, used_tokens - grant.estimate, grant.stream_id],
+        )

@@ -1,0 +1,140 @@
+"""API keys: random, shown once, stored only as SHA-256 hashes in Redis.
+
+A key reads ``sk-sluice-<prefix>-<secret>``: the 8-hex-character prefix is public
+and names the record ``sl:apikey:<prefix>``; the secret is 32 random bytes
+(256 bits). The record holds the SHA-256 of the whole key, compared in constant
+time, plus the key's name, tier and limits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from dataclasses import asdict, dataclass
+
+from redis.asyncio import Redis
+
+KEYS_SET = "sl:apikeys"
+_RECORD = "sl:apikey:"
+_SCHEME = "sk-sluice-"
+
+
+@dataclass(frozen=True)
+class Tier:
+    rpm: int
+    tpm: int
+    max_concurrent: int
+    #: The most urgent priority this tier may ask for (lower is more urgent).
+    priority_ceiling: int
+
+
+TIERS: dict[str, Tier] = {
+    "free": Tier(rpm=60, tpm=40_000, max_concurrent=4, priority_ceiling=10),
+    "standard": Tier(rpm=600, tpm=400_000, max_concurrent=32, priority_ceiling=0),
+    "priority": Tier(rpm=6_000, tpm=4_000_000, max_concurrent=256, priority_ceiling=-10),
+}
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    prefix: str
+    name: str
+    tier: str
+    rpm: int
+    tpm: int
+    max_concurrent: int
+    priority_ceiling: int
+    created: float
+    revoked: bool = False
+
+    def public(self) -> dict[str, object]:
+        return {k: v for k, v in asdict(self).items()}
+
+
+def _hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def parse_prefix(key: str) -> str | None:
+    if not key.startswith(_SCHEME):
+        return None
+    prefix, _, secret = key[len(_SCHEME):].partition("-")
+    if len(prefix) != 8 or not secret:
+        return None
+    return prefix
+
+
+class KeyStore:
+    def __init__(self, redis: Redis) -> None:
+        self._redis = redis
+
+    async def create(
+        self, name: str, tier: str = "standard", *, rpm: int | None = None, tpm: int | None = None,
+        max_concurrent: int | None = None, priority_ceiling: int | None = None,
+    ) -> tuple[str, ApiKey]:
+        """A new key and its record; the key itself is returned once and never stored."""
+        if tier not in TIERS:
+            raise ValueError(f"unknown tier {tier!r}; one of {sorted(TIERS)}")
+        base = TIERS[tier]
+        while True:
+            prefix = secrets.token_hex(4)
+            if not await self._redis.exists(_RECORD + prefix):
+                break
+        key = f"{_SCHEME}{prefix}-{secrets.token_urlsafe(32)}"
+        record = ApiKey(
+            prefix=prefix, name=name, tier=tier,
+            rpm=rpm if rpm is not None else base.rpm,
+            tpm=tpm if tpm is not None else base.tpm,
+            max_concurrent=max_concurrent if max_concurrent is not None else base.max_concurrent,
+            priority_ceiling=priority_ceiling if priority_ceiling is not None else base.priority_ceiling,
+            created=time.time(),
+        )
+        fields = {k: str(int(v) if isinstance(v, bool) else v) for k, v in record.public().items()}
+        fields["sha256"] = _hash(key)
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.hset(_RECORD + prefix, mapping=fields)
+        pipe.sadd(KEYS_SET, prefix)
+        await pipe.execute()
+        return key, record
+
+    async def verify(self, key: str) -> ApiKey | None:
+        """The key's record if the key is genuine and not revoked."""
+        prefix = parse_prefix(key)
+        if prefix is None:
+            return None
+        raw = await self._redis.hgetall(_RECORD + prefix)
+        if not raw:
+            return None
+        fields = {k.decode(): v.decode() for k, v in raw.items()}
+        if not hmac.compare_digest(fields.get("sha256", ""), _hash(key)):
+            return None
+        record = _record(fields)
+        return None if record.revoked else record
+
+    async def list(self) -> list[ApiKey]:
+        out = []
+        for prefix in sorted(p.decode() for p in await self._redis.smembers(KEYS_SET)):
+            raw = await self._redis.hgetall(_RECORD + prefix)
+            if raw:
+                out.append(_record({k.decode(): v.decode() for k, v in raw.items()}))
+        return out
+
+    async def revoke(self, prefix: str) -> bool:
+        if not await self._redis.exists(_RECORD + prefix):
+            return False
+        await self._redis.hset(_RECORD + prefix, "revoked", "1")
+        return True
+
+    async def any_keys(self) -> bool:
+        return bool(await self._redis.scard(KEYS_SET))
+
+
+def _record(fields: dict[str, str]) -> ApiKey:
+    return ApiKey(
+        prefix=fields["prefix"], name=fields["name"], tier=fields["tier"], rpm=int(fields["rpm"]),
+        tpm=int(fields["tpm"]), max_concurrent=int(fields["max_concurrent"]),
+        priority_ceiling=int(fields["priority_ceiling"]), created=float(fields["created"]),
+        revoked=fields.get("revoked", "0") == "1",
+    )

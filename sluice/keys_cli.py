@@ -1,0 +1,65 @@
+"""``sluice keys create|list|revoke``: manage API keys in the Redis the gateways use."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+
+from sluice.apikeys import TIERS, KeyStore
+from sluice.redis_pool import create_pool
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="keys_command", required=True)
+    create = sub.add_parser("create", help="create a key (shown once) with a tier and limits")
+    create.add_argument("--name", required=True, help="who or what the key is for")
+    create.add_argument("--tier", choices=sorted(TIERS), default="standard",
+                        help="default limits and priority ceiling (default standard)")
+    create.add_argument("--rpm", type=int, help="requests per minute (tier default otherwise)")
+    create.add_argument("--tpm", type=int, help="tokens per minute")
+    create.add_argument("--max-concurrent", type=int, help="requests in flight at once")
+    create.add_argument("--priority-ceiling", type=int,
+                        help="most urgent priority the key may ask for (lower is more urgent)")
+    sub.add_parser("list", help="list keys (prefixes, names, tiers, limits; never the secrets)")
+    revoke = sub.add_parser("revoke", help="revoke a key by its public prefix")
+    revoke.add_argument("prefix", help="the 8 characters after 'sk-sluice-'")
+    for child in sub.choices.values():
+        child.add_argument("--redis-url", default=os.environ.get("SLUICE_REDIS_URL", "redis://127.0.0.1:6379/0"),
+                           help="the gateways' Redis (env SLUICE_REDIS_URL)")
+
+
+def main(args: argparse.Namespace) -> int:
+    return asyncio.run(_run(args))
+
+
+async def _run(args: argparse.Namespace) -> int:
+    redis = await create_pool(args.redis_url, retries=3)
+    store = KeyStore(redis)
+    try:
+        if args.keys_command == "create":
+            key, record = await store.create(
+                args.name, args.tier, rpm=args.rpm, tpm=args.tpm, max_concurrent=args.max_concurrent,
+                priority_ceiling=args.priority_ceiling,
+            )
+            print(key)
+            print(f"# {record.name}: tier {record.tier}, {record.rpm} rpm, {record.tpm} tpm, "
+                  f"{record.max_concurrent} concurrent, priority ceiling {record.priority_ceiling}. "
+                  "Store it now: it is not shown again.", file=sys.stderr)
+        elif args.keys_command == "list":
+            print(f"{'prefix':10} {'name':20} {'tier':9} {'rpm':>6} {'tpm':>9} {'conc':>5} {'ceiling':>7} "
+                  f"{'created':20} revoked")
+            for k in await store.list():
+                created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(k.created))
+                print(f"{k.prefix:10} {k.name[:20]:20} {k.tier:9} {k.rpm:>6} {k.tpm:>9} {k.max_concurrent:>5} "
+                      f"{k.priority_ceiling:>7} {created:20} {'yes' if k.revoked else 'no'}")
+        elif args.keys_command == "revoke":
+            if not await store.revoke(args.prefix):
+                print(f"sluice keys revoke: no key with prefix {args.prefix!r}", file=sys.stderr)
+                return 1
+            print(f"revoked {args.prefix}")
+        return 0
+    finally:
+        await redis.aclose()

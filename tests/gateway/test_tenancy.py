@@ -1,0 +1,174 @@
+"""API keys, per-key limits across replicas, priority ceilings and request caps.
+
+These run against a private Redis: a key in the shared one would switch every
+other test's gateway to authenticated mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from sluice.embedded_redis import EmbeddedRedis
+from tests.conftest import ROOT
+
+MODEL = "tenant"
+
+
+@pytest.fixture(scope="module")
+def tenant_redis():
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+def _keys(redis_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sluice", "keys", *args, "--redis-url", redis_url],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+
+
+def _create(redis_url: str, *flags: str) -> str:
+    result = _keys(redis_url, "create", "--name", "test", *flags)
+    assert result.returncode == 0, result.stderr
+    key = result.stdout.strip()
+    assert key.startswith("sk-sluice-") and len(key) > 50
+    return key
+
+
+@pytest.fixture(scope="module")
+def tenant(tenant_redis, start_worker, start_gateway):
+    worker = start_worker(MODEL, redis_at=tenant_redis, sim_token_ms=0, sim_ttft_ms=0)
+    env = {"SLUICE_GATEWAY_MAX_MESSAGES": "3"}
+    gateways = [start_gateway(redis_at=tenant_redis, env=env) for _ in range(2)]
+    key = _create(tenant_redis, "--tier", "priority")
+    time.sleep(2.1)  # "auto" auth re-checks for keys every 2 s
+    return worker, gateways, key
+
+
+def _served(worker) -> int:
+    return int(httpx.get(worker.url + "/health").json()["worker"]["served"])
+
+
+def test_missing_wrong_and_revoked_keys_are_401(tenant, tenant_redis) -> None:
+    _, gateways, _ = tenant
+    url = gateways[0].url
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer sk-sluice-00000000-nope"}, {"Authorization": "Basic abc"}):
+        resp = httpx.post(url + "/v1/completions", json=body, headers=headers)
+        assert resp.status_code == 401
+        assert resp.json()["error"]["type"] == "authentication_error"
+        assert "sk-sluice" not in resp.text  # never echo what was sent
+    doomed = _create(tenant_redis)
+    with openai.OpenAI(base_url=url + "/v1", api_key=doomed, max_retries=0) as client:
+        assert client.completions.create(model=MODEL, prompt="x", max_tokens=1).choices
+        prefix = doomed.split("-")[2]
+        assert _keys(tenant_redis, "revoke", prefix).returncode == 0
+        with pytest.raises(openai.AuthenticationError):
+            client.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    listing = _keys(tenant_redis, "list").stdout
+    assert prefix in listing and doomed not in listing
+
+
+def test_valid_key_gets_rate_limit_headers_and_priority_ceiling(tenant, tenant_redis) -> None:
+    _, gateways, _ = tenant
+    key = _create(tenant_redis, "--tier", "free")  # ceiling 10
+    resp = httpx.post(gateways[0].url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                      json={"model": MODEL, "prompt": "x", "max_tokens": 1, "priority": -50})
+    assert resp.status_code == 200
+    assert resp.headers["x-ratelimit-limit-requests"] == "60"
+    assert int(resp.headers["x-ratelimit-remaining-requests"]) == 59
+    assert resp.headers["x-sluice-priority"] == "10"
+    assert resp.headers["x-sluice-priority-clamped"] == "true"
+
+
+async def _hammer(urls: list[str], key: str, body: dict, seconds: float, concurrency: int) -> tuple[int, int, float]:
+    ok = limited = 0
+    stop = time.monotonic() + seconds
+    started = time.monotonic()
+
+    async def user(i: int) -> None:
+        nonlocal ok, limited
+        async with httpx.AsyncClient(base_url=urls[i % len(urls)], timeout=30,
+                                     headers={"Authorization": f"Bearer {key}"}) as client:
+            while time.monotonic() < stop:
+                resp = await client.post("/v1/completions", json=body)
+                if resp.status_code == 200:
+                    ok += 1
+                else:
+                    assert resp.status_code == 429, resp.text
+                    assert int(resp.headers["retry-after"]) >= 1
+                    assert "x-ratelimit-remaining-tokens" in resp.headers
+                    limited += 1
+
+    await asyncio.gather(*(user(i) for i in range(concurrency)))
+    return ok, limited, time.monotonic() - started
+
+
+async def test_rpm_holds_across_two_gateways(tenant, tenant_redis) -> None:
+    _, gateways, _ = tenant
+    key = _create(tenant_redis, "--rpm", "120", "--tpm", "10000000", "--max-concurrent", "100")
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    ok, limited, elapsed = await _hammer([g.url for g in gateways], key, body, 4.0, 12)
+    expected = 120 + 120 / 60 * elapsed
+    assert limited > 0
+    assert abs(ok - expected) <= 0.05 * expected, (ok, expected)
+
+
+async def test_tpm_holds_across_two_gateways(tenant, tenant_redis) -> None:
+    _, gateways, _ = tenant
+    key = _create(tenant_redis, "--rpm", "100000", "--tpm", "3000", "--max-concurrent", "100")
+    # "x" is 1 prompt token and its estimate (1 char // 4 + 1) too: estimate == usage.
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 20, "ignore_eos": True}
+    ok, limited, elapsed = await _hammer([g.url for g in gateways], key, body, 4.0, 12)
+    expected_tokens = 3000 + 3000 / 60 * elapsed
+    assert limited > 0
+    assert abs(ok * 21 - expected_tokens) <= 0.05 * expected_tokens, (ok * 21, expected_tokens)
+
+
+async def test_concurrency_cap(tenant, tenant_redis, start_worker) -> None:
+    _, gateways, _ = tenant
+    key = _create(tenant_redis, "--max-concurrent", "2")
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 200, "ignore_eos": True}
+    slow = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(base_url=gateways[0].url, timeout=30, headers=slow) as client:
+        answers = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(6)))
+    codes = sorted(a.status_code for a in answers)
+    assert codes.count(429) >= 1 and codes.count(200) >= 2
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"messages": [{"role": "user", "content": "x"}] * 4}, "messages"),
+        ({"max_tokens": 40000}, "max_tokens"),
+        ({"n": 17}, "n"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": ["x" * 300]}, "stop"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ],
+)
+def test_caps_are_400_and_reach_no_worker(tenant, extra, param) -> None:
+    worker, gateways, key = tenant
+    before = _served(worker)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **extra}
+    resp = httpx.post(gateways[0].url + "/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {key}"})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param
+    assert _served(worker) == before
+
+
+def test_open_gateway_refuses_a_public_address(tmp_path) -> None:
+    with EmbeddedRedis() as server:
+        result = subprocess.run(
+            [sys.executable, "-m", "sluice", "gateway", "--host", "0.0.0.0", "--port", "0",
+             "--redis-url", server.url],
+            capture_output=True, text=True, cwd=ROOT, timeout=60,
+        )
+    assert result.returncode == 2
+    assert "refusing to serve" in result.stderr and "Traceback" not in result.stderr
