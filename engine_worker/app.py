@@ -11,10 +11,16 @@ from starlette.responses import Response
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
 from engine_worker.metrics import metrics_text
 from engine_worker.protocol import GenerateRequest
 from engine_worker.stream import NDJSONStream
 from sluice.errors import InvalidRequest, ModelNotFound, SluiceError, Unavailable, error_response
+from sluice.telemetry import extract, inject
+
+tracer = trace.get_tracer("sluice.worker")
 
 if TYPE_CHECKING:
     from engine_worker.worker import Worker
@@ -41,7 +47,12 @@ def create_app(worker: Worker) -> FastAPI:
             ) from None
         if body.model != worker.model:
             raise ModelNotFound(f"this worker serves {worker.model!r}")
-        return worker.open_stream(body)
+        span = tracer.start_span("worker.generate", context=extract(request.headers), kind=SpanKind.SERVER,
+                                 attributes={"sluice.worker_id": worker.settings.worker_id,
+                                             "gen_ai.request.model": body.model,
+                                             "sluice.resumed_tokens": len(body.resume_token_ids)})
+        body.trace_headers = inject(trace.set_span_in_context(span)) or None
+        return worker.open_stream(body, span)
 
     @app.get("/health")
     async def health() -> Response:

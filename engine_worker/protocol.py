@@ -39,6 +39,8 @@ class GenerateRequest(BaseModel):
     #: Log-probabilities per token: None = off, k = the sampled token plus the top k.
     logprobs: int | None = Field(default=None, ge=0, le=20)
     priority: int = 0
+    #: W3C trace context for the engine; set by the worker from its own span, never sent.
+    trace_headers: dict[str, str] | None = Field(default=None, exclude=True)
     #: Token ids already delivered to the client by an earlier worker (migration).
     resume_token_ids: list[int] = Field(default_factory=list)
     #: Characters of text the client already has for those ids. An engine may hold text

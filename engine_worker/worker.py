@@ -11,9 +11,12 @@ from engine_worker.engines.base import Engine
 from engine_worker.protocol import GenerateRequest
 from engine_worker.registration import Registration
 from engine_worker.stream import NDJSONStream
+from opentelemetry.trace import Span
+
 from sluice.models import resolve
 from sluice.redis_pool import create_pool
 from sluice.serve import Server, run_async, uvicorn_config
+from sluice.telemetry import setup_tracing
 
 log = logging.getLogger("sluice.worker")
 
@@ -97,8 +100,12 @@ class Worker:
             "stats": self.engine.stats().as_dict(),
         }
 
-    def open_stream(self, request: GenerateRequest) -> NDJSONStream:
-        return NDJSONStream(self.engine.generate(request), self._stream_started, self._stream_done)
+    def open_stream(self, request: GenerateRequest, span: Span) -> NDJSONStream:
+        def done() -> None:
+            span.end()
+            self._stream_done()
+
+        return NDJSONStream(self.engine.generate(request), self._stream_started, done)
 
     def _stream_started(self) -> None:
         self.in_flight += 1
@@ -122,6 +129,7 @@ class Worker:
             log.warning("drain timeout: %d streams still open, cancelling", self.in_flight)
 
     def run(self) -> None:
+        setup_tracing("sluice-worker")
         run_async(self.async_run())
 
     async def async_run(self) -> None:

@@ -130,7 +130,7 @@ class Admission:
         if status == "full":
             raise RateLimited(
                 f"the queue for '{model}' is full ({int(result[1])} waiting)",
-                retry_after_s=await self.retry_after_s(model, int(result[1])),
+                retry_after_s=await self.retry_after_s(model, int(result[1])), code="queue_full",
             )
         return await self._wait(model, lease_id, deadline, disconnected)
 
@@ -161,7 +161,7 @@ class Admission:
         position = int(rank) if rank is not None else 0
         raise RateLimited(
             f"no capacity for '{model}' within the queue timeout ({position} ahead)",
-            retry_after_s=await self.retry_after_s(model, position),
+            retry_after_s=await self.retry_after_s(model, position), code="queue_timeout",
         )
 
     async def _leave_and_release(self, model: str, lease_id: str) -> None:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
 import re
 import uuid
@@ -17,23 +18,28 @@ import httpx
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from gateway.config import GatewaySettings
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.admission import Admission
 from gateway.caps import check_caps, token_estimate
+from gateway.config import GatewaySettings
 from gateway.context import RequestContext, resolve_deadline, resolve_priority
 from gateway.idempotency import Idempotency, fingerprint
 from gateway.journal import last_event_id
+from gateway.metrics import GatewayMetrics
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.record import RequestRecord
 from gateway.serving import Serving
-from gateway.tenancy import Tenancy
+from gateway.tenancy import Tenancy, is_loopback
 from gateway.upstream import Dispatcher
+from sluice import keys
 from sluice.errors import (
+    AuthenticationFailed,
     BodyTooLarge,
     InvalidRequest,
     MethodNotAllowed,
@@ -44,6 +50,7 @@ from sluice.errors import (
     error_response,
 )
 from sluice.redis_pool import create_pool, redact_url
+from sluice.telemetry import extract
 
 log = logging.getLogger("sluice.gateway")
 
@@ -60,6 +67,7 @@ class Services:
     admission: Admission
     serving: Serving
     tenancy: Tenancy
+    metrics: GatewayMetrics
 
     async def aclose(self) -> None:
         await self.admission.close()
@@ -81,7 +89,8 @@ async def open_services(settings: GatewaySettings) -> Services:
         settings, Dispatcher(settings, admission, http), Idempotency(redis, settings.idempotency_ttl_s),
         redis, tenancy,
     )
-    return Services(redis=redis, http=http, admission=admission, serving=serving, tenancy=tenancy)
+    return Services(redis=redis, http=http, admission=admission, serving=serving, tenancy=tenancy,
+                    metrics=GatewayMetrics())
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -105,13 +114,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app = FastAPI(title="Sluice", version="0.1.0", lifespan=lifespan)
     _install_error_handlers(app)
 
-    async def admitted(request: Request, model: type[M]) -> tuple[M, RequestContext]:
+    async def admitted(request: Request, model: type[M], record: RequestRecord) -> tuple[M, RequestContext]:
         """Authenticate, parse, cap, clamp priority, charge the key's limits."""
         s = svc()
         key = await s.tenancy.authenticate(request.headers.get("authorization"))
         req, body = await _parse(request, model, settings.max_body_bytes)
         check_caps(req, settings)  # type: ignore[arg-type]
         ctx = _context(request, req, body, settings)  # type: ignore[arg-type]
+        ctx.record = record
         if key is not None:
             if ctx.priority < key.priority_ceiling:
                 ctx.headers["x-sluice-priority-clamped"] = "true"
@@ -121,17 +131,41 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             )
             ctx.headers.update(ctx.grant.headers)
         ctx.headers["x-sluice-priority"] = str(ctx.priority)
+        record.describe(req.model, req.n, ctx.priority, key.prefix if key else None)  # type: ignore[attr-defined]
         return req, ctx
+
+    def begin(request: Request, route: str) -> RequestRecord:
+        return RequestRecord.begin(_request_id(request), svc().metrics, extract(request.headers), route)
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        req, ctx = await admitted(request, ChatCompletionRequest)
-        return await svc().serving.chat(req, ctx)
+        record = begin(request, "chat.completions")
+        try:
+            req, ctx = await admitted(request, ChatCompletionRequest, record)
+            return await svc().serving.chat(req, ctx)
+        except SluiceError as exc:
+            record.finish(exc)
+            raise
 
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
-        req, ctx = await admitted(request, CompletionRequest)
-        return await svc().serving.completions(req, ctx)
+        record = begin(request, "completions")
+        try:
+            req, ctx = await admitted(request, CompletionRequest, record)
+            return await svc().serving.completions(req, ctx)
+        except SluiceError as exc:
+            record.finish(exc)
+            raise
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics(request: Request) -> Response:
+        _check_admin(request, settings)
+        s = svc()
+        for model in await s.redis.smembers(keys.MODELS):
+            name = model.decode()
+            s.metrics.queue_depth.labels(name).set(await s.redis.zcard(keys.queue(name)))
+            s.metrics.live_workers.labels(name).set(await s.admission.live_workers(name))
+        return Response(s.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/streams/{key}")
     async def reattach(key: str, request: Request) -> Response:
@@ -174,6 +208,16 @@ def _model_card(model: str) -> dict[str, Any]:
 
 def _json(obj: object, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+
+
+def _check_admin(request: Request, settings: GatewaySettings) -> None:
+    """/metrics: the admin key when one is configured, else loopback clients only."""
+    if settings.admin_key:
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {settings.admin_key}".encode()):
+            raise AuthenticationFailed("this endpoint needs the admin key")
+    elif request.client is None or not is_loopback(request.client.host):
+        raise AuthenticationFailed("this endpoint answers loopback clients only (or set an admin key)")
 
 
 def _context(

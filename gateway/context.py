@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from gateway.config import GatewaySettings
+from gateway.record import RequestRecord
 from gateway.tenancy import Grant
 from sluice.errors import InvalidRequest
 
@@ -35,6 +36,8 @@ class RequestContext:
     grant: Grant | None = None
     #: Headers every answer to this request carries (rate limits, effective priority).
     headers: dict[str, str] = field(default_factory=dict)
+    #: Usage, timings, access log, metrics and trace span of this request.
+    record: RequestRecord = field(default=None)  # type: ignore[assignment]
 
     def remaining_s(self) -> float:
         return self.deadline - time.time()

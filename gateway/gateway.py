@@ -8,6 +8,7 @@ from gateway.app import create_app
 from gateway.config import GatewaySettings
 from gateway.tenancy import StartupRefused, Tenancy
 from sluice.redis_pool import create_pool
+from sluice.telemetry import setup_tracing
 from sluice.serve import Server, run_async, uvicorn_config
 
 
@@ -26,6 +27,7 @@ def run(settings: GatewaySettings) -> None:
     except StartupRefused as exc:
         print(f"sluice gateway: {exc}", file=sys.stderr)
         sys.exit(2)
+    setup_tracing("sluice-gateway")
     config = uvicorn_config(
         create_app(settings), settings.host, settings.port,
         graceful_s=settings.shutdown_grace_s, lifespan=True,

@@ -7,7 +7,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import anyio
@@ -29,9 +28,9 @@ from gateway.protocol import (
     ChunkWriter,
     CompletionRequest,
     completion_body,
-    usage_dict,
     worker_payloads,
 )
+from gateway.record import RequestRecord
 from gateway.tenancy import Tenancy
 from gateway.upstream import Dispatcher, Line, Upstream
 from sluice.errors import (
@@ -45,50 +44,8 @@ from sluice.errors import (
 )
 
 log = logging.getLogger("sluice.gateway")
-access = logging.getLogger("sluice.access")
 
 Kind = Literal["chat", "text"]
-
-
-@dataclass
-class Tally:
-    """What one request produced, for usage and the access log."""
-
-    request_id: str
-    model: str
-    #: Choices per prompt: the prompt is billed once per prompt, not once per choice.
-    n: int = 1
-    priority: int = 0
-    started: float = field(default_factory=time.monotonic)
-    first_token_s: float | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    workers: list[str] = field(default_factory=list)
-    migrations: int = 0
-    status: str = "ok"
-
-    def add(self, index: int, line: Line) -> None:
-        if self.first_token_s is None:
-            self.first_token_s = time.monotonic() - self.started
-        self.completion_tokens += len(line.get("ids", ()))
-        usage = line.get("usage")
-        if usage and index % self.n == 0:
-            self.prompt_tokens += int(usage.get("prompt_tokens", 0))
-            self.cached_tokens += int(usage.get("cached_tokens", 0))
-
-    def usage(self) -> dict[str, object]:
-        return usage_dict(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
-
-    def log(self) -> None:
-        ttft = "-" if self.first_token_s is None else f"{self.first_token_s * 1000:.0f}ms"
-        access.info(
-            "request_id=%s model=%s priority=%d status=%s ttft=%s total=%.0fms prompt_tokens=%d "
-            "completion_tokens=%d migrations=%d workers=%s",
-            self.request_id, self.model, self.priority, self.status, ttft,
-            (time.monotonic() - self.started) * 1000, self.prompt_tokens,
-            self.completion_tokens, self.migrations, ",".join(self.workers) or "-",
-        )
 
 
 class Serving:
@@ -142,19 +99,13 @@ class Serving:
     async def _generate(
         self, kind: Kind, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext
     ) -> Response:
-        tally = Tally(request_id=ctx.request_id, model=req.model, n=req.n, priority=ctx.priority)
+        record = ctx.record
         headers = {"x-request-id": ctx.request_id, **ctx.headers}
         payloads = worker_payloads(req, ctx.internal_id)
-        try:
-            upstreams = await self._open_all(req, payloads, ctx)
-        except SluiceError as exc:
-            tally.status = str(exc.status)
-            tally.log()
-            raise
-        tally.workers = [u.lease.worker_id for u in upstreams]
-        lines = self._choice_lines(req, upstreams, payloads, ctx, tally)
+        upstreams = await self._open_all(req, payloads, ctx)
+        lines = self._choice_lines(req, upstreams, payloads, ctx, record)
         if req.stream:
-            events = self._sse(kind, req, upstreams, lines, tally, ctx)
+            events = self._sse(kind, req, upstreams, lines, record, ctx)
             if ctx.idempotency_key is not None:
                 # Resumable: the generation feeds the journal, independent of this client
                 # (a migration must not give up because the first reader left), and this
@@ -166,7 +117,7 @@ class Serving:
                 task.add_done_callback(self._producers.discard)
                 events = journal_tail(self._redis, ctx.idempotency_key, 0)
             return EventSourceResponse(events, ping=self._settings.sse_ping_s, headers=headers)
-        response = await self._collect(kind, req, upstreams, lines, tally, headers, ctx)
+        response = await self._collect(kind, req, upstreams, lines, record, headers, ctx)
         if ctx.idempotency_key is not None:
             await self._idempotency.complete(ctx.idempotency_key, ctx.fingerprint, False, response.body)
         return response
@@ -188,14 +139,14 @@ class Serving:
 
     def _choice_lines(
         self, req: ChatCompletionRequest | CompletionRequest, upstreams: list[Upstream],
-        payloads: list[dict[str, Any]], ctx: RequestContext, tally: Tally,
+        payloads: list[dict[str, Any]], ctx: RequestContext, record: RequestRecord,
     ) -> AsyncIterator[tuple[int, Line]]:
-        streams = [self._follow(req, i, upstreams, payloads[i], ctx, tally) for i in range(len(upstreams))]
+        streams = [self._follow(req, i, upstreams, payloads[i], ctx, record) for i in range(len(upstreams))]
         return streams[0] if len(streams) == 1 else _merge(streams)
 
     async def _follow(
         self, req: ChatCompletionRequest | CompletionRequest, index: int, upstreams: list[Upstream],
-        payload: dict[str, Any], ctx: RequestContext, tally: Tally,
+        payload: dict[str, Any], ctx: RequestContext, record: RequestRecord,
     ) -> AsyncIterator[tuple[int, Line]]:
         """One choice's lines; if its worker breaks off mid-stream, migrate and go on.
 
@@ -237,8 +188,7 @@ class Serving:
             upstreams[index] = await self._dispatcher.open(
                 req.model, payload, ctx, exclude=failed, boost=True
             )
-            tally.migrations += 1
-            tally.workers.append(upstreams[index].worker_id)
+            record.migrated(upstreams[index].worker_id)
 
     def _may_migrate(self, exc: SluiceError, migrations: int, ctx: RequestContext) -> bool:
         if exc.code == "request_timeout" or ctx.remaining_s() <= 0:
@@ -251,15 +201,16 @@ class Serving:
         req: ChatCompletionRequest | CompletionRequest,
         upstreams: list[Upstream],
         lines: AsyncIterator[tuple[int, Line]],
-        tally: Tally,
+        record: RequestRecord,
         ctx: RequestContext,
     ) -> AsyncIterator[bytes]:
         writer = ChunkWriter(kind, req.model)
         completed = False
         offsets: dict[int, int] = {}
+        outcome: str | SluiceError = "ok"
         try:
             async for index, line in lines:
-                tally.add(index, line)
+                record.add(index, line)
                 first = index not in offsets
                 text = line.get("text", "")
                 lp = line.get("lp")
@@ -267,26 +218,26 @@ class Serving:
                 offsets[index] = offsets.get(index, 0) + len(text)
                 yield writer.delta(index, text, line.get("finish_reason"), first=first, logprobs=rendered)
             if req.include_usage():
-                yield writer.usage(tally.usage())
+                yield writer.usage(record.usage())
             completed = True
         except SluiceError as exc:
-            tally.status = f"stream_error:{exc.code or exc.type}"
-            log.warning("request %s failed mid-stream: %s", tally.request_id, exc.message)
+            outcome = exc
+            log.warning("request %s failed mid-stream: %s", record.request_id, exc.message)
             yield error_event(exc)
         except Exception as exc:  # e.g. Redis down during a migration: still end the stream cleanly
-            tally.status = f"stream_error:{type(exc).__name__}"
-            log.warning("request %s failed mid-stream: %r", tally.request_id, exc)
-            yield error_event(Unavailable("the stream could not continue", retry_after_s=2))
+            log.warning("request %s failed mid-stream: %r", record.request_id, exc)
+            outcome = Unavailable("the stream could not continue", retry_after_s=2)
+            yield error_event(outcome)
         except BaseException:
-            tally.status = "client_closed"
+            outcome = ClientGone("client disconnected mid-stream")
             raise
         finally:
             with anyio.CancelScope(shield=True):
                 for upstream in upstreams:
                     await upstream.aclose()
-                tally.log()
+                record.finish(outcome)
                 await self._settle_stream(ctx, completed)
-                await self._settle_usage(ctx, tally.prompt_tokens + tally.completion_tokens)
+                await self._settle_usage(ctx, record.prompt_tokens + record.completion_tokens)
         yield DONE
 
     async def reattach(self, key: str, after: int) -> Response:
@@ -333,7 +284,7 @@ class Serving:
         req: ChatCompletionRequest | CompletionRequest,
         upstreams: list[Upstream],
         lines: AsyncIterator[tuple[int, Line]],
-        tally: Tally,
+        record: RequestRecord,
         headers: dict[str, str],
         ctx: RequestContext,
     ) -> Response:
@@ -343,7 +294,7 @@ class Serving:
 
         async def gather() -> None:
             async for index, line in lines:
-                tally.add(index, line)
+                record.add(index, line)
                 texts[index] += line.get("text", "")
                 finishes[index] = line.get("finish_reason") or finishes[index]
                 entries[index].extend(line.get("lp") or ())
@@ -351,20 +302,20 @@ class Serving:
         try:
             await _unless_disconnected(gather(), ctx.disconnected)
         except SluiceError as exc:
-            tally.status = str(exc.status)
+            record.finish(exc)
             raise
         finally:
             with anyio.CancelScope(shield=True):
                 for upstream in upstreams:
                     await upstream.aclose()
-                tally.log()
-                await self._settle_usage(ctx, tally.prompt_tokens + tally.completion_tokens)
+                record.finish()
+                await self._settle_usage(ctx, record.prompt_tokens + record.completion_tokens)
         wants = req.logprobs_count() is not None
         choices = [
             (text, finish, render_logprobs(kind, lp) if wants else None)
             for text, finish, lp in zip(texts, finishes, entries)
         ]
-        body = completion_body(kind, req.model, choices, tally.usage())
+        body = completion_body(kind, req.model, choices, record.usage())
         return Response(body, media_type="application/json", headers=headers)
 
 

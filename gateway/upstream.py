@@ -22,12 +22,17 @@ from typing import Any
 import httpx
 import orjson
 
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
 from gateway.admission import Admission, Lease
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
 from sluice.errors import DeadlineExceeded, SluiceError, Unavailable, UpstreamFailed, from_body
+from sluice.telemetry import inject
 
 log = logging.getLogger("sluice.gateway")
+tracer = trace.get_tracer("sluice.gateway")
 
 Line = dict[str, Any]
 
@@ -39,9 +44,12 @@ class _Retryable(Exception):
 class Upstream:
     """One open stream from a worker, holding its lease until closed."""
 
-    def __init__(self, admission: Admission, lease: Lease, response: httpx.Response) -> None:
+    def __init__(
+        self, admission: Admission, lease: Lease, response: httpx.Response, span: Span | None = None
+    ) -> None:
         self.lease = lease
         self._admission = admission
+        self._span = span
         self._response = response
         self._raw = response.aiter_raw()
         self._buffer = b""
@@ -96,6 +104,8 @@ class Upstream:
         try:
             await self._response.aclose()
         finally:
+            if self._span is not None:
+                self._span.end()
             await self._admission.release(self.lease)
 
     @property
@@ -133,20 +143,30 @@ class Dispatcher:
         body = orjson.dumps(payload)
         excluded: list[str] = list(exclude)
         reason = "no attempt made"
+        record = ctx.record
         for attempt in range(1, s.max_attempts + 1):
-            lease = await self._admission.acquire(
-                model,
-                f"{payload['request_id']}~{attempt}",
-                priority=ctx.priority,
-                exclude=excluded,
-                queue_deadline=min(time.time() + s.queue_timeout_s, ctx.deadline),
-                boost=boost or attempt > 1,
-                disconnected=ctx.disconnected,
-            )
+            waited = time.monotonic()
+            with tracer.start_as_current_span("queue.wait", context=record.context()) as queue_span:
+                queue_span.set_attribute("sluice.priority", ctx.priority)
+                lease = await self._admission.acquire(
+                    model,
+                    f"{payload['request_id']}~{attempt}",
+                    priority=ctx.priority,
+                    exclude=excluded,
+                    queue_deadline=min(time.time() + s.queue_timeout_s, ctx.deadline),
+                    boost=boost or attempt > 1,
+                    disconnected=ctx.disconnected,
+                )
+                queue_span.set_attribute("sluice.worker_id", lease.worker_id)
+            span = tracer.start_span("upstream", context=record.context(), kind=SpanKind.CLIENT,
+                                     attributes={"sluice.worker_id": lease.worker_id, "sluice.attempt": attempt})
             try:
-                return await self._attempt(lease, body, ctx.deadline)
+                upstream = await self._attempt(lease, body, ctx.deadline, span)
+                record.admitted(time.monotonic() - waited, attempt, lease.worker_id)
+                return upstream
             except _Retryable as exc:
                 reason = str(exc)
+                record.span.add_event("retry", {"sluice.worker_id": lease.worker_id, "sluice.reason": reason})
                 log.warning(
                     "attempt %d/%d on worker %s failed before the first token: %s",
                     attempt, s.max_attempts, lease.worker_id, reason,
@@ -160,18 +180,18 @@ class Dispatcher:
             retry_after_s=1,
         )
 
-    async def _attempt(self, lease: Lease, body: bytes, deadline: float) -> Upstream:
+    async def _attempt(self, lease: Lease, body: bytes, deadline: float, span: Span) -> Upstream:
         s = self._settings
         ttft_s = max(0.0, min(s.ttft_timeout_s, deadline - time.time()))
         request = self._http.build_request(
             "POST", lease.url + "/internal/generate", content=body,
-            headers={"content-type": "application/json"},
+            headers={"content-type": "application/json", **inject(trace.set_span_in_context(span))},
         )
         upstream: Upstream | None = None
         try:
             async with asyncio.timeout(ttft_s):
                 response = await self._http.send(request, stream=True)
-                upstream = Upstream(self._admission, lease, response)
+                upstream = Upstream(self._admission, lease, response, span)
                 if response.status_code != 200:
                     detail = await response.aread()
                     if response.status_code >= 500 or response.status_code == 404:
@@ -184,21 +204,24 @@ class Dispatcher:
                 raise _Retryable(f"worker error before the first token: {_error_line(upstream.first)}")
             return upstream
         except TimeoutError:
-            await _close(upstream, lease, self._admission)
+            await _close(upstream, lease, self._admission, span)
             if time.time() >= deadline:
                 raise DeadlineExceeded("the request ran past its deadline before its first token",
                                        code="request_timeout") from None
             raise _Retryable(f"no first token within {ttft_s:g}s") from None
         except httpx.TransportError as exc:
-            await _close(upstream, lease, self._admission)
+            await _close(upstream, lease, self._admission, span)
             raise _Retryable(f"{type(exc).__name__} talking to the worker") from None
         except BaseException:
-            await _close(upstream, lease, self._admission)
+            await _close(upstream, lease, self._admission, span)
             raise
 
 
-async def _close(upstream: Upstream | None, lease: Lease, admission: Admission) -> None:
+async def _close(upstream: Upstream | None, lease: Lease, admission: Admission, span: Span) -> None:
+    """Undo a failed attempt: its span marked failed and ended, its slot released."""
+    span.set_status(Status(StatusCode.ERROR, "attempt failed"))
     if upstream is not None:
-        await upstream.aclose()
+        await upstream.aclose()  # ends the span too
     else:
+        span.end()
         await admission.release(lease)

@@ -24,6 +24,20 @@ def test_services_and_healthchecks() -> None:
         assert deps["redis"]["condition"] == "service_healthy"
         assert services[name]["environment"]["SLUICE_REDIS_URL"].startswith("redis://redis:")
     assert services["gateway"]["depends_on"]["worker"]["condition"] == "service_healthy"
+    assert {"otel-collector", "prometheus"} <= set(services)
+    for name in ("gateway", "worker"):
+        assert services[name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4318"
+
+
+def test_prometheus_scrapes_gateway_with_the_admin_key() -> None:
+    compose = _compose()["services"]
+    prom = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in prom["scrape_configs"]}
+    assert jobs["sluice-gateway"]["authorization"]["credentials"] == compose["gateway"]["environment"][
+        "SLUICE_GATEWAY_ADMIN_KEY"]
+    assert jobs["sluice-gateway"]["static_configs"][0]["targets"] == ["gateway:8000"]
+    otel = yaml.safe_load((ROOT / "deploy/otel-collector.yaml").read_text())
+    assert "otlp" in otel["service"]["pipelines"]["traces"]["receivers"]
 
 
 def test_referenced_files_exist() -> None:

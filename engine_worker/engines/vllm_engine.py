@@ -134,6 +134,7 @@ class VllmEngine:
             params,
             request_id=request_id,
             priority=request.priority,
+            trace_headers=request.trace_headers,
         )
         try:
             async for out in stream:

@@ -1,0 +1,51 @@
+"""Prometheus metrics of one gateway process (its own registry, no global state).
+
+Per-request figures are recorded once, when the request ends (from its Tally);
+the only per-chunk work is one inter-token histogram observation.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+def priority_class(priority: int) -> str:
+    return "urgent" if priority < 0 else "default" if priority == 0 else "low"
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("sluice_gateway_requests", "Requests finished, by status", ["model", "status"], registry=r)
+        self.errors = Counter("sluice_gateway_errors", "Errors by OpenAI error type", ["model", "type"], registry=r)
+        self.rejections = Counter("sluice_gateway_rejections", "Requests turned away (429/503) by reason",
+                                  ["model", "reason"], registry=r)
+        self.ttft = Histogram("sluice_gateway_time_to_first_token_seconds", "Arrival to first token",
+                              ["model"], buckets=_LATENCY, registry=r)
+        self.itl = Histogram("sluice_gateway_inter_token_latency_seconds", "Gap between relayed chunks",
+                             ["model"], buckets=_ITL, registry=r)
+        self.queue_wait = Histogram("sluice_gateway_queue_wait_seconds", "Time waiting for a worker slot",
+                                    ["model", "priority_class"], buckets=_LATENCY, registry=r)
+        self.e2e = Histogram("sluice_gateway_request_duration_seconds", "Arrival to last byte",
+                             ["model"], buckets=_LATENCY, registry=r)
+        self.prompt_tokens = Counter("sluice_gateway_prompt_tokens", "Prompt tokens", ["model"], registry=r)
+        self.completion_tokens = Counter("sluice_gateway_completion_tokens", "Completion tokens", ["model"],
+                                         registry=r)
+        self.cached_tokens = Counter("sluice_gateway_cached_tokens", "Prompt tokens served from prefix caches",
+                                     ["model"], registry=r)
+        self.retries = Counter("sluice_gateway_retries", "Attempts retried before the first token", ["model"],
+                               registry=r)
+        self.migrations = Counter("sluice_gateway_migrations", "Streams moved to another worker mid-stream",
+                                  ["model"], registry=r)
+        self.in_flight = Gauge("sluice_gateway_in_flight_requests", "Requests this gateway is serving",
+                               registry=r)
+        self.queue_depth = Gauge("sluice_gateway_queue_depth", "Requests waiting in the shared queue",
+                                 ["model"], registry=r)
+        self.live_workers = Gauge("sluice_gateway_live_workers", "Workers with a fresh heartbeat", ["model"],
+                                  registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

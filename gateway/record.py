@@ -1,0 +1,138 @@
+"""One request's record: usage, timings, the access log line, metrics and its trace span.
+
+Created when the request arrives, finished exactly once when it ends (success,
+error, or client gone), wherever that happens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+from gateway.metrics import GatewayMetrics, priority_class
+from gateway.protocol import usage_dict
+from sluice.errors import SluiceError
+
+access = logging.getLogger("sluice.access")
+tracer = trace.get_tracer("sluice.gateway")
+
+#: Error codes that mean "turned away", for the rejection counter.
+REJECTIONS = {"queue_full", "queue_timeout", "rate_limit_exceeded", "service_unavailable"}
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    metrics: GatewayMetrics
+    span: Span
+    model: str = "-"
+    #: Choices per prompt: the prompt is billed once per prompt, not once per choice.
+    n: int = 1
+    priority: int = 0
+    key_id: str = "-"
+    started: float = field(default_factory=time.monotonic)
+    first_token_s: float | None = None
+    queue_wait_s: float = 0.0
+    retries: int = 0
+    migrations: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    workers: list[str] = field(default_factory=list)
+    _last_line: float = 0.0
+    _done: bool = False
+
+    @classmethod
+    def begin(cls, request_id: str, metrics: GatewayMetrics, parent: Context, route: str) -> RequestRecord:
+        span = tracer.start_span(route, context=parent, kind=SpanKind.SERVER)
+        span.set_attribute("sluice.request_id", request_id)
+        metrics.in_flight.inc()
+        return cls(request_id=request_id, metrics=metrics, span=span)
+
+    def describe(self, model: str, n: int, priority: int, key_id: str | None) -> None:
+        self.model, self.n, self.priority, self.key_id = model, n, priority, key_id or "-"
+        self.span.set_attributes({"gen_ai.request.model": model, "sluice.priority": priority,
+                                  "sluice.key_id": self.key_id})
+
+    def context(self) -> Context:
+        return trace.set_span_in_context(self.span)
+
+    def admitted(self, queue_wait_s: float, attempts: int, worker_id: str) -> None:
+        self.queue_wait_s += queue_wait_s
+        self.retries += attempts - 1
+        self.workers.append(worker_id)
+
+    def add(self, index: int, line: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if self.first_token_s is None:
+            self.first_token_s = now - self.started
+            self.span.add_event("first_token")
+        else:
+            self.metrics.itl.labels(self.model).observe(now - self._last_line)
+        self._last_line = now
+        self.completion_tokens += len(line.get("ids", ()))
+        usage = line.get("usage")
+        if usage and index % self.n == 0:
+            self.prompt_tokens += int(usage.get("prompt_tokens", 0))
+            self.cached_tokens += int(usage.get("cached_tokens", 0))
+
+    def migrated(self, worker_id: str) -> None:
+        self.migrations += 1
+        self.workers.append(worker_id)
+        self.span.add_event("migration", {"sluice.worker_id": worker_id})
+
+    def usage(self) -> dict[str, object]:
+        return usage_dict(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+    def finish(self, status: str | SluiceError = "ok") -> None:
+        """Log, count and close the span; only the first call counts."""
+        if self._done:
+            return
+        self._done = True
+        m, model = self.metrics, self.model
+        total = time.monotonic() - self.started
+        if isinstance(status, SluiceError):
+            error: SluiceError | None = status
+            status = str(status.status)
+        else:
+            error = None
+        m.in_flight.dec()
+        m.requests.labels(model, status).inc()
+        if error is not None:
+            m.errors.labels(model, error.type).inc()
+            if error.code in REJECTIONS:
+                m.rejections.labels(model, error.code).inc()
+            self.span.set_status(Status(StatusCode.ERROR, error.message))
+        if self.first_token_s is not None:
+            m.ttft.labels(model).observe(self.first_token_s)
+        if self.workers:
+            m.queue_wait.labels(model, priority_class(self.priority)).observe(self.queue_wait_s)
+        m.e2e.labels(model).observe(total)
+        m.prompt_tokens.labels(model).inc(self.prompt_tokens)
+        m.completion_tokens.labels(model).inc(self.completion_tokens)
+        m.cached_tokens.labels(model).inc(self.cached_tokens)
+        m.retries.labels(model).inc(self.retries)
+        m.migrations.labels(model).inc(self.migrations)
+        fields = {
+            "request_id": self.request_id, "model": model, "priority": self.priority, "key_id": self.key_id,
+            "status": status, "queue_wait_ms": round(self.queue_wait_s * 1000, 1),
+            "ttft_ms": None if self.first_token_s is None else round(self.first_token_s * 1000, 1),
+            "total_ms": round(total * 1000, 1), "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens,
+            "retries": self.retries, "migrations": self.migrations, "workers": ",".join(self.workers) or "-",
+        }
+        if error is not None:
+            fields["error"] = error.code or error.type
+        self.span.set_attributes({
+            "http.response.status_code": int(status) if status.isdigit() else 200,
+            "sluice.status": status, "gen_ai.usage.input_tokens": self.prompt_tokens,
+            "gen_ai.usage.output_tokens": self.completion_tokens, "sluice.migrations": self.migrations,
+        })
+        self.span.end()
+        access.info("access " + " ".join(f"{k}={v}" for k, v in fields.items()), extra={"fields": fields})
