@@ -6,18 +6,22 @@ from typing import TYPE_CHECKING
 
 import orjson
 from fastapi import FastAPI, Request
-from pydantic import ValidationError
-from starlette.responses import Response
-
-from prometheus_client import CONTENT_TYPE_LATEST
-
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+from starlette.responses import Response
 
 from engine_worker.metrics import metrics_text
 from engine_worker.protocol import GenerateRequest
 from engine_worker.stream import NDJSONStream
-from sluice.errors import InvalidRequest, ModelNotFound, SluiceError, Unavailable, error_response
+from sluice.errors import (
+    InvalidRequest,
+    ModelNotFound,
+    SluiceError,
+    Unavailable,
+    error_response,
+)
 from sluice.telemetry import extract, inject
 
 tracer = trace.get_tracer("sluice.worker")

@@ -6,17 +6,15 @@ import socket
 import uuid
 from typing import Literal
 
-from pydantic import AliasChoices, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from sluice.settings import RedisSettings
 
 
-class WorkerSettings(BaseSettings):
+class WorkerSettings(RedisSettings):
     model_config = SettingsConfigDict(env_prefix="SLUICE_WORKER_", extra="ignore")
 
-    redis_url: str = Field(
-        default="redis://127.0.0.1:6379/0",
-        validation_alias=AliasChoices("SLUICE_WORKER_REDIS_URL", "SLUICE_REDIS_URL", "redis_url"),
-    )
     host: str = "127.0.0.1"
     port: int = Field(default=8100, ge=0, le=65535)
     #: URL the gateways use to reach this worker; default http://host:port.

@@ -6,13 +6,13 @@ import asyncio
 import logging
 import time
 
+from opentelemetry.trace import Span
+
 from engine_worker.config import WorkerSettings
 from engine_worker.engines.base import Engine
 from engine_worker.protocol import GenerateRequest
 from engine_worker.registration import Registration
 from engine_worker.stream import NDJSONStream
-from opentelemetry.trace import Span
-
 from sluice.models import resolve
 from sluice.redis_pool import create_pool
 from sluice.serve import Server, run_async, uvicorn_config

@@ -137,25 +137,20 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     def begin(request: Request, route: str) -> RequestRecord:
         return RequestRecord.begin(_request_id(request), svc().metrics, extract(request.headers), route)
 
-    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
-    async def chat_completions(request: Request) -> Response:
-        record = begin(request, "chat.completions")
-        try:
-            req, ctx = await admitted(request, ChatCompletionRequest, record)
-            return await svc().serving.chat(req, ctx)
-        except SluiceError as exc:
-            record.finish(exc)
-            raise
+    def completion_route(path: str, model: type[ChatCompletionRequest] | type[CompletionRequest], name: str) -> None:
+        async def route(request: Request) -> Response:
+            record = begin(request, name)
+            try:
+                req, ctx = await admitted(request, model, record)
+                return await svc().serving.serve(req, ctx)
+            except SluiceError as exc:
+                record.finish(exc)
+                raise
 
-    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
-    async def completions(request: Request) -> Response:
-        record = begin(request, "completions")
-        try:
-            req, ctx = await admitted(request, CompletionRequest, record)
-            return await svc().serving.completions(req, ctx)
-        except SluiceError as exc:
-            record.finish(exc)
-            raise
+        app.add_api_route(path, route, methods=["POST"], name=name, openapi_extra=_body_schema(model))
+
+    completion_route("/v1/chat/completions", ChatCompletionRequest, "chat.completions")
+    completion_route("/v1/completions", CompletionRequest, "completions")
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics(request: Request) -> Response:

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from sluice.settings import RedisSettings
 
 
-class GatewaySettings(BaseSettings):
+class GatewaySettings(RedisSettings):
     model_config = SettingsConfigDict(env_prefix="SLUICE_GATEWAY_", extra="ignore")
 
-    redis_url: str = Field(
-        default="redis://127.0.0.1:6379/0",
-        validation_alias=AliasChoices("SLUICE_GATEWAY_REDIS_URL", "SLUICE_REDIS_URL", "redis_url"),
-    )
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     #: Request bodies above this size get 413 before they are parsed.

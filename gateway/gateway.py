@@ -8,8 +8,8 @@ from gateway.app import create_app
 from gateway.config import GatewaySettings
 from gateway.tenancy import StartupRefused, Tenancy
 from sluice.redis_pool import create_pool
-from sluice.telemetry import setup_tracing
 from sluice.serve import Server, run_async, uvicorn_config
+from sluice.telemetry import setup_tracing
 
 
 async def preflight(settings: GatewaySettings) -> None:

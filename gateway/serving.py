@@ -61,11 +61,9 @@ class Serving:
         self._producers: set[asyncio.Task[None]] = set()
         self._unknown_logged: set[str] = set()
 
-    async def chat(self, req: ChatCompletionRequest, ctx: RequestContext) -> Response:
-        return await self._serve("chat", req, ctx)
-
-    async def completions(self, req: CompletionRequest, ctx: RequestContext) -> Response:
-        return await self._serve("text", req, ctx)
+    async def serve(self, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext) -> Response:
+        """A chat or text completion, as one JSON body or an SSE stream."""
+        return await self._serve("chat" if isinstance(req, ChatCompletionRequest) else "text", req, ctx)
 
     def _note_unknown(self, req: ChatCompletionRequest | CompletionRequest) -> None:
         for name in req.unknown_fields():
@@ -313,7 +311,7 @@ class Serving:
         wants = req.logprobs_count() is not None
         choices = [
             (text, finish, render_logprobs(kind, lp) if wants else None)
-            for text, finish, lp in zip(texts, finishes, entries)
+            for text, finish, lp in zip(texts, finishes, entries, strict=False)
         ]
         body = completion_body(kind, req.model, choices, record.usage())
         return Response(body, media_type="application/json", headers=headers)

@@ -21,14 +21,19 @@ from typing import Any
 
 import httpx
 import orjson
-
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from gateway.admission import Admission, Lease
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
-from sluice.errors import DeadlineExceeded, SluiceError, Unavailable, UpstreamFailed, from_body
+from sluice.errors import (
+    DeadlineExceeded,
+    SluiceError,
+    Unavailable,
+    UpstreamFailed,
+    from_body,
+)
 from sluice.telemetry import inject
 
 log = logging.getLogger("sluice.gateway")

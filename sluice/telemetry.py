@@ -67,7 +67,9 @@ def setup_tracing(default_service: str) -> TracerProvider | None:
     service = os.environ.get("OTEL_SERVICE_NAME", default_service)
     provider = TracerProvider(resource=Resource.create({"service.name": service}))
     if otlp:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+            OTLPSpanExporter,
+        )
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     if trace_file:

@@ -149,7 +149,12 @@ class Supervisor:
 
     def _model(self) -> str | None:
         """The model folder workers get; prepares the default model on first use."""
-        from sluice.models import default_model_dir, is_prepared, prepare_default, resolve
+        from sluice.models import (
+            default_model_dir,
+            is_prepared,
+            prepare_default,
+            resolve,
+        )
 
         o = self.options
         if o.engine == "sim":

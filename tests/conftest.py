@@ -20,6 +20,19 @@ from sluice.embedded_redis import EmbeddedRedis, free_port
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``predicate`` until true; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        time.sleep(0.02)
+
+
+def running(worker: Proc) -> int:
+    """Sequences the worker's engine is running, from its /health."""
+    return int(httpx.get(worker.url + "/health").json()["worker"]["stats"]["running"])
+
+
 class Proc:
     """A sluice child process with its log file; ``stop()`` sends SIGTERM and waits."""
 

@@ -29,7 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from engine_worker.engines.base import EngineStats
-from engine_worker.engines.prompts import completion_budget, held_back_text, prompt_token_ids
+from engine_worker.engines.prompts import (
+    completion_budget,
+    held_back_text,
+    prompt_token_ids,
+)
 from engine_worker.protocol import Delta, GenerateRequest, Usage
 from sluice.errors import InvalidRequest
 

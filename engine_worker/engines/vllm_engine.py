@@ -20,7 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from engine_worker.engines.base import EngineStats
-from engine_worker.engines.prompts import completion_budget, held_back_text, prompt_token_ids
+from engine_worker.engines.prompts import (
+    completion_budget,
+    held_back_text,
+    prompt_token_ids,
+)
 from engine_worker.protocol import Delta, GenerateRequest, Usage
 
 log = logging.getLogger("sluice.worker.vllm")
@@ -171,7 +175,7 @@ def _finite(logprob: float) -> float:
 def logprob_entries(ids: Any, per_token: Any, top: int) -> list[list[Any]]:
     """vLLM's ``{token_id: Logprob}`` per position, as [text, logprob, [[alt, logprob], ...]]."""
     entries = []
-    for token_id, options in zip(ids, per_token):
+    for token_id, options in zip(ids, per_token, strict=False):
         sampled = options[token_id]
         ranked = sorted(options.values(), key=lambda o: -o.logprob)[:top]
         entries.append([

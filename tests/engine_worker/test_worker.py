@@ -10,10 +10,7 @@ import openai
 import orjson
 
 from sluice import keys
-
-
-def _running(worker) -> int:
-    return int(httpx.get(worker.url + "/health").json()["worker"]["stats"]["running"])
+from tests.conftest import running, wait_for
 
 
 def test_gateway_disconnect_aborts_engine_request(start_worker, start_gateway) -> None:
@@ -23,11 +20,8 @@ def test_gateway_disconnect_aborts_engine_request(start_worker, start_gateway) -
     with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=10) as resp:
         lines = resp.iter_lines()
         assert next(lines).startswith("data: ")
-        assert _running(worker) == 1
-    deadline = time.monotonic() + 1.0
-    while _running(worker) != 0:
-        assert time.monotonic() < deadline, "engine still running 1s after the client left"
-        time.sleep(0.02)
+        assert running(worker) == 1
+    wait_for(lambda: running(worker) == 0, 1.0, "the engine to abort after the client left")
 
 
 def test_sigterm_drains_in_flight_then_exits(start_worker, start_gateway, redis_client) -> None:
@@ -44,7 +38,7 @@ def test_sigterm_drains_in_flight_then_exits(start_worker, start_gateway, redis_
     thread = threading.Thread(target=stream)
     thread.start()
     deadline = time.monotonic() + 5
-    while _running(worker) == 0:
+    while running(worker) == 0:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     worker.process.terminate()

@@ -11,17 +11,11 @@ import openai
 import pytest
 
 from sluice import keys
+from tests.conftest import running, wait_for
 
 
 def _inflight(redis_client, model: str) -> int:
     return sum(int(v) for v in redis_client.hvals(keys.inflight(model)))
-
-
-def _wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def _hold_slot(gateway_url: str, model: str, tokens: int) -> threading.Thread:
@@ -68,7 +62,7 @@ async def test_high_priority_admitted_first(start_worker, start_gateway, redis_c
     start_worker(model, sim_max_seqs=1, sim_token_ms=10, sim_ttft_ms=0)
     gateways = [start_gateway().url for _ in range(replicas)]
     blocker = _hold_slot(gateways[0], model, tokens=80)
-    await asyncio.to_thread(_wait_for, lambda: _inflight(redis_client, model) == 1, 5, "the blocker")
+    await asyncio.to_thread(wait_for, lambda: _inflight(redis_client, model) == 1, 5, "the blocker")
     plan = [(f"low{i}", 5) for i in range(3)] + [(f"high{i}", -5) for i in range(3)]
     order = await _completion_order(gateways, model, plan)
     blocker.join(10)
@@ -81,7 +75,7 @@ def test_queue_timeout_is_429_then_sdk_retry_succeeds(start_worker, start_gatewa
     start_worker(model, sim_max_seqs=1, sim_token_ms=10, sim_ttft_ms=0)
     gateway = start_gateway(env={"SLUICE_GATEWAY_QUEUE_TIMEOUT_S": "0.5"})
     blocker = _hold_slot(gateway.url, model, tokens=120)
-    _wait_for(lambda: _inflight(redis_client, model) == 1, 5, "the blocker")
+    wait_for(lambda: _inflight(redis_client, model) == 1, 5, "the blocker")
     started = time.monotonic()
     resp = httpx.post(gateway.url + "/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2})
     assert resp.status_code == 429
@@ -106,13 +100,11 @@ def test_disconnect_while_queued_and_while_streaming(start_worker, start_gateway
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(gateway.url + "/v1/completions",
                        json={"model": model, "prompt": "queued", "max_tokens": 2}, timeout=0.5)
-        _wait_for(lambda: redis_client.zcard(keys.queue(model)) == 0, 3, "the queued request to leave")
+        wait_for(lambda: redis_client.zcard(keys.queue(model)) == 0, 3, "the queued request to leave")
         assert _inflight(redis_client, model) == 1
     # The streaming client hung up: the engine aborts and the slot comes back.
-    _wait_for(lambda: _inflight(redis_client, model) == 0, 2, "the slot to come back")
-    _wait_for(
-        lambda: httpx.get(worker.url + "/health").json()["worker"]["stats"]["running"] == 0, 1, "the abort"
-    )
+    wait_for(lambda: _inflight(redis_client, model) == 0, 2, "the slot to come back")
+    wait_for(lambda: running(worker) == 0, 1, "the abort")
     assert redis_client.zcard(keys.leases(model)) == 0
 
 
@@ -139,10 +131,10 @@ def test_sigkill_gateway_its_leases_come_back(start_worker, start_gateway, redis
     start_gateway(env=env)  # the survivor, whose reaper reclaims the leases
     for _ in range(2):
         _hold_slot(doomed.url, model, tokens=1000)
-    _wait_for(lambda: _inflight(redis_client, model) == 2, 5, "two leases")
+    wait_for(lambda: _inflight(redis_client, model) == 2, 5, "two leases")
     killed_at = time.monotonic()
     doomed.kill()
-    _wait_for(lambda: _inflight(redis_client, model) == 0, 4, "the dead gateway's slots")
+    wait_for(lambda: _inflight(redis_client, model) == 0, 4, "the dead gateway's slots")
     assert time.monotonic() - killed_at < 1.5 + 0.3 + 1.5
     assert redis_client.zcard(keys.leases(model)) == 0
 
@@ -189,7 +181,7 @@ async def test_clients_sharing_an_x_request_id_never_share_a_slot(start_worker, 
             for i in range(4)
         ))
     assert [a.status_code for a in answers] == [200] * 4
-    _wait_for(lambda: _inflight(redis_client, model) == 0, 2, "every slot back")
+    wait_for(lambda: _inflight(redis_client, model) == 0, 2, "every slot back")
 
 
 def test_non_streaming_client_that_leaves_frees_the_engine(start_worker, start_gateway, redis_client) -> None:
@@ -200,6 +192,5 @@ def test_non_streaming_client_that_leaves_frees_the_engine(start_worker, start_g
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(gateway.url + "/v1/completions", timeout=0.5,
                    json={"model": model, "prompt": "x", "max_tokens": 500, "ignore_eos": True})
-    _wait_for(lambda: _inflight(redis_client, model) == 0, 2, "the slot")
-    _wait_for(lambda: httpx.get(worker.url + "/health").json()["worker"]["stats"]["running"] == 0, 1,
-              "the engine abort")
+    wait_for(lambda: _inflight(redis_client, model) == 0, 2, "the slot")
+    wait_for(lambda: running(worker) == 0, 1, "the engine abort")

@@ -7,13 +7,13 @@ Marked ``real_model``: ``pytest -m "not real_model"`` skips them. They need the
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
 import pytest
 
 from sluice.models import default_model_dir, is_prepared
+from tests.conftest import running, wait_for
 
 pytestmark = [
     pytest.mark.real_model,
@@ -42,10 +42,6 @@ def gateway(vllm_worker, start_gateway):
 def client(gateway):
     with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
         yield c
-
-
-def _running(worker) -> int:
-    return int(httpx.get(worker.url + "/health").json()["worker"]["stats"]["running"])
 
 
 def test_greedy_answer_mentions_paris(client) -> None:
@@ -102,11 +98,8 @@ def test_disconnect_frees_the_engine(gateway, vllm_worker) -> None:
     with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=60) as resp:
         lines = resp.iter_lines()
         assert next(lines).startswith("data: ")
-        assert _running(vllm_worker) == 1
-    deadline = time.monotonic() + 1.0
-    while _running(vllm_worker) != 0:
-        assert time.monotonic() < deadline, "vLLM still running the request 1 s after disconnect"
-        time.sleep(0.02)
+        assert running(vllm_worker) == 1
+    wait_for(lambda: running(vllm_worker) == 0, 1.0, "vLLM to abort the request after the disconnect")
 
 
 def test_context_overflow_is_a_clear_400(client) -> None:
@@ -152,7 +145,7 @@ def test_migration_after_worker_kill_is_byte_identical(start_worker, start_gatew
             if chunk.choices:
                 pieces.append(chunk.choices[0].delta.content or "")
             if not killed and len(pieces) == 15:
-                busy = [w for w in workers if _running(w) == 1]
+                busy = [w for w in workers if running(w) == 1]
                 assert len(busy) == 1
                 busy[0].kill()
                 killed = True

@@ -1,0 +1,14 @@
+"""Settings every process shares."""
+
+from __future__ import annotations
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings
+
+
+class RedisSettings(BaseSettings):
+    #: The Redis every gateway and worker shares (env SLUICE_REDIS_URL, or the CLI flag).
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        validation_alias=AliasChoices("SLUICE_REDIS_URL", "redis_url"),
+    )
