@@ -24,6 +24,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.admission import Admission
 from gateway.caps import check_caps, token_estimate
@@ -112,6 +113,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return services
 
     app = FastAPI(title="Sluice", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(RequestIdMiddleware)
     _install_error_handlers(app)
 
     async def admitted(request: Request, model: type[M], record: RequestRecord) -> tuple[M, RequestContext]:
@@ -232,8 +234,36 @@ def _context(
 
 
 def _request_id(request: Request) -> str:
-    given = request.headers.get("x-request-id", "")
+    rid = request.scope.get("sluice.request_id")
+    return rid if isinstance(rid, str) else _new_request_id(request.headers.get("x-request-id", ""))
+
+
+def _new_request_id(given: str) -> str:
     return given if _REQUEST_ID.match(given) else uuid.uuid4().hex
+
+
+class RequestIdMiddleware:
+    """Every response carries ``x-request-id``: the client's when valid, else a fresh one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), "")
+        rid = scope["sluice.request_id"] = _new_request_id(given)
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                if not any(k.lower() == b"x-request-id" for k, _ in headers):
+                    headers.append((b"x-request-id", rid.encode()))
+                    message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

@@ -47,8 +47,11 @@ class Idempotency:
         """None when this caller owns the key and must generate; "attach" to re-attach to
         the key's stream; else the stored answer to send."""
         pending = orjson.dumps({"state": "pending", "fp": fp, "stream": stream})
+        # A pending claim lives as long as its request may run, not the whole TTL: if the
+        # gateway dies mid-generation, a retry with the key can run once that has passed.
+        pending_ms = min(self._ttl_ms, int((deadline - time.time() + 30) * 1000))
         while True:
-            if await self._redis.set(_PREFIX + key, pending, nx=True, px=self._ttl_ms):
+            if await self._redis.set(_PREFIX + key, pending, nx=True, px=max(pending_ms, 1000)):
                 return None
             raw = await self._redis.get(_PREFIX + key)
             if raw is None:

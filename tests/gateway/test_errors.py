@@ -90,3 +90,12 @@ def test_sdk_body_too_large(base_url: str) -> None:
                 model="sim", messages=[{"role": "user", "content": "x" * (10 * 1024 * 1024)}]
             )
     assert info.value.status_code == 413
+
+
+def test_every_response_has_a_request_id(stack) -> None:
+    for resp in (httpx.get(stack.url + "/v1/models"), httpx.get(stack.url + "/health"),
+                 httpx.get(stack.url + "/nope"),
+                 httpx.post(stack.url + "/v1/chat/completions", json={"model": "sim"})):
+        assert len(resp.headers["x-request-id"]) >= 8
+    mine = httpx.get(stack.url + "/v1/models", headers={"x-request-id": "mine-123"})
+    assert mine.headers["x-request-id"] == "mine-123"
