@@ -54,9 +54,11 @@ class NDJSONStream(Response):
         except OSError:
             pass  # the gateway went away between two sends
         finally:
-            with anyio.CancelScope(shield=True):
-                await self._deltas.aclose()  # type: ignore[attr-defined]
-            self._on_done()
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self._deltas.aclose()  # type: ignore[attr-defined]
+            finally:
+                self._on_done()
 
     async def _respond(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The status waits for the first delta, so a request the engine refuses

@@ -50,6 +50,17 @@ class ClientGone(SluiceError):
     type = "client_closed_request"
 
 
+def as_sluice_error(exc: BaseException) -> SluiceError:
+    """What the client is told about an exception that is not already a SluiceError."""
+    if isinstance(exc, SluiceError):
+        return exc
+    if isinstance(exc, asyncio.CancelledError):
+        return ClientGone("the request was cancelled")
+    if isinstance(exc, (RedisError, OSError)):
+        return Unavailable("the gateway's state store is unreachable", retry_after_s=2)
+    return SluiceError("internal error in the gateway")
+
+
 @dataclass(frozen=True, slots=True)
 class Lease:
     """A worker slot granted to one attempt; hand it back with :meth:`Admission.release`."""

@@ -26,11 +26,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.admission import Admission
+from gateway.admission import Admission, as_sluice_error
 from gateway.caps import check_caps, token_estimate
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext, resolve_deadline, resolve_priority
-from gateway.idempotency import Idempotency, fingerprint
+from gateway.idempotency import Idempotency, fingerprint, scoped
 from gateway.journal import last_event_id
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -122,7 +122,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         key = await s.tenancy.authenticate(request.headers.get("authorization"))
         req, body = await _parse(request, model, settings.max_body_bytes)
         check_caps(req, settings)  # type: ignore[arg-type]
-        ctx = _context(request, req, body, settings)  # type: ignore[arg-type]
+        ctx = _context(request, req, body, settings, owner=key.prefix if key else "-")  # type: ignore[arg-type]
         ctx.record = record
         if key is not None:
             if ctx.priority < key.priority_ceiling:
@@ -145,8 +145,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             try:
                 req, ctx = await admitted(request, model, record)
                 return await svc().serving.serve(req, ctx)
-            except SluiceError as exc:
-                record.finish(exc)
+            except BaseException as exc:
+                record.finish(as_sluice_error(exc))
                 raise
 
         app.add_api_route(path, route, methods=["POST"], name=name, openapi_extra=_body_schema(model))
@@ -167,8 +167,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/v1/streams/{key}")
     async def reattach(key: str, request: Request) -> Response:
         """Re-attach to a stream started with this Idempotency-Key, after Last-Event-ID."""
+        caller = await svc().tenancy.authenticate(request.headers.get("authorization"))
         after = last_event_id(request.headers.get("last-event-id") or request.query_params.get("last_event_id"))
-        return await svc().serving.reattach(Idempotency.check_key(key), after)
+        owner = caller.prefix if caller else "-"
+        return await svc().serving.reattach(scoped(owner, Idempotency.check_key(key)), after)
 
     @app.get("/v1/models")
     async def list_models() -> Response:
@@ -219,7 +221,7 @@ def _check_admin(request: Request, settings: GatewaySettings) -> None:
 
 def _context(
     request: Request, req: ChatCompletionRequest | CompletionRequest, body: bytes,
-    settings: GatewaySettings,
+    settings: GatewaySettings, owner: str,
 ) -> RequestContext:
     key = request.headers.get("idempotency-key")
     return RequestContext(
@@ -227,7 +229,7 @@ def _context(
         priority=resolve_priority(req.priority, req.service_tier, request.headers, settings),
         deadline=resolve_deadline(request.headers, settings),
         disconnected=request.is_disconnected,
-        idempotency_key=None if key is None else Idempotency.check_key(key),
+        idempotency_key=None if key is None else scoped(owner, Idempotency.check_key(key)),
         fingerprint=fingerprint(body) if key is not None else "",
         last_event_id=last_event_id(request.headers.get("last-event-id")),
     )

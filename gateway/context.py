@@ -36,6 +36,8 @@ class RequestContext:
     grant: Grant | None = None
     #: Headers every answer to this request carries (rate limits, effective priority).
     headers: dict[str, str] = field(default_factory=dict)
+    #: Whether the Idempotency-Key's outcome (done or forgotten) has been written.
+    stream_settled: bool = False
     #: Usage, timings, access log, metrics and trace span of this request.
     record: RequestRecord = field(default=None)  # type: ignore[assignment]
 

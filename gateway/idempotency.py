@@ -28,6 +28,14 @@ _PREFIX = "sl:idem:"
 MAX_KEY_LENGTH = 255
 
 
+def scoped(owner: str, key: str) -> str:
+    """The name a client's Idempotency-Key gets in Redis: private to its API key.
+
+    Hashing also keeps arbitrary client text out of Redis key names.
+    """
+    return hashlib.sha256(f"{owner}\0{key}".encode()).hexdigest()[:40]
+
+
 def fingerprint(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest()
 

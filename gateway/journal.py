@@ -1,8 +1,11 @@
 """Resumable streams: the SSE events of a stream started with an ``Idempotency-Key``
 are journaled in a capped Redis stream, so a client can re-attach and get the rest.
 
-    sl:journal:{key}        Redis stream; entry id ``0-N`` holds event N ("d" = SSE data bytes)
-    sl:journal:{key}:live   set every second while this gateway still produces the stream
+    sl:journal:{scope}        Redis stream; entry id ``0-N`` holds event N ("d" = SSE data bytes)
+    sl:journal:{scope}:live   refreshed twice a second while this gateway still produces it
+
+``scope`` is a hash of the caller's API key id and its Idempotency-Key (see
+gateway/idempotency.py), so one tenant can neither read nor disturb another's.
 
 The generation runs in a producer task that does not depend on any client: the
 first client and every re-attaching one are readers of the journal. Writes are
@@ -14,8 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -44,36 +46,56 @@ class JournalWriter:
         self._batch = batch
         self._pending: list[bytes] = []
         self._seq = 0
+        self._lock = asyncio.Lock()
 
-    async def run(self, events: AsyncIterator[bytes]) -> None:
-        """Journal every event; ``events`` ends with ``[DONE]``."""
-        last_flush = time.monotonic()
+    async def run(self, events: AsyncIterator[bytes], abandon: Callable[[], Awaitable[None]]) -> None:
+        """Journal every event; ``events`` ends with ``[DONE]``.
+
+        ``abandon`` cleans up the generation if ``events`` never got to run (its own
+        ``finally`` only runs once it has started); it must be idempotent.
+        """
+        beat = asyncio.create_task(self._heartbeat(), name="journal-heartbeat")
         try:
-            await self._redis.delete(self._key)  # a retry under the same key starts a fresh journal
-            await self._redis.set(self._live, b"1", px=3000)
             async for event in events:
-                self._pending.append(event)
-                now = time.monotonic()
-                if len(self._pending) >= self._batch or now - last_flush >= self._flush_s or event == DONE:
-                    await self._flush()
-                    last_flush = now
+                async with self._lock:
+                    self._pending.append(event)
+                    if len(self._pending) >= self._batch or event == DONE:
+                        await self._flush()
         finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
             await events.aclose()  # type: ignore[attr-defined]  # runs the generation's clean-up
+            await abandon()
             with contextlib.suppress(RedisError, OSError):
-                await self._flush()
+                async with self._lock:
+                    await self._flush()
                 await self._redis.delete(self._live)
+
+    async def _heartbeat(self) -> None:
+        """Keep ``:live`` fresh through long silences (a migration) and flush stragglers."""
+        while True:
+            try:
+                async with self._lock:
+                    await self._flush()
+                    await self._redis.set(self._live, b"1", px=3000)
+            except (RedisError, OSError) as exc:
+                log.warning("journal heartbeat failed: %s", exc)
+            await asyncio.sleep(min(self._flush_s * 10, 0.5))
 
     async def _flush(self) -> None:
         if not self._pending:
             return
         pipe = self._redis.pipeline(transaction=False)
+        seq = self._seq
         for event in self._pending:
-            self._seq += 1
-            pipe.xadd(self._key, {"d": event}, id=f"0-{self._seq}", maxlen=self._max, approximate=True)
+            seq += 1
+            pipe.xadd(self._key, {"d": event}, id=f"0-{seq}", maxlen=self._max, approximate=True)
         pipe.pexpire(self._key, self._ttl_ms)
         pipe.set(self._live, b"1", px=3000)
-        self._pending.clear()
         await pipe.execute()
+        self._seq = seq  # only once written: a failed write is retried with the same ids
+        self._pending.clear()
 
 
 async def tail(redis: Redis, key: str, after: int = 0, *, idle_s: float = 1.0) -> AsyncIterator[bytes]:
@@ -107,8 +129,10 @@ def last_event_id(header: str | None) -> int:
         return 0
 
 
-async def start_producer(writer: JournalWriter, events: AsyncIterator[bytes]) -> asyncio.Task[None]:
-    task = asyncio.create_task(writer.run(events), name="journal-producer")
+async def start_producer(
+    writer: JournalWriter, events: AsyncIterator[bytes], abandon: Callable[[], Awaitable[None]]
+) -> asyncio.Task[None]:
+    task = asyncio.create_task(writer.run(events, abandon), name="journal-producer")
     task.add_done_callback(_log_failure)
     return task
 

@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 from sse_starlette import EventSourceResponse
 from starlette.responses import Response
 
-from gateway.admission import ClientGone
+from gateway.admission import ClientGone, as_sluice_error
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
 from gateway.idempotency import Idempotency
@@ -79,17 +79,23 @@ class Serving:
     ) -> Response:
         self._note_unknown(req)
         key = ctx.idempotency_key
-        if key is not None:
-            replay = await self._idempotency.claim(key, ctx.fingerprint, req.stream, ctx.deadline)
-            if replay == "attach":
-                return await self.reattach(key, ctx.last_event_id)
-            if replay is not None:
-                return replay
+        owned = False
         try:
+            if key is not None:
+                replay = await self._idempotency.claim(key, ctx.fingerprint, req.stream, ctx.deadline)
+                if replay is not None:
+                    # Nothing is generated for this caller: refund its charge, close its record.
+                    await self._settle_usage(ctx, 0)
+                    ctx.record.finish("ok")
+                    if replay == "attach":
+                        return await self.reattach(key, ctx.last_event_id)
+                    return replay
+                owned = True
+                await self._redis.delete(stream_key(key))  # an earlier failed attempt's journal
             return await self._generate(kind, req, ctx)
         except BaseException:
             with anyio.CancelScope(shield=True):
-                if key is not None:
+                if owned and key is not None:
                     await self._idempotency.forget(key)
                 await self._settle_usage(ctx, 0)
             raise
@@ -102,6 +108,11 @@ class Serving:
         payloads = worker_payloads(req, ctx.internal_id)
         upstreams = await self._open_all(req, payloads, ctx)
         lines = self._choice_lines(req, upstreams, payloads, ctx, record)
+
+        async def abandon() -> None:
+            """Clean-up when the stream generator never ran (client gone at once, Redis failed)."""
+            await self._end_stream(upstreams, record, ctx, ClientGone("the stream ended before it began"), False)
+
         if req.stream:
             events = self._sse(kind, req, upstreams, lines, record, ctx)
             if ctx.idempotency_key is not None:
@@ -110,14 +121,20 @@ class Serving:
                 # client is its first reader.
                 ctx.disconnected = None
                 writer = JournalWriter(self._redis, ctx.idempotency_key, ttl_s=self._settings.idempotency_ttl_s)
-                task = await start_producer(writer, events)
+                task = await start_producer(writer, events, abandon)
                 self._producers.add(task)
                 task.add_done_callback(self._producers.discard)
-                events = journal_tail(self._redis, ctx.idempotency_key, 0)
-            return EventSourceResponse(events, ping=self._settings.sse_ping_s, headers=headers)
-        response = await self._collect(kind, req, upstreams, lines, record, headers, ctx)
+                return GuardedSSE(journal_tail(self._redis, ctx.idempotency_key, 0), _noop,
+                                  ping=self._settings.sse_ping_s, headers=headers)
+            return GuardedSSE(events, abandon, ping=self._settings.sse_ping_s, headers=headers)
+        try:
+            response = await self._collect(kind, req, upstreams, lines, record, headers, ctx)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await abandon()
+            raise
         if ctx.idempotency_key is not None:
-            await self._idempotency.complete(ctx.idempotency_key, ctx.fingerprint, False, response.body)
+            await self._idempotency.complete(ctx.idempotency_key, ctx.fingerprint, False, bytes(response.body))
         return response
 
     async def _open_all(
@@ -231,11 +248,7 @@ class Serving:
             raise
         finally:
             with anyio.CancelScope(shield=True):
-                for upstream in upstreams:
-                    await upstream.aclose()
-                record.finish(outcome)
-                await self._settle_stream(ctx, completed)
-                await self._settle_usage(ctx, record.prompt_tokens + record.completion_tokens)
+                await self._end_stream(upstreams, record, ctx, outcome, completed)
         yield DONE
 
     async def reattach(self, key: str, after: int) -> Response:
@@ -254,6 +267,19 @@ class Serving:
         return EventSourceResponse(
             journal_tail(self._redis, key, after), ping=self._settings.sse_ping_s
         )
+
+    async def _end_stream(
+        self, upstreams: list[Upstream], record: RequestRecord, ctx: RequestContext,
+        outcome: str | SluiceError, completed: bool,
+    ) -> None:
+        """Close upstreams, finish the record, settle key and charge. Safe to call twice."""
+        for upstream in upstreams:
+            await upstream.aclose()
+        record.finish(outcome)
+        if not ctx.stream_settled:
+            ctx.stream_settled = True
+            await self._settle_stream(ctx, completed)
+        await self._settle_usage(ctx, record.prompt_tokens + record.completion_tokens)
 
     async def _settle_usage(self, ctx: RequestContext, used_tokens: int) -> None:
         """Correct the key's TPM charge with what the request really used; once."""
@@ -302,6 +328,9 @@ class Serving:
         except SluiceError as exc:
             record.finish(exc)
             raise
+        except Exception as exc:
+            record.finish(as_sluice_error(exc))
+            raise
         finally:
             with anyio.CancelScope(shield=True):
                 for upstream in upstreams:
@@ -315,6 +344,26 @@ class Serving:
         ]
         body = completion_body(kind, req.model, choices, record.usage())
         return Response(body, media_type="application/json", headers=headers)
+
+
+async def _noop() -> None:
+    return None
+
+
+class GuardedSSE(EventSourceResponse):
+    """An SSE response whose clean-up runs however the response ends, even if its
+    generator never started (sse-starlette closes only generators that ran)."""
+
+    def __init__(self, content: AsyncIterator[bytes], cleanup: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._cleanup()
 
 
 async def _unless_disconnected(

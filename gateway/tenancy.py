@@ -49,10 +49,12 @@ end
 if verdict == 'ok' then
   rt, tt = rt - 1, tt - need
   redis.call('ZADD', s, now + stream_ttl, stream_id)
+  -- The set lives as long as its longest member; a rejected call never shortens it.
+  local top = redis.call('ZRANGE', s, -1, -1, 'WITHSCORES')
+  redis.call('PEXPIREAT', s, tonumber(top[2]) + 1000)
 end
 redis.call('HSET', b, 'rt', tostring(rt), 'rts', now, 'tt', tostring(tt), 'tts', now)
 redis.call('PEXPIRE', b, 120000)
-redis.call('PEXPIRE', s, stream_ttl + 1000)
 return {verdict, retry_ms, math.floor(rt), math.floor(tt),
         math.ceil((rpm - rt) * 60000 / rpm), math.ceil((tpm - tt) * 60000 / tpm)}
 """
@@ -66,6 +68,7 @@ local tokens = tonumber(redis.call('HGET', b, 'tt') or tpm)
 local ts = tonumber(redis.call('HGET', b, 'tts') or now)
 tokens = math.min(tpm, tokens + (now - ts) * tpm / 60000) - delta
 redis.call('HSET', b, 'tt', tostring(math.min(tpm, tokens)), 'tts', now)
+redis.call('PEXPIRE', b, 120000)
 redis.call('ZREM', s, ARGV[3])
 return 1
 """
@@ -167,7 +170,8 @@ class Tenancy:
                               retry_after_s=max(1, math.ceil(int(result[1]) / 1000)))
             err.extra_headers = headers
             raise err
-        return Grant(key=key, stream_id=stream_id, estimate=estimate, headers=headers)
+        # The script charges at most a full bucket; settle against what it charged.
+        return Grant(key=key, stream_id=stream_id, estimate=min(estimate, key.tpm), headers=headers)
 
     async def settle(self, grant: Grant, used_tokens: int) -> None:
         await self._settle(

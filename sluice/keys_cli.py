@@ -12,15 +12,22 @@ from sluice.apikeys import TIERS, KeyStore
 from sluice.redis_pool import create_pool
 
 
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="keys_command", required=True)
     create = sub.add_parser("create", help="create a key (shown once) with a tier and limits")
     create.add_argument("--name", required=True, help="who or what the key is for")
     create.add_argument("--tier", choices=sorted(TIERS), default="standard",
                         help="default limits and priority ceiling (default standard)")
-    create.add_argument("--rpm", type=int, help="requests per minute (tier default otherwise)")
-    create.add_argument("--tpm", type=int, help="tokens per minute")
-    create.add_argument("--max-concurrent", type=int, help="requests in flight at once")
+    create.add_argument("--rpm", type=_positive, help="requests per minute (tier default otherwise)")
+    create.add_argument("--tpm", type=_positive, help="tokens per minute")
+    create.add_argument("--max-concurrent", type=_positive, help="requests in flight at once")
     create.add_argument("--priority-ceiling", type=int,
                         help="most urgent priority the key may ask for (lower is more urgent)")
     sub.add_parser("list", help="list keys (prefixes, names, tiers, limits; never the secrets)")

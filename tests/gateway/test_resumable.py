@@ -75,3 +75,17 @@ def test_unknown_stream_is_404(resumable) -> None:
     resp = httpx.get(f"{resumable.url}/v1/streams/{uuid.uuid4().hex}")
     assert resp.status_code == 404
     assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_long_silence_does_not_cut_readers_off(start_worker, start_gateway) -> None:
+    """Regression: the journal's liveness flag expired after 3 s without a new event,
+    and readers were told the producer was gone while it was still generating."""
+    start_worker("slow-resume", sim_token_ms=3500, sim_ttft_ms=0)
+    gateway = start_gateway()
+    body = {"model": "slow-resume", "prompt": "p", "max_tokens": 3, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=30,
+                      headers={"Idempotency-Key": uuid.uuid4().hex}) as r:
+        events = _events(r.iter_lines())
+    assert events[-1][1] == "[DONE]"
+    assert not any('"error"' in d for _, d in events), events
+    assert len([i for i, _ in events if i]) == 3

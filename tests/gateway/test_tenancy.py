@@ -10,6 +10,7 @@ import asyncio
 import subprocess
 import sys
 import time
+import uuid
 
 import httpx
 import openai
@@ -172,3 +173,36 @@ def test_open_gateway_refuses_a_public_address(tmp_path) -> None:
         )
     assert result.returncode == 2
     assert "refusing to serve" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_streams_are_private_to_their_key(tenant, tenant_redis) -> None:
+    _, gateways, key = tenant
+    other = _create(tenant_redis)
+    idem = uuid.uuid4().hex
+    body = {"model": MODEL, "prompt": "mine", "max_tokens": 5, "ignore_eos": True, "stream": True}
+    first = httpx.post(gateways[0].url + "/v1/completions", json=body,
+                       headers={"Authorization": f"Bearer {key}", "Idempotency-Key": idem})
+    assert first.status_code == 200
+    assert httpx.get(f"{gateways[0].url}/v1/streams/{idem}").status_code == 401
+    theirs = httpx.get(f"{gateways[0].url}/v1/streams/{idem}", headers={"Authorization": f"Bearer {other}"})
+    assert theirs.status_code == 404
+    mine = httpx.get(f"{gateways[0].url}/v1/streams/{idem}", headers={"Authorization": f"Bearer {key}"})
+    assert mine.status_code == 200 and mine.text.rstrip().endswith("data: [DONE]")
+
+
+def test_short_deadlines_cannot_reset_the_concurrency_cap(tenant, tenant_redis, start_worker) -> None:
+    """Regression: a rejected call with a 1 ms deadline shortened the slot set's expiry."""
+    _, gateways, _ = tenant
+    start_worker("tenant-slow", redis_at=tenant_redis, sim_token_ms=20, sim_ttft_ms=0)
+    key = _create(tenant_redis, "--max-concurrent", "1")
+    auth = {"Authorization": f"Bearer {key}"}
+    long = {"model": "tenant-slow", "prompt": "x", "max_tokens": 250, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", gateways[0].url + "/v1/completions", json=long, headers=auth, timeout=30) as held:
+        lines = held.iter_lines()
+        next(lines)
+        short = httpx.post(gateways[0].url + "/v1/completions", json={**long, "stream": False},
+                           headers={**auth, "X-Sluice-Timeout-Ms": "1"})
+        assert short.status_code == 429
+        time.sleep(1.5)
+        again = httpx.post(gateways[0].url + "/v1/completions", json={**long, "stream": False}, headers=auth)
+        assert again.status_code == 429
