@@ -33,6 +33,7 @@ from redis.exceptions import RedisError
 
 from gateway import scripts
 from gateway.config import GatewaySettings
+from gateway.metrics import priority_class
 from sluice import keys
 from sluice.errors import ModelNotFound, RateLimited, SluiceError, Unavailable
 
@@ -217,6 +218,13 @@ class Admission:
         span_s = max((now_ms - min(recent)) / 1000, 1.0)
         rate = len(recent) / span_s
         return float(min(max(1, math.ceil((position + 1) / rate)), 120))
+
+    async def queue_depths(self, model: str) -> dict[str, int]:
+        """Waiting requests per priority class (reads the queue's metadata; bounded by max_queue)."""
+        depths = {"urgent": 0, "default": 0, "low": 0}
+        for raw in await self._redis.hvals(keys.admission(model)[5]):
+            depths[priority_class(int(orjson.loads(raw).get("priority") or 0))] += 1
+        return depths
 
     async def live_workers(self, model: str) -> int:
         return int(await self._live(keys=[keys.workers(model)], args=[keys.heartbeat_prefix(model)]))

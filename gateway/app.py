@@ -160,7 +160,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         s = svc()
         for model in await s.redis.smembers(keys.MODELS):
             name = model.decode()
-            s.metrics.queue_depth.labels(name).set(await s.redis.zcard(keys.queue(name)))
+            for cls, depth in (await s.admission.queue_depths(name)).items():
+                s.metrics.queue_depth.labels(name, cls).set(depth)
             s.metrics.live_workers.labels(name).set(await s.admission.live_workers(name))
         return Response(s.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

@@ -49,7 +49,7 @@ class GatewayMetrics:
         self.in_flight = Gauge("sluice_gateway_in_flight_requests", "Requests this gateway is serving",
                                registry=r)
         self.queue_depth = Gauge("sluice_gateway_queue_depth", "Requests waiting in the shared queue",
-                                 ["model"], registry=r)
+                                 ["model", "priority_class"], registry=r)
         self.live_workers = Gauge("sluice_gateway_live_workers", "Workers with a fresh heartbeat", ["model"],
                                   registry=r)
 

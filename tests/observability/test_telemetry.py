@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -90,13 +91,21 @@ def test_rejection_is_counted_and_logged(traced, start_worker) -> None:
     with httpx.stream("POST", gateway.url + "/v1/completions", json=blocker, timeout=30) as held:
         lines = held.iter_lines()
         next(lines)  # the only slot is taken; the next request waits 0.3 s and is turned away
+        waiting = threading.Thread(target=httpx.post, args=(gateway.url + "/v1/completions",),
+                                   kwargs={"json": {"model": "rej", "prompt": "w", "max_tokens": 2, "priority": 5}})
+        waiting.start()
+        time.sleep(0.1)
+        depth = [s.value for s in _families(gateway.url)["sluice_gateway_queue_depth"].samples
+                 if s.labels == {"model": "rej", "priority_class": "low"}]
+        assert depth == [1.0]
+        waiting.join(5)
         resp = httpx.post(gateway.url + "/v1/completions", headers={"x-request-id": "rejected-1"},
                           json={"model": "rej", "prompt": "late", "max_tokens": 2})
         assert resp.status_code == 429
     g = _families(gateway.url)
     rejected = [s.value for s in g["sluice_gateway_rejections"].samples
                 if s.name == "sluice_gateway_rejections_total" and s.labels == {"model": "rej", "reason": "queue_timeout"}]
-    assert rejected == [1.0]
+    assert rejected == [2.0]
     log = [json.loads(line) for line in gateway.log_path.read_text().splitlines() if line.startswith("{")]
     access = [e for e in log if e.get("request_id") == "rejected-1"]
     assert access and access[0]["status"] == "429" and access[0]["error"] == "queue_timeout"
