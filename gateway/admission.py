@@ -11,9 +11,11 @@ when aging is on (a request one priority level lower overtakes after waiting
 ``aging_ms`` longer), else ``priority * 1e12 + arrival_ms`` (strict classes).
 Retries and migrations are boosted ahead of everything.
 
-Headroom: a share of every worker's slots (``reserved_slots``) is kept for
-urgent requests (priority <= ``urgent_priority_max``), so under overload the top
-class waits for one of those rather than for the next release of a full worker.
+Headroom: while urgent requests (priority <= ``urgent_priority_max``) have
+arrived within the last minute, a share of every worker's slots
+(``reserved_slots``) is kept for them, so under overload the top class waits for
+one of those rather than for the next release of a full worker. Without urgent
+traffic every slot is usable.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ shares one priority queue and one view of worker slots.
 
 KEYS (all carry the model's hash tag, so one script touches one Cluster slot):
     1 workers   2 inflight   3 leases   4 lease owners   5 queue   6 queue meta   7 done
+    8 urgent-seen marker (exists while urgent requests arrived within the last minute)
 ARGV (shared): 1 heartbeat key prefix, 2 grant key prefix, 3 (unused: time comes from Redis),
                4 lease TTL (ms),
                5 share of each worker's slots reserved for urgent requests,
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 _PRELUDE = r"""
 local workers_key, inflight_key, leases_key, owner_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local queue_key, qmeta_key, done_key = KEYS[5], KEYS[6], KEYS[7]
+local queue_key, qmeta_key, done_key, urgent_key = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local hb_prefix, grant_prefix = ARGV[1], ARGV[2]
 local lease_ttl = tonumber(ARGV[4])
 -- Redis's clock, not the calling gateway's: leases must not depend on replicas' clock skew.
@@ -42,9 +43,11 @@ local function live_workers()
 end
 
 -- Slots a request of this priority may fill on w: all of them for urgent requests,
--- the unreserved share for the rest (never less than one).
+-- the unreserved share for the rest (never less than one) -- but only while urgent
+-- traffic is around; without it, the headroom would just be idle capacity.
+local urgent_recently = redis.call('EXISTS', urgent_key) == 1
 local function usable(w, priority)
-  if priority <= urgent_max then return w.cap end
+  if priority <= urgent_max or not urgent_recently then return w.cap end
   return math.max(1, w.cap - math.ceil(w.cap * reserve))
 end
 
@@ -139,6 +142,10 @@ end
 #: Returns {'granted', grant JSON} | {'queued', rank} | {'full', length} | {'none'}.
 ACQUIRE = _PRELUDE + r"""
 local req = ARGV[7]
+if tonumber(ARGV[12]) <= urgent_max then
+  redis.call('SET', urgent_key, '1', 'PX', 60000)
+  urgent_recently = true
+end
 local ws = live_workers()
 if #ws == 0 then return {'none'} end
 local length = redis.call('ZCARD', queue_key)

@@ -13,6 +13,7 @@ Lua script touches a single Redis Cluster slot.
     sl:{m}:queue_meta          hash request id -> JSON {deadline, exclude}
     sl:{m}:grant:{request}     list the waiting gateway blocks on; the grant lands here
     sl:{m}:done                list of recent completion times (ms), for Retry-After
+    sl:{m}:urgent_seen         exists for a minute after an urgent request: slot headroom is on
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def admission(model: str) -> list[str]:
     t = _tag(model)
     return [
         workers(model), inflight(model), t + ":leases", t + ":lease_owner",
-        t + ":queue", t + ":queue_meta", t + ":done",
+        t + ":queue", t + ":queue_meta", t + ":done", t + ":urgent_seen",
     ]
 
 

@@ -194,3 +194,26 @@ def test_non_streaming_client_that_leaves_frees_the_engine(start_worker, start_g
                    json={"model": model, "prompt": "x", "max_tokens": 500, "ignore_eos": True})
     wait_for(lambda: _inflight(redis_client, model) == 0, 2, "the slot")
     wait_for(lambda: running(worker) == 0, 1, "the engine abort")
+
+
+def test_headroom_only_while_urgent_traffic_is_around(start_worker, start_gateway, redis_client) -> None:
+    model = "headroom"
+    start_worker(model, sim_max_seqs=8, sim_token_ms=20, sim_ttft_ms=0)
+    gateway = start_gateway()
+
+    def fill(n: int) -> list[threading.Thread]:
+        return [_hold_slot(gateway.url, model, tokens=100) for _ in range(n)]
+
+    threads = fill(8)  # no urgent request yet: all 8 slots are usable
+    wait_for(lambda: _inflight(redis_client, model) == 8, 5, "8 default-priority streams")
+    for t in threads:
+        t.join(15)
+    wait_for(lambda: _inflight(redis_client, model) == 0, 5, "the slots back")
+    urgent = httpx.post(gateway.url + "/v1/completions",
+                        json={"model": model, "prompt": "u", "max_tokens": 1, "priority": -5})
+    assert urgent.status_code == 200
+    threads = fill(8)  # now one slot in eight is kept for urgent requests
+    wait_for(lambda: redis_client.zcard(keys.queue(model)) == 1, 5, "one default request queued")
+    assert _inflight(redis_client, model) == 7
+    for t in threads:
+        t.join(15)
