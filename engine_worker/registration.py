@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import orjson
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from sluice import keys
@@ -15,8 +15,26 @@ from sluice import keys
 log = logging.getLogger("sluice.worker")
 
 
+# KEYS workers, alive, stats (one slot). ARGV id, record JSON, stats JSON, TTL (ms).
+_BEAT = r"""
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[1], now + tonumber(ARGV[4]))
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
+return 1
+"""
+
+# KEYS workers, alive, stats. ARGV id.
+_LEAVE = r"""
+for _, k in ipairs(KEYS) do redis.call('HDEL', k, ARGV[1]) end
+return 1
+"""
+
+
 class Registration:
-    """Heartbeat = the worker's record plus its engine stats, with a TTL of three beats.
+    """Heartbeat = the worker's record, an expiry three beats ahead on Redis's clock, and
+    its engine stats, written by one script (one Cluster slot).
 
     Re-writing the record on every beat lets a worker that Redis forgot (restart,
     reaper) come back on its own.
@@ -24,7 +42,7 @@ class Registration:
 
     def __init__(
         self,
-        redis: Redis,
+        redis: Any,
         *,
         model: str,
         worker_id: str,
@@ -45,17 +63,14 @@ class Registration:
         self._stats = stats
         self._task: asyncio.Task[None] | None = None
         self._registered = False
+        self._beat = redis.register_script(_BEAT)
+        self._leave = redis.register_script(_LEAVE)
 
     async def beat(self) -> None:
-        pipe = self._redis.pipeline(transaction=True)
-        pipe.sadd(keys.MODELS, self.model)
-        pipe.hset(keys.workers(self.model), self.worker_id, self._record)
-        pipe.set(
-            keys.heartbeat(self.model, self.worker_id),
-            orjson.dumps(self._stats()),
-            px=self._ttl_ms,
-        )
-        await pipe.execute()
+        # The directory lives in another slot: a separate, idempotent write.
+        await self._redis.sadd(keys.MODELS, self.model)
+        await self._beat(keys=keys.worker_keys(self.model),
+                         args=[self.worker_id, self._record, orjson.dumps(self._stats()), self._ttl_ms])
 
     async def start(self) -> None:
         await self.beat()
@@ -80,10 +95,7 @@ class Registration:
             return
         self._registered = False
         try:
-            pipe = self._redis.pipeline(transaction=True)
-            pipe.hdel(keys.workers(self.model), self.worker_id)
-            pipe.delete(keys.heartbeat(self.model, self.worker_id))
-            await pipe.execute()
+            await self._leave(keys=keys.worker_keys(self.model), args=[self.worker_id])
             log.info("deregistered worker %s", self.worker_id)
         except (RedisError, OSError) as exc:
             log.warning("deregistration failed (the heartbeat will expire): %s", exc)

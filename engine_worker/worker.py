@@ -136,7 +136,8 @@ class Worker:
         from engine_worker.app import create_app
 
         s = self.settings
-        redis = await create_pool(s.redis_url)
+        redis = await create_pool(s.redis_url, max_connections=s.redis_max_connections,
+                                  client_name=f"sluice-worker-{s.worker_id}")
         try:
             await self.engine.start()
             server = Server(uvicorn_config(create_app(self), s.host, s.port, graceful_s=1), self.drain)

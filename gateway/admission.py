@@ -1,21 +1,19 @@
 """Admission: one priority queue per model in Redis, shared by every gateway replica.
 
-A request either gets a slot on a live worker at once or waits in the model's
-queue (a sorted set) until a released slot is handed to it, its queue deadline
-passes (429 + ``Retry-After``), or its client leaves (removed from the queue).
-Every granted slot is a lease that this gateway renews while the stream runs;
-a reaper on every gateway reclaims the leases of gateways that died.
+A request asks for all the slots it needs (one per generation) at once; it gets
+them together on live workers, or waits in the model's queue until released slots
+are handed to it (all of them, in one grant), its queue timeout passes (429 +
+``Retry-After``), or its client leaves (it is removed from the queue). Queue order,
+fairness between tenants and urgent headroom are described in gateway/scripts.py.
 
-Queue order: lower score first, with ``score = arrival_ms + priority * aging_ms``
-when aging is on (a request one priority level lower overtakes after waiting
-``aging_ms`` longer), else ``priority * 1e12 + arrival_ms`` (strict classes).
-Retries and migrations are boosted ahead of everything.
+Waiting costs no Redis connection: the grant arrives through this process's
+:class:`~gateway.grants.GrantListener`. Every granted slot is a lease that this
+process renews while the stream runs; the same beat keeps this process marked
+alive, so the queue drops the entries of a gateway that died instead of handing
+them slots. A reaper on every gateway reclaims the leases of gateways that died.
 
-Headroom: while urgent requests (priority <= ``urgent_priority_max``) have
-arrived within the last minute, a share of every worker's slots
-(``reserved_slots``) is kept for them, so under overload the top class waits for
-one of those rather than for the next release of a full worker. Without urgent
-traffic every slot is usable.
+Clocks: queue deadlines and lease expiries are computed in Lua from Redis ``TIME``
+and relative timeouts; this process only uses ``time.monotonic()``.
 """
 
 from __future__ import annotations
@@ -23,27 +21,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import orjson
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from gateway import scripts
 from gateway.config import GatewaySettings
-from gateway.metrics import priority_class
+from gateway.grants import GrantListener, GrantMessage
 from sluice import keys
-from sluice.errors import ModelNotFound, RateLimited, SluiceError, Unavailable
+from sluice.errors import (
+    InvalidRequest,
+    ModelNotFound,
+    RateLimited,
+    SluiceError,
+    Unavailable,
+)
 
 log = logging.getLogger("sluice.admission")
 
-_STRICT = 1e12
-_BOOST = -1e15
-_RATE_WINDOW_MS = 30_000
+#: A gateway process that has not beaten for this long counts as dead: its queued
+#: requests are dropped instead of granted.
+GATEWAY_TTL_S = 3.0
+_BEAT_S = 1.0
+#: Every this many reaps, ``inflight`` is recounted from the leases.
+_RECONCILE_EVERY = 10
 
 
 class ClientGone(SluiceError):
@@ -66,7 +73,7 @@ def as_sluice_error(exc: BaseException) -> SluiceError:
 
 @dataclass(frozen=True, slots=True)
 class Lease:
-    """A worker slot granted to one attempt; hand it back with :meth:`Admission.release`."""
+    """A worker slot granted to one generation; hand it back with :meth:`Admission.release`."""
 
     model: str
     lease_id: str
@@ -74,25 +81,51 @@ class Lease:
     url: str
 
 
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What one admission asks for.
+
+    ``need`` slots at once (a request's generations); ``cost`` in tokens, charged to
+    ``tenant``'s fair share; ``boost`` for retries and migrations (first in line,
+    never refused for queue length); ``exclude`` names workers that already failed it.
+    """
+
+    model: str
+    request_id: str
+    priority: int = 0
+    need: int = 1
+    timeout_s: float = 30.0
+    tenant: str = "-"
+    cost: int = 1
+    boost: bool = False
+    exclude: tuple[str, ...] = ()
+
+
 class Admission:
-    def __init__(self, redis: Redis, settings: GatewaySettings) -> None:
+    def __init__(self, redis: Any, settings: GatewaySettings) -> None:
         self._redis = redis
         self._s = settings
+        #: This process's identity in the queue: grants are addressed to it.
+        self.gateway_id = uuid.uuid4().hex[:16]
         self._acquire = redis.register_script(scripts.ACQUIRE)
         self._release = redis.register_script(scripts.RELEASE)
         self._cancel = redis.register_script(scripts.CANCEL)
         self._reap = redis.register_script(scripts.REAP)
         self._renew = redis.register_script(scripts.RENEW)
-        self._live = redis.register_script(_LIVE)
+        self._retry_after = redis.register_script(scripts.RETRY_AFTER)
+        self._live = redis.register_script(scripts.LIVE)
+        self.grants = GrantListener(redis, self.gateway_id)
         self._active: dict[str, str] = {}  # lease id -> model, renewed in the background
+        self._queued: dict[str, int] = {}  # model -> requests of this process waiting in it
         self._tasks: list[asyncio.Task[None]] = []
+        self._reaps = 0
 
     def __repr__(self) -> str:
-        return f"Admission(active_leases={len(self._active)})"
+        return f"Admission(gateway={self.gateway_id}, active_leases={len(self._active)}, {self.grants!r})"
 
     async def start(self) -> None:
         self._tasks = [
-            asyncio.create_task(self._renew_loop(), name="lease-renewal"),
+            asyncio.create_task(self._beat_loop(), name="admission-beat"),
             asyncio.create_task(self._reap_loop(), name="lease-reaper"),
         ]
 
@@ -102,98 +135,105 @@ class Admission:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.grants.close()
 
-    def _args(self, model: str, *extra: object) -> list[object]:
-        return [
-            keys.heartbeat_prefix(model), keys.grant_prefix(model), int(time.time() * 1000),
-            int(self._s.lease_ttl_s * 1000), self._s.reserved_slots, self._s.urgent_priority_max,
-            *extra,
-        ]
+    def _args(self, *extra: object) -> list[object]:
+        s = self._s
+        return [self.gateway_id, int(s.lease_ttl_s * 1000), int(GATEWAY_TTL_S * 1000), s.reserved_slots,
+                s.urgent_priority_max, s.priority_step_tokens, *extra]
 
-    def score(self, priority: int, boost: bool) -> float:
-        now_ms = time.time() * 1000
-        if boost:
-            return _BOOST + now_ms
-        if self._s.priority_aging_s > 0:
-            return now_ms + priority * self._s.priority_aging_s * 1000
-        return priority * _STRICT + now_ms
-
-    async def acquire(
-        self,
-        model: str,
-        lease_id: str,
-        *,
-        priority: int = 0,
-        exclude: list[str] | tuple[str, ...] = (),
-        queue_deadline: float | None = None,
-        boost: bool = False,
-        disconnected: Callable[[], Awaitable[bool]] | None = None,
-    ) -> Lease:
-        """A slot now, or after waiting in the queue until ``queue_deadline`` (epoch seconds)."""
-        deadline = queue_deadline or time.time() + self._s.queue_timeout_s
-        result = await self._acquire(
-            keys=keys.admission(model),
-            args=self._args(model, lease_id, self.score(priority, boost), int(deadline * 1000),
-                            self._s.max_queue, orjson.dumps(list(exclude)).decode(), priority),
-        )
-        status = result[0].decode()
-        if status == "granted":
-            return self._granted(model, lease_id, result[1])
-        if status == "none":
-            raise await self._no_worker(model, bool(exclude))
-        if status == "full":
-            raise RateLimited(
-                f"the queue for '{model}' is full ({int(result[1])} waiting)",
-                retry_after_s=await self.retry_after_s(model, int(result[1])), code="queue_full",
+    async def acquire(self, ask: Ask, disconnected: Callable[[], Awaitable[bool]] | None = None) -> list[Lease]:
+        """``ask.need`` slots now, or after waiting in the queue up to ``ask.timeout_s``."""
+        model = ask.model
+        future = await self.grants.expect(model, ask.request_id)
+        self._queued[model] = self._queued.get(model, 0) + 1
+        try:
+            result = await self._acquire(
+                keys=keys.admission(model),
+                args=self._args(ask.request_id, ask.priority, ask.need, max(1, int(ask.timeout_s * 1000)),
+                                self._s.max_queue, orjson.dumps(list(ask.exclude)).decode(),
+                                int(ask.boost), ask.tenant, ask.cost),
             )
-        return await self._wait(model, lease_id, deadline, disconnected)
+            status = result[0].decode()
+            if status == "granted":
+                return self._granted(model, result[1])
+            if status == "none":
+                raise await self._no_worker(model, bool(ask.exclude))
+            if status == "too_big":
+                raise InvalidRequest(
+                    f"this request needs {ask.need} generations at once; the live workers of '{model}' "
+                    f"hold {int(result[1])}: lower n or send fewer prompts", param="n")
+            if status == "full":
+                raise RateLimited(
+                    f"the queue for '{model}' is full ({int(result[1])} waiting)",
+                    retry_after_s=await self.retry_after_s(model, int(result[1])), code="queue_full",
+                )
+            return await self._wait(ask, future, disconnected)
+        finally:
+            self.grants.forget(model, ask.request_id)
+            self._queued[model] -= 1
 
     async def _wait(
-        self, model: str, lease_id: str, deadline: float,
+        self, ask: Ask, future: asyncio.Future[GrantMessage],
         disconnected: Callable[[], Awaitable[bool]] | None,
-    ) -> Lease:
-        grant_key = keys.grant_prefix(model) + lease_id
+    ) -> list[Lease]:
+        deadline = time.monotonic() + ask.timeout_s
         try:
-            while (remaining := deadline - time.time()) > 0.001:
-                # Redis counts BLPOP timeouts in whole milliseconds, and 0 means forever.
-                got = await self._redis.blpop([grant_key], timeout=max(0.01, min(remaining, 1.0)))
-                if got is not None:
-                    if b'"none"' in got[1]:
-                        raise await self._no_worker(model, True)
-                    return self._granted(model, lease_id, got[1])
+            while (remaining := deadline - time.monotonic()) > 0:
+                with contextlib.suppress(TimeoutError):
+                    message = await asyncio.wait_for(asyncio.shield(future), min(remaining, 1.0))
+                    if not message.ok:
+                        raise await self._no_worker(ask.model, True)
+                    leases = self._granted(ask.model, message.slots)
+                    await self._claim(leases)
+                    return leases
                 if disconnected is not None and await disconnected():
-                    await self._leave_and_release(model, lease_id)
+                    await self._leave_and_release(ask)
                     raise ClientGone("client disconnected while queued")
         except asyncio.CancelledError:
             with anyio.CancelScope(shield=True):
-                await self._leave_and_release(model, lease_id)
+                await self._leave_and_release(ask)
             raise
-        rank = await self._redis.zrank(keys.queue(model), lease_id)
-        lease = await self._leave(model, lease_id)
-        if lease is not None:
-            return lease  # granted at the last moment: serve it
-        position = int(rank) if rank is not None else 0
+        leases = await self._leave(ask)
+        if leases:
+            await self._claim(leases)
+            return leases  # granted at the last moment: serve it
+        position = await self._position(ask.model)
         raise RateLimited(
-            f"no capacity for '{model}' within the queue timeout ({position} ahead)",
-            retry_after_s=await self.retry_after_s(model, position), code="queue_timeout",
+            f"no capacity for '{ask.model}' within the queue timeout ({position} waiting)",
+            retry_after_s=await self.retry_after_s(ask.model, position), code="queue_timeout",
         )
 
-    async def _leave_and_release(self, model: str, lease_id: str) -> None:
-        lease = await self._leave(model, lease_id)
-        if lease is not None:
+    async def _claim(self, leases: list[Lease]) -> None:
+        """Renew a published grant's leases now: unclaimed, they expire within seconds."""
+        try:
+            await self._renew(keys=keys.admission(leases[0].model),
+                              args=self._args(*(lease.lease_id for lease in leases)))
+        except (RedisError, OSError) as exc:
+            log.warning("could not claim leases %s: %s", [x.lease_id for x in leases], exc)
+
+    async def _position(self, model: str) -> int:
+        urgent, normal = keys.queues(model)
+        return int(await self._redis.zcard(urgent)) + int(await self._redis.zcard(normal))
+
+    async def _leave_and_release(self, ask: Ask) -> None:
+        for lease in await self._leave(ask):
             await self.release(lease)
 
-    async def _leave(self, model: str, lease_id: str) -> Lease | None:
+    async def _leave(self, ask: Ask) -> list[Lease]:
         """Leave the queue; if a grant raced in, return it (the caller serves or releases it)."""
-        result = await self._cancel(keys=keys.admission(model), args=self._args(model, lease_id))
+        result = await self._cancel(keys=keys.admission(ask.model), args=self._args(ask.request_id, ask.need))
         if result[0] == b"granted":
-            return self._granted(model, lease_id, result[1])
-        return None
+            return self._granted(ask.model, result[1])
+        return []
 
-    def _granted(self, model: str, lease_id: str, grant: bytes) -> Lease:
-        record = orjson.loads(grant)
-        self._active[lease_id] = model
-        return Lease(model=model, lease_id=lease_id, worker_id=record["id"], url=record["url"])
+    def _granted(self, model: str, slots: bytes | tuple[tuple[str, str, str], ...]) -> list[Lease]:
+        parsed = orjson.loads(slots) if isinstance(slots, bytes) else slots
+        leases = [Lease(model=model, lease_id=lease_id, worker_id=worker, url=url)
+                  for lease_id, worker, url in parsed]
+        for lease in leases:
+            self._active[lease.lease_id] = model
+        return leases
 
     async def _no_worker(self, model: str, retried: bool) -> SluiceError:
         if not retried and await self.live_workers(model) == 0:
@@ -206,53 +246,67 @@ class Admission:
         """Give the slot back; with Redis unreachable the lease simply expires and is reaped."""
         self._active.pop(lease.lease_id, None)
         try:
-            await self._release(keys=keys.admission(lease.model), args=self._args(lease.model, lease.lease_id))
+            await self._release(keys=keys.admission(lease.model), args=self._args(lease.lease_id))
         except (RedisError, OSError) as exc:
             log.warning("could not release lease %s (%s); it will expire", lease.lease_id, exc)
 
     async def retry_after_s(self, model: str, position: int) -> float:
         """Seconds until ``position`` requests ahead have drained at the recent service rate."""
-        stamps = [int(x) for x in await self._redis.lrange(keys.done(model), 0, -1)]
-        now_ms = time.time() * 1000
-        recent = [t for t in stamps if now_ms - t <= _RATE_WINDOW_MS]
-        if len(recent) < 2:
+        seconds = int(await self._retry_after(keys=keys.admission(model), args=self._args(position)))
+        if seconds < 0:
             return float(min(self._s.queue_timeout_s, 60))
-        span_s = max((now_ms - min(recent)) / 1000, 1.0)
-        rate = len(recent) / span_s
-        return float(min(max(1, math.ceil((position + 1) / rate)), 120))
+        return float(min(max(1, seconds), 120))
 
     async def queue_depths(self, model: str) -> dict[str, int]:
-        """Waiting requests per priority class (reads the queue's metadata; bounded by max_queue)."""
+        """Waiting requests per priority class (counters kept by the scripts)."""
+        raw = await self._redis.hgetall(keys.admission(model).depth)
         depths = {"urgent": 0, "default": 0, "low": 0}
-        for raw in await self._redis.hvals(keys.admission(model)[5]):
-            depths[priority_class(int(orjson.loads(raw).get("priority") or 0))] += 1
+        depths.update({k.decode(): max(0, int(v)) for k, v in raw.items()})
         return depths
 
     async def live_workers(self, model: str) -> int:
-        return int(await self._live(keys=[keys.workers(model)], args=[keys.heartbeat_prefix(model)]))
+        return int(await self._live(keys=[keys.workers(model), keys.alive(model)]))
 
     async def live_models(self) -> list[str]:
         models = sorted(m.decode() for m in await self._redis.smembers(keys.MODELS))
         return [m for m in models if await self.live_workers(m) > 0]
 
-    async def _renew_loop(self) -> None:
-        period = self._s.lease_ttl_s / 3
+    async def _beat_loop(self) -> None:
+        """Keep this process alive in every model it waits in, and renew its leases."""
+        lease_period = self._s.lease_ttl_s / 3
+        last_renewal = time.monotonic()
         while True:
-            await asyncio.sleep(period)
-            by_model: dict[str, list[str]] = {}
-            for lease_id, model in list(self._active.items()):
-                by_model.setdefault(model, []).append(lease_id)
+            await asyncio.sleep(min(_BEAT_S, lease_period))
+            due = time.monotonic() - last_renewal >= lease_period
+            if due:
+                last_renewal = time.monotonic()
+            by_model: dict[str, list[str]] = {m: [] for m, n in self._queued.items() if n > 0}
+            if due:
+                for lease_id, model in list(self._active.items()):
+                    by_model.setdefault(model, []).append(lease_id)
             for model, lease_ids in by_model.items():
                 try:
-                    await self._renew(keys=keys.admission(model), args=self._args(model, *lease_ids))
+                    lost = await self._renew(keys=keys.admission(model), args=self._args(*lease_ids))
                 except (RedisError, OSError) as exc:
                     log.warning("lease renewal failed: %s", exc)
+                    continue
+                if lost:
+                    log.warning("%d lease(s) of this gateway expired before renewal (reaped): %s",
+                                len(lost), ", ".join(x.decode() for x in lost[:5]))
 
-    async def reap_once(self) -> int:
+    async def reap_once(self, reconcile: bool | None = None) -> int:
+        """Reclaim expired leases of every model; every tenth time (or when asked),
+        also recount slots in use from the leases."""
+        self._reaps += 1
+        if reconcile is None:
+            reconcile = self._reaps % _RECONCILE_EVERY == 0
         reaped = 0
         for model in await self._redis.smembers(keys.MODELS):
             m = model.decode()
-            reaped += int(await self._reap(keys=keys.admission(m), args=self._args(m)))
+            expired, corrections = await self._reap(keys=keys.admission(m), args=self._args(int(reconcile)))
+            reaped += int(expired)
+            if corrections:
+                log.warning("recounted slots in use for %r from its leases (%d corrected)", m, corrections)
         if reaped:
             log.warning("reclaimed %d expired lease(s) of a gateway that stopped renewing", reaped)
         return reaped
@@ -264,14 +318,3 @@ class Admission:
                 await self.reap_once()
             except (RedisError, OSError) as exc:
                 log.warning("lease reaper failed: %s", exc)
-
-
-# KEYS: workers hash. ARGV: heartbeat prefix. Returns the number of live workers.
-_LIVE = """
-local ids = redis.call('HKEYS', KEYS[1])
-local live = 0
-for _, id in ipairs(ids) do
-  if redis.call('EXISTS', ARGV[1] .. id) == 1 then live = live + 1 end
-end
-return live
-"""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import re
 import uuid
 from collections.abc import AsyncIterator
@@ -27,11 +28,12 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.admission import Admission, as_sluice_error
-from gateway.caps import check_caps, token_estimate
+from gateway.caps import check_caps, generations, token_estimate
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext, resolve_deadline, resolve_priority
 from gateway.idempotency import Idempotency, fingerprint, scoped
 from gateway.journal import last_event_id
+from gateway.journal_readers import JournalReaders
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.record import RequestRecord
@@ -39,6 +41,7 @@ from gateway.serving import Serving
 from gateway.tenancy import Tenancy, is_loopback
 from gateway.upstream import Dispatcher
 from sluice import keys
+from sluice.apikeys import ApiKey
 from sluice.errors import (
     AuthenticationFailed,
     BodyTooLarge,
@@ -69,29 +72,35 @@ class Services:
     serving: Serving
     tenancy: Tenancy
     metrics: GatewayMetrics
+    readers: JournalReaders
 
     async def aclose(self) -> None:
         await self.admission.close()
+        await self.tenancy.close()
+        await self.readers.close()
         await self.http.aclose()
         await self.redis.aclose()
 
 
 async def open_services(settings: GatewaySettings) -> Services:
-    redis = await create_pool(settings.redis_url)
+    redis = await create_pool(settings.redis_url, max_connections=settings.redis_max_connections,
+                              client_name=f"sluice-gateway-{os.getpid()}")
     http = httpx.AsyncClient(
         timeout=httpx.Timeout(None, connect=settings.connect_timeout_s),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
     )
     tenancy = Tenancy(redis, settings)
     await tenancy.check_startup()
+    await tenancy.start()
     admission = Admission(redis, settings)
     await admission.start()
+    readers = JournalReaders(redis)  # one reader loop for every re-attached stream of this process
     serving = Serving(
         settings, Dispatcher(settings, admission, http), Idempotency(redis, settings.idempotency_ttl_s),
-        redis, tenancy,
+        redis, tenancy, readers,
     )
     return Services(redis=redis, http=http, admission=admission, serving=serving, tenancy=tenancy,
-                    metrics=GatewayMetrics())
+                    metrics=GatewayMetrics(), readers=readers)
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -122,16 +131,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         key = await s.tenancy.authenticate(request.headers.get("authorization"))
         req, body = await _parse(request, model, settings.max_body_bytes)
         check_caps(req, settings)  # type: ignore[arg-type]
-        ctx = _context(request, req, body, settings, owner=key.prefix if key else "-")  # type: ignore[arg-type]
-        ctx.record = record
+        ctx = _context(request, req, body, settings, key, record)  # type: ignore[arg-type]
         if key is not None:
-            if ctx.priority < key.priority_ceiling:
-                ctx.headers["x-sluice-priority-clamped"] = "true"
-                ctx.priority = key.priority_ceiling
-            ctx.grant = await s.tenancy.admit(
-                key, token_estimate(req), ctx.internal_id, ctx.remaining_s()  # type: ignore[arg-type]
+            ctx.charge = await s.tenancy.admit(
+                key, ctx.cost, ctx.internal_id, generations(req)  # type: ignore[arg-type]
             )
-            ctx.headers.update(ctx.grant.headers)
+            ctx.headers.update(ctx.charge.headers)
         ctx.headers["x-sluice-priority"] = str(ctx.priority)
         record.describe(req.model, req.n, ctx.priority, key.prefix if key else None)  # type: ignore[attr-defined]
         return req, ctx
@@ -139,7 +144,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     def begin(request: Request, route: str) -> RequestRecord:
         return RequestRecord.begin(_request_id(request), svc().metrics, extract(request.headers), route)
 
-    def completion_route(path: str, model: type[ChatCompletionRequest] | type[CompletionRequest], name: str) -> None:
+    def completion_route(path: str, model: type[ChatCompletionRequest | CompletionRequest], name: str) -> None:
         async def route(request: Request) -> Response:
             record = begin(request, name)
             try:
@@ -222,17 +227,27 @@ def _check_admin(request: Request, settings: GatewaySettings) -> None:
 
 def _context(
     request: Request, req: ChatCompletionRequest | CompletionRequest, body: bytes,
-    settings: GatewaySettings, owner: str,
+    settings: GatewaySettings, key: ApiKey | None, record: RequestRecord,
 ) -> RequestContext:
-    key = request.headers.get("idempotency-key")
+    owner = key.prefix if key else "-"
+    idem = request.headers.get("idempotency-key")
+    priority = resolve_priority(req.priority, req.service_tier, request.headers, settings)
+    headers: dict[str, str] = {}
+    if key is not None and priority < key.priority_ceiling:
+        headers["x-sluice-priority-clamped"] = "true"
+        priority = key.priority_ceiling
     return RequestContext(
         request_id=_request_id(request),
-        priority=resolve_priority(req.priority, req.service_tier, request.headers, settings),
+        priority=priority,
         deadline=resolve_deadline(request.headers, settings),
         disconnected=request.is_disconnected,
-        idempotency_key=None if key is None else scoped(owner, Idempotency.check_key(key)),
-        fingerprint=fingerprint(body) if key is not None else "",
+        idempotency_key=None if idem is None else scoped(owner, Idempotency.check_key(idem)),
+        fingerprint=fingerprint(body) if idem is not None else "",
         last_event_id=last_event_id(request.headers.get("last-event-id")),
+        tenant=owner,
+        cost=token_estimate(req),
+        headers=headers,
+        record=record,
     )
 
 

@@ -33,6 +33,11 @@ def check_caps(req: ChatCompletionRequest | CompletionRequest, s: GatewaySetting
         raise InvalidRequest(f"{param} is at most {s.max_tokens_cap}", param=param)
     if req.n > s.max_n:
         raise InvalidRequest(f"n is at most {s.max_n}", param="n")
+    if generations(req) > s.max_generations:
+        param = "prompt" if isinstance(req, CompletionRequest) and len(req.prompts()) > 1 else "n"
+        raise InvalidRequest(
+            f"this request asks for {generations(req)} generations (prompts x n); the limit is "
+            f"{s.max_generations}", param=param)
     stops = req.stop_list()
     if len(stops) > s.max_stop:
         raise InvalidRequest(f"at most {s.max_stop} stop sequences", param="stop")
@@ -40,7 +45,12 @@ def check_caps(req: ChatCompletionRequest | CompletionRequest, s: GatewaySetting
         raise InvalidRequest(f"stop sequences must be 1-{s.max_stop_chars} characters", param="stop")
 
 
+def generations(req: ChatCompletionRequest | CompletionRequest) -> int:
+    """Engine requests this request makes: n per prompt."""
+    return req.n * (len(req.prompts()) if isinstance(req, CompletionRequest) else 1)
+
+
 def token_estimate(req: ChatCompletionRequest | CompletionRequest) -> int:
-    """Tokens charged against a key's TPM at admission (corrected by real usage at the end)."""
-    choices = req.n * (len(req.prompts()) if isinstance(req, CompletionRequest) else 1)
-    return prompt_chars(req) // 4 + 1 + choices * (req.token_limit() or 256)
+    """Tokens charged against a key's TPM at admission (corrected by real usage at the end);
+    also the request's cost in the queue's fair share."""
+    return prompt_chars(req) // 4 + 1 + generations(req) * (req.token_limit() or 256)

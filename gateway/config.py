@@ -37,8 +37,9 @@ class GatewaySettings(RedisSettings):
     lease_ttl_s: float = Field(default=15.0, ge=0.3)
     #: How often this gateway reclaims leases of gateways that stopped renewing.
     reap_interval_s: float = Field(default=1.0, gt=0)
-    #: Aging: waiting this long is worth one priority level (0 = strict classes).
-    priority_aging_s: float = Field(default=1.0, ge=0)
+    #: Aging within a queue: one priority level is worth this many tokens of others'
+    #: service (so a lower level waits longer but never forever); 0 = strict levels.
+    priority_step_tokens: int = Field(default=2048, ge=0)
     #: Share of each worker's slots only urgent requests may fill (headroom under overload).
     reserved_slots: float = Field(default=0.125, ge=0, lt=1)
     #: Priorities at or below this are urgent (service_tier "priority" maps to -10).
@@ -63,6 +64,8 @@ class GatewaySettings(RedisSettings):
     max_prompt_chars: int = Field(default=1_000_000, ge=1)
     max_tokens_cap: int = Field(default=32_768, ge=1)
     max_n: int = Field(default=16, ge=1)
+    #: Generations one request may ask for: n times the number of prompts (all admitted at once).
+    max_generations: int = Field(default=64, ge=1)
     max_stop: int = Field(default=4, ge=0)
     max_stop_chars: int = Field(default=256, ge=1)
     #: Seconds uvicorn waits for open streams on shutdown.

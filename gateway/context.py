@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from gateway.config import GatewaySettings
 from gateway.record import RequestRecord
-from gateway.tenancy import Grant
+from gateway.tenancy import Charge
 from sluice.errors import InvalidRequest
 
 #: OpenAI's service tiers as priority classes (lower runs first, as in vLLM).
@@ -21,19 +21,25 @@ class RequestContext:
     #: The client's X-Request-Id (or a fresh one): for logs and the response header only.
     request_id: str
     priority: int = 0
-    #: Epoch seconds by which the whole request must be done.
-    deadline: float = field(default_factory=lambda: time.time() + 600)
+    #: ``time.monotonic()`` by which the whole request must be done (local to this process).
+    deadline: float = field(default_factory=lambda: time.monotonic() + 600)
     disconnected: Callable[[], Awaitable[bool]] | None = None
     idempotency_key: str | None = None
     #: SHA-256 of the raw body, to tell a true retry from a key reused for another request.
     fingerprint: str = ""
     #: SSE ``Last-Event-ID`` of a client re-attaching to a resumable stream.
     last_event_id: int = 0
+    #: Whose fair share of the queue this request draws on: the API key's id, or "-".
+    tenant: str = "-"
+    #: The request's work in tokens (prompt estimate + output budget, all generations):
+    #: what its admission charges to the tenant's fair share of the queue.
+    cost: int = 1
     #: Server-made and unique: names leases and engine requests, so two clients sending
     #: the same X-Request-Id can never share a slot.
     internal_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    #: The caller's rate-limit charge (None when the gateway runs without API keys).
-    grant: Grant | None = None
+    #: The caller's rate-limit charge (None when the gateway runs without API keys);
+    #: settled once, through :meth:`take_charge`.
+    charge: Charge | None = None
     #: Headers every answer to this request carries (rate limits, effective priority).
     headers: dict[str, str] = field(default_factory=dict)
     #: Whether the Idempotency-Key's outcome (done or forgotten) has been written.
@@ -41,8 +47,17 @@ class RequestContext:
     #: Usage, timings, access log, metrics and trace span of this request.
     record: RequestRecord = field(default=None)  # type: ignore[assignment]
 
+    def take_charge(self) -> Charge | None:
+        """The charge to settle, exactly once: every later call gets None."""
+        charge, self.charge = self.charge, None
+        return charge
+
+    def detach_from_client(self) -> None:
+        """The generation now outlives this client (a resumable stream): stop watching it."""
+        self.disconnected = None
+
     def remaining_s(self) -> float:
-        return self.deadline - time.time()
+        return self.deadline - time.monotonic()
 
 
 def resolve_priority(
@@ -67,7 +82,7 @@ def resolve_priority(
 
 
 def resolve_deadline(headers: Mapping[str, str], s: GatewaySettings) -> float:
-    """Epoch deadline from ``X-Sluice-Timeout-Ms`` (capped), else the configured default."""
+    """Monotonic deadline from ``X-Sluice-Timeout-Ms`` (capped), else the configured default."""
     timeout_s = s.request_timeout_s
     raw = headers.get("x-sluice-timeout-ms")
     if raw is not None:
@@ -78,4 +93,4 @@ def resolve_deadline(headers: Mapping[str, str], s: GatewaySettings) -> float:
         if timeout_s <= 0:
             raise InvalidRequest("X-Sluice-Timeout-Ms must be positive")
         timeout_s = min(timeout_s, s.max_request_timeout_s)
-    return time.time() + timeout_s
+    return time.monotonic() + timeout_s

@@ -57,7 +57,7 @@ class Idempotency:
         pending = orjson.dumps({"state": "pending", "fp": fp, "stream": stream})
         # A pending claim lives as long as its request may run, not the whole TTL: if the
         # gateway dies mid-generation, a retry with the key can run once that has passed.
-        pending_ms = min(self._ttl_ms, int((deadline - time.time() + 30) * 1000))
+        pending_ms = min(self._ttl_ms, int((deadline - time.monotonic() + 30) * 1000))
         while True:
             if await self._redis.set(_PREFIX + key, pending, nx=True, px=max(pending_ms, 1000)):
                 return None
@@ -74,7 +74,7 @@ class Idempotency:
                     record["body"].encode(), media_type="application/json",
                     headers={"idempotent-replayed": "true"},
                 )
-            if time.time() > deadline:
+            if time.monotonic() > deadline:
                 raise DeadlineExceeded("the request with this Idempotency-Key is still running")
             await asyncio.sleep(0.05)
 

@@ -63,8 +63,11 @@ class RequestRecord:
     def context(self) -> Context:
         return trace.set_span_in_context(self.span)
 
-    def admitted(self, queue_wait_s: float, attempts: int, worker_id: str) -> None:
-        self.queue_wait_s += queue_wait_s
+    def queued(self, wait_s: float) -> None:
+        """Time spent waiting for slots (summed over admissions: first, retries, migrations)."""
+        self.queue_wait_s += wait_s
+
+    def admitted(self, attempts: int, worker_id: str) -> None:
         self.retries += attempts - 1
         self.workers.append(worker_id)
 

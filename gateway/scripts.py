@@ -1,202 +1,359 @@
 """Admission in Lua: each entry point runs atomically in Redis, so every gateway replica
 shares one priority queue and one view of worker slots.
 
-KEYS (all carry the model's hash tag, so one script touches one Cluster slot):
-    1 workers   2 inflight   3 leases   4 lease owners   5 queue   6 queue meta   7 done
-    8 urgent-seen marker (exists while urgent requests arrived within the last minute)
-ARGV (shared): 1 heartbeat key prefix, 2 grant key prefix, 3 (unused: time comes from Redis),
-               4 lease TTL (ms),
-               5 share of each worker's slots reserved for urgent requests,
-               6 highest priority value that counts as urgent (lower is more urgent)
+KEYS: :class:`sluice.keys.AdmissionKeys`, in its order (all carry the model's hash tag,
+so one script touches one Cluster slot, and no script touches a key it was not given).
 
-Grant lists (``sl:{m}:grant:{request}``) are derived inside the scripts from the
-grant prefix; they share the model's hash tag, hence the same slot.
+ARGV (shared): 1 calling gateway process id, 2 lease TTL (ms), 3 gateway liveness TTL (ms),
+               4 share of each worker's slots reserved for urgent requests,
+               5 highest priority value that counts as urgent (lower is more urgent),
+               6 tokens of service one priority level is worth (0: strict classes)
+
+Time is Redis's (``TIME``), never a gateway's: scores, queue deadlines, leases and
+liveness all use one clock, whatever the replicas' clocks say.
+
+Queue order. Two queues per model: ``urgent`` (urgent priorities, and every retry or
+migration, which go first of all) is always served before ``normal``. Within a
+queue, requests are ordered by start-time fair queuing over tenants (API keys): a
+request's tag is ``max(V, F[tenant])`` and the tenant's finish tag advances by the
+request's cost in tokens (prompt estimate + max_tokens, times its generations); ``V``
+is the tag of the last request served. A tenant that floods the queue pushes its
+own tags ahead and cannot starve another tenant of the same class; each gets slots
+in proportion to the work it asks for. Priorities within a class add
+``priority * step`` to the tag: a level is worth ``step`` tokens of others' service,
+so lower priorities age instead of starving.
+
+A request needs ``need`` slots (its ``n`` times its prompts) and gets all of them in
+one grant or none. The scan stops at the first entry that lacks slots (later ones
+would otherwise take them forever); entries blocked only by their excluded workers
+are skipped.
+
+Grants for waiting requests go to the model's grant stream, tagged with the waiting
+gateway process; its one listener hands them to local futures. Entries whose gateway
+stopped beating (it died) are dropped instead of granted.
 """
 
 from __future__ import annotations
 
 _PRELUDE = r"""
-local workers_key, inflight_key, leases_key, owner_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local queue_key, qmeta_key, done_key, urgent_key = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
-local hb_prefix, grant_prefix = ARGV[1], ARGV[2]
-local lease_ttl = tonumber(ARGV[4])
--- Redis's clock, not the calling gateway's: leases must not depend on replicas' clock skew.
+local K_WORKERS, K_ALIVE, K_INFLIGHT, K_LEASES, K_OWNER = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local K_QURGENT, K_QNORMAL, K_META, K_DEPTH, K_GRANTS = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+local K_GATEWAYS, K_FAIR, K_DONE, K_URGENT_SEEN = KEYS[11], KEYS[12], KEYS[13], KEYS[14]
+local gateway = ARGV[1]
+local lease_ttl, gw_ttl = tonumber(ARGV[2]), tonumber(ARGV[3])
+local reserve, urgent_max, step = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local reserve, urgent_max = tonumber(ARGV[5]), tonumber(ARGV[6])
+local GRANTS_KEPT = 10000
 
--- Live workers (heartbeat present) with their capacity and slots in use.
+-- The calling gateway is alive (it is running this script).
+redis.call('HSET', K_GATEWAYS, gateway, now + gw_ttl)
+
+-- Live workers (heartbeat not expired) with their capacity and slots in use.
 local function live_workers()
-  local entries = redis.call('HGETALL', workers_key)
+  local entries = redis.call('HGETALL', K_WORKERS)
   local out = {}
   for i = 1, #entries, 2 do
     local id, rec = entries[i], entries[i + 1]
-    if redis.call('EXISTS', hb_prefix .. id) == 1 then
+    if tonumber(redis.call('HGET', K_ALIVE, id) or '0') >= now then
       local r = cjson.decode(rec)
       out[#out + 1] = {id = id, url = r.url, cap = math.max(tonumber(r.capacity) or 1, 1),
-                       used = tonumber(redis.call('HGET', inflight_key, id) or '0')}
+                       used = tonumber(redis.call('HGET', K_INFLIGHT, id) or '0')}
     else
-      redis.call('HDEL', workers_key, id)
+      redis.call('HDEL', K_WORKERS, id)
+      redis.call('HDEL', K_ALIVE, id)
     end
   end
   return out
 end
 
+local urgent_recently = redis.call('EXISTS', K_URGENT_SEEN) == 1
+local function is_urgent(priority) return priority <= urgent_max end
+
 -- Slots a request of this priority may fill on w: all of them for urgent requests,
 -- the unreserved share for the rest (never less than one) -- but only while urgent
 -- traffic is around; without it, the headroom would just be idle capacity.
-local urgent_recently = redis.call('EXISTS', urgent_key) == 1
 local function usable(w, priority)
-  if priority <= urgent_max or not urgent_recently then return w.cap end
+  if is_urgent(priority) or not urgent_recently then return w.cap end
   return math.max(1, w.cap - math.ceil(w.cap * reserve))
 end
 
--- The least-loaded worker with a slot this priority may use, not excluded; nil if none.
-local function choose(ws, excluded, priority)
-  local best = nil
-  for _, w in ipairs(ws) do
-    if w.used < usable(w, priority) and not excluded[w.id] then
-      if best == nil or w.used / w.cap < best.used / best.cap then best = w end
+-- `need` slots for one request, least-loaded first (the same worker may give several),
+-- or nil (and nothing taken) if they are not all there.
+local function choose(ws, excluded, priority, need)
+  local picks = {}
+  for _ = 1, need do
+    local best = nil
+    for _, w in ipairs(ws) do
+      if w.used < usable(w, priority) and not excluded[w.id] then
+        if best == nil or w.used / w.cap < best.used / best.cap then best = w end
+      end
     end
+    if best == nil then
+      for _, p in ipairs(picks) do p.used = p.used - 1 end
+      return nil
+    end
+    best.used = best.used + 1
+    picks[#picks + 1] = best
   end
-  return best
+  return picks
 end
 
-local function all_excluded(ws, excluded)
+local function serviceable(ws, excluded)
   for _, w in ipairs(ws) do
-    if not excluded[w.id] then return false end
-  end
-  return true
-end
-
-local function deliver(req, payload)
-  local g = grant_prefix .. req
-  redis.call('RPUSH', g, payload)
-  redis.call('PEXPIRE', g, lease_ttl)
-end
-
--- A slot on w for req: count it, lease it (renewed while the stream runs), tell the waiter.
-local function grant(w, req)
-  w.used = w.used + 1
-  redis.call('HINCRBY', inflight_key, w.id, 1)
-  redis.call('ZADD', leases_key, now + lease_ttl, req)
-  redis.call('HSET', owner_key, req, w.id)
-  deliver(req, cjson.encode({id = w.id, url = w.url}))
-end
-
-local function dequeue(req)
-  redis.call('ZREM', queue_key, req)
-  redis.call('HDEL', qmeta_key, req)
-end
-
-local function any_free(ws)
-  for _, w in ipairs(ws) do
-    if w.used < w.cap then return true end
+    if not excluded[w.id] then return true end
   end
   return false
 end
 
--- Hand free slots to waiting requests in priority order. An entry that cannot use
--- any free slot (its workers are excluded or full, or only urgent slots are left)
--- is skipped, not allowed to block the ones behind it; the scan is bounded.
-local function pump(ws)
-  local granted = 0
-  local window = redis.call('ZRANGE', queue_key, 0, 63)
-  for _, req in ipairs(window) do
-    if not any_free(ws) then break end
-    local meta = cjson.decode(redis.call('HGET', qmeta_key, req) or '{}')
-    local excluded = {}
-    for _, id in ipairs(meta.exclude or {}) do excluded[id] = true end
-    if (tonumber(meta.deadline) or 0) < now then
-      dequeue(req)                                  -- its waiter has given up
-    elseif #ws == 0 or all_excluded(ws, excluded) then
-      dequeue(req)                                  -- nothing live can ever serve it
-      deliver(req, '{"none":true}')
-    else
-      local w = choose(ws, excluded, tonumber(meta.priority) or 0)
-      if w ~= nil then
-        dequeue(req)
-        grant(w, req)
-        granted = granted + 1
+local function class_of(priority)
+  if priority < 0 then return 'urgent' elseif priority == 0 then return 'default' end
+  return 'low'
+end
+
+local function dequeue(queue, req, meta)
+  redis.call('ZREM', queue, req)
+  redis.call('HDEL', K_META, req)
+  if redis.call('HINCRBY', K_DEPTH, class_of(tonumber(meta.priority) or 0), -1) < 0 then
+    redis.call('HSET', K_DEPTH, class_of(tonumber(meta.priority) or 0), 0)
+  end
+end
+
+local function publish(meta, req, status, leases)
+  redis.call('XADD', K_GRANTS, 'MAXLEN', '~', GRANTS_KEPT, '*', 'g', meta.gw or '', 'r', req,
+             's', status, 'l', leases)
+end
+
+-- Lease `need` slots to req (lease ids req#0, req#1, ...): count, lease, describe.
+-- A lease handed to the caller lives a full TTL; one published to a waiting gateway
+-- must be claimed (renewed) within the gateway liveness TTL, so a grant sent to a
+-- gateway that has just died idles its slot for seconds, not a whole lease TTL.
+local function lease_all(picks, req, ttl)
+  local out = {}
+  for i, w in ipairs(picks) do
+    local lease = req .. '#' .. (i - 1)
+    redis.call('HINCRBY', K_INFLIGHT, w.id, 1)
+    redis.call('ZADD', K_LEASES, now + ttl, lease)
+    redis.call('HSET', K_OWNER, lease, w.id)
+    out[#out + 1] = {lease, w.id, w.url}
+  end
+  return cjson.encode(out)
+end
+
+local function gateway_alive(gw)
+  return gw == gateway or tonumber(redis.call('HGET', K_GATEWAYS, gw) or '0') >= now
+end
+
+-- Hand free slots to waiting requests: urgent queue first, then normal, each in
+-- score order. `direct` names the calling request, whose grant is returned to the
+-- caller instead of published. Returns that grant's leases JSON, 'none', or nil.
+local function pump(ws, direct)
+  local result = nil
+  local free = 0
+  for _, w in ipairs(ws) do free = free + math.max(0, w.cap - w.used) end
+  for qi, queue in ipairs({K_QURGENT, K_QNORMAL}) do
+    local window = redis.call('ZRANGE', queue, 0, 63)
+    for _, req in ipairs(window) do
+      if free <= 0 then return result end
+      local meta = cjson.decode(redis.call('HGET', K_META, req) or '{}')
+      local excluded = {}
+      for _, id in ipairs(meta.exclude or {}) do excluded[id] = true end
+      local need = tonumber(meta.need) or 1
+      if (tonumber(meta.deadline) or 0) < now or not gateway_alive(meta.gw or '') then
+        dequeue(queue, req, meta)                     -- its waiter gave up, or its gateway died
+      elseif not serviceable(ws, excluded) then
+        dequeue(queue, req, meta)                     -- nothing live can ever serve it
+        if req == direct then result = 'none' else publish(meta, req, 'none', '[]') end
+      else
+        local picks = choose(ws, excluded, tonumber(meta.priority) or 0, need)
+        if picks ~= nil then
+          dequeue(queue, req, meta)
+          free = free - need
+          local leases = lease_all(picks, req, req == direct and lease_ttl or gw_ttl)
+          if req == direct then result = leases else publish(meta, req, 'ok', leases) end
+          local vkey = 'V:' .. qi
+          if (tonumber(meta.tag) or 0) > tonumber(redis.call('HGET', K_FAIR, vkey) or '0') then
+            redis.call('HSET', K_FAIR, vkey, meta.tag)
+          end
+        elseif #(meta.exclude or {}) == 0 then
+          return result                               -- keep the order: wait for slots
+        end
       end
     end
   end
-  return granted
+  return result
 end
 
 -- Give a lease's slot back. Returns 1 if the lease existed.
-local function free_lease(req)
-  redis.call('ZREM', leases_key, req)
-  local w = redis.call('HGET', owner_key, req)
+local function free_lease(lease)
+  redis.call('ZREM', K_LEASES, lease)
+  local w = redis.call('HGET', K_OWNER, lease)
   if not w then return 0 end
-  redis.call('HDEL', owner_key, req)
-  if tonumber(redis.call('HGET', inflight_key, w) or '0') > 0 then
-    redis.call('HINCRBY', inflight_key, w, -1)
+  redis.call('HDEL', K_OWNER, lease)
+  if tonumber(redis.call('HGET', K_INFLIGHT, w) or '0') > 0 then
+    redis.call('HINCRBY', K_INFLIGHT, w, -1)
   end
   return 1
 end
+
+local function queue_length()
+  return redis.call('ZCARD', K_QURGENT) + redis.call('ZCARD', K_QNORMAL)
+end
 """
 
-#: ARGV 7 request id, 8 queue score, 9 queue deadline (ms), 10 max queue length,
-#: 11 excluded ids (JSON), 12 priority.
-#: Returns {'granted', grant JSON} | {'queued', rank} | {'full', length} | {'none'}.
+#: ARGV 7 request id, 8 priority, 9 slots needed, 10 queue timeout (ms), 11 max queue length,
+#: 12 excluded worker ids (JSON list), 13 boosted (1: a retry or migration), 14 tenant, 15 cost.
+#: Returns {'granted', leases JSON [[lease, worker, url], ...]} | {'queued', position}
+#: | {'full', length} | {'none'} | {'too_big', usable slots}.
 ACQUIRE = _PRELUDE + r"""
-local req = ARGV[7]
-if tonumber(ARGV[12]) <= urgent_max then
-  redis.call('SET', urgent_key, '1', 'PX', 60000)
+local req, priority, need = ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9])
+local boost, tenant, cost = ARGV[13] == '1', ARGV[14], tonumber(ARGV[15])
+local exclude = cjson.decode(ARGV[12])
+if is_urgent(priority) then
+  redis.call('SET', K_URGENT_SEEN, '1', 'PX', 60000)
   urgent_recently = true
 end
 local ws = live_workers()
 if #ws == 0 then return {'none'} end
-local length = redis.call('ZCARD', queue_key)
-if length >= tonumber(ARGV[10]) then return {'full', length} end
-redis.call('ZADD', queue_key, tonumber(ARGV[8]), req)
-redis.call('HSET', qmeta_key, req, cjson.encode({deadline = tonumber(ARGV[9]),
-  exclude = cjson.decode(ARGV[11]), priority = tonumber(ARGV[12])}))
-pump(ws)
-local g = redis.call('LPOP', grant_prefix .. req)
-if g then
-  if string.find(g, '"none"', 1, true) then return {'none'} end
-  return {'granted', g}
+local excluded = {}
+for _, id in ipairs(exclude) do excluded[id] = true end
+local room = 0
+for _, w in ipairs(ws) do
+  if not excluded[w.id] then room = room + usable(w, priority) end
 end
-return {'queued', redis.call('ZRANK', queue_key, req)}
+if room == 0 then return {'none'} end
+if room < need then return {'too_big', room} end
+local length = queue_length()
+-- Retries and migrations are never refused for length: they hold a client mid-request.
+if not boost and length >= tonumber(ARGV[11]) then return {'full', length} end
+
+local queue, qi, score, tag = K_QNORMAL, 2, 0, 0
+if boost or is_urgent(priority) then queue, qi = K_QURGENT, 1 end
+if boost then
+  score = -4e15 + now
+else
+  local v = tonumber(redis.call('HGET', K_FAIR, 'V:' .. qi) or '0')
+  local fkey = 'F:' .. qi .. ':' .. tenant
+  tag = math.max(v, tonumber(redis.call('HGET', K_FAIR, fkey) or '0'))
+  redis.call('HSET', K_FAIR, fkey, tag + cost)
+  if step > 0 then score = tag + priority * step else score = priority * 1e12 + tag end
+end
+redis.call('ZADD', queue, score, req)
+redis.call('HSET', K_META, req, cjson.encode({deadline = now + tonumber(ARGV[10]), exclude = exclude,
+  priority = priority, need = need, gw = gateway, tag = tag}))
+redis.call('HINCRBY', K_DEPTH, class_of(priority), 1)
+local got = pump(ws, req)
+if got == 'none' then return {'none'} end
+if got ~= nil then return {'granted', got} end
+local rank = redis.call('ZRANK', queue, req)
+if rank == false then return {'none'} end  -- dropped by the scan (cannot happen for a live caller)
+if queue == K_QNORMAL then rank = rank + redis.call('ZCARD', K_QURGENT) end
+return {'queued', rank}
 """
 
-#: ARGV 7 lease (request) id. Frees the slot and hands it to the queue's head.
+#: ARGV 7 lease id. Frees the slot and hands it on to the queue. Returns 1 if the lease existed.
 RELEASE = _PRELUDE + r"""
 local freed = free_lease(ARGV[7])
 if freed == 1 then
-  redis.call('LPUSH', done_key, now)
-  redis.call('LTRIM', done_key, 0, 255)
+  redis.call('LPUSH', K_DONE, now)
+  redis.call('LTRIM', K_DONE, 0, 255)
 end
-pump(live_workers())
+pump(live_workers(), nil)
 return freed
 """
 
-#: ARGV 7 request id. A waiter leaves the queue: {'removed'} | {'granted', grant JSON} | {'gone'}.
+#: ARGV 7 request id, 8 slots it needed. A waiter leaves the queue:
+#: {'removed'} | {'granted', leases JSON} (a grant raced in: serve or release it) | {'gone'}.
 CANCEL = _PRELUDE + r"""
-local req = ARGV[7]
-if redis.call('ZREM', queue_key, req) == 1 then
-  redis.call('HDEL', qmeta_key, req)
-  return {'removed'}
+local req, need = ARGV[7], tonumber(ARGV[8])
+for _, queue in ipairs({K_QURGENT, K_QNORMAL}) do
+  if redis.call('ZSCORE', queue, req) then
+    dequeue(queue, req, cjson.decode(redis.call('HGET', K_META, req) or '{}'))
+    return {'removed'}
+  end
 end
-local g = redis.call('LPOP', grant_prefix .. req)
-if g and not string.find(g, '"none"', 1, true) then return {'granted', g} end
-return {'gone'}
+local out = {}
+for i = 0, need - 1 do
+  local lease = req .. '#' .. i
+  local w = redis.call('HGET', K_OWNER, lease)
+  if w then
+    local rec = redis.call('HGET', K_WORKERS, w)
+    out[#out + 1] = {lease, w, rec and cjson.decode(rec).url or ''}
+  end
+end
+if #out == 0 then return {'gone'} end
+return {'granted', cjson.encode(out)}
 """
 
-#: Reclaims leases whose holder stopped renewing them (a dead gateway), then pumps.
+#: ARGV 7 1 to recount ``inflight`` from the leases. Reclaims leases whose holder
+#: stopped renewing them (a dead gateway), forgets long-dead gateways, then pumps.
+#: Returns {leases reclaimed, inflight corrections}.
 REAP = _PRELUDE + r"""
-local expired = redis.call('ZRANGEBYSCORE', leases_key, '-inf', now, 'LIMIT', 0, 256)
-for _, req in ipairs(expired) do free_lease(req) end
-pump(live_workers())
-return #expired
+local expired = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, 256)
+for _, lease in ipairs(expired) do free_lease(lease) end
+local gws = redis.call('HGETALL', K_GATEWAYS)
+for i = 1, #gws, 2 do
+  if tonumber(gws[i + 1]) < now - 60000 then redis.call('HDEL', K_GATEWAYS, gws[i]) end
+end
+local corrections = 0
+if ARGV[7] == '1' then
+  local counts = {}
+  local owners = redis.call('HGETALL', K_OWNER)
+  for i = 1, #owners, 2 do counts[owners[i + 1]] = (counts[owners[i + 1]] or 0) + 1 end
+  local recorded = redis.call('HGETALL', K_INFLIGHT)
+  for i = 1, #recorded, 2 do
+    local id, n = recorded[i], tonumber(recorded[i + 1])
+    if (counts[id] or 0) ~= n then corrections = corrections + 1 end
+    if counts[id] then redis.call('HSET', K_INFLIGHT, id, counts[id]) else redis.call('HDEL', K_INFLIGHT, id) end
+    counts[id] = nil
+  end
+  for id, n in pairs(counts) do
+    redis.call('HSET', K_INFLIGHT, id, n)
+    corrections = corrections + 1
+  end
+end
+pump(live_workers(), nil)
+return {#expired, corrections}
 """
 
 #: ARGV 7.. lease ids held by the calling gateway: push their expiry to now + TTL.
+#: Also keeps the calling gateway alive (the prelude), so its queued requests stay.
+#: Returns the lease ids that no longer exist (reaped: their slot is gone).
 RENEW = _PRELUDE + r"""
+local lost = {}
 for i = 7, #ARGV do
-  redis.call('ZADD', leases_key, 'XX', now + lease_ttl, ARGV[i])
+  if redis.call('ZADD', K_LEASES, 'XX', 'CH', now + lease_ttl, ARGV[i]) == 0
+     and not redis.call('ZSCORE', K_LEASES, ARGV[i]) then
+    lost[#lost + 1] = ARGV[i]
+  end
 end
-return #ARGV - 6
+return lost
+"""
+
+#: ARGV 7 queue position. Returns seconds until that many requests have drained at the
+#: recent completion rate (the last 30 s), or -1 when too few completions to tell.
+RETRY_AFTER = _PRELUDE + r"""
+local stamps = redis.call('LRANGE', K_DONE, 0, -1)
+local count, oldest = 0, now
+for _, t in ipairs(stamps) do
+  t = tonumber(t)
+  if now - t <= 30000 then
+    count = count + 1
+    if t < oldest then oldest = t end
+  end
+end
+if count < 2 then return -1 end
+local rate = count / math.max((now - oldest) / 1000, 1)
+return math.ceil((tonumber(ARGV[7]) + 1) / rate)
+"""
+
+#: KEYS workers, alive. Returns the number of workers with a live heartbeat.
+LIVE = r"""
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local live = 0
+for _, id in ipairs(redis.call('HKEYS', KEYS[1])) do
+  if tonumber(redis.call('HGET', KEYS[2], id) or '0') >= now then live = live + 1 end
+end
+return live
 """

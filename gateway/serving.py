@@ -20,7 +20,7 @@ from gateway.config import GatewaySettings
 from gateway.context import RequestContext
 from gateway.idempotency import Idempotency
 from gateway.journal import JournalWriter, start_producer, stream_key
-from gateway.journal import tail as journal_tail
+from gateway.journal_readers import JournalReaders
 from gateway.logprobs import render as render_logprobs
 from gateway.protocol import (
     DONE,
@@ -51,10 +51,11 @@ Kind = Literal["chat", "text"]
 class Serving:
     def __init__(
         self, settings: GatewaySettings, dispatcher: Dispatcher, idempotency: Idempotency, redis: Redis,
-        tenancy: Tenancy,
+        tenancy: Tenancy, readers: JournalReaders,
     ) -> None:
         self._settings = settings
         self._tenancy = tenancy
+        self._readers = readers
         self._dispatcher = dispatcher
         self._idempotency = idempotency
         self._redis = redis
@@ -119,13 +120,13 @@ class Serving:
                 # Resumable: the generation feeds the journal, independent of this client
                 # (a migration must not give up because the first reader left), and this
                 # client is its first reader.
-                ctx.disconnected = None
+                ctx.detach_from_client()
                 writer = JournalWriter(self._redis, ctx.idempotency_key, ttl_s=self._settings.idempotency_ttl_s)
+                first = writer.subscribe(self._readers.tail)  # events as produced, not as flushed
                 task = await start_producer(writer, events, abandon)
                 self._producers.add(task)
                 task.add_done_callback(self._producers.discard)
-                return GuardedSSE(journal_tail(self._redis, ctx.idempotency_key, 0), _noop,
-                                  ping=self._settings.sse_ping_s, headers=headers)
+                return GuardedSSE(first.events(), first.close, ping=self._settings.sse_ping_s, headers=headers)
             return GuardedSSE(events, abandon, ping=self._settings.sse_ping_s, headers=headers)
         try:
             response = await self._collect(kind, req, upstreams, lines, record, headers, ctx)
@@ -141,14 +142,26 @@ class Serving:
         self, req: ChatCompletionRequest | CompletionRequest, payloads: list[dict[str, Any]],
         ctx: RequestContext,
     ) -> list[Upstream]:
+        """One upstream per generation. Several generations are admitted all at once (one
+        grant of ``len(payloads)`` slots), so two requests can never split the slots
+        between them and wait for each other."""
+        if len(payloads) == 1:
+            return [await self._dispatcher.open(req.model, payloads[0], ctx, cost=ctx.cost)]
+        leases = await self._dispatcher.admit(req.model, ctx.internal_id, ctx, need=len(payloads), cost=ctx.cost)
         results = await asyncio.gather(
-            *(self._dispatcher.open(req.model, p, ctx) for p in payloads), return_exceptions=True
+            *(self._dispatcher.open(req.model, p, ctx, lease=lease) for p, lease in zip(payloads, leases, strict=True)),
+            return_exceptions=True,
         )
         opened = [r for r in results if isinstance(r, Upstream)]
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
-            for upstream in opened:
-                await upstream.aclose()
+            with anyio.CancelScope(shield=True):
+                for upstream in opened:
+                    await upstream.aclose()
+                held = {u.lease.lease_id for u in opened}
+                for lease in leases:  # a lease whose open never ran; releasing twice is harmless
+                    if lease.lease_id not in held:
+                        await self._dispatcher.release(lease)
             raise failure
         return opened
 
@@ -265,7 +278,7 @@ class Serving:
                 raise RouteNotFound(f"the stream for Idempotency-Key {key!r} is no longer kept")
             await asyncio.sleep(0.05)  # its first request is still being admitted
         return EventSourceResponse(
-            journal_tail(self._redis, key, after), ping=self._settings.sse_ping_s
+            self._readers.tail(key, after), ping=self._settings.sse_ping_s
         )
 
     async def _end_stream(
@@ -283,11 +296,11 @@ class Serving:
 
     async def _settle_usage(self, ctx: RequestContext, used_tokens: int) -> None:
         """Correct the key's TPM charge with what the request really used; once."""
-        grant, ctx.grant = ctx.grant, None
-        if grant is None:
+        charge = ctx.take_charge()
+        if charge is None:
             return
         try:
-            await self._tenancy.settle(grant, used_tokens)
+            await self._tenancy.settle(charge, used_tokens)
         except (RedisError, OSError) as exc:
             log.warning("could not settle the rate-limit charge of %s: %s", ctx.request_id, exc)
 
@@ -344,10 +357,6 @@ class Serving:
         ]
         body = completion_body(kind, req.model, choices, record.usage())
         return Response(body, media_type="application/json", headers=headers)
-
-
-async def _noop() -> None:
-    return None
 
 
 class GuardedSSE(EventSourceResponse):

@@ -9,17 +9,21 @@ real usage when the request ends.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ipaddress
 import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
-from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from gateway.config import GatewaySettings
+from sluice import keys
 from sluice.apikeys import ApiKey, KeyStore
-from sluice.errors import AuthenticationFailed, RateLimited
+from sluice.errors import AuthenticationFailed, InvalidRequest, RateLimited
 
 log = logging.getLogger("sluice.tenancy")
 
@@ -28,7 +32,7 @@ local b, s = KEYS[1], KEYS[2]
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local rpm, tpm, est, maxc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local stream_id, stream_ttl = ARGV[5], tonumber(ARGV[6])
+local stream_id, stream_ttl, weight = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
 local function level(tokens_field, ts_field, cap)
   local tokens = tonumber(redis.call('HGET', b, tokens_field) or cap)
   local ts = tonumber(redis.call('HGET', b, ts_field) or now)
@@ -43,15 +47,15 @@ if rt < 1 then
   verdict, retry_ms = 'requests', math.ceil((1 - rt) * 60000 / rpm)
 elseif tt < need then
   verdict, retry_ms = 'tokens', math.ceil((need - tt) * 60000 / tpm)
-elseif conc >= maxc then
+elseif conc + weight > maxc then
   verdict, retry_ms = 'concurrency', 1000
 end
 if verdict == 'ok' then
   rt, tt = rt - 1, tt - need
-  redis.call('ZADD', s, now + stream_ttl, stream_id)
-  -- The set lives as long as its longest member; a rejected call never shortens it.
-  local top = redis.call('ZRANGE', s, -1, -1, 'WITHSCORES')
-  redis.call('PEXPIREAT', s, tonumber(top[2]) + 1000)
+  -- One member per generation, each with a short expiry that the admitting gateway
+  -- renews while it runs: a dead gateway's generations stop counting within stream_ttl.
+  for i = 0, weight - 1 do redis.call('ZADD', s, now + stream_ttl, stream_id .. '#' .. i) end
+  redis.call('PEXPIRE', s, stream_ttl + 60000)
 end
 redis.call('HSET', b, 'rt', tostring(rt), 'rts', now, 'tt', tostring(tt), 'tts', now)
 redis.call('PEXPIRE', b, 120000)
@@ -69,7 +73,20 @@ local ts = tonumber(redis.call('HGET', b, 'tts') or now)
 tokens = math.min(tpm, tokens + (now - ts) * tpm / 60000) - delta
 redis.call('HSET', b, 'tt', tostring(math.min(tpm, tokens)), 'tts', now)
 redis.call('PEXPIRE', b, 120000)
-redis.call('ZREM', s, ARGV[3])
+for i = 0, tonumber(ARGV[4]) - 1 do redis.call('ZREM', s, ARGV[3] .. '#' .. i) end
+return 1
+"""
+
+_RENEW = r"""
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local ttl = tonumber(ARGV[1])
+for i = 2, #ARGV, 2 do
+  for j = 0, tonumber(ARGV[i + 1]) - 1 do
+    redis.call('ZADD', KEYS[1], 'XX', now + ttl, ARGV[i] .. '#' .. j)
+  end
+end
+redis.call('PEXPIRE', KEYS[1], ttl + 60000)
 return 1
 """
 
@@ -88,13 +105,15 @@ class StartupRefused(RuntimeError):
     """The gateway must not start with this configuration; the message says why."""
 
 
-@dataclass
-class Grant:
-    """An admitted request's charge, settled with real usage at the end."""
+@dataclass(frozen=True)
+class Charge:
+    """An admitted request's charge against its key: tokens estimated (settled with real
+    usage at the end) and ``weight`` generations counted against its concurrency."""
 
     key: ApiKey
     stream_id: str
     estimate: int
+    weight: int
     headers: dict[str, str]
 
 
@@ -108,13 +127,40 @@ def is_loopback(host: str) -> bool:
 
 
 class Tenancy:
-    def __init__(self, redis: Redis, settings: GatewaySettings) -> None:
+    def __init__(self, redis: Any, settings: GatewaySettings) -> None:
         self._redis = redis
         self._s = settings
         self.keys = KeyStore(redis)
         self._admit = redis.register_script(_ADMIT)
         self._settle = redis.register_script(_SETTLE)
+        self._renew = redis.register_script(_RENEW)
         self._keys_seen = (0.0, False)
+        #: Charges running on this gateway, by key prefix: renewed until settled.
+        self._running: dict[str, dict[str, int]] = {}
+        self._member_ttl_ms = int(settings.lease_ttl_s * 1000)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._renew_loop(), name="concurrency-renewal")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _renew_loop(self) -> None:
+        """Keep this gateway's generations counted; a dead gateway's stop counting within a lease TTL."""
+        while True:
+            await asyncio.sleep(self._s.lease_ttl_s / 3)
+            for prefix, running in list(self._running.items()):
+                args: list[object] = [self._member_ttl_ms]
+                for stream_id, weight in running.items():
+                    args += [stream_id, weight]
+                try:
+                    await self._renew(keys=keys.rate_limits(prefix)[1:], args=args)
+                except (RedisError, OSError) as exc:
+                    log.warning("concurrency renewal for key %s failed: %s", prefix, exc)
 
     async def check_startup(self) -> None:
         """Refuse an unauthenticated gateway on a non-loopback address unless allowed."""
@@ -149,10 +195,15 @@ class Tenancy:
             raise AuthenticationFailed("invalid or revoked API key")
         return key
 
-    async def admit(self, key: ApiKey, estimate: int, stream_id: str, ttl_s: float) -> Grant:
+    async def admit(self, key: ApiKey, estimate: int, stream_id: str, weight: int = 1) -> Charge:
+        """Charge a request of ``weight`` generations; 429 when a limit is reached."""
+        if weight > key.max_concurrent:
+            raise InvalidRequest(
+                f"this request runs {weight} generations at once; key {key.prefix} may run "
+                f"{key.max_concurrent}", param="n")
         result = await self._admit(
-            keys=[f"sl:rl:{{{key.prefix}}}", f"sl:rl:{{{key.prefix}}}:streams"],
-            args=[key.rpm, key.tpm, estimate, key.max_concurrent, stream_id, int(ttl_s * 1000)],
+            keys=keys.rate_limits(key.prefix),
+            args=[key.rpm, key.tpm, estimate, key.max_concurrent, stream_id, self._member_ttl_ms, weight],
         )
         verdict = result[0].decode()
         headers = {
@@ -170,11 +221,17 @@ class Tenancy:
                               retry_after_s=max(1, math.ceil(int(result[1]) / 1000)))
             err.extra_headers = headers
             raise err
+        self._running.setdefault(key.prefix, {})[stream_id] = weight
         # The script charges at most a full bucket; settle against what it charged.
-        return Grant(key=key, stream_id=stream_id, estimate=min(estimate, key.tpm), headers=headers)
+        return Charge(key=key, stream_id=stream_id, estimate=min(estimate, key.tpm), weight=weight,
+                      headers=headers)
 
-    async def settle(self, grant: Grant, used_tokens: int) -> None:
+    async def settle(self, charge: Charge, used_tokens: int) -> None:
+        running = self._running.get(charge.key.prefix, {})
+        running.pop(charge.stream_id, None)
+        if not running:
+            self._running.pop(charge.key.prefix, None)
         await self._settle(
-            keys=[f"sl:rl:{{{grant.key.prefix}}}", f"sl:rl:{{{grant.key.prefix}}}:streams"],
-            args=[grant.key.tpm, used_tokens - grant.estimate, grant.stream_id],
+            keys=keys.rate_limits(charge.key.prefix),
+            args=[charge.key.tpm, used_tokens - charge.estimate, charge.stream_id, charge.weight],
         )

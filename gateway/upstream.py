@@ -24,7 +24,7 @@ import orjson
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from gateway.admission import Admission, Lease
+from gateway.admission import Admission, Ask, Lease
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
 from sluice.errors import (
@@ -79,7 +79,7 @@ class Upstream:
 
         Raises :class:`UpstreamFailed` when the worker breaks off or sends an
         error line, :class:`DeadlineExceeded` when it stalls or the request's
-        ``deadline`` (epoch seconds) passes.
+        ``deadline`` (``time.monotonic()``) passes.
         """
         line = self.first
         while True:
@@ -90,7 +90,7 @@ class Upstream:
             yield line
             if line.get("finish_reason") is not None:
                 return
-            left = deadline - time.time()
+            left = deadline - time.monotonic()
             try:
                 line = await self._read_line(min(stall_timeout_s, max(left, 0.0)))
             except TimeoutError:
@@ -129,17 +129,41 @@ class Dispatcher:
         self._admission = admission
         self._http = http
 
+    async def release(self, lease: Lease) -> None:
+        await self._admission.release(lease)
+
+    async def admit(
+        self, model: str, request_id: str, ctx: RequestContext, *, need: int = 1, cost: int = 1,
+        exclude: list[str] | tuple[str, ...] = (), boost: bool = False,
+    ) -> list[Lease]:
+        """``need`` slots for this request, all at once (queueing if they are not free)."""
+        waited = time.monotonic()
+        with tracer.start_as_current_span("queue.wait", context=ctx.record.context()) as queue_span:
+            queue_span.set_attribute("sluice.priority", ctx.priority)
+            leases = await self._admission.acquire(
+                Ask(model=model, request_id=request_id, priority=ctx.priority, need=need,
+                    timeout_s=max(0.001, min(self._settings.queue_timeout_s, ctx.remaining_s())),
+                    tenant=ctx.tenant, cost=cost, boost=boost, exclude=tuple(exclude)),
+                ctx.disconnected,
+            )
+            queue_span.set_attribute("sluice.worker_id", ",".join(sorted({x.worker_id for x in leases})))
+        ctx.record.queued(time.monotonic() - waited)
+        return leases
+
     async def open(
         self,
         model: str,
         payload: dict[str, Any],
         ctx: RequestContext,
         *,
+        lease: Lease | None = None,
         exclude: list[str] | tuple[str, ...] = (),
         boost: bool = False,
+        cost: int = 1,
     ) -> Upstream:
         """Admit, route and connect, retrying on other workers until a first line arrives.
 
+        ``lease``: a slot already granted for the first attempt (this call owns it);
         ``boost`` puts the request ahead of the queue (a migration); ``exclude``
         names workers that already failed it.
         """
@@ -150,24 +174,14 @@ class Dispatcher:
         reason = "no attempt made"
         record = ctx.record
         for attempt in range(1, s.max_attempts + 1):
-            waited = time.monotonic()
-            with tracer.start_as_current_span("queue.wait", context=record.context()) as queue_span:
-                queue_span.set_attribute("sluice.priority", ctx.priority)
-                lease = await self._admission.acquire(
-                    model,
-                    f"{payload['request_id']}~{attempt}",
-                    priority=ctx.priority,
-                    exclude=excluded,
-                    queue_deadline=min(time.time() + s.queue_timeout_s, ctx.deadline),
-                    boost=boost or attempt > 1,
-                    disconnected=ctx.disconnected,
-                )
-                queue_span.set_attribute("sluice.worker_id", lease.worker_id)
+            if lease is None:
+                (lease,) = await self.admit(model, f"{payload['request_id']}~{attempt}", ctx, cost=cost,
+                                            exclude=excluded, boost=boost or attempt > 1)
             span = tracer.start_span("upstream", context=record.context(), kind=SpanKind.CLIENT,
                                      attributes={"sluice.worker_id": lease.worker_id, "sluice.attempt": attempt})
             try:
                 upstream = await self._attempt(lease, body, ctx.deadline, span)
-                record.admitted(time.monotonic() - waited, attempt, lease.worker_id)
+                record.admitted(attempt, lease.worker_id)
                 return upstream
             except _Retryable as exc:
                 reason = str(exc)
@@ -177,6 +191,7 @@ class Dispatcher:
                     attempt, s.max_attempts, lease.worker_id, reason,
                 )
                 excluded.append(lease.worker_id)
+            lease = None
             if attempt < s.max_attempts:
                 backoff = s.retry_backoff_ms / 1000 * 2 ** (attempt - 1)
                 await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
@@ -187,7 +202,7 @@ class Dispatcher:
 
     async def _attempt(self, lease: Lease, body: bytes, deadline: float, span: Span) -> Upstream:
         s = self._settings
-        ttft_s = max(0.0, min(s.ttft_timeout_s, deadline - time.time()))
+        ttft_s = max(0.0, min(s.ttft_timeout_s, deadline - time.monotonic()))
         request = self._http.build_request(
             "POST", lease.url + "/internal/generate", content=body,
             headers={"content-type": "application/json", **inject(trace.set_span_in_context(span))},
@@ -210,7 +225,7 @@ class Dispatcher:
             return upstream
         except TimeoutError:
             await _close(upstream, lease, self._admission, span)
-            if time.time() >= deadline:
+            if time.monotonic() >= deadline:
                 raise DeadlineExceeded("the request ran past its deadline before its first token",
                                        code="request_timeout") from None
             raise _Retryable(f"no first token within {ttft_s:g}s") from None

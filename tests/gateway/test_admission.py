@@ -14,8 +14,12 @@ from sluice import keys
 from tests.conftest import running, wait_for
 
 
-def _inflight(redis_client, model: str) -> int:
-    return sum(int(v) for v in redis_client.hvals(keys.inflight(model)))
+def _inflight(client, model: str) -> int:
+    return sum(int(v) for v in client.hvals(keys.inflight(model)))
+
+
+def _queued(client, model: str) -> int:
+    return sum(client.zcard(q) for q in keys.queues(model))
 
 
 def _hold_slot(gateway_url: str, model: str, tokens: int) -> threading.Thread:
@@ -57,12 +61,12 @@ async def _completion_order(gateways: list[str], model: str, plan: list[tuple[st
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
-async def test_high_priority_admitted_first(start_worker, start_gateway, redis_client, replicas) -> None:
+async def test_high_priority_admitted_first(start_worker, start_gateway, backend, replicas) -> None:
     model = f"prio-{replicas}"
-    start_worker(model, sim_max_seqs=1, sim_token_ms=10, sim_ttft_ms=0)
-    gateways = [start_gateway().url for _ in range(replicas)]
+    start_worker(model, redis_at=backend.url, sim_max_seqs=1, sim_token_ms=10, sim_ttft_ms=0)
+    gateways = [start_gateway(redis_at=backend.url).url for _ in range(replicas)]
     blocker = _hold_slot(gateways[0], model, tokens=80)
-    await asyncio.to_thread(wait_for, lambda: _inflight(redis_client, model) == 1, 5, "the blocker")
+    await asyncio.to_thread(wait_for, lambda: _inflight(backend.client, model) == 1, 5, "the blocker")
     plan = [(f"low{i}", 5) for i in range(3)] + [(f"high{i}", -5) for i in range(3)]
     order = await _completion_order(gateways, model, plan)
     blocker.join(10)
@@ -70,12 +74,12 @@ async def test_high_priority_admitted_first(start_worker, start_gateway, redis_c
     assert sorted(order[3:]) == ["low0", "low1", "low2"], order
 
 
-def test_queue_timeout_is_429_then_sdk_retry_succeeds(start_worker, start_gateway, redis_client) -> None:
+def test_queue_timeout_is_429_then_sdk_retry_succeeds(start_worker, start_gateway, backend) -> None:
     model = "qtimeout"
-    start_worker(model, sim_max_seqs=1, sim_token_ms=10, sim_ttft_ms=0)
-    gateway = start_gateway(env={"SLUICE_GATEWAY_QUEUE_TIMEOUT_S": "0.5"})
+    start_worker(model, redis_at=backend.url, sim_max_seqs=1, sim_token_ms=10, sim_ttft_ms=0)
+    gateway = start_gateway(env={"SLUICE_GATEWAY_QUEUE_TIMEOUT_S": "0.5"}, redis_at=backend.url)
     blocker = _hold_slot(gateway.url, model, tokens=120)
-    wait_for(lambda: _inflight(redis_client, model) == 1, 5, "the blocker")
+    wait_for(lambda: _inflight(backend.client, model) == 1, 5, "the blocker")
     started = time.monotonic()
     resp = httpx.post(gateway.url + "/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2})
     assert resp.status_code == 429
@@ -88,10 +92,10 @@ def test_queue_timeout_is_429_then_sdk_retry_succeeds(start_worker, start_gatewa
     blocker.join(10)
 
 
-def test_disconnect_while_queued_and_while_streaming(start_worker, start_gateway, redis_client) -> None:
+def test_disconnect_while_queued_and_while_streaming(start_worker, start_gateway, backend) -> None:
     model = "cancel"
-    worker = start_worker(model, sim_max_seqs=1, sim_token_ms=20, sim_ttft_ms=0)
-    gateway = start_gateway()
+    worker = start_worker(model, redis_at=backend.url, sim_max_seqs=1, sim_token_ms=20, sim_ttft_ms=0)
+    gateway = start_gateway(redis_at=backend.url)
     body = {"model": model, "prompt": "long", "max_tokens": 500, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=30) as streaming:
         lines = streaming.iter_lines()  # keep a reference: a dropped iterator closes the stream
@@ -100,19 +104,19 @@ def test_disconnect_while_queued_and_while_streaming(start_worker, start_gateway
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(gateway.url + "/v1/completions",
                        json={"model": model, "prompt": "queued", "max_tokens": 2}, timeout=0.5)
-        wait_for(lambda: redis_client.zcard(keys.queue(model)) == 0, 3, "the queued request to leave")
-        assert _inflight(redis_client, model) == 1
+        wait_for(lambda: _queued(backend.client, model) == 0, 3, "the queued request to leave")
+        assert _inflight(backend.client, model) == 1
     # The streaming client hung up: the engine aborts and the slot comes back.
-    wait_for(lambda: _inflight(redis_client, model) == 0, 2, "the slot to come back")
+    wait_for(lambda: _inflight(backend.client, model) == 0, 2, "the slot to come back")
     wait_for(lambda: running(worker) == 0, 1, "the abort")
-    assert redis_client.zcard(keys.leases(model)) == 0
+    assert backend.client.zcard(keys.leases(model)) == 0
 
 
-def test_worker_500_before_first_token_is_retried_elsewhere(start_worker, start_gateway) -> None:
+def test_worker_500_before_first_token_is_retried_elsewhere(start_worker, start_gateway, backend) -> None:
     model = "flaky"
-    start_worker(model, sim_fail_first=1000)
-    start_worker(model)
-    gateway = start_gateway()
+    start_worker(model, redis_at=backend.url, sim_fail_first=1000)
+    start_worker(model, redis_at=backend.url)
+    gateway = start_gateway(redis_at=backend.url)
     with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0) as client:
         reference = None
         for _ in range(12):
@@ -123,26 +127,27 @@ def test_worker_500_before_first_token_is_retried_elsewhere(start_worker, start_
             assert resp.choices[0].text == reference  # one generation, never a spliced one
 
 
-def test_sigkill_gateway_its_leases_come_back(start_worker, start_gateway, redis_client) -> None:
+def test_sigkill_gateway_its_leases_come_back(start_worker, start_gateway, backend) -> None:
     model = "lease"
-    start_worker(model, sim_max_seqs=4, sim_token_ms=10)
+    start_worker(model, redis_at=backend.url, sim_max_seqs=4, sim_token_ms=10)
     env = {"SLUICE_GATEWAY_LEASE_TTL_S": "1.5", "SLUICE_GATEWAY_REAP_INTERVAL_S": "0.3"}
-    doomed = start_gateway(env=env)
-    start_gateway(env=env)  # the survivor, whose reaper reclaims the leases
+    doomed = start_gateway(env=env, redis_at=backend.url)
+    start_gateway(env=env, redis_at=backend.url)  # the survivor, whose reaper reclaims the leases
     for _ in range(2):
         _hold_slot(doomed.url, model, tokens=1000)
-    wait_for(lambda: _inflight(redis_client, model) == 2, 5, "two leases")
+    wait_for(lambda: _inflight(backend.client, model) == 2, 5, "two leases")
     killed_at = time.monotonic()
     doomed.kill()
-    wait_for(lambda: _inflight(redis_client, model) == 0, 4, "the dead gateway's slots")
+    wait_for(lambda: _inflight(backend.client, model) == 0, 4, "the dead gateway's slots")
     assert time.monotonic() - killed_at < 1.5 + 0.3 + 1.5
-    assert redis_client.zcard(keys.leases(model)) == 0
+    assert backend.client.zcard(keys.leases(model)) == 0
 
 
-async def test_4x_overload_answers_fast_and_clean(start_worker, start_gateway) -> None:
+async def test_4x_overload_answers_fast_and_clean(start_worker, start_gateway, backend) -> None:
     model = "overload"
-    start_worker(model, sim_max_seqs=4, sim_token_ms=5, sim_ttft_ms=0)
-    gateway = start_gateway(env={"SLUICE_GATEWAY_QUEUE_TIMEOUT_S": "1", "SLUICE_GATEWAY_MAX_QUEUE": "6"})
+    start_worker(model, redis_at=backend.url, sim_max_seqs=4, sim_token_ms=5, sim_ttft_ms=0)
+    env = {"SLUICE_GATEWAY_QUEUE_TIMEOUT_S": "1", "SLUICE_GATEWAY_MAX_QUEUE": "6"}
+    gateway = start_gateway(env=env, redis_at=backend.url)
     statuses: list[int] = []
     durations: list[float] = []
 
@@ -169,11 +174,11 @@ async def test_4x_overload_answers_fast_and_clean(start_worker, start_gateway) -
     assert max(durations) < 1 + 0.5 + 2.0, max(durations)
 
 
-async def test_clients_sharing_an_x_request_id_never_share_a_slot(start_worker, start_gateway, redis_client) -> None:
+async def test_clients_sharing_an_x_request_id_never_share_a_slot(start_worker, start_gateway, backend) -> None:
     """Regression: lease ids came from X-Request-Id, so equal ids collided and leaked a slot."""
     model = "same-id"
-    start_worker(model, sim_max_seqs=1, sim_token_ms=5, sim_ttft_ms=0)
-    gateway = start_gateway()
+    start_worker(model, redis_at=backend.url, sim_max_seqs=1, sim_token_ms=5, sim_ttft_ms=0)
+    gateway = start_gateway(redis_at=backend.url)
     async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
         answers = await asyncio.gather(*(
             client.post("/v1/completions", headers={"x-request-id": "dup"},
@@ -181,39 +186,100 @@ async def test_clients_sharing_an_x_request_id_never_share_a_slot(start_worker, 
             for i in range(4)
         ))
     assert [a.status_code for a in answers] == [200] * 4
-    wait_for(lambda: _inflight(redis_client, model) == 0, 2, "every slot back")
+    wait_for(lambda: _inflight(backend.client, model) == 0, 2, "every slot back")
 
 
-def test_non_streaming_client_that_leaves_frees_the_engine(start_worker, start_gateway, redis_client) -> None:
+def test_non_streaming_client_that_leaves_frees_the_engine(start_worker, start_gateway, backend) -> None:
     """Regression: a non-streaming request kept generating after its client left."""
     model = "leave-json"
-    worker = start_worker(model, sim_token_ms=20, sim_ttft_ms=0)
-    gateway = start_gateway()
+    worker = start_worker(model, redis_at=backend.url, sim_token_ms=20, sim_ttft_ms=0)
+    gateway = start_gateway(redis_at=backend.url)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(gateway.url + "/v1/completions", timeout=0.5,
                    json={"model": model, "prompt": "x", "max_tokens": 500, "ignore_eos": True})
-    wait_for(lambda: _inflight(redis_client, model) == 0, 2, "the slot")
+    wait_for(lambda: _inflight(backend.client, model) == 0, 2, "the slot")
     wait_for(lambda: running(worker) == 0, 1, "the engine abort")
 
 
-def test_headroom_only_while_urgent_traffic_is_around(start_worker, start_gateway, redis_client) -> None:
+def test_headroom_only_while_urgent_traffic_is_around(start_worker, start_gateway, backend) -> None:
     model = "headroom"
-    start_worker(model, sim_max_seqs=8, sim_token_ms=20, sim_ttft_ms=0)
-    gateway = start_gateway()
+    start_worker(model, redis_at=backend.url, sim_max_seqs=8, sim_token_ms=20, sim_ttft_ms=0)
+    gateway = start_gateway(redis_at=backend.url)
 
     def fill(n: int) -> list[threading.Thread]:
         return [_hold_slot(gateway.url, model, tokens=100) for _ in range(n)]
 
     threads = fill(8)  # no urgent request yet: all 8 slots are usable
-    wait_for(lambda: _inflight(redis_client, model) == 8, 5, "8 default-priority streams")
+    wait_for(lambda: _inflight(backend.client, model) == 8, 5, "8 default-priority streams")
     for t in threads:
         t.join(15)
-    wait_for(lambda: _inflight(redis_client, model) == 0, 5, "the slots back")
+    wait_for(lambda: _inflight(backend.client, model) == 0, 5, "the slots back")
     urgent = httpx.post(gateway.url + "/v1/completions",
                         json={"model": model, "prompt": "u", "max_tokens": 1, "priority": -5})
     assert urgent.status_code == 200
     threads = fill(8)  # now one slot in eight is kept for urgent requests
-    wait_for(lambda: redis_client.zcard(keys.queue(model)) == 1, 5, "one default request queued")
-    assert _inflight(redis_client, model) == 7
+    wait_for(lambda: _queued(backend.client, model) == 1, 5, "one default request queued")
+    assert _inflight(backend.client, model) == 7
     for t in threads:
         t.join(15)
+
+
+def _gateway_connections(client, pid: int) -> int:
+    """The most Redis connections any one node holds for the gateway process ``pid``."""
+    nodes = client.get_primaries() if hasattr(client, "get_primaries") else [None]
+    most = 0
+    for node in nodes:
+        listing = client.client_list() if node is None else client.client_list(target_nodes=node)
+        most = max(most, sum(1 for c in listing if c.get("name") == f"sluice-gateway-{pid}"))
+    return most
+
+
+async def test_600_queued_streams_cost_a_bounded_number_of_connections(start_worker, start_gateway, backend) -> None:
+    """Regression: every queued request parked its own Redis connection in BLPOP; past the
+    pool's 100, every Redis call of the gateway failed and live workers answered 503."""
+    model = "flood"
+    start_worker(model, redis_at=backend.url, sim_max_seqs=8, sim_token_ms=2, sim_ttft_ms=0)
+    gateway = start_gateway(env={"SLUICE_GATEWAY_QUEUE_TIMEOUT_S": "120", "SLUICE_REDIS_MAX_CONNECTIONS": "16"},
+                            redis_at=backend.url)
+    peak = 0
+    done = asyncio.Event()
+
+    async def watch() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, await asyncio.to_thread(_gateway_connections, backend.client, gateway.pid))
+            await asyncio.sleep(0.1)
+
+    async def one(client: httpx.AsyncClient, i: int) -> int:
+        body = {"model": model, "prompt": f"p{i}", "max_tokens": 4, "ignore_eos": True, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            async for _ in resp.aiter_lines():
+                pass
+            return resp.status_code
+
+    watcher = asyncio.create_task(watch())
+    limits = httpx.Limits(max_connections=700)
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=120, limits=limits) as client:
+        statuses = await asyncio.gather(*(one(client, i) for i in range(600)))
+    done.set()
+    await watcher
+    assert statuses.count(200) == 600, sorted(set(statuses))
+    assert 0 < peak <= 16, peak
+    wait_for(lambda: _inflight(backend.client, model) == 0, 5, "every slot back")
+
+
+async def test_two_n2_requests_on_two_slots_do_not_deadlock(start_worker, start_gateway, backend) -> None:
+    """Regression: each generation was admitted on its own; two n=2 requests took one slot
+    each and waited for the second until both timed out."""
+    model = "pairs"
+    start_worker(model, redis_at=backend.url, sim_max_seqs=2, sim_token_ms=5, sim_ttft_ms=0)
+    gateway = start_gateway(env={"SLUICE_GATEWAY_QUEUE_TIMEOUT_S": "20"}, redis_at=backend.url)
+    async with openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=30) as client:
+        started = time.monotonic()
+        answers = await asyncio.gather(*(
+            client.completions.create(model=model, prompt=f"p{i}", max_tokens=20, n=2,
+                                      extra_body={"ignore_eos": True})
+            for i in range(4)
+        ))
+    assert all(len(a.choices) == 2 for a in answers)
+    assert time.monotonic() - started < 10

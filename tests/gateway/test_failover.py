@@ -6,7 +6,7 @@ import time
 
 import openai
 
-from sluice import keys
+from tests.conftest import worker_alive
 
 
 def test_sigkill_one_of_two_workers(start_worker, start_gateway, redis_client) -> None:
@@ -29,8 +29,8 @@ def test_sigkill_one_of_two_workers(start_worker, start_gateway, redis_client) -
             assert sum(1 for c in stream if c.choices) == 3
     # Three missed heartbeats (200 ms each) later, the dead worker is no longer live.
     time.sleep(0.8)
-    assert not redis_client.exists(keys.heartbeat(model, first.name))
-    assert redis_client.exists(keys.heartbeat(model, second.name))
+    assert not worker_alive(redis_client, model, first.name)
+    assert worker_alive(redis_client, model, second.name)
 
 
 def test_no_live_worker_is_503_with_retry_after(start_worker, start_gateway) -> None:

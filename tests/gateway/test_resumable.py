@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
+from collections.abc import Callable
 
 import httpx
 import orjson
+import psutil
 import pytest
+import redis
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +30,28 @@ def _events(lines) -> list[tuple[int | None, str]]:
             out.append((ident, line[6:]))
             ident = None
     return out
+
+
+async def _aevents(response: httpx.Response, seen: Callable[[int], None]) -> list[tuple[int | None, str]]:
+    """``_events`` of a streamed response; ``seen(n)`` is called at its n-th event."""
+    out: list[tuple[int | None, str]] = []
+    ident = None
+    async for line in response.aiter_lines():
+        if line.startswith("id: "):
+            ident = int(line[4:])
+        elif line.startswith("data: "):
+            out.append((ident, line[6:]))
+            ident = None
+            seen(len(out))
+    return out
+
+
+def _redis_connections(client: redis.Redis, proc) -> int:
+    """The connections Redis lists from ``proc``, told apart by the process's own ports."""
+    port = client.connection_pool.connection_kwargs["port"]
+    ours = {c.laddr.port for c in psutil.Process(proc.pid).net_connections(kind="tcp")
+            if c.raddr and c.raddr.port == port}
+    return sum(1 for c in client.client_list() if int(c["addr"].rsplit(":", 1)[1]) in ours)
 
 
 def _text(events) -> str:
@@ -89,3 +116,92 @@ def test_a_long_silence_does_not_cut_readers_off(start_worker, start_gateway) ->
     assert events[-1][1] == "[DONE]"
     assert not any('"error"' in d for _, d in events), events
     assert len([i for i, _ in events if i]) == 3
+
+
+async def test_reattached_readers_do_not_hold_a_redis_connection_each(
+    start_worker, start_gateway, redis_client
+) -> None:
+    """Regression: every re-attached reader parked a Redis connection in XREAD BLOCK, so a
+    few hundred readers of one stream exhausted the gateway's connection pool.
+
+    Readers arrive a few at a time: an arriving request runs a few commands of its own
+    (its key's record, the journal's existence), and a burst of 300 at once would open
+    as many connections as the pool allows for that moment. Once attached, a reader
+    must cost no connection.
+    """
+    start_worker("resume-many", sim_token_ms=20, sim_ttft_ms=0)
+    gateway = start_gateway()
+    key = uuid.uuid4().hex
+    body = {**BODY, "model": "resume-many", "max_tokens": 400}
+    readers = 300
+    produced: asyncio.Queue[bool] = asyncio.Queue()  # True per event the first client gets, then False
+    arriving = asyncio.Semaphore(8)
+    attached = asyncio.Event()
+    waiting = readers
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60, limits=limits) as client:
+
+        async def first() -> list[tuple[int | None, str]]:
+            async with client.stream("POST", "/v1/completions", json=body,
+                                     headers={"Idempotency-Key": key}) as r:
+                events = await _aevents(r, lambda n: produced.put_nowait(True))
+            produced.put_nowait(False)
+            return events
+
+        def reader_seen(n: int) -> None:
+            nonlocal waiting
+            if n == 1:
+                arriving.release()
+                waiting -= 1
+                if waiting == 0:
+                    attached.set()
+
+        async def reattach() -> list[tuple[int | None, str]]:
+            await arriving.acquire()
+            async with client.stream("GET", f"/v1/streams/{key}") as r:
+                assert r.status_code == 200
+                return await _aevents(r, reader_seen)
+
+        whole_task = asyncio.create_task(first())
+        assert await produced.get()
+        tasks = [asyncio.create_task(reattach()) for _ in range(readers)]
+        try:
+            await asyncio.wait_for(attached.wait(), 30)
+        except TimeoutError:
+            held = await asyncio.to_thread(_redis_connections, redis_client, gateway)
+            pytest.fail(f"{waiting} readers never got an event; the gateway holds {held} Redis connections")
+        while not produced.empty():  # events from before every reader was attached
+            produced.get_nowait()
+        samples = []
+        while await produced.get():  # while the stream is live, with every reader on it
+            samples.append(await asyncio.to_thread(_redis_connections, redis_client, gateway))
+        whole = await whole_task
+        streams = await asyncio.gather(*tasks)
+    assert len(samples) >= 10, "the stream ended before the readers were all attached"
+    assert max(samples) <= 16, samples
+    assert [i for i, _ in whole if i is not None] == list(range(1, 401))
+    assert whole[-1][1] == "[DONE]"
+    assert all(stream == whole for stream in streams)
+
+
+def test_first_reader_gets_each_event_as_it_is_produced(start_worker, resumable) -> None:
+    """Regression: the first client of a resumable stream read the batched journal too,
+    so it got its events in bursts ~200 ms apart (168 ms gaps at 5 ms per token)."""
+    start_worker("resume-fast", sim_token_ms=5, sim_ttft_ms=0)
+    body = {**BODY, "model": "resume-fast", "max_tokens": 200}
+    httpx.post(resumable.url + "/v1/completions", json={**body, "stream": False}, timeout=30)  # warm up
+
+    def longest_gap(headers: dict[str, str]) -> float:
+        stamps = []
+        with httpx.stream("POST", resumable.url + "/v1/completions", json=body, headers=headers,
+                          timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    stamps.append(time.monotonic())
+        assert len(stamps) == 201  # 200 tokens and [DONE]
+        return max(b - a for a, b in zip(stamps[1:], stamps[2:], strict=False))  # from the first token on
+
+    plain = longest_gap({})
+    resumable_gap = longest_gap({"Idempotency-Key": uuid.uuid4().hex})
+    assert resumable_gap < max(0.06, 3 * plain), (resumable_gap, plain)

@@ -7,6 +7,7 @@ other test's gateway to authenticated mode.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import time
@@ -206,3 +207,48 @@ def test_short_deadlines_cannot_reset_the_concurrency_cap(tenant, tenant_redis, 
         time.sleep(1.5)
         again = httpx.post(gateways[0].url + "/v1/completions", json={**long, "stream": False}, headers=auth)
         assert again.status_code == 429
+
+
+def test_prompt_lists_are_capped_by_generations(tenant) -> None:
+    """Regression: one request with 400 prompts filled the queue with 400 admissions."""
+    worker, gateways, key = tenant
+    before = _served(worker)
+    resp = httpx.post(gateways[0].url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                      json={"model": MODEL, "prompt": ["a"] * 400, "max_tokens": 1})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "prompt"
+    assert _served(worker) == before
+
+
+def test_generations_count_against_the_concurrency_cap(tenant, tenant_redis) -> None:
+    _, gateways, _ = tenant
+    key = _create(tenant_redis, "--max-concurrent", "4")
+    auth = {"Authorization": f"Bearer {key}"}
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    too_many = httpx.post(gateways[0].url + "/v1/completions", json={**body, "n": 5}, headers=auth)
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+    ok = httpx.post(gateways[0].url + "/v1/completions", json={**body, "n": 4}, headers=auth)
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
+
+
+def test_a_dead_gateways_generations_stop_counting(tenant, tenant_redis, start_worker, start_gateway) -> None:
+    """Regression: a killed gateway's running generations held the key's concurrency
+    slots until their whole deadline (up to an hour)."""
+    _, gateways, _ = tenant
+    start_worker("tenant-long", redis_at=tenant_redis, sim_token_ms=20, sim_ttft_ms=0)
+    doomed = start_gateway(redis_at=tenant_redis, env={"SLUICE_GATEWAY_LEASE_TTL_S": "1.5"})
+    key = _create(tenant_redis, "--max-concurrent", "2")
+    auth = {"Authorization": f"Bearer {key}"}
+    long = {"model": "tenant-long", "prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True, "n": 2}
+    held = httpx.stream("POST", doomed.url + "/v1/completions", json=long, headers=auth, timeout=30)
+    lines = held.__enter__().iter_lines()
+    next(lines)
+    short = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    assert httpx.post(gateways[0].url + "/v1/completions", json=short, headers=auth).status_code == 429
+    doomed.kill()
+    with contextlib.suppress(httpx.HTTPError):
+        held.__exit__(None, None, None)
+    deadline = time.monotonic() + 4
+    while httpx.post(gateways[0].url + "/v1/completions", json=short, headers=auth).status_code != 200:
+        assert time.monotonic() < deadline, "the dead gateway's generations still count"
+        time.sleep(0.1)

@@ -25,7 +25,7 @@ from sluice.embedded_redis import EmbeddedRedis, free_port
 from sluice.processes import child_preexec
 from sluice.redis_pool import redact_url
 
-log = logging.getLogger("sluice.up")
+log = logging.getLogger("sluice.commands.up")
 
 
 @dataclass

@@ -85,8 +85,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     prep.add_argument("--out", help="target folder (default: ~/.cache/sluice/models/SmolLM2-135M-Instruct)")
 
-    from sluice.bench import add_arguments as bench_arguments
-    from sluice.keys_cli import add_arguments as keys_arguments
+    from sluice.commands.bench import add_arguments as bench_arguments
+    from sluice.commands.keys import add_arguments as keys_arguments
 
     keys = sub.add_parser("keys", help="create, list and revoke API keys")
     keys_arguments(keys)
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(args.log_level, process=args.command)
     try:
         if args.command == "up":
-            from sluice.up import Supervisor, UpOptions
+            from sluice.commands.up import Supervisor, UpOptions
 
             sys.exit(Supervisor(UpOptions.from_args(args)).run())
         if args.command == "gateway":
@@ -144,11 +144,11 @@ def main(argv: list[str] | None = None) -> None:
 
             sys.exit(main_prepare(args.out))
         elif args.command == "keys":
-            from sluice.keys_cli import main as keys_main
+            from sluice.commands.keys import main as keys_main
 
             sys.exit(keys_main(args))
         elif args.command == "bench":
-            from sluice.bench import main as bench_main
+            from sluice.commands.bench import main as bench_main
 
             sys.exit(bench_main(args))
         elif args.command == "check":

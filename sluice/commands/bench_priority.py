@@ -99,7 +99,7 @@ def _report(capacity_rps: float, base: dict[str, ClassStats], over: dict[str, Cl
 
 
 def main(args: argparse.Namespace) -> int:
-    from sluice.up import Supervisor, UpOptions
+    from sluice.commands.up import Supervisor, UpOptions
 
     os.environ.setdefault("SLUICE_GATEWAY_QUEUE_TIMEOUT_S", str(args.queue_timeout_s))
     seqs, token_ms = args.sim_max_seqs, args.sim_token_ms

@@ -171,10 +171,10 @@ def _worker_url(redis_url: str, model: str) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from sluice.up import Supervisor, UpOptions
+    from sluice.commands.up import Supervisor, UpOptions
 
     if args.scenario == "priority":
-        from sluice.priority_bench import main as priority_main
+        from sluice.commands.bench_priority import main as priority_main
 
         return priority_main(args)
 

@@ -1,0 +1,127 @@
+"""Grant delivery: one listener per gateway process and model, not one Redis
+connection per waiting request.
+
+A request that has to wait registers a local future, then queues (ACQUIRE). When a
+released slot is handed to it, the Lua pump appends the grant to the model's grant
+stream, tagged with this process's id. One task per model reads that stream with a
+blocking ``XREAD`` and resolves the matching futures; grants for other processes are
+skipped. So a queue of any length costs this process one connection per model with
+waiters, and the listener stops when nobody has waited for a while.
+
+The stream is the delivery channel, not the truth: the lease in Redis is. A waiter
+that gives up asks Redis (CANCEL), which reports a grant that raced in even when the
+listener never saw it (a lagging listener, a trimmed stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from redis.exceptions import RedisError
+
+from sluice import keys
+
+log = logging.getLogger("sluice.grants")
+
+#: A listener with no waiter for this long stops (and frees its connection).
+_IDLE_S = 10.0
+_BLOCK_MS = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class GrantMessage:
+    """What the pump decided for one waiting request."""
+
+    ok: bool
+    #: (lease id, worker id, worker url) per granted slot; empty when not ok.
+    slots: tuple[tuple[str, str, str], ...]
+
+    @classmethod
+    def parse(cls, status: bytes, leases: bytes) -> GrantMessage:
+        return cls(ok=status == b"ok", slots=tuple(tuple(s) for s in orjson.loads(leases)))  # type: ignore[misc]
+
+
+class GrantListener:
+    def __init__(self, redis: Any, gateway_id: str) -> None:
+        self._redis = redis
+        self._gateway_id = gateway_id.encode()
+        self._waiting: dict[str, dict[str, asyncio.Future[GrantMessage]]] = {}
+        self._loops: dict[str, asyncio.Task[None]] = {}
+        self._ready: dict[str, asyncio.Future[None]] = {}
+
+    def __repr__(self) -> str:
+        return f"GrantListener(models={len(self._loops)}, waiting={sum(map(len, self._waiting.values()))})"
+
+    def waiting(self, model: str) -> int:
+        return len(self._waiting.get(model, ()))
+
+    async def expect(self, model: str, request_id: str) -> asyncio.Future[GrantMessage]:
+        """A future for ``request_id``'s grant. Call it *before* queueing the request:
+        the listener's read position is fixed first, so no grant can slip past."""
+        future: asyncio.Future[GrantMessage] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(model, {})[request_id] = future
+        if model not in self._loops or self._loops[model].done():
+            self._ready[model] = asyncio.get_running_loop().create_future()
+            self._loops[model] = asyncio.create_task(self._listen(model), name=f"grants-{model}")
+        try:
+            await asyncio.shield(self._ready[model])
+        except BaseException:
+            self.forget(model, request_id)
+            raise
+        return future
+
+    def forget(self, model: str, request_id: str) -> None:
+        waiters = self._waiting.get(model)
+        if waiters is not None:
+            waiters.pop(request_id, None)
+
+    async def _listen(self, model: str) -> None:
+        stream = keys.grants(model)
+        ready = self._ready[model]
+        last = b"$"
+        idle_since = asyncio.get_running_loop().time()
+        while True:
+            try:
+                if last == b"$":
+                    newest = await self._redis.xrevrange(stream, count=1)
+                    last = newest[0][0] if newest else b"0-0"
+                    if not ready.done():
+                        ready.set_result(None)
+                got = await self._redis.xread({stream: last}, count=512, block=_BLOCK_MS)
+            except (RedisError, OSError) as exc:
+                if not ready.done():
+                    ready.set_exception(exc)
+                    return
+                log.warning("grant listener for %r: %s; retrying", model, exc)
+                await asyncio.sleep(0.5)
+                continue
+            for _, entries in got or ():
+                for entry_id, fields in entries:
+                    last = entry_id
+                    if fields.get(b"g") == self._gateway_id:
+                        self._deliver(model, fields)
+            now = asyncio.get_running_loop().time()
+            if self._waiting.get(model):
+                idle_since = now
+            elif now - idle_since > _IDLE_S:
+                self._loops.pop(model, None)
+                return
+
+    def _deliver(self, model: str, fields: dict[bytes, bytes]) -> None:
+        future = self._waiting.get(model, {}).pop(fields[b"r"].decode(), None)
+        if future is not None and not future.done():
+            future.set_result(GrantMessage.parse(fields[b"s"], fields[b"l"]))
+        # No future: its waiter already left and asked Redis (CANCEL), which owns the outcome.
+
+    async def close(self) -> None:
+        for task in list(self._loops.values()):
+            task.cancel()
+        for task in list(self._loops.values()):
+            with contextlib.suppress(asyncio.CancelledError, RedisError, OSError):
+                await task
+        self._loops.clear()

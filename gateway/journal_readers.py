@@ -1,0 +1,179 @@
+"""One reader loop per gateway process for every client re-attached to a journaled stream.
+
+A reader parked in ``XREAD BLOCK`` holds a Redis connection until its next event, so
+connections grew with readers until the pool ran out. Here one task polls every
+followed stream with one pipeline of non-blocking ``XREAD``s, every ``poll_s`` while
+there are readers (it sleeps on an event when there are none), and fans the entries
+out to per-reader queues: a gateway's Redis connections no longer depend on its readers.
+
+- one ``XREAD`` per key, never a multi-key one, in a non-transactional pipeline: on
+  Redis Cluster the keys of different readers live in different slots;
+- readers at the same position of the same stream share one ``XREAD`` and the same
+  bytes (300 readers of one stream cost one command per poll);
+- backpressure: a reader with more than ``max_queued`` events waiting is not polled
+  until its client has drained them;
+- a reader that got nothing for ``idle_s`` has the stream's ``:live`` marker checked;
+  if the producer is gone and a further read still finds nothing, it gets the in-band
+  error, then ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from gateway.journal import DONE, frame, live_key, producer_gone, stream_key
+from sluice.errors import Unavailable, error_event
+
+log = logging.getLogger("sluice.journal")
+
+
+@dataclass(eq=False)
+class _Reader:
+    key: str
+    cursor: int  # the last event number queued for this reader
+    quiet_since: float  # since when nothing arrived, or :live was last seen
+    queue: asyncio.Queue[bytes] = field(default_factory=asyncio.Queue)
+    doomed: bool = False  # :live was gone after an empty read: one more empty read ends it
+
+
+class JournalReaders:
+    """Every re-attached reader of this process, served by one polling task.
+
+    >>> readers = JournalReaders(redis)
+    >>> async for event in readers.tail(scope, after=10):  # "id: 11\\ndata: ...", ...
+    ...     ...
+    >>> await readers.close()
+    """
+
+    def __init__(self, redis: Redis, *, poll_s: float = 0.05, idle_s: float = 1.0,
+                 count: int = 256, max_queued: int = 1024) -> None:
+        self._redis = redis
+        self._poll_s = poll_s
+        self._idle_s = idle_s
+        self._count = count
+        self._max_queued = max_queued
+        self._readers: set[_Reader] = set()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._polls = 0
+
+    def __repr__(self) -> str:
+        return f"<JournalReaders readers={len(self._readers)} polls={self._polls}>"
+
+    async def tail(self, key: str, after: int = 0) -> AsyncIterator[bytes]:
+        """Events after number ``after``, each with its ``id:``, following the live stream to [DONE]."""
+        reader = _Reader(key, after, time.monotonic())
+        self._readers.add(reader)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="journal-readers")
+        self._wake.set()
+        try:
+            while (data := await reader.queue.get()) != DONE:
+                yield data
+            yield DONE
+        finally:
+            self._readers.discard(reader)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            if not self._readers:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            started = time.monotonic()
+            try:
+                more = await self._poll()
+            except Exception:  # a bug must not leave every reader waiting forever
+                log.exception("the journal reader loop failed; ending its readers")
+                self._end_all(self._readers)
+                continue
+            if not more:  # else some reader is catching up: read on at once
+                await asyncio.sleep(max(0.0, self._poll_s - (time.monotonic() - started)))
+
+    async def _poll(self) -> bool:
+        """One round trip for all readers; True if some stream may have more right away."""
+        now = time.monotonic()
+        groups: dict[tuple[str, int], list[_Reader]] = {}
+        for reader in self._readers:
+            if reader.queue.qsize() < self._max_queued:
+                groups.setdefault((reader.key, reader.cursor), []).append(reader)
+        if not groups:
+            return False
+        checks = sorted({key for (key, _), readers in groups.items()
+                         if any(now - r.quiet_since >= self._idle_s for r in readers)})
+        pipe = self._redis.pipeline(transaction=False)
+        for key, cursor in groups:
+            pipe.xread({stream_key(key): f"0-{cursor}"}, count=self._count)
+        for key in checks:
+            pipe.exists(live_key(key))
+        self._polls += 1
+        try:
+            results = await pipe.execute(raise_on_error=False)
+        except (RedisError, OSError) as exc:
+            log.warning("reading %d journals failed: %s", len(groups), exc)
+            self._end_all([reader for readers in groups.values() for reader in readers])
+            return False
+        live = {key: bool(found) for key, found in zip(checks, results[len(groups):], strict=True)
+                if not isinstance(found, Exception)}
+        more = False
+        for ((key, _), readers), got in zip(groups.items(), results, strict=False):
+            if isinstance(got, Exception):  # this stream only, e.g. its key now holds something else
+                log.warning("reading journal %s failed: %s", key, got)
+                self._end_all(readers)
+            elif got:
+                entries = got[0][1]
+                more |= len(entries) >= self._count
+                self._deliver(readers, entries, now)
+            else:
+                self._quiet(key, readers, live, now)
+        return more
+
+    def _quiet(self, key: str, readers: list[_Reader], live: dict[str, bool], now: float) -> None:
+        """Nothing new: end the readers that already missed ``:live``, note it for the others."""
+        for reader in readers:
+            if reader.doomed:
+                self._end(reader, producer_gone())
+            elif key in live:
+                reader.quiet_since = now
+                reader.doomed = not live[key]
+
+    def _deliver(self, readers: list[_Reader], entries: list[tuple[bytes, dict[bytes, bytes]]], now: float) -> None:
+        frames: list[bytes] = []
+        last = readers[0].cursor
+        for entry_id, fields in entries:
+            ident = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            last = int(ident.split("-", 1)[1])
+            frames.append(frame(last, fields[b"d"]))
+            if frames[-1] == DONE:
+                break
+        for reader in readers:
+            reader.cursor, reader.quiet_since, reader.doomed = last, now, False
+            for data in frames:
+                reader.queue.put_nowait(data)
+            if frames[-1] == DONE:
+                self._readers.discard(reader)
+
+    def _end_all(self, readers: Iterable[_Reader]) -> None:
+        """The journal could not be read: each reader ends with an error, and may re-attach."""
+        failed = error_event(Unavailable("the stream's journal could not be read; re-attach", retry_after_s=1))
+        for reader in list(readers):
+            self._end(reader, failed)
+
+    def _end(self, reader: _Reader, error: bytes) -> None:
+        reader.queue.put_nowait(error)
+        reader.queue.put_nowait(DONE)
+        self._readers.discard(reader)

@@ -1,0 +1,1 @@
+"""The ``sluice`` commands: the command line and what each subcommand runs."""

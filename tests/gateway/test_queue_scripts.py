@@ -1,0 +1,297 @@
+"""The admission scripts, driven in-process through the gateway's Admission against a real
+Redis (single server and a three-master cluster): each defect of the old queue has a test
+named after it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from engine_worker.registration import Registration
+from gateway.admission import Admission, Ask, Lease
+from gateway.config import GatewaySettings
+from sluice import keys
+from sluice.errors import InvalidRequest, RateLimited
+from sluice.redis_pool import create_pool
+
+
+@pytest.fixture(params=["single", "cluster"])
+def url(request: pytest.FixtureRequest) -> str:
+    return request.getfixturevalue("redis_url" if request.param == "single" else "redis_cluster_url")
+
+
+@pytest.fixture
+async def redis(url: str) -> AsyncIterator[object]:
+    client = await create_pool(url, max_connections=16)
+    yield client
+    await client.aclose()
+
+
+class Fleet:
+    """Admissions (gateway processes) and registered workers of one fresh model."""
+
+    def __init__(self, redis: object, url: str) -> None:
+        self.redis = redis
+        self.url = url
+        self.model = "t-" + uuid.uuid4().hex[:8]
+        self._admissions: list[Admission] = []
+        self._workers: list[Registration] = []
+
+    async def worker(self, capacity: int, worker_id: str | None = None) -> str:
+        reg = Registration(self.redis, model=self.model, worker_id=worker_id or uuid.uuid4().hex[:6],
+                           url="http://127.0.0.1:9", engine="sim", capacity=capacity, heartbeat_ms=60_000,
+                           stats=lambda: {"running": 0})
+        await reg.beat()
+        self._workers.append(reg)
+        return reg.worker_id
+
+    async def gateway(self, **settings: object) -> Admission:
+        admission = Admission(self.redis, GatewaySettings(redis_url=self.url, **settings))
+        await admission.start()
+        self._admissions.append(admission)
+        return admission
+
+    def ask(self, **fields: object) -> Ask:
+        return Ask(model=self.model, request_id=uuid.uuid4().hex, **fields)  # type: ignore[arg-type]
+
+    async def close(self) -> None:
+        for admission in self._admissions:
+            await admission.close()
+
+
+@pytest.fixture
+async def fleet(redis: object, url: str) -> AsyncIterator[Fleet]:
+    f = Fleet(redis, url)
+    yield f
+    await f.close()
+
+
+async def _queued(fleet: Fleet, count: int) -> None:
+    """Wait until ``count`` requests wait in the model's queues."""
+    async def length() -> int:
+        return sum([int(await fleet.redis.zcard(q)) for q in keys.queues(fleet.model)])  # type: ignore[attr-defined]
+    for _ in range(500):
+        if await length() >= count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never {count} queued (have {await length()})")
+
+
+async def test_waiters_share_one_listener(fleet: Fleet) -> None:
+    """Regression: each waiter parked its own connection in BLPOP; 400 waiters now cost
+    this process one listener, and every one gets its grant in turn."""
+    await fleet.worker(capacity=4)
+    gw = await fleet.gateway(queue_timeout_s=60, max_queue=1000)
+    held = [lease for _ in range(4) for lease in await gw.acquire(fleet.ask())]
+    waiters = [asyncio.create_task(gw.acquire(fleet.ask())) for _ in range(400)]
+    await _queued(fleet, 400)
+    assert gw.grants.waiting(fleet.model) == 400
+    served = 0
+    pending = list(held)
+    while waiters:
+        await gw.release(pending.pop())
+        done, _ = await asyncio.wait(waiters, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+        assert done, "a released slot reached no waiter"
+        for task in done:
+            pending.extend(task.result())
+            served += 1
+            waiters.remove(task)
+    for lease in pending:
+        await gw.release(lease)
+    assert served == 400
+
+
+async def test_n_generations_are_granted_all_or_nothing(fleet: Fleet) -> None:
+    """Regression: two n=2 requests on 2 slots each took one slot and waited for the other."""
+    await fleet.worker(capacity=2)
+    gw = await fleet.gateway(queue_timeout_s=5)
+    a = await gw.acquire(fleet.ask(need=2))
+    assert len(a) == 2
+    waiting = asyncio.create_task(gw.acquire(fleet.ask(need=2)))
+    await _queued(fleet, 1)
+    await gw.release(a[0])
+    await asyncio.sleep(0.2)
+    assert not waiting.done()  # one free slot is not enough: no partial grant
+    await gw.release(a[1])
+    got = await asyncio.wait_for(waiting, 5)
+    assert len(got) == 2 and len({x.lease_id for x in got}) == 2
+
+
+async def test_more_generations_than_the_fleet_holds_is_400(fleet: Fleet) -> None:
+    await fleet.worker(capacity=2)
+    gw = await fleet.gateway()
+    with pytest.raises(InvalidRequest):
+        await gw.acquire(fleet.ask(need=3))
+
+
+async def test_boosted_requests_skip_the_queue_bound(fleet: Fleet) -> None:
+    """Regression: a migration during overload got queue_full mid-stream."""
+    await fleet.worker(capacity=1)
+    gw = await fleet.gateway(max_queue=1, queue_timeout_s=5)
+    (held,) = await gw.acquire(fleet.ask())
+    waiter = asyncio.create_task(gw.acquire(fleet.ask()))
+    await _queued(fleet, 1)
+    with pytest.raises(RateLimited):
+        await gw.acquire(fleet.ask(timeout_s=1))
+    migration = asyncio.create_task(gw.acquire(fleet.ask(boost=True, exclude=("gone",))))
+    await _queued(fleet, 2)
+    await gw.release(held)
+    (moved,) = await asyncio.wait_for(migration, 5)  # boosted: served before the older waiter
+    assert not waiter.done()
+    await gw.release(moved)
+    for lease in await asyncio.wait_for(waiter, 5):
+        await gw.release(lease)
+
+
+async def test_urgent_request_behind_a_long_queue_gets_the_next_slot(fleet: Fleet) -> None:
+    """Regression: urgent entries beyond the 64-entry scan window stayed queued."""
+    await fleet.worker(capacity=1)
+    gw = await fleet.gateway(queue_timeout_s=30, max_queue=1000)
+    (held,) = await gw.acquire(fleet.ask())
+    normal = [asyncio.create_task(gw.acquire(fleet.ask(priority=5))) for _ in range(100)]
+    await _queued(fleet, 100)
+    urgent = asyncio.create_task(gw.acquire(fleet.ask(priority=-5)))
+    await _queued(fleet, 101)
+    await gw.release(held)
+    (lease,) = await asyncio.wait_for(urgent, 5)
+    assert not any(t.done() for t in normal)
+    for task in normal:
+        task.cancel()
+    await asyncio.gather(*normal, return_exceptions=True)
+    await gw.release(lease)
+
+
+async def test_a_dead_gateways_waiters_get_no_slots(fleet: Fleet) -> None:
+    """Regression: a crashed gateway's queued requests kept receiving grants, each idling
+    a slot for a whole lease TTL, while live waiters timed out."""
+    await fleet.worker(capacity=1)
+    live = await fleet.gateway(queue_timeout_s=30, max_queue=1000)
+    doomed = await fleet.gateway(queue_timeout_s=30, max_queue=1000)
+    (held,) = await live.acquire(fleet.ask())
+    dead_waiters = [asyncio.create_task(doomed.acquire(fleet.ask())) for _ in range(20)]
+    await _queued(fleet, 20)
+    # The gateway dies: its tasks stop (no CANCEL reaches Redis) and it stops beating.
+    for task in dead_waiters:
+        task.cancel()
+    await doomed.close()
+    await asyncio.gather(*dead_waiters, return_exceptions=True)
+    mine = asyncio.create_task(live.acquire(fleet.ask()))
+    await asyncio.sleep(3.5)  # the dead gateway's liveness (3 s) runs out
+    started = time.monotonic()
+    await live.release(held)
+    (lease,) = await asyncio.wait_for(mine, 5)
+    assert time.monotonic() - started < 1.0
+    await live.release(lease)
+
+
+def _fake_cancel_free(admission: Admission) -> None:
+    """Make ``admission`` behave as a killed process: its waiters never send CANCEL."""
+    async def nothing(ask: Ask) -> list[Lease]:
+        return []
+    admission._leave = nothing  # type: ignore[method-assign]
+
+
+async def test_grant_to_a_gateway_that_just_died_idles_its_slot_briefly(fleet: Fleet) -> None:
+    """A grant published to a gateway that died a moment ago must be claimed within the
+    liveness TTL, or the reaper takes the slot back (not a whole lease TTL later)."""
+    await fleet.worker(capacity=1)
+    live = await fleet.gateway(queue_timeout_s=30, lease_ttl_s=60, reap_interval_s=0.2)
+    doomed = await fleet.gateway(queue_timeout_s=30, lease_ttl_s=60)
+    (held,) = await live.acquire(fleet.ask())
+    _fake_cancel_free(doomed)
+    dead = asyncio.create_task(doomed.acquire(fleet.ask()))
+    await _queued(fleet, 1)
+    doomed.grants._deliver = lambda model, fields: None  # type: ignore[method-assign]  # dies on receipt
+    mine = asyncio.create_task(live.acquire(fleet.ask()))
+    await _queued(fleet, 2)
+    await live.release(held)  # the dead gateway's entry is first: it gets the slot
+    (lease,) = await asyncio.wait_for(mine, 8)  # ...back within the 3 s claim window
+    dead.cancel()
+    await asyncio.gather(dead, return_exceptions=True)
+    await live.release(lease)
+
+
+async def test_queue_deadlines_use_redis_time_not_the_gateways(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: a gateway 10 s behind Redis had its queued request dropped silently."""
+    await fleet.worker(capacity=1)
+    gw = await fleet.gateway(queue_timeout_s=5)
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() - 10)
+    (held,) = await gw.acquire(fleet.ask())
+    waiter = asyncio.create_task(gw.acquire(fleet.ask()))
+    await _queued(fleet, 1)
+    await asyncio.sleep(0.3)
+    await gw.release(held)
+    (lease,) = await asyncio.wait_for(waiter, 3)
+    await gw.release(lease)
+
+
+async def test_worker_named_none_gets_traffic(fleet: Fleet) -> None:
+    """Regression: grants were recognised by the substring "none"."""
+    await fleet.worker(capacity=1, worker_id="none")
+    gw = await fleet.gateway()
+    (held,) = await gw.acquire(fleet.ask())
+    assert held.worker_id == "none"
+    waiter = asyncio.create_task(gw.acquire(fleet.ask()))
+    await _queued(fleet, 1)
+    await gw.release(held)
+    (lease,) = await asyncio.wait_for(waiter, 3)
+    assert lease.worker_id == "none"
+    await gw.release(lease)
+
+
+async def test_inflight_is_recounted_from_the_leases(fleet: Fleet) -> None:
+    worker = await fleet.worker(capacity=4)
+    gw = await fleet.gateway()
+    (lease,) = await gw.acquire(fleet.ask())
+    await fleet.redis.hset(keys.inflight(fleet.model), worker, 3)  # type: ignore[attr-defined]
+    await gw.reap_once(reconcile=True)
+    assert int(await fleet.redis.hget(keys.inflight(fleet.model), worker)) == 1  # type: ignore[attr-defined]
+    await gw.release(lease)
+    assert int(await fleet.redis.hget(keys.inflight(fleet.model), worker)) == 0  # type: ignore[attr-defined]
+
+
+async def test_renew_reports_leases_that_are_gone(fleet: Fleet) -> None:
+    """Regression: RENEW returned its argument count, whatever it renewed."""
+    await fleet.worker(capacity=2)
+    gw = await fleet.gateway()
+    (lease,) = await gw.acquire(fleet.ask())
+    lost = await gw._renew(keys=keys.admission(fleet.model), args=gw._args(lease.lease_id, "no-such-lease"))
+    assert lost == [b"no-such-lease"]
+    await gw.release(lease)
+
+
+async def test_a_flooding_tenant_does_not_starve_another(fleet: Fleet) -> None:
+    """Fair share by work within a class: tenant A queues 40 requests, then B queues 4;
+    B's requests are served among the next few grants, not after A's backlog."""
+    await fleet.worker(capacity=1)
+    gw = await fleet.gateway(queue_timeout_s=60, max_queue=1000)
+    (held,) = await gw.acquire(fleet.ask(tenant="A", cost=100))
+    tenant_of: dict[asyncio.Task[list[Lease]], str] = {}
+
+    def queue(tenant: str) -> None:
+        tenant_of[asyncio.create_task(gw.acquire(fleet.ask(tenant=tenant, cost=100)))] = tenant
+
+    for _ in range(40):
+        queue("A")
+    await _queued(fleet, 40)
+    for _ in range(4):
+        queue("B")
+    await _queued(fleet, 44)
+    order: list[str] = []
+    current = held
+    for _ in range(12):
+        await gw.release(current)
+        done, _ = await asyncio.wait(list(tenant_of), timeout=5, return_when=asyncio.FIRST_COMPLETED)
+        (task,) = done
+        order.append(tenant_of.pop(task))
+        (current,) = task.result()
+    assert order.count("B") == 4, order
+    for task in tenant_of:
+        task.cancel()
+    await asyncio.gather(*tenant_of, return_exceptions=True)
+    await gw.release(current)
