@@ -71,6 +71,15 @@ def as_sluice_error(exc: BaseException) -> SluiceError:
     return SluiceError("internal error in the gateway")
 
 
+async def stop_tasks(tasks: list[asyncio.Task[None]], grace_s: float = 2.0) -> None:
+    """Cancel background tasks and wait for them, but not forever: a task cancelled in the
+    middle of a Redis reply may take its connection's clean-up with it."""
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=grace_s)
+
+
 @dataclass(frozen=True, slots=True)
 class Lease:
     """A worker slot granted to one generation; hand it back with :meth:`Admission.release`."""
@@ -130,11 +139,7 @@ class Admission:
         ]
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_tasks(self._tasks)
         await self.grants.close()
 
     def _args(self, *extra: object) -> list[object]:

@@ -104,22 +104,14 @@ async def open_services(settings: GatewaySettings) -> Services:
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
-    services: Services | None = None
-
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        nonlocal services
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Services]]:
         services = await open_services(settings)
         log.info("gateway ready on %s:%d (redis %s)", settings.host, settings.port, redact_url(settings.redis_url))
         try:
-            yield
+            yield {"services": services}  # every request sees it as request.state.services
         finally:
             await services.aclose()
-
-    def svc() -> Services:
-        if services is None:
-            raise Unavailable("gateway is starting", retry_after_s=1)
-        return services
 
     app = FastAPI(title="Sluice", version="0.1.0", lifespan=lifespan)
     app.add_middleware(RequestIdMiddleware)
@@ -127,7 +119,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     async def admitted(request: Request, model: type[M], record: RequestRecord) -> tuple[M, RequestContext]:
         """Authenticate, parse, cap, clamp priority, charge the key's limits."""
-        s = svc()
+        s = svc(request)
         key = await s.tenancy.authenticate(request.headers.get("authorization"))
         req, body = await _parse(request, model, settings.max_body_bytes)
         check_caps(req, settings)  # type: ignore[arg-type]
@@ -142,14 +134,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return req, ctx
 
     def begin(request: Request, route: str) -> RequestRecord:
-        return RequestRecord.begin(_request_id(request), svc().metrics, extract(request.headers), route)
+        return RequestRecord.begin(_request_id(request), svc(request).metrics, extract(request.headers), route)
 
     def completion_route(path: str, model: type[ChatCompletionRequest | CompletionRequest], name: str) -> None:
         async def route(request: Request) -> Response:
             record = begin(request, name)
             try:
                 req, ctx = await admitted(request, model, record)
-                return await svc().serving.serve(req, ctx)
+                return await svc(request).serving.serve(req, ctx)
             except BaseException as exc:
                 record.finish(as_sluice_error(exc))
                 raise
@@ -162,7 +154,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/metrics", include_in_schema=False)
     async def metrics(request: Request) -> Response:
         _check_admin(request, settings)
-        s = svc()
+        s = svc(request)
         for model in await s.redis.smembers(keys.MODELS):
             name = model.decode()
             for cls, depth in (await s.admission.queue_depths(name)).items():
@@ -173,19 +165,19 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/v1/streams/{key}")
     async def reattach(key: str, request: Request) -> Response:
         """Re-attach to a stream started with this Idempotency-Key, after Last-Event-ID."""
-        caller = await svc().tenancy.authenticate(request.headers.get("authorization"))
+        caller = await svc(request).tenancy.authenticate(request.headers.get("authorization"))
         after = last_event_id(request.headers.get("last-event-id") or request.query_params.get("last_event_id"))
         owner = caller.prefix if caller else "-"
-        return await svc().serving.reattach(scoped(owner, Idempotency.check_key(key)), after)
+        return await svc(request).serving.reattach(scoped(owner, Idempotency.check_key(key)), after)
 
     @app.get("/v1/models")
-    async def list_models() -> Response:
-        models = await svc().admission.live_models()
+    async def list_models(request: Request) -> Response:
+        models = await svc(request).admission.live_models()
         return _json({"object": "list", "data": [_model_card(m) for m in models]})
 
     @app.get("/v1/models/{model:path}")
-    async def retrieve_model(model: str) -> Response:
-        if await svc().admission.live_workers(model) == 0:
+    async def retrieve_model(model: str, request: Request) -> Response:
+        if await svc(request).admission.live_workers(model) == 0:
             raise ModelNotFound(f"The model '{model}' does not exist", param="model")
         return _json(_model_card(model))
 
@@ -194,9 +186,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return _json({"status": "ok"})
 
     @app.get("/ready")
-    async def ready() -> Response:
+    async def ready(request: Request) -> Response:
         try:
-            models = await svc().admission.live_models()
+            models = await svc(request).admission.live_models()
         except (RedisError, OSError):
             raise Unavailable("redis is unreachable", retry_after_s=2) from None
         if not models:
@@ -205,6 +197,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     _install_openapi(app, [ChatCompletionRequest, CompletionRequest])
     return app
+
+
+def svc(request: Request) -> Services:
+    """This process's services, from the lifespan state."""
+    services: Services | None = getattr(request.state, "services", None)
+    if services is None:
+        raise Unavailable("gateway is starting", retry_after_s=1)
+    return services
 
 
 def _model_card(model: str) -> dict[str, Any]:

@@ -16,7 +16,6 @@ listener never saw it (a lagging listener, a trimmed stream).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -119,9 +118,9 @@ class GrantListener:
         # No future: its waiter already left and asked Redis (CANCEL), which owns the outcome.
 
     async def close(self) -> None:
-        for task in list(self._loops.values()):
+        tasks = list(self._loops.values())
+        for task in tasks:
             task.cancel()
-        for task in list(self._loops.values()):
-            with contextlib.suppress(asyncio.CancelledError, RedisError, OSError):
-                await task
+        if tasks:
+            await asyncio.wait(tasks, timeout=2.0)
         self._loops.clear()

@@ -22,9 +22,9 @@ import orjson
 from redis.asyncio import Redis
 from starlette.responses import Response
 
+from sluice import keys
 from sluice.errors import Conflict, DeadlineExceeded, InvalidRequest
 
-_PREFIX = "sl:idem:"
 MAX_KEY_LENGTH = 255
 
 
@@ -59,9 +59,9 @@ class Idempotency:
         # gateway dies mid-generation, a retry with the key can run once that has passed.
         pending_ms = min(self._ttl_ms, int((deadline - time.monotonic() + 30) * 1000))
         while True:
-            if await self._redis.set(_PREFIX + key, pending, nx=True, px=max(pending_ms, 1000)):
+            if await self._redis.set(keys.idempotency(key), pending, nx=True, px=max(pending_ms, 1000)):
                 return None
-            raw = await self._redis.get(_PREFIX + key)
+            raw = await self._redis.get(keys.idempotency(key))
             if raw is None:
                 continue  # the owner failed and forgot the key: try to claim it again
             record = orjson.loads(raw)
@@ -82,11 +82,11 @@ class Idempotency:
         record = {"state": "done", "fp": fp, "stream": stream}
         if body is not None:
             record["body"] = body.decode()
-        await self._redis.set(_PREFIX + key, orjson.dumps(record), px=self._ttl_ms)
+        await self._redis.set(keys.idempotency(key), orjson.dumps(record), px=self._ttl_ms)
 
     async def lookup(self, key: str) -> dict[str, object] | None:
-        raw = await self._redis.get(_PREFIX + key)
+        raw = await self._redis.get(keys.idempotency(key))
         return None if raw is None else dict(orjson.loads(raw))
 
     async def forget(self, key: str) -> None:
-        await self._redis.delete(_PREFIX + key)
+        await self._redis.delete(keys.idempotency(key))

@@ -35,7 +35,9 @@ stopped beating (it died) are dropped instead of granted.
 
 from __future__ import annotations
 
-_PRELUDE = r"""
+from sluice import keys
+
+_PRELUDE = f"local GRANTS_KEPT = {keys.GRANTS_KEPT}\n" + r"""
 local K_WORKERS, K_ALIVE, K_INFLIGHT, K_LEASES, K_OWNER = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local K_QURGENT, K_QNORMAL, K_META, K_DEPTH, K_GRANTS = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local K_GATEWAYS, K_FAIR, K_DONE, K_URGENT_SEEN = KEYS[11], KEYS[12], KEYS[13], KEYS[14]
@@ -44,7 +46,6 @@ local lease_ttl, gw_ttl = tonumber(ARGV[2]), tonumber(ARGV[3])
 local reserve, urgent_max, step = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local GRANTS_KEPT = 10000
 
 -- The calling gateway is alive (it is running this script).
 redis.call('HSET', K_GATEWAYS, gateway, now + gw_ttl)

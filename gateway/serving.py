@@ -22,6 +22,7 @@ from gateway.idempotency import Idempotency
 from gateway.journal import JournalWriter, start_producer, stream_key
 from gateway.journal_readers import JournalReaders
 from gateway.logprobs import render as render_logprobs
+from gateway.migration import Migrator
 from gateway.protocol import (
     DONE,
     ChatCompletionRequest,
@@ -35,11 +36,9 @@ from gateway.tenancy import Tenancy
 from gateway.upstream import Dispatcher, Line, Upstream
 from sluice.errors import (
     Conflict,
-    DeadlineExceeded,
     RouteNotFound,
     SluiceError,
     Unavailable,
-    UpstreamFailed,
     error_event,
 )
 
@@ -57,6 +56,7 @@ class Serving:
         self._tenancy = tenancy
         self._readers = readers
         self._dispatcher = dispatcher
+        self._migrator = Migrator(settings, dispatcher)
         self._idempotency = idempotency
         self._redis = redis
         self._producers: set[asyncio.Task[None]] = set()
@@ -108,7 +108,8 @@ class Serving:
         headers = {"x-request-id": ctx.request_id, **ctx.headers}
         payloads = worker_payloads(req, ctx.internal_id)
         upstreams = await self._open_all(req, payloads, ctx)
-        lines = self._choice_lines(req, upstreams, payloads, ctx, record)
+        headers["x-sluice-queue-ms"] = str(round(record.queue_wait_s * 1000))
+        lines = self._migrator.lines(req.model, upstreams, payloads, ctx)
 
         async def abandon() -> None:
             """Clean-up when the stream generator never ran (client gone at once, Redis failed)."""
@@ -164,64 +165,6 @@ class Serving:
                         await self._dispatcher.release(lease)
             raise failure
         return opened
-
-    def _choice_lines(
-        self, req: ChatCompletionRequest | CompletionRequest, upstreams: list[Upstream],
-        payloads: list[dict[str, Any]], ctx: RequestContext, record: RequestRecord,
-    ) -> AsyncIterator[tuple[int, Line]]:
-        streams = [self._follow(req, i, upstreams, payloads[i], ctx, record) for i in range(len(upstreams))]
-        return streams[0] if len(streams) == 1 else _merge(streams)
-
-    async def _follow(
-        self, req: ChatCompletionRequest | CompletionRequest, index: int, upstreams: list[Upstream],
-        payload: dict[str, Any], ctx: RequestContext, record: RequestRecord,
-    ) -> AsyncIterator[tuple[int, Line]]:
-        """One choice's lines; if its worker breaks off mid-stream, migrate and go on.
-
-        The new worker continues from prompt + the token ids already relayed
-        (``resume_token_ids``) with the remaining ``max_tokens``, so the client's
-        stream has no gap and no repeated token.
-        """
-        sent: list[int] = []
-        chars = 0
-        failed: list[str] = []
-        while True:
-            upstream = upstreams[index]
-            resumed = len(payload.get("resume_token_ids", ()))
-            try:
-                async for line in upstream.lines(self._settings.stall_timeout_s, ctx.deadline):
-                    sent.extend(line.get("ids", ()))
-                    chars += len(line.get("text", ""))
-                    if resumed and line.get("usage"):
-                        # The worker counted the resumed ids as prompt; the client's prompt is shorter.
-                        line["usage"] = {**line["usage"], "prompt_tokens": line["usage"]["prompt_tokens"] - resumed}
-                    yield index, line
-                return
-            except (UpstreamFailed, DeadlineExceeded) as exc:
-                if not self._may_migrate(exc, len(failed), ctx):
-                    raise
-                failed.append(upstream.worker_id)
-                log.warning("request %s: worker %s broke off after %d tokens (%s); migrating",
-                            ctx.request_id, upstream.worker_id, len(sent), exc.message)
-                await upstream.aclose()
-            limit = payload.get("max_tokens")
-            payload = {**payload, "request_id": f"{ctx.internal_id}-{index}-m{len(failed)}",
-                       "resume_token_ids": list(sent), "resume_text_chars": chars,
-                       "max_tokens": None if limit is None else limit - len(sent) + resumed,
-                       # Counted from the original start, like max_tokens (5 of 10 already sent).
-                       "min_tokens": max(0, int(payload.get("min_tokens") or 0) - len(sent) + resumed)}
-            if payload["max_tokens"] is not None and payload["max_tokens"] <= 0:
-                yield index, {"ids": [], "text": "", "finish_reason": "length"}
-                return
-            upstreams[index] = await self._dispatcher.open(
-                req.model, payload, ctx, exclude=failed, boost=True
-            )
-            record.migrated(upstreams[index].worker_id)
-
-    def _may_migrate(self, exc: SluiceError, migrations: int, ctx: RequestContext) -> bool:
-        if exc.code == "request_timeout" or ctx.remaining_s() <= 0:
-            return False
-        return migrations < self._settings.max_migrations
 
     async def _sse(
         self,
@@ -392,31 +335,3 @@ async def _unless_disconnected(
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-
-
-async def _merge(sources: list[AsyncIterator[tuple[int, Line]]]) -> AsyncIterator[tuple[int, Line]]:
-    """Interleave several choice streams in arrival order."""
-    queue: asyncio.Queue[tuple[int, Line] | BaseException | None] = asyncio.Queue(maxsize=64)
-
-    async def pump(source: AsyncIterator[tuple[int, Line]]) -> None:
-        try:
-            async for item in source:
-                await queue.put(item)
-            await queue.put(None)
-        except Exception as exc:  # handed to the consumer, which re-raises it
-            await queue.put(exc)
-
-    tasks = [asyncio.create_task(pump(s)) for s in sources]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()

@@ -10,7 +10,6 @@ real usage when the request ends.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 import math
@@ -146,8 +145,7 @@ class Tenancy:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.wait([self._task], timeout=2.0)
 
     async def _renew_loop(self) -> None:
         """Keep this gateway's generations counted; a dead gateway's stop counting within a lease TTL."""

@@ -14,10 +14,9 @@ import secrets
 import time
 from dataclasses import asdict, dataclass
 
+from sluice import keys
 from sluice.redis_pool import RedisClient
 
-KEYS_SET = "sl:apikeys"
-_RECORD = "sl:apikey:"
 _SCHEME = "sk-sluice-"
 
 
@@ -80,7 +79,7 @@ class KeyStore:
         base = TIERS[tier]
         while True:
             prefix = secrets.token_hex(4)
-            if not await self._redis.exists(_RECORD + prefix):
+            if not await self._redis.exists(keys.api_key(prefix)):
                 break
         key = f"{_SCHEME}{prefix}-{secrets.token_urlsafe(32)}"
         record = ApiKey(
@@ -96,8 +95,8 @@ class KeyStore:
         # Not one MULTI: the record and the set live in different cluster slots. Record
         # first, so the set never names a missing record; a crash in between leaves a
         # key that works but that `keys list` does not show.
-        await self._redis.hset(_RECORD + prefix, mapping=fields)
-        await self._redis.sadd(KEYS_SET, prefix)
+        await self._redis.hset(keys.api_key(prefix), mapping=fields)
+        await self._redis.sadd(keys.API_KEYS, prefix)
         return key, record
 
     async def verify(self, key: str) -> ApiKey | None:
@@ -105,7 +104,7 @@ class KeyStore:
         prefix = parse_prefix(key)
         if prefix is None:
             return None
-        raw = await self._redis.hgetall(_RECORD + prefix)
+        raw = await self._redis.hgetall(keys.api_key(prefix))
         if not raw:
             return None
         fields = {k.decode(): v.decode() for k, v in raw.items()}
@@ -116,20 +115,20 @@ class KeyStore:
 
     async def list(self) -> list[ApiKey]:
         out = []
-        for prefix in sorted(p.decode() for p in await self._redis.smembers(KEYS_SET)):
-            raw = await self._redis.hgetall(_RECORD + prefix)
+        for prefix in sorted(p.decode() for p in await self._redis.smembers(keys.API_KEYS)):
+            raw = await self._redis.hgetall(keys.api_key(prefix))
             if raw:
                 out.append(_record({k.decode(): v.decode() for k, v in raw.items()}))
         return out
 
     async def revoke(self, prefix: str) -> bool:
-        if not await self._redis.exists(_RECORD + prefix):
+        if not await self._redis.exists(keys.api_key(prefix)):
             return False
-        await self._redis.hset(_RECORD + prefix, "revoked", "1")
+        await self._redis.hset(keys.api_key(prefix), "revoked", "1")
         return True
 
     async def any_keys(self) -> bool:
-        return bool(await self._redis.scard(KEYS_SET))
+        return bool(await self._redis.scard(keys.API_KEYS))
 
 
 def _record(fields: dict[str, str]) -> ApiKey:
