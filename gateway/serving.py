@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 from redis.asyncio import Redis
@@ -15,36 +13,30 @@ from redis.exceptions import RedisError
 from sse_starlette import EventSourceResponse
 from starlette.responses import Response
 
-from gateway.admission import ClientGone, as_sluice_error
+from gateway.admission import ClientGone
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
 from gateway.idempotency import Idempotency
 from gateway.journal import JournalWriter, start_producer, stream_key
 from gateway.journal_readers import JournalReaders
-from gateway.logprobs import render as render_logprobs
 from gateway.migration import Migrator
 from gateway.protocol import (
-    DONE,
     ChatCompletionRequest,
-    ChunkWriter,
     CompletionRequest,
-    completion_body,
     worker_payloads,
 )
 from gateway.record import RequestRecord
+from gateway.rendering import GuardedSSE, Kind, json_response, sse_events
 from gateway.tenancy import Tenancy
-from gateway.upstream import Dispatcher, Line, Upstream
+from gateway.upstream import Dispatcher, Upstream
 from sluice.errors import (
     Conflict,
     RouteNotFound,
     SluiceError,
-    Unavailable,
-    error_event,
 )
 
 log = logging.getLogger("sluice.gateway")
 
-Kind = Literal["chat", "text"]
 
 
 class Serving:
@@ -116,7 +108,10 @@ class Serving:
             await self._end_stream(upstreams, record, ctx, ClientGone("the stream ended before it began"), False)
 
         if req.stream:
-            events = self._sse(kind, req, upstreams, lines, record, ctx)
+            async def end(outcome: str | SluiceError, completed: bool) -> None:
+                await self._end_stream(upstreams, record, ctx, outcome, completed)
+
+            events = sse_events(kind, req, lines, record, end)
             if ctx.idempotency_key is not None:
                 # Resumable: the generation feeds the journal, independent of this client
                 # (a migration must not give up because the first reader left), and this
@@ -130,7 +125,8 @@ class Serving:
                 return GuardedSSE(first.events(), first.close, ping=self._settings.sse_ping_s, headers=headers)
             return GuardedSSE(events, abandon, ping=self._settings.sse_ping_s, headers=headers)
         try:
-            response = await self._collect(kind, req, upstreams, lines, record, headers, ctx)
+            response = await json_response(kind, req, lines, record, headers, ctx.disconnected, len(upstreams),
+                                           lambda: self._end_json(upstreams, ctx))
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await abandon()
@@ -165,47 +161,6 @@ class Serving:
                         await self._dispatcher.release(lease)
             raise failure
         return opened
-
-    async def _sse(
-        self,
-        kind: Kind,
-        req: ChatCompletionRequest | CompletionRequest,
-        upstreams: list[Upstream],
-        lines: AsyncIterator[tuple[int, Line]],
-        record: RequestRecord,
-        ctx: RequestContext,
-    ) -> AsyncIterator[bytes]:
-        writer = ChunkWriter(kind, req.model)
-        completed = False
-        offsets: dict[int, int] = {}
-        outcome: str | SluiceError = "ok"
-        try:
-            async for index, line in lines:
-                record.add(index, line)
-                first = index not in offsets
-                text = line.get("text", "")
-                lp = line.get("lp")
-                rendered = None if lp is None else render_logprobs(kind, lp, offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + len(text)
-                yield writer.delta(index, text, line.get("finish_reason"), first=first, logprobs=rendered)
-            if req.include_usage():
-                yield writer.usage(record.usage())
-            completed = True
-        except SluiceError as exc:
-            outcome = exc
-            log.warning("request %s failed mid-stream: %s", record.request_id, exc.message)
-            yield error_event(exc)
-        except Exception as exc:  # e.g. Redis down during a migration: still end the stream cleanly
-            log.warning("request %s failed mid-stream: %r", record.request_id, exc)
-            outcome = Unavailable("the stream could not continue", retry_after_s=2)
-            yield error_event(outcome)
-        except BaseException:
-            outcome = ClientGone("client disconnected mid-stream")
-            raise
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._end_stream(upstreams, record, ctx, outcome, completed)
-        yield DONE
 
     async def reattach(self, key: str, after: int) -> Response:
         deadline = time.monotonic() + self._settings.queue_timeout_s + self._settings.ttft_timeout_s
@@ -258,80 +213,9 @@ class Serving:
         except (RedisError, OSError) as exc:
             log.warning("could not settle Idempotency-Key %s: %s", ctx.idempotency_key, exc)
 
-    async def _collect(
-        self,
-        kind: Kind,
-        req: ChatCompletionRequest | CompletionRequest,
-        upstreams: list[Upstream],
-        lines: AsyncIterator[tuple[int, Line]],
-        record: RequestRecord,
-        headers: dict[str, str],
-        ctx: RequestContext,
-    ) -> Response:
-        texts = [""] * len(upstreams)
-        finishes: list[str | None] = [None] * len(upstreams)
-        entries: list[list[list[object]]] = [[] for _ in upstreams]
-
-        async def gather() -> None:
-            async for index, line in lines:
-                record.add(index, line)
-                texts[index] += line.get("text", "")
-                finishes[index] = line.get("finish_reason") or finishes[index]
-                entries[index].extend(line.get("lp") or ())
-
-        try:
-            await _unless_disconnected(gather(), ctx.disconnected)
-        except SluiceError as exc:
-            record.finish(exc)
-            raise
-        except Exception as exc:
-            record.finish(as_sluice_error(exc))
-            raise
-        finally:
-            with anyio.CancelScope(shield=True):
-                for upstream in upstreams:
-                    await upstream.aclose()
-                record.finish()
-                await self._settle_usage(ctx, record.prompt_tokens + record.completion_tokens)
-        wants = req.logprobs_count() is not None
-        choices = [
-            (text, finish, render_logprobs(kind, lp) if wants else None)
-            for text, finish, lp in zip(texts, finishes, entries, strict=False)
-        ]
-        body = completion_body(kind, req.model, choices, record.usage())
-        return Response(body, media_type="application/json", headers=headers)
-
-
-class GuardedSSE(EventSourceResponse):
-    """An SSE response whose clean-up runs however the response ends, even if its
-    generator never started (sse-starlette closes only generators that ran)."""
-
-    def __init__(self, content: AsyncIterator[bytes], cleanup: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self._cleanup = cleanup
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._cleanup()
-
-
-async def _unless_disconnected(
-    work: Coroutine[Any, Any, None], disconnected: Callable[[], Awaitable[bool]] | None
-) -> None:
-    """Run ``work``; if the client goes away first, cancel it (the engine then aborts)."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if disconnected is not None and await disconnected():
-                raise ClientGone("client disconnected while its completion was generated")
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    async def _end_json(self, upstreams: list[Upstream], ctx: RequestContext) -> None:
+        """A JSON answer's clean-up: close upstreams, finish the record, settle the charge."""
+        for upstream in upstreams:
+            await upstream.aclose()
+        ctx.record.finish()
+        await self._settle_usage(ctx, ctx.record.prompt_tokens + ctx.record.completion_tokens)
