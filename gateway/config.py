@@ -15,6 +15,10 @@ class GatewaySettings(RedisSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    #: Gateway processes on this port (SO_REUSEPORT); 0: one per two cores, 1 to 8.
+    procs: int = Field(default=0, ge=0, le=64)
+    #: Set by the supervisor of several processes: bind the port shared.
+    reuse_port: bool = False
     #: Request bodies above this size get 413 before they are parsed.
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     #: Workers tried for one request before the first token (first try included).

@@ -1,15 +1,33 @@
-"""The gateway process: uvicorn serving :func:`gateway.app.create_app`."""
+"""The gateway process: uvicorn serving :func:`gateway.app.create_app`, one or several
+processes on one port.
+
+One gateway *process* is one Python event loop and tops out near one core's worth of
+relaying. ``sluice gateway --procs N`` runs N of them behind one port: each binds its
+own listening socket with ``SO_REUSEPORT`` and the kernel spreads new connections over
+them. They share nothing but Redis (each has its own grant listener, leases and HTTP
+client pool), so the supervisor only starts them, restarts one that dies (with
+backoff) and, on SIGTERM or Ctrl-C, stops them all and waits for their streams.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
+import socket
 import sys
+import time
+from types import FrameType
 
 from gateway.app import create_app
 from gateway.config import GatewaySettings
 from gateway.tenancy import StartupRefused, Tenancy
+from sluice.processes import Child, default_procs
 from sluice.redis_pool import create_pool
 from sluice.serve import Server, run_async, uvicorn_config
 from sluice.telemetry import setup_tracing
+
+log = logging.getLogger("sluice.gateway")
 
 
 async def preflight(settings: GatewaySettings) -> None:
@@ -21,15 +39,72 @@ async def preflight(settings: GatewaySettings) -> None:
         await redis.aclose()
 
 
-def run(settings: GatewaySettings) -> None:
+def listen_socket(host: str, port: int, backlog: int = 4096) -> socket.socket:
+    """A listening socket that other processes may bind to the same address too."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(address)
+    sock.listen(backlog)
+    return sock
+
+
+def run(settings: GatewaySettings, log_level: str = "INFO") -> None:
     try:
         run_async(preflight(settings))
     except StartupRefused as exc:
         print(f"sluice gateway: {exc}", file=sys.stderr)
         sys.exit(2)
+    procs = settings.procs or default_procs()
+    if procs > 1:
+        sys.exit(_supervise(settings, procs, log_level))
+    _serve(settings)
+
+
+def _serve(settings: GatewaySettings) -> None:
     setup_tracing("sluice-gateway")
     config = uvicorn_config(
         create_app(settings), settings.host, settings.port,
         graceful_s=settings.shutdown_grace_s, lifespan=True,
     )
-    run_async(Server(config).serve())
+    sockets = [listen_socket(settings.host, settings.port)] if settings.reuse_port else None
+    run_async(Server(config).serve(sockets=sockets))  # type: ignore[arg-type]
+
+
+def _supervise(settings: GatewaySettings, procs: int, log_level: str) -> int:
+    port = settings.port
+    if port == 0:  # every process must bind the same port: pick it here
+        with listen_socket(settings.host, 0) as probe:
+            port = probe.getsockname()[1]
+    env = {**os.environ, "SLUICE_GATEWAY_HOST": settings.host, "SLUICE_GATEWAY_PORT": str(port),
+           "SLUICE_REDIS_URL": settings.redis_url, "SLUICE_GATEWAY_PROCS": "1",
+           "SLUICE_GATEWAY_REUSE_PORT": "true"}
+    argv = [sys.executable, "-m", "sluice", "--log-level", log_level, "gateway"]
+    children = [Child(f"gateway-{i}", argv, env=env) for i in range(procs)]
+    stopping = False
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    log.info("starting %d gateway processes on %s:%d", procs, settings.host, port)
+    try:
+        for child in children:
+            child.start()
+        while not stopping:
+            time.sleep(0.2)
+            for child in children:
+                if not child.alive() and not stopping:
+                    child.restart_if_due()
+    finally:
+        for child in children:
+            if child.alive():
+                assert child.process is not None
+                child.process.terminate()
+        for child in children:
+            child.stop(timeout_s=settings.shutdown_grace_s + 5)
+    log.info("all gateway processes stopped")
+    return 0

@@ -211,10 +211,10 @@ def start_gateway(
 ) -> StartGateway:
     logs = tmp_path_factory.mktemp("gateway-logs")
 
-    def start(env: dict[str, str] | None = None, redis_at: str | None = None) -> Proc:
+    def start(env: dict[str, str] | None = None, redis_at: str | None = None, processes: int = 1) -> Proc:
         port = free_port()
         argv = [sys.executable, "-m", "sluice", "gateway", "--port", str(port),
-                "--redis-url", redis_at or redis_url]
+                "--redis-url", redis_at or redis_url, "--procs", str(processes)]
         proc = Proc(f"gateway-{port}", argv, logs / f"gateway-{port}.log", {**_env(), **(env or {})})
         proc.url = f"http://127.0.0.1:{port}"
         procs.append(proc)

@@ -49,7 +49,8 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
     log = open(tmp_path / "up.log", "wb")  # noqa: SIM115
     up = subprocess.Popen(
-        [sys.executable, "-m", "sluice", "up", "--engine", "sim", "--workers", "2", "--port", str(port)],
+        [sys.executable, "-m", "sluice", "up", "--engine", "sim", "--workers", "2", "--port", str(port),
+         "--gateway-procs", "2"],
         stdout=subprocess.PIPE, stderr=log, cwd=ROOT, env=env,
     )
     try:
@@ -61,7 +62,7 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
             banner += up.stdout.readline()
         assert f"http://127.0.0.1:{port}".encode() in banner and b"curl -N" in banner
         children = _descendants(up.pid)
-        assert len(children) >= 4  # redis, two workers, gateway
+        assert len(children) >= 6  # redis, two workers, the gateway supervisor and its two processes
 
         with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0) as c:
             resp = c.chat.completions.create(

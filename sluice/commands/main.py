@@ -39,6 +39,8 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--workers", type=int, default=1, help="engine workers to start (default 1)")
     up.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
     up.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    up.add_argument("--gateway-procs", type=int, default=0,
+                    help="gateway processes sharing the port (default: one per four cores, 1-8)")
     up.add_argument("--model", help="local Hugging Face model folder (default: SmolLM2-135M-Instruct, "
                     "prepared by 'sluice model prepare')")
     up.add_argument("--served-model-name", help="name clients put in 'model' (default: sim, or the folder name)")
@@ -51,6 +53,8 @@ def _build_parser() -> argparse.ArgumentParser:
     gw = sub.add_parser("gateway", help="run one gateway process")
     gw.add_argument("--host", help="bind address (default 127.0.0.1)")
     gw.add_argument("--port", type=int, help="port (default 8000)")
+    gw.add_argument("--procs", type=int,
+                    help="gateway processes sharing the port (SO_REUSEPORT); default one per two cores, 1-8")
     _add_redis(gw)
 
     wk = sub.add_parser("worker", help="run one engine worker process")
@@ -120,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
             from gateway.config import GatewaySettings
             from gateway.gateway import run
 
-            run(GatewaySettings(**_given(args, "host", "port", "redis_url")))
+            run(GatewaySettings(**_given(args, "host", "port", "redis_url", "procs")), args.log_level)
         elif args.command == "worker":
             from engine_worker.config import WorkerSettings
             from engine_worker.worker import Worker

@@ -9,11 +9,9 @@ exponential backoff, as a compose ``restart: unless-stopped`` would.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -22,7 +20,7 @@ from types import FrameType
 import httpx
 
 from sluice.embedded_redis import EmbeddedRedis, free_port
-from sluice.processes import child_preexec
+from sluice.processes import Child, default_procs
 from sluice.redis_pool import redact_url
 
 log = logging.getLogger("sluice.commands.up")
@@ -39,6 +37,7 @@ class UpOptions:
     redis_url: str | None = None
     ready_timeout_s: float = 900.0
     log_level: str = "INFO"
+    gateway_procs: int = 0
     worker_args: list[str] = field(default_factory=list)
 
     @classmethod
@@ -53,6 +52,7 @@ class UpOptions:
             redis_url=args.redis_url or os.environ.get("SLUICE_REDIS_URL"),
             ready_timeout_s=args.ready_timeout_s,
             log_level=args.log_level,
+            gateway_procs=args.gateway_procs,
             worker_args=list(args.worker_arg),
         )
 
@@ -62,60 +62,6 @@ def _worker_env(engine: str, index: int) -> dict[str, str] | None:
     if engine != "vllm" or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return None
     return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(index % (os.cpu_count() or 1))}
-
-
-class Child:
-    """One supervised process; ``restart()`` brings it back with backoff."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        self.name = name
-        self.argv = argv
-        self.env = env
-        self.process: subprocess.Popen[bytes] | None = None
-        self.restarts = 0
-        self._next_start = 0.0
-
-    def start(self) -> None:
-        # Own session: a terminal's Ctrl-C reaches only the supervisor, which then
-        # stops the children in order (each gets exactly one signal and drains).
-        self.process = subprocess.Popen(
-            self.argv, preexec_fn=child_preexec, start_new_session=True, env=self.env
-        )
-        log.info("started %s (pid %d)", self.name, self.process.pid)
-
-    def kill_group(self) -> None:
-        """Kill what the child left behind (vLLM's engine processes survive a SIGKILLed worker)."""
-        if self.process is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def restart_if_due(self) -> None:
-        now = time.monotonic()
-        if self._next_start == 0.0:
-            self.kill_group()
-            code = self.process.returncode if self.process else None
-            delay = min(30.0, 0.5 * 2**self.restarts)
-            log.warning("%s exited with code %s; restarting in %.1fs", self.name, code, delay)
-            self._next_start = now + delay
-        elif now >= self._next_start:
-            self.restarts += 1
-            self._next_start = 0.0
-            self.start()
-
-    def stop(self, timeout_s: float) -> None:
-        if self.alive():
-            assert self.process is not None
-            self.process.terminate()
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in %.0fs; killing it", self.name, timeout_s)
-                self.process.kill()
-                self.process.wait()
-        self.kill_group()
 
 
 #: A worker that dies this many times before the stack is ready stops `sluice up`.
@@ -194,8 +140,9 @@ class Supervisor:
                 argv += ["--served-model-name", o.served_model_name]
             argv += o.worker_args
             self.workers.append(Child(f"worker-{i}", argv, env=_worker_env(o.engine, i)))
+        procs = o.gateway_procs or default_procs(share=4)  # the workers need cores too
         self.gateway = Child("gateway", [*base, "gateway", "--host", o.host, "--port", str(o.port),
-                                         "--redis-url", redis_url])
+                                         "--redis-url", redis_url, "--procs", str(procs)])
         for child in [*self.workers, self.gateway]:
             child.start()
         return None if self._wait_ready() else 1
