@@ -36,9 +36,11 @@ class WorkerSettings(RedisSettings):
     #: vLLM: context length (prompt + completion).
     vllm_max_model_len: int = Field(default=2048, ge=16)
     #: vLLM: sequences batched at once; also the capacity this worker advertises.
-    vllm_max_num_seqs: int = Field(default=16, ge=1)
-    #: vLLM: KV cache size in GiB (0 lets vLLM decide; on CPU it must be set).
-    vllm_kv_cache_gib: float = Field(default=0.5, ge=0)
+    #: Unset: 16 on CPU, 256 on a GPU.
+    vllm_max_num_seqs: int | None = Field(default=None, ge=1)
+    #: vLLM: KV cache size in GiB (0 lets vLLM size it from gpu_memory_utilization, as its
+    #: own server does; on CPU it must be set). Unset: 0.5 on CPU, 0 on a GPU.
+    vllm_kv_cache_gib: float | None = Field(default=None, ge=0)
     #: vLLM: skip graph compilation. Unset: eager on CPU (starts in ~20 s instead of
     #: ~85 s, and the compiled CPU path changed greedy answers in our runs), graphs on GPU.
     vllm_enforce_eager: bool | None = None

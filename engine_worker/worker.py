@@ -42,14 +42,17 @@ def build_engine(settings: WorkerSettings) -> Engine:
         )
     model_dir = resolve(settings.model)
     if settings.engine == "vllm":
-        from engine_worker.engines.vllm_engine import VllmEngine
+        from engine_worker.engines.vllm_engine import VllmEngine, has_gpu
 
+        gpu = has_gpu()
+        seqs = settings.vllm_max_num_seqs or (256 if gpu else 16)
+        kv_gib = settings.vllm_kv_cache_gib if settings.vllm_kv_cache_gib is not None else (0 if gpu else 0.5)
         return VllmEngine(
             model_dir,
             served_model_name=served_name(settings),
             max_model_len=settings.vllm_max_model_len,
-            max_num_seqs=settings.vllm_max_num_seqs,
-            kv_cache_bytes=int(settings.vllm_kv_cache_gib * 2**30) or None,
+            max_num_seqs=seqs,
+            kv_cache_bytes=int(kv_gib * 2**30) or None,
             enforce_eager=settings.vllm_enforce_eager,
             trtllm_kernels=settings.vllm_trtllm_kernels,
             extra_args=settings.vllm_engine_args,

@@ -28,12 +28,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
+from sluice import keys
 from sluice.errors import UpstreamFailed, error_event
 
 log = logging.getLogger("sluice.journal")
 
 DONE = b"data: [DONE]\n\n"
-_PREFIX = "sl:journal:"
 #: ``:live`` expires this long after the last refresh (a gateway that died stops refreshing).
 LIVE_TTL_MS = 3000
 #: Refresh ``:live`` at least this often, even through long silences (a migration).
@@ -44,11 +44,11 @@ CatchUp = Callable[[str, int], AsyncIterator[bytes]]
 
 
 def stream_key(key: str) -> str:
-    return _PREFIX + key
+    return keys.journal(key)
 
 
 def live_key(key: str) -> str:
-    return stream_key(key) + ":live"
+    return keys.journal_live(key)
 
 
 def producer_gone() -> bytes:

@@ -72,12 +72,16 @@ class VllmEngine:
             "scheduling_policy": "priority",
             "max_model_len": self.max_model_len,
             "max_num_seqs": self.capacity,
-            "enforce_eager": self._enforce_eager if self._enforce_eager is not None else not _has_gpu(),
+            "enforce_eager": self._enforce_eager if self._enforce_eager is not None else not has_gpu(),
         }
         if self._kv_cache_bytes:
             args["kv_cache_memory_bytes"] = self._kv_cache_bytes
-        if not _has_gpu():
+        if not has_gpu():
             args["block_size"] = 32  # CPU defaults to 128: finer blocks share more prefix
+            # bfloat16 on CPU (AMX kernels) turned the default model's greedy answer into
+            # nonsense on our machines; float32 costs a 135M model little. Override with
+            # SLUICE_WORKER_VLLM_ENGINE_ARGS='{"dtype": "bfloat16"}'.
+            args["dtype"] = "float32"
         if self._trtllm_kernels:
             args.update(trtllm_kernel_args())
         args.update(self._extra)
@@ -86,14 +90,26 @@ class VllmEngine:
     async def start(self) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = self.engine_args()
         log.info("starting vLLM with %s", args)
+        if self._trtllm_kernels:
+            report_trtllm_kernels()
+        # On a GPU, the API server's usage context: the defaults vLLM's own server picks for
+        # this hardware (max_num_batched_tokens 8192 on an H200, not the 2048 of an engine
+        # context). On CPU the engine context stays: the server's CPU defaults changed the
+        # default model's greedy answers in our runs.
+        context = UsageContext.OPENAI_API_SERVER if has_gpu() else UsageContext.ENGINE_CONTEXT
         self._engine = AsyncLLM.from_engine_args(
-            AsyncEngineArgs(**args), stat_loggers=[_stat_logger_factory(self._stats)]
+            AsyncEngineArgs(**args), usage_context=context,
+            stat_loggers=[_stat_logger_factory(self._stats)],
         )
         self._tokenizer = self._engine.get_tokenizer()
+        config = self._engine.vllm_config.scheduler_config
+        log.info("vLLM scheduler: max_num_seqs=%s max_num_batched_tokens=%s", config.max_num_seqs,
+                 config.max_num_batched_tokens)
 
     async def shutdown(self) -> None:
         if self._engine is not None:
@@ -123,6 +139,20 @@ class VllmEngine:
                 fields[name] = value
         return SamplingParams(**fields)
 
+    def _engine_input(self, prompt: Any) -> Any:
+        """The prompt rendered by vLLM's renderer, as vLLM asks callers to pass it (raw prompts
+        are deprecated); older vLLMs without a renderer take the raw token prompt."""
+        renderer = getattr(self._engine, "renderer", None)
+        try:
+            from vllm.renderers.inputs.preprocess import parse_model_prompt
+        except ImportError:
+            return prompt
+        if renderer is None:
+            return prompt
+        parsed = parse_model_prompt(self._engine.model_config, prompt)
+        (engine_input,) = renderer.render_cmpl([parsed], renderer.default_cmpl_tok_params)
+        return engine_input
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
         from vllm.inputs import TokensPrompt
 
@@ -134,7 +164,7 @@ class VllmEngine:
         finished = False
         completion = 0
         stream = self._engine.generate(
-            TokensPrompt(prompt_token_ids=prompt + resumed),
+            self._engine_input(TokensPrompt(prompt_token_ids=prompt + resumed)),
             params,
             request_id=request_id,
             priority=request.priority,
@@ -186,7 +216,7 @@ def logprob_entries(ids: Any, per_token: Any, top: int) -> list[list[Any]]:
     return entries
 
 
-def _has_gpu() -> bool:
+def has_gpu() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
@@ -201,11 +231,34 @@ def trtllm_kernel_args() -> dict[str, Any]:
     with a warning where they do not apply. FlashInfer's cubins must be
     installed beforehand (the ``flashinfer-cubin`` wheel) on offline machines.
     """
-    os.environ.setdefault("VLLM_FLASHINFER_MOE_BACKEND", "latency")
+    import vllm.envs
+
+    if "VLLM_FLASHINFER_MOE_BACKEND" in vllm.envs.environment_variables:  # unknown to some versions
+        os.environ.setdefault("VLLM_FLASHINFER_MOE_BACKEND", "latency")
     return {
         "attention_backend": "FLASHINFER",
         "attention_config": {"use_trtllm_attention": True},
     }
+
+
+def report_trtllm_kernels() -> None:
+    """Say at start-up what ``--vllm-trtllm-kernels`` can really give on this GPU: FlashInfer's
+    TensorRT-LLM attention covers prefill and decode on Blackwell (SM100+); on Hopper (SM90)
+    vLLM uses it for decode only and falls back for prefill; older GPUs get none of it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("--vllm-trtllm-kernels needs an NVIDIA GPU")
+    major, minor = torch.cuda.get_device_capability()
+    name = torch.cuda.get_device_name()
+    if major >= 10:
+        log.info("TensorRT-LLM kernels on %s (SM%d%d): attention (prefill and decode) and MoE", name, major, minor)
+    elif major == 9:
+        log.warning("TensorRT-LLM kernels on %s (SM%d%d, Hopper): decode attention only; prefill falls back "
+                    "to FlashInfer's own kernels, MoE kernels need Blackwell", name, major, minor)
+    else:
+        raise RuntimeError(f"--vllm-trtllm-kernels: {name} (SM{major}{minor}) has no TensorRT-LLM kernels in "
+                           "vLLM (Hopper or Blackwell needed)")
 
 
 def _stat_logger_factory(stats: EngineStats) -> Any:

@@ -73,8 +73,10 @@ def _build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--sim-fail-first", type=int,
                     help="sim fault injection: the first N requests fail before their first token")
     wk.add_argument("--vllm-max-model-len", type=int, help="vllm: context length (default 2048)")
-    wk.add_argument("--vllm-max-num-seqs", type=int, help="vllm: batch size = capacity (default 16)")
-    wk.add_argument("--vllm-kv-cache-gib", type=float, help="vllm: KV cache GiB (default 0.5)")
+    wk.add_argument("--vllm-max-num-seqs", type=int,
+                    help="vllm: batch size = capacity (default 16 on CPU, 256 on a GPU)")
+    wk.add_argument("--vllm-kv-cache-gib", type=float,
+                    help="vllm: KV cache GiB (default 0.5 on CPU; 0 on a GPU: vLLM sizes it from GPU memory)")
     wk.add_argument("--vllm-enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                     help="vllm: no graph compilation (default: eager on CPU, compiled on GPU)")
     wk.add_argument("--vllm-trtllm-kernels", action="store_true", default=None,
