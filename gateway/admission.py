@@ -24,7 +24,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -51,6 +51,14 @@ GATEWAY_TTL_S = 3.0
 _BEAT_S = 1.0
 #: Every this many reaps, ``inflight`` is recounted from the leases.
 _RECONCILE_EVERY = 10
+
+
+#: Times a request asks again after a grant it could not claim in time.
+_CLAIM_RETRIES = 2
+
+
+class _GrantLost(Exception):
+    """A published grant whose leases expired before this process claimed them."""
 
 
 class ClientGone(SluiceError):
@@ -148,7 +156,23 @@ class Admission:
                 s.urgent_priority_max, s.priority_step_tokens, *extra]
 
     async def acquire(self, ask: Ask, disconnected: Callable[[], Awaitable[bool]] | None = None) -> list[Lease]:
-        """``ask.need`` slots now, or after waiting in the queue up to ``ask.timeout_s``."""
+        """``ask.need`` slots now, or after waiting in the queue up to ``ask.timeout_s``.
+
+        A grant that reached this process too late to be claimed (its leases already
+        reclaimed: this process was too busy for seconds) is not used: the request asks
+        again, first in line."""
+        for attempt in range(_CLAIM_RETRIES + 1):
+            try:
+                return await self._acquire_once(ask, disconnected)
+            except _GrantLost:
+                if attempt == _CLAIM_RETRIES:
+                    raise Unavailable("this gateway is too busy to claim its grants", retry_after_s=1) from None
+                ask = replace(ask, request_id=f"{ask.request_id}r", boost=True)
+        raise AssertionError("unreachable")
+
+    async def _acquire_once(
+        self, ask: Ask, disconnected: Callable[[], Awaitable[bool]] | None
+    ) -> list[Lease]:
         model = ask.model
         future = await self.grants.expect(model, ask.request_id)
         self._queued[model] = self._queued.get(model, 0) + 1
@@ -210,12 +234,20 @@ class Admission:
         )
 
     async def _claim(self, leases: list[Lease]) -> None:
-        """Renew a published grant's leases now: unclaimed, they expire within seconds."""
+        """Renew a published grant's leases now: unclaimed, they expire within seconds.
+        Raises :class:`_GrantLost` (its slots released) when some were already reclaimed."""
         try:
-            await self._renew(keys=keys.admission(leases[0].model),
-                              args=self._args(*(lease.lease_id for lease in leases)))
+            lost = await self._renew(keys=keys.admission(leases[0].model),
+                                     args=self._args(*(lease.lease_id for lease in leases)))
         except (RedisError, OSError) as exc:
             log.warning("could not claim leases %s: %s", [x.lease_id for x in leases], exc)
+            return
+        if lost:
+            log.warning("grant for %s came too late to claim (%d lease(s) reclaimed); asking again",
+                        leases[0].lease_id.rsplit("#", 1)[0], len(lost))
+            for lease in leases:
+                await self.release(lease)
+            raise _GrantLost
 
     async def _position(self, model: str) -> int:
         urgent, normal = keys.queues(model)

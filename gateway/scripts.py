@@ -112,6 +112,17 @@ local function class_of(priority)
   return 'low'
 end
 
+-- A request that leaves the queue unserved (timed out, cancelled, its gateway died) gives
+-- its charge back to its tenant's fair share: a tenant is charged for work it got, not for
+-- work it asked for and never received. F never falls below V.
+local function refund(qi, meta)
+  if not meta.tenant or not meta.cost then return end
+  local fkey = 'F:' .. qi .. ':' .. meta.tenant
+  local f = tonumber(redis.call('HGET', K_FAIR, fkey) or '0')
+  local v = tonumber(redis.call('HGET', K_FAIR, 'V:' .. qi) or '0')
+  redis.call('HSET', K_FAIR, fkey, math.max(v, f - tonumber(meta.cost)))
+end
+
 local function dequeue(queue, req, meta)
   redis.call('ZREM', queue, req)
   redis.call('HDEL', K_META, req)
@@ -162,8 +173,10 @@ local function pump(ws, direct)
       local need = tonumber(meta.need) or 1
       if (tonumber(meta.deadline) or 0) < now or not gateway_alive(meta.gw or '') then
         dequeue(queue, req, meta)                     -- its waiter gave up, or its gateway died
+        refund(qi, meta)
       elseif not serviceable(ws, excluded) then
         dequeue(queue, req, meta)                     -- nothing live can ever serve it
+        refund(qi, meta)
         if req == direct then result = 'none' else publish(meta, req, 'none', '[]') end
       else
         local picks = choose(ws, excluded, tonumber(meta.priority) or 0, need)
@@ -240,8 +253,10 @@ else
   if step > 0 then score = tag + priority * step else score = priority * 1e12 + tag end
 end
 redis.call('ZADD', queue, score, req)
-redis.call('HSET', K_META, req, cjson.encode({deadline = now + tonumber(ARGV[10]), exclude = exclude,
-  priority = priority, need = need, gw = gateway, tag = tag}))
+local meta = {deadline = now + tonumber(ARGV[10]), exclude = exclude, priority = priority, need = need,
+              gw = gateway, tag = tag}
+if not boost then meta.tenant, meta.cost = tenant, cost end
+redis.call('HSET', K_META, req, cjson.encode(meta))
 redis.call('HINCRBY', K_DEPTH, class_of(priority), 1)
 local got = pump(ws, req)
 if got == 'none' then return {'none'} end
@@ -267,9 +282,11 @@ return freed
 #: {'removed'} | {'granted', leases JSON} (a grant raced in: serve or release it) | {'gone'}.
 CANCEL = _PRELUDE + r"""
 local req, need = ARGV[7], tonumber(ARGV[8])
-for _, queue in ipairs({K_QURGENT, K_QNORMAL}) do
+for qi, queue in ipairs({K_QURGENT, K_QNORMAL}) do
   if redis.call('ZSCORE', queue, req) then
-    dequeue(queue, req, cjson.decode(redis.call('HGET', K_META, req) or '{}'))
+    local meta = cjson.decode(redis.call('HGET', K_META, req) or '{}')
+    dequeue(queue, req, meta)
+    refund(qi, meta)
     return {'removed'}
   end
 end

@@ -89,6 +89,10 @@ class VllmEngine:
 
     async def start(self) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        if has_gpu():
+            # Sizing defaults for a GPU touches CUDA in this process; a forked engine core
+            # could not use it then. Spawn, as vLLM's own server does.
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM

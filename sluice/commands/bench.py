@@ -177,6 +177,11 @@ def main(args: argparse.Namespace) -> int:
         from sluice.commands.bench_priority import main as priority_main
 
         return priority_main(args)
+    if args.scenario == "flood":
+        from sluice.commands.bench_flood import main as flood_main
+
+        return flood_main(args)
+    args.requests = args.requests or 32
 
     options = UpOptions(engine=args.engine, workers=1, port=args.port, model=args.model,
                         log_level="WARNING", worker_args=list(args.worker_arg))
@@ -201,9 +206,10 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scenario", choices=["overhead", "priority"], default="overhead",
+    p.add_argument("--scenario", choices=["overhead", "priority", "flood"], default="overhead",
                    help="overhead: gateway vs direct worker (default); priority: per-class TTFT and "
-                        "shedding at 0.5x and 2x capacity (sim engine)")
+                        "shedding at 0.5x and 2x capacity (sim engine); flood: 10k streams over three "
+                        "gateways, a gateway kill, a Redis Cluster, fairness between tenants (sim engine)")
     p.add_argument("--duration-s", type=float, default=20.0, help="priority: seconds per phase")
     p.add_argument("--queue-timeout-s", type=float, default=2.0, help="priority: gateway queue timeout")
     p.add_argument("--sim-max-seqs", type=int, default=8, help="priority: sim worker slots")
@@ -211,9 +217,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=["sim", "vllm"], default="vllm", help="engine to measure (default vllm)")
     p.add_argument("--model", help="model folder (default: the prepared default model)")
     p.add_argument("--concurrency", default="1,16", help="comma-separated levels (default 1,16)")
-    p.add_argument("--requests", type=int, default=32, help="requests per path and level (default 32)")
+    p.add_argument("--requests", type=int, help="requests per path and level (default 32); "
+                   "flood: requests in the flood (default 10000)")
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (default 32)")
     p.add_argument("--warmup", type=int, default=4, help="warm-up requests before measuring (default 4)")
     p.add_argument("--port", type=int, default=8799, help="gateway port for the private stack")
     p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="extra flag for the worker (repeatable)")
+    flood = p.add_argument_group("flood scenario")
+    flood.add_argument("--phases", default="flood,kill,cluster,fair", help="phases to run, in order")
+    flood.add_argument("--redis", choices=["single", "cluster"], default="single",
+                       help="Redis of the flood, kill and fair phases (the cluster phase always uses a cluster)")
+    flood.add_argument("--flood-queue-timeout-s", type=float, default=120.0,
+                       help="gateway queue timeout of the flood, kill and cluster phases")
+    flood.add_argument("--flood-token-ms", type=float, default=40.0,
+                       help="sim decode step of the flood, kill and cluster phases: sets the slots' capacity")
+    flood.add_argument("--launch-s", type=float, default=5.0, help="seconds over which a flood is launched")
+    flood.add_argument("--load-processes", type=int, default=1, help="load generator processes")
+    flood.add_argument("--cluster-requests", type=int, default=5000, help="requests in the cluster flood")
+    flood.add_argument("--kill-requests", type=int, default=3000, help="requests in the kill phase")
+    flood.add_argument("--kill-load", type=float, default=0.65,
+                       help="kill phase arrivals, as a share of what the workers' slots serve")
+    flood.add_argument("--kill-lease-ttl-s", type=float, default=3.0, help="kill phase lease TTL")
+    flood.add_argument("--fair-duration-s", type=float, default=20.0, help="seconds of load per fairness run")
+    flood.add_argument("--fair-rate-a", type=float, default=60.0, help="tenant A req/s (B sends a tenth)")
+    flood.add_argument("--fair-b-scale", type=int, default=4, help="second fairness run: B's requests this much larger")
+    flood.add_argument("--fair-queue-timeout-s", type=float, default=10.0, help="fairness runs' queue timeout")
+    flood.add_argument("--plot", default="loadtest/flood.png", help="chart path")
+    flood.add_argument("--json", default="loadtest/flood.json", help="JSON summary path")

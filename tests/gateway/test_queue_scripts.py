@@ -287,3 +287,30 @@ async def test_a_flooding_tenant_does_not_starve_another(fleet: Fleet) -> None:
         task.cancel()
     await asyncio.gather(*tenant_of, return_exceptions=True)
     await gw.release(current)
+
+
+async def test_requests_that_time_out_are_not_charged_to_their_tenant(fleet: Fleet) -> None:
+    """Regression: a tenant was charged at queueing for requests that then timed out, so
+    its later requests waited behind every other tenant's (found by the fairness bench)."""
+    await fleet.worker(capacity=1)
+    gw = await fleet.gateway(queue_timeout_s=60, max_queue=1000)
+    (current,) = await gw.acquire(fleet.ask(tenant="A", cost=100))
+    expired = [asyncio.create_task(gw.acquire(fleet.ask(tenant="A", cost=100, timeout_s=0.3))) for _ in range(20)]
+    results = await asyncio.gather(*expired, return_exceptions=True)
+    assert all(isinstance(r, RateLimited) for r in results)
+    tenant_of: dict[asyncio.Task[list[Lease]], str] = {}
+    for _ in range(4):
+        for tenant in ("B", "A"):
+            tenant_of[asyncio.create_task(gw.acquire(fleet.ask(tenant=tenant, cost=100)))] = tenant
+            await _queued(fleet, len(tenant_of))
+    order: list[str] = []
+    for _ in range(8):
+        await gw.release(current)
+        done, _ = await asyncio.wait(list(tenant_of), timeout=5, return_when=asyncio.FIRST_COMPLETED)
+        (task,) = done
+        order.append(tenant_of.pop(task))
+        (current,) = task.result()
+    await gw.release(current)
+    # A already had one request served (the held slot); after that the two alternate. Charged
+    # for its timed-out requests, A would wait until all of B's had gone first.
+    assert "A" in order[:3] and order.count("A") == 4, order
