@@ -41,6 +41,8 @@ class WorkerSettings(RedisSettings):
     #: vLLM: KV cache size in GiB (0 lets vLLM size it from gpu_memory_utilization, as its
     #: own server does; on CPU it must be set). Unset: 0.5 on CPU, 0 on a GPU.
     vllm_kv_cache_gib: float | None = Field(default=None, ge=0)
+    #: vLLM: GPUs this worker spans with tensor parallelism (``sluice up --gpus --tensor-parallel``).
+    vllm_tensor_parallel_size: int = Field(default=1, ge=1)
     #: vLLM: skip graph compilation. Unset: eager on CPU (starts in ~20 s instead of
     #: ~85 s, and the compiled CPU path changed greedy answers in our runs), graphs on GPU.
     vllm_enforce_eager: bool | None = None

@@ -149,3 +149,21 @@ def test_up_restarts_a_dead_worker(tmp_path: Path) -> None:
             up.kill()
             up.wait()
         log.close()
+
+
+def test_gpu_groups_one_worker_per_device_or_tensor_parallel_group() -> None:
+    import pytest
+
+    from sluice.commands.up import gpu_groups
+
+    assert gpu_groups(None, 1) is None
+    assert gpu_groups("0,1,2,3", 1) == [["0"], ["1"], ["2"], ["3"]]
+    assert gpu_groups("0,1,2,3", 2) == [["0", "1"], ["2", "3"]]
+    with pytest.raises(ValueError, match="multiple"):
+        gpu_groups("0,1,2", 2)
+
+
+def test_up_gpus_flag_is_explained() -> None:
+    result = subprocess.run([sys.executable, "-m", "sluice", "up", "--help"], capture_output=True, text=True,
+                            cwd=ROOT, timeout=30, check=False)
+    assert "--gpus" in result.stdout and "--tensor-parallel" in result.stdout and "--gateway-procs" in result.stdout

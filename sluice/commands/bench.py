@@ -14,7 +14,7 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import orjson
@@ -31,16 +31,25 @@ class RunResult:
     wall_s: float
     ttfts_s: list[float]
     errors: int
+    #: Time between consecutive chunks of one stream (inter-chunk gaps), all streams.
+    gaps_s: list[float] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_s if self.wall_s else 0.0
 
     def ttft_ms(self, q: float) -> float:
-        if not self.ttfts_s:
-            return float("nan")
-        ordered = sorted(self.ttfts_s)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+        return _quantile_ms(self.ttfts_s, q)
+
+    def gap_ms(self, q: float) -> float:
+        return _quantile_ms(self.gaps_s, q)
+
+
+def _quantile_ms(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
 
 
 def _prompts(count: int) -> list[str]:
@@ -48,10 +57,12 @@ def _prompts(count: int) -> list[str]:
     return [f"[{salt}-{i}] Write a few sentences about {TOPICS[i % len(TOPICS)]}." for i in range(count)]
 
 
-async def _direct_one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, int]:
+async def _direct_one(
+    client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int, gaps: list[float]
+) -> tuple[float, int]:
     body = {"request_id": uuid.uuid4().hex, "model": model, "prompt": prompt,
             "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
-    started = time.perf_counter()
+    started = last = time.perf_counter()
     ttft, tokens, buffer = 0.0, 0, b""
     async with client.stream("POST", url + "/internal/generate", json=body) as resp:
         resp.raise_for_status()
@@ -64,16 +75,22 @@ async def _direct_one(client: httpx.AsyncClient, url: str, model: str, prompt: s
                 data = orjson.loads(line)
                 if "error" in data:
                     raise RuntimeError(data["error"]["message"])
+                now = time.perf_counter()
                 if not ttft:
-                    ttft = time.perf_counter() - started
+                    ttft = now - started
+                else:
+                    gaps.append(now - last)
+                last = now
                 tokens += len(data["ids"])
     return ttft, tokens
 
 
-async def _gateway_one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, int]:
+async def _gateway_one(
+    client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int, gaps: list[float]
+) -> tuple[float, int]:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    started = time.perf_counter()
+    started = last = time.perf_counter()
     ttft, tokens = 0.0, 0
     async with client.stream("POST", url + "/v1/completions", json=body) as resp:
         resp.raise_for_status()
@@ -83,8 +100,13 @@ async def _gateway_one(client: httpx.AsyncClient, url: str, model: str, prompt: 
             data = json.loads(line[6:])
             if "error" in data:
                 raise RuntimeError(data["error"]["message"])
-            if data["choices"] and not ttft:
-                ttft = time.perf_counter() - started
+            if data["choices"]:
+                now = time.perf_counter()
+                if not ttft:
+                    ttft = now - started
+                else:
+                    gaps.append(now - last)
+                last = now
             if data.get("usage"):
                 tokens = data["usage"]["completion_tokens"]
     return ttft, tokens
@@ -97,6 +119,7 @@ async def run_load(path: str, url: str, model: str, concurrency: int, requests: 
     for p in prompts:
         queue.put_nowait(p)
     ttfts: list[float] = []
+    gaps: list[float] = []
     totals = {"tokens": 0, "errors": 0}
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=5), limits=limits) as client:
@@ -105,7 +128,7 @@ async def run_load(path: str, url: str, model: str, concurrency: int, requests: 
             while not queue.empty():
                 prompt = queue.get_nowait()
                 try:
-                    ttft, tokens = await one(client, url, model, prompt, max_tokens)
+                    ttft, tokens = await one(client, url, model, prompt, max_tokens, gaps)
                 except (httpx.HTTPError, RuntimeError):
                     totals["errors"] += 1
                     continue
@@ -115,18 +138,19 @@ async def run_load(path: str, url: str, model: str, concurrency: int, requests: 
         started = time.perf_counter()
         await asyncio.gather(*(user() for _ in range(concurrency)))
         wall = time.perf_counter() - started
-    return RunResult(path, concurrency, requests, totals["tokens"], wall, ttfts, totals["errors"])
+    return RunResult(path, concurrency, requests, totals["tokens"], wall, ttfts, totals["errors"], gaps)
 
 
 def _report(results: list[RunResult]) -> str:
     lines = [
         f"{'path':8} {'conc':>4} {'reqs':>5} {'errors':>6} {'tokens':>7} {'tok/s':>9} "
-        f"{'ttft p50 ms':>12} {'ttft p99 ms':>12}"
+        f"{'ttft p50 ms':>12} {'ttft p99 ms':>12} {'gap p50 ms':>11} {'gap p99 ms':>11}"
     ]
     for r in results:
         lines.append(
             f"{r.path:8} {r.concurrency:>4} {r.requests:>5} {r.errors:>6} {r.tokens:>7} "
-            f"{r.tokens_per_s:>9.1f} {r.ttft_ms(0.5):>12.1f} {r.ttft_ms(0.99):>12.1f}"
+            f"{r.tokens_per_s:>9.1f} {r.ttft_ms(0.5):>12.1f} {r.ttft_ms(0.99):>12.1f} "
+            f"{r.gap_ms(0.5):>11.2f} {r.gap_ms(0.99):>11.2f}"
         )
     lines.append("")
     for conc in sorted({r.concurrency for r in results}):
@@ -136,7 +160,8 @@ def _report(results: list[RunResult]) -> str:
             lines.append(
                 f"concurrency {conc}: gateway/direct tokens/s = {g.tokens_per_s / d.tokens_per_s:.3f}, "
                 f"TTFT p50 = {g.ttft_ms(0.5) / d.ttft_ms(0.5):.3f}x, "
-                f"TTFT p99 = {g.ttft_ms(0.99) / d.ttft_ms(0.99):.3f}x"
+                f"TTFT p99 = {g.ttft_ms(0.99) / d.ttft_ms(0.99):.3f}x, "
+                f"inter-chunk gap p50 = {g.gap_ms(0.5) / d.gap_ms(0.5):.3f}x"
             )
     return "\n".join(lines)
 

@@ -39,6 +39,10 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--workers", type=int, default=1, help="engine workers to start (default 1)")
     up.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
     up.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    up.add_argument("--gpus", help="NVIDIA GPUs for the workers: '0,1,2,3' or 'all'; one worker per GPU "
+                    "(or per --tensor-parallel group), each seeing only its own devices; overrides --workers")
+    up.add_argument("--tensor-parallel", type=int, default=1,
+                    help="GPUs per worker with --gpus (vLLM tensor parallelism; default 1)")
     up.add_argument("--gateway-procs", type=int, default=0,
                     help="gateway processes sharing the port (default: one per four cores, 1-8)")
     up.add_argument("--model", help="local Hugging Face model folder (default: SmolLM2-135M-Instruct, "
@@ -75,6 +79,8 @@ def _build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--vllm-max-model-len", type=int, help="vllm: context length (default 2048)")
     wk.add_argument("--vllm-max-num-seqs", type=int,
                     help="vllm: batch size = capacity (default 16 on CPU, 256 on a GPU)")
+    wk.add_argument("--vllm-tensor-parallel-size", type=int,
+                    help="vllm: GPUs this worker spans (tensor parallelism; default 1)")
     wk.add_argument("--vllm-kv-cache-gib", type=float,
                     help="vllm: KV cache GiB (default 0.5 on CPU; 0 on a GPU: vLLM sizes it from GPU memory)")
     wk.add_argument("--vllm-enforce-eager", action=argparse.BooleanOptionalAction, default=None,
@@ -135,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
                 args, "engine", "host", "port", "advertise_url", "worker_id", "model",
                 "served_model_name", "heartbeat_ms", "drain_timeout_s", "sim_ttft_ms",
                 "sim_token_ms", "sim_max_seqs", "sim_fail_first", "redis_url", "vllm_max_model_len",
-                "vllm_max_num_seqs", "vllm_kv_cache_gib", "vllm_enforce_eager", "vllm_trtllm_kernels",
+                "vllm_max_num_seqs", "vllm_kv_cache_gib", "vllm_tensor_parallel_size", "vllm_enforce_eager",
+                "vllm_trtllm_kernels",
             )
             from sluice.models import ModelError
 

@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ class UpOptions:
     ready_timeout_s: float = 900.0
     log_level: str = "INFO"
     gateway_procs: int = 0
+    gpus: str | None = None
+    tensor_parallel: int = 1
     worker_args: list[str] = field(default_factory=list)
 
     @classmethod
@@ -53,15 +56,39 @@ class UpOptions:
             ready_timeout_s=args.ready_timeout_s,
             log_level=args.log_level,
             gateway_procs=args.gateway_procs,
+            gpus=args.gpus,
+            tensor_parallel=args.tensor_parallel,
             worker_args=list(args.worker_arg),
         )
 
 
-def _worker_env(engine: str, index: int) -> dict[str, str] | None:
-    """vLLM on CPU pins its compute to core 0 by default: spread workers over the cores."""
+def _worker_env(engine: str, index: int, devices: list[str] | None) -> dict[str, str] | None:
+    """GPU workers see only their own devices; vLLM on CPU pins its compute to core 0 by
+    default: spread CPU workers over the cores."""
+    if devices is not None:
+        return {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(devices)}
     if engine != "vllm" or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return None
     return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(index % (os.cpu_count() or 1))}
+
+
+def gpu_groups(gpus: str | None, tensor_parallel: int) -> list[list[str]] | None:
+    """``--gpus 0,1,2,3 --tensor-parallel 2`` -> [["0", "1"], ["2", "3"]]: one worker per
+    group. ``all`` asks ``nvidia-smi`` how many there are. None without ``--gpus``."""
+    if not gpus:
+        return None
+    if gpus == "all":
+        try:
+            listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=True)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise ValueError(f"--gpus all: cannot list GPUs with nvidia-smi ({exc})") from None
+        devices = [str(i) for i, line in enumerate(listing.stdout.splitlines()) if line.startswith("GPU ")]
+    else:
+        devices = [d.strip() for d in gpus.split(",") if d.strip()]
+    if not devices or len(devices) % tensor_parallel:
+        raise ValueError(f"--gpus gives {len(devices)} device(s), not a multiple of --tensor-parallel "
+                         f"{tensor_parallel}")
+    return [devices[i:i + tensor_parallel] for i in range(0, len(devices), tensor_parallel)]
 
 
 #: A worker that dies this many times before the stack is ready stops `sluice up`.
@@ -130,16 +157,24 @@ class Supervisor:
             log.info("embedded redis-server on %s", redis_url)
         self.redis_url = redis_url
         base = [sys.executable, "-m", "sluice", "--log-level", o.log_level]
-        for i in range(o.workers):
+        try:
+            groups = gpu_groups(o.gpus, o.tensor_parallel)
+        except ValueError as exc:
+            print(f"sluice up: {exc}", file=sys.stderr)
+            return 2
+        for i in range(len(groups) if groups else o.workers):
             port = free_port()
             argv = [*base, "worker", "--engine", o.engine, "--port", str(port),
                     "--redis-url", redis_url, "--worker-id", f"worker-{i}-{port}"]
+            if groups and o.tensor_parallel > 1:
+                argv += ["--vllm-tensor-parallel-size", str(o.tensor_parallel)]
             if model:
                 argv += ["--model", model]
             if o.served_model_name:
                 argv += ["--served-model-name", o.served_model_name]
             argv += o.worker_args
-            self.workers.append(Child(f"worker-{i}", argv, env=_worker_env(o.engine, i)))
+            env = _worker_env(o.engine, i, groups[i] if groups else None)
+            self.workers.append(Child(f"worker-{i}", argv, env=env))
         procs = o.gateway_procs or default_procs(share=4)  # the workers need cores too
         self.gateway = Child("gateway", [*base, "gateway", "--host", o.host, "--port", str(o.port),
                                          "--redis-url", redis_url, "--procs", str(procs)])
