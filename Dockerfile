@@ -1,5 +1,5 @@
-# One image for gateway and sim workers. The vLLM CPU worker needs the `cpu`
-# extra and the model (see README); GPU images build on a CUDA base instead.
+# One image for gateway and sim workers (docker-compose.yml). vLLM workers have their
+# own: Dockerfile.cpu, Dockerfile.gpu (vLLM's image) and Dockerfile.trtllm; see README.
 FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
