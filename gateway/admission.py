@@ -118,6 +118,11 @@ class Ask:
     exclude: tuple[str, ...] = ()
 
 
+def _tenant_name(tenant: str) -> str:
+    """A tenant as the normal queue's member names can hold it (``|`` and ``}`` delimit)."""
+    return tenant.replace("|", "_").replace("}", "_") or "-"
+
+
 class Admission:
     def __init__(self, redis: Any, settings: GatewaySettings) -> None:
         self._redis = redis
@@ -181,7 +186,7 @@ class Admission:
                 keys=keys.admission(model),
                 args=self._args(ask.request_id, ask.priority, ask.need, max(1, int(ask.timeout_s * 1000)),
                                 self._s.max_queue, orjson.dumps(list(ask.exclude)).decode(),
-                                int(ask.boost), ask.tenant, ask.cost),
+                                int(ask.boost), _tenant_name(ask.tenant), ask.cost),
             )
             status = result[0].decode()
             if status == "granted":

@@ -13,13 +13,16 @@ Time is Redis's (``TIME``), never a gateway's: scores, queue deadlines, leases a
 liveness all use one clock, whatever the replicas' clocks say.
 
 Queue order. Two queues per model: ``urgent`` (urgent priorities, and every retry or
-migration, which go first of all) is always served before ``normal``. Within a
-queue, requests are ordered by start-time fair queuing over tenants (API keys): a
-request's tag is ``max(V, F[tenant])`` and the tenant's finish tag advances by the
-request's cost in tokens (prompt estimate + max_tokens, times its generations); ``V``
-is the tag of the last request served. A tenant that floods the queue pushes its
-own tags ahead and cannot starve another tenant of the same class; each gets slots
-in proportion to the work it asks for. Priorities within a class add
+migration, which go first of all) is always served before ``normal``. Both order
+requests by start-time fair queuing over tenants (API keys), charged in tokens (prompt
+estimate + max_tokens, times its generations): a tenant's finish tag ``F`` advances by
+the cost of each request it is served, ``V`` is the start tag of the last request served,
+and a request starts at ``max(V, F[tenant])``. A tenant that floods the queue only pushes
+its own requests back; each backlogged tenant gets slots in proportion to work. In the
+normal queue the start tag is taken when a request becomes its tenant's head (one
+lexicographic zset holds every tenant's entries in order, ``heads`` scores the tenants),
+so requests that time out unserved cost their tenant nothing; the small urgent queue
+fixes tags at arrival and refunds unserved ones. Priorities within a class add
 ``priority * step`` to the tag: a level is worth ``step`` tokens of others' service,
 so lower priorities age instead of starving.
 
@@ -40,7 +43,7 @@ from sluice import keys
 _PRELUDE = f"local GRANTS_KEPT = {keys.GRANTS_KEPT}\n" + r"""
 local K_WORKERS, K_ALIVE, K_INFLIGHT, K_LEASES, K_OWNER = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local K_QURGENT, K_QNORMAL, K_META, K_DEPTH, K_GRANTS = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
-local K_GATEWAYS, K_FAIR, K_DONE, K_URGENT_SEEN = KEYS[11], KEYS[12], KEYS[13], KEYS[14]
+local K_GATEWAYS, K_FAIR, K_DONE, K_URGENT_SEEN, K_HEADS = KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15]
 local gateway = ARGV[1]
 local lease_ttl, gw_ttl = tonumber(ARGV[2]), tonumber(ARGV[3])
 local reserve, urgent_max, step = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -112,9 +115,9 @@ local function class_of(priority)
   return 'low'
 end
 
--- A request that leaves the queue unserved (timed out, cancelled, its gateway died) gives
--- its charge back to its tenant's fair share: a tenant is charged for work it got, not for
--- work it asked for and never received. F never falls below V.
+-- Urgent class: a request that leaves unserved (timed out, cancelled, its gateway died)
+-- gives its enqueue-time charge back: a tenant is charged for work it got, not for work it
+-- asked for and never received. F never falls below V.
 local function refund(qi, meta)
   if not meta.tenant or not meta.cost then return end
   local fkey = 'F:' .. qi .. ':' .. meta.tenant
@@ -124,7 +127,7 @@ local function refund(qi, meta)
 end
 
 local function dequeue(queue, req, meta)
-  redis.call('ZREM', queue, req)
+  redis.call('ZREM', queue, meta.member or req)
   redis.call('HDEL', K_META, req)
   if redis.call('HINCRBY', K_DEPTH, class_of(tonumber(meta.priority) or 0), -1) < 0 then
     redis.call('HSET', K_DEPTH, class_of(tonumber(meta.priority) or 0), 0)
@@ -156,44 +159,105 @@ local function gateway_alive(gw)
   return gw == gateway or tonumber(redis.call('HGET', K_GATEWAYS, gw) or '0') >= now
 end
 
--- Hand free slots to waiting requests: urgent queue first, then normal, each in
--- score order. `direct` names the calling request, whose grant is returned to the
--- caller instead of published. Returns that grant's leases JSON, 'none', or nil.
+-- Normal class, one lexicographic zset: members `tenant|PPPPSSSSSSSSSSSSSSSS|request`
+-- (priority + 1000, arrival number), so each tenant's entries are in (priority, arrival)
+-- order, and K_HEADS scores each waiting tenant by its head's start tag: max(V, F[tenant])
+-- plus the priority offset. F advances only when a request is served, so requests that
+-- time out cost their tenant nothing, and its next head is not pushed back.
+local function head_of(t)
+  local first = redis.call('ZRANGEBYLEX', K_QNORMAL, '[' .. t .. '|', '(' .. t .. '}', 'LIMIT', 0, 1)
+  return first[1]
+end
+
+local function start_tag(t)
+  local v = tonumber(redis.call('HGET', K_FAIR, 'V:2') or '0')
+  return math.max(v, tonumber(redis.call('HGET', K_FAIR, 'F:2:' .. t) or '0'))
+end
+
+local function refresh_head(t)
+  local member = head_of(t)
+  if member == nil then
+    redis.call('ZREM', K_HEADS, t)
+    return
+  end
+  local priority = tonumber(string.sub(member, #t + 2, #t + 5)) - 1000
+  local tag = start_tag(t)
+  if step > 0 then redis.call('ZADD', K_HEADS, tag + priority * step, t)
+  else redis.call('ZADD', K_HEADS, priority * 1e12 + tag, t) end
+end
+
+-- What a waiting entry gets now: 'drop' (its waiter gave up, or its gateway died),
+-- 'none' (nothing live can ever serve it), its slots (a list of workers), or nil (wait).
+local function verdict(ws, meta)
+  if (tonumber(meta.deadline) or 0) < now or not gateway_alive(meta.gw or '') then return 'drop' end
+  local excluded = {}
+  for _, id in ipairs(meta.exclude or {}) do excluded[id] = true end
+  if not serviceable(ws, excluded) then return 'none' end
+  return choose(ws, excluded, tonumber(meta.priority) or 0, tonumber(meta.need) or 1)
+end
+
+-- Carry out a verdict that is not nil or 'drop', for an entry already dequeued. The
+-- calling request's own grant is returned (not published); otherwise `result` stays.
+local function deliver(v, req, meta, direct, result)
+  if v == 'none' then
+    if req == direct then return 'none' end
+    publish(meta, req, 'none', '[]')
+    return result
+  end
+  local leases = lease_all(v, req, req == direct and lease_ttl or gw_ttl)
+  if req == direct then return leases end
+  publish(meta, req, 'ok', leases)
+  return result
+end
+
+-- Hand free slots to waiting requests: the urgent queue first (in score order; an entry
+-- blocked only by its excluded workers is skipped), then the normal class, tenant by
+-- tenant in start-tag order. Either stops at the first entry that lacks slots, so later
+-- ones cannot take them. `direct` names the calling request, whose grant is returned.
 local function pump(ws, direct)
   local result = nil
   local free = 0
   for _, w in ipairs(ws) do free = free + math.max(0, w.cap - w.used) end
-  for qi, queue in ipairs({K_QURGENT, K_QNORMAL}) do
-    local window = redis.call('ZRANGE', queue, 0, 63)
-    for _, req in ipairs(window) do
-      if free <= 0 then return result end
-      local meta = cjson.decode(redis.call('HGET', K_META, req) or '{}')
-      local excluded = {}
-      for _, id in ipairs(meta.exclude or {}) do excluded[id] = true end
-      local need = tonumber(meta.need) or 1
-      if (tonumber(meta.deadline) or 0) < now or not gateway_alive(meta.gw or '') then
-        dequeue(queue, req, meta)                     -- its waiter gave up, or its gateway died
-        refund(qi, meta)
-      elseif not serviceable(ws, excluded) then
-        dequeue(queue, req, meta)                     -- nothing live can ever serve it
-        refund(qi, meta)
-        if req == direct then result = 'none' else publish(meta, req, 'none', '[]') end
+  for _, req in ipairs(redis.call('ZRANGE', K_QURGENT, 0, 63)) do
+    if free <= 0 then return result end
+    local meta = cjson.decode(redis.call('HGET', K_META, req) or '{}')
+    local v = verdict(ws, meta)
+    if v == nil then
+      if #(meta.exclude or {}) == 0 then return result end
+    else
+      dequeue(K_QURGENT, req, meta)
+      if v == 'drop' or v == 'none' then
+        refund(1, meta)
       else
-        local picks = choose(ws, excluded, tonumber(meta.priority) or 0, need)
-        if picks ~= nil then
-          dequeue(queue, req, meta)
-          free = free - need
-          local leases = lease_all(picks, req, req == direct and lease_ttl or gw_ttl)
-          if req == direct then result = leases else publish(meta, req, 'ok', leases) end
-          local vkey = 'V:' .. qi
-          if (tonumber(meta.tag) or 0) > tonumber(redis.call('HGET', K_FAIR, vkey) or '0') then
-            redis.call('HSET', K_FAIR, vkey, meta.tag)
-          end
-        elseif #(meta.exclude or {}) == 0 then
-          return result                               -- keep the order: wait for slots
+        free = free - #v
+        if (tonumber(meta.tag) or 0) > tonumber(redis.call('HGET', K_FAIR, 'V:1') or '0') then
+          redis.call('HSET', K_FAIR, 'V:1', meta.tag)
         end
       end
+      if v ~= 'drop' then result = deliver(v, req, meta, direct, result) end
     end
+  end
+  for _ = 1, 256 do
+    if free <= 0 then return result end
+    local top = redis.call('ZRANGE', K_HEADS, 0, 0)
+    if #top == 0 then return result end
+    local t = top[1]
+    local member = head_of(t)
+    if member ~= nil then
+      local req = string.match(member, '[^|]*$')
+      local meta = cjson.decode(redis.call('HGET', K_META, req) or '{}')
+      meta.member = member
+      local v = verdict(ws, meta)
+      if v == nil then return result end
+      dequeue(K_QNORMAL, req, meta)
+      if v ~= 'drop' and v ~= 'none' then
+        free = free - #v
+        local tag = start_tag(t)
+        redis.call('HSET', K_FAIR, 'V:2', tag, 'F:2:' .. t, tag + (tonumber(meta.cost) or 1))
+      end
+      if v ~= 'drop' then result = deliver(v, req, meta, direct, result) end
+    end
+    refresh_head(t)
   end
   return result
 end
@@ -241,30 +305,33 @@ local length = queue_length()
 -- Retries and migrations are never refused for length: they hold a client mid-request.
 if not boost and length >= tonumber(ARGV[11]) then return {'full', length} end
 
-local queue, qi, score, tag = K_QNORMAL, 2, 0, 0
-if boost or is_urgent(priority) then queue, qi = K_QURGENT, 1 end
-if boost then
-  score = -4e15 + now
-else
-  local v = tonumber(redis.call('HGET', K_FAIR, 'V:' .. qi) or '0')
-  local fkey = 'F:' .. qi .. ':' .. tenant
-  tag = math.max(v, tonumber(redis.call('HGET', K_FAIR, fkey) or '0'))
-  redis.call('HSET', K_FAIR, fkey, tag + cost)
-  if step > 0 then score = tag + priority * step else score = priority * 1e12 + tag end
-end
-redis.call('ZADD', queue, score, req)
 local meta = {deadline = now + tonumber(ARGV[10]), exclude = exclude, priority = priority, need = need,
-              gw = gateway, tag = tag}
-if not boost then meta.tenant, meta.cost = tenant, cost end
+              gw = gateway}
+if boost then
+  redis.call('ZADD', K_QURGENT, -4e15 + now, req)
+elseif is_urgent(priority) then
+  -- Urgent class: start-time fair queuing with the tag fixed at arrival (refunded if unserved).
+  local tag = math.max(tonumber(redis.call('HGET', K_FAIR, 'V:1') or '0'),
+                       tonumber(redis.call('HGET', K_FAIR, 'F:1:' .. tenant) or '0'))
+  redis.call('HSET', K_FAIR, 'F:1:' .. tenant, tag + cost)
+  local score = tag + priority * step
+  if step == 0 then score = priority * 1e12 + tag end
+  redis.call('ZADD', K_QURGENT, score, req)
+  meta.tag, meta.tenant, meta.cost = tag, tenant, cost
+else
+  local seq = redis.call('HINCRBY', K_FAIR, 'seq', 1)
+  meta.member = tenant .. '|' .. string.format('%04d%016d', priority + 1000, seq) .. '|' .. req
+  meta.tenant, meta.cost = tenant, cost
+  redis.call('ZADD', K_QNORMAL, 0, meta.member)
+end
 redis.call('HSET', K_META, req, cjson.encode(meta))
 redis.call('HINCRBY', K_DEPTH, class_of(priority), 1)
+if meta.member then refresh_head(tenant) end
 local got = pump(ws, req)
 if got == 'none' then return {'none'} end
 if got ~= nil then return {'granted', got} end
-local rank = redis.call('ZRANK', queue, req)
-if rank == false then return {'none'} end  -- dropped by the scan (cannot happen for a live caller)
-if queue == K_QNORMAL then rank = rank + redis.call('ZCARD', K_QURGENT) end
-return {'queued', rank}
+if redis.call('HEXISTS', K_META, req) == 0 then return {'none'} end  -- dropped (cannot happen to a live caller)
+return {'queued', queue_length() - 1}
 """
 
 #: ARGV 7 lease id. Frees the slot and hands it on to the queue. Returns 1 if the lease existed.
@@ -282,13 +349,17 @@ return freed
 #: {'removed'} | {'granted', leases JSON} (a grant raced in: serve or release it) | {'gone'}.
 CANCEL = _PRELUDE + r"""
 local req, need = ARGV[7], tonumber(ARGV[8])
-for qi, queue in ipairs({K_QURGENT, K_QNORMAL}) do
-  if redis.call('ZSCORE', queue, req) then
-    local meta = cjson.decode(redis.call('HGET', K_META, req) or '{}')
-    dequeue(queue, req, meta)
-    refund(qi, meta)
-    return {'removed'}
+local raw = redis.call('HGET', K_META, req)
+if raw then
+  local meta = cjson.decode(raw)
+  if meta.member then
+    dequeue(K_QNORMAL, req, meta)
+    refresh_head(meta.tenant)
+  else
+    dequeue(K_QURGENT, req, meta)
+    refund(1, meta)
   end
+  return {'removed'}
 end
 local out = {}
 for i = 0, need - 1 do

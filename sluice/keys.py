@@ -14,7 +14,8 @@ carry their own hash tag for the same reason.
     sl:{m}:leases                  zset lease id -> lease expiry (ms); renewed while streaming
     sl:{m}:lease_owner             hash lease id -> worker id holding its slot
     sl:{m}:q:urgent                zset request id -> score (urgent class, retries, migrations)
-    sl:{m}:q:normal                zset request id -> score (everything else)
+    sl:{m}:q:normal                zset, lexicographic: tenant|priority+arrival|request (everything else)
+    sl:{m}:q:normal:heads          zset tenant -> start tag of its first waiting request
     sl:{m}:queue_meta              hash request id -> JSON {deadline, exclude, priority, need, gw, ...}
     sl:{m}:depth                   hash priority class -> requests waiting (for /metrics)
     sl:{m}:grants                  stream of grants, read by one listener per gateway process
@@ -100,6 +101,7 @@ class AdmissionKeys(NamedTuple):
     fair: str
     done: str
     urgent_seen: str
+    heads: str
 
 
 def admission(model: str) -> AdmissionKeys:
@@ -109,7 +111,7 @@ def admission(model: str) -> AdmissionKeys:
         workers=workers(model), alive=alive(model), inflight=inflight(model), leases=leases(model),
         lease_owner=t + ":lease_owner", q_urgent=urgent, q_normal=normal, queue_meta=t + ":queue_meta",
         depth=t + ":depth", grants=grants(model), gateways=t + ":gateways", fair=t + ":fair",
-        done=done(model), urgent_seen=t + ":urgent_seen",
+        done=done(model), urgent_seen=t + ":urgent_seen", heads=normal + ":heads",
     )
 
 

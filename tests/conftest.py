@@ -16,6 +16,7 @@ import redis
 
 from sluice import keys
 from sluice.embedded_redis import EmbeddedCluster, EmbeddedRedis, free_port
+from sluice.processes import child_preexec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,7 +51,7 @@ class Proc:
         # Own process group, so kill() also takes vLLM's engine processes with it.
         self.process = subprocess.Popen(
             argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=child_preexec,  # dies with the test run, even a killed one
         )
         self.url = ""
 

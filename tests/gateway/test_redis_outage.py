@@ -28,15 +28,21 @@ def test_redis_outage_and_recovery(private_redis, start_worker, start_gateway) -
     worker = start_worker(model, redis_at=server.url, sim_token_ms=10, sim_ttft_ms=0)
     gateway = start_gateway(redis_at=server.url)
     result: dict[str, object] = {}
+    streaming = threading.Event()
 
     def stream() -> None:
         body = {"model": model, "prompt": "outage", "max_tokens": 150, "ignore_eos": True, "stream": True}
+        lines = result["lines"] = []
         with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=30) as resp:
-            result["lines"] = [ln for ln in resp.iter_lines() if ln.startswith("data: ")]
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)  # type: ignore[attr-defined]
+                    streaming.set()
+        streaming.set()
 
     thread = threading.Thread(target=stream)
     thread.start()
-    time.sleep(0.3)
+    assert streaming.wait(10), "the stream never started"
     server.stop()
 
     started = time.monotonic()

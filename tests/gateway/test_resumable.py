@@ -132,7 +132,7 @@ async def test_reattached_readers_do_not_hold_a_redis_connection_each(
     start_worker("resume-many", sim_token_ms=40, sim_ttft_ms=0)
     gateway = start_gateway()
     key = uuid.uuid4().hex
-    body = {**BODY, "model": "resume-many", "max_tokens": 300}  # 12 s
+    body = {**BODY, "model": "resume-many", "max_tokens": 500}  # 20 s: time for 300 readers on 2 busy cores
     readers = 300
     produced: asyncio.Queue[bool] = asyncio.Queue()  # True per event the first client gets, then False
     arriving = asyncio.Semaphore(8)
@@ -180,7 +180,7 @@ async def test_reattached_readers_do_not_hold_a_redis_connection_each(
         streams = await asyncio.gather(*tasks)
     assert len(samples) >= 10, "the stream ended before the readers were all attached"
     assert max(samples) <= 16, samples
-    assert [i for i, _ in whole if i is not None] == list(range(1, 301))
+    assert [i for i, _ in whole if i is not None] == list(range(1, 501))
     assert whole[-1][1] == "[DONE]"
     assert all(stream == whole for stream in streams)
 
