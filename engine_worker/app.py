@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 from typing import TYPE_CHECKING
 
 import orjson
@@ -16,6 +17,7 @@ from engine_worker.metrics import metrics_text
 from engine_worker.protocol import GenerateRequest
 from engine_worker.stream import NDJSONStream
 from sluice.errors import (
+    AuthenticationFailed,
     InvalidRequest,
     ModelNotFound,
     SluiceError,
@@ -37,8 +39,19 @@ def create_app(worker: Worker) -> FastAPI:
     async def _sluice_error(request: Request, exc: SluiceError) -> Response:
         return error_response(exc)
 
+    token = worker.settings.internal_token
+
+    def check_caller(request: Request) -> None:
+        """Only gateways holding the shared secret may generate or read metrics."""
+        if token is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            raise AuthenticationFailed("this worker answers gateways only (internal token missing or wrong)")
+
     @app.post("/internal/generate", response_model=None)
     async def generate(request: Request) -> NDJSONStream:
+        check_caller(request)
         if worker.draining:
             raise Unavailable("worker is draining", retry_after_s=1)
         try:
@@ -65,7 +78,8 @@ def create_app(worker: Worker) -> FastAPI:
         return Response(orjson.dumps(body), status_code=status, media_type="application/json")
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        check_caller(request)
         return Response(metrics_text(worker), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -17,6 +17,8 @@ class WorkerSettings(RedisSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8100, ge=0, le=65535)
+    #: Serve /internal/generate on a non-loopback address without SLUICE_INTERNAL_TOKEN.
+    allow_open: bool = False
     #: URL the gateways use to reach this worker; default http://host:port.
     advertise_url: str | None = None
     worker_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")

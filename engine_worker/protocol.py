@@ -29,7 +29,7 @@ class GenerateRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = None
     seed: int | None = None
-    stop: list[str] = Field(default_factory=list)
+    stop: list[str] = Field(default_factory=list, max_length=16)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -38,11 +38,11 @@ class GenerateRequest(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     #: Log-probabilities per token: None = off, k = the sampled token plus the top k.
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    priority: int = 0
+    priority: int = Field(default=0, ge=-1000, le=1000)
     #: W3C trace context for the engine; set by the worker from its own span, never sent.
     trace_headers: dict[str, str] | None = Field(default=None, exclude=True)
     #: Token ids already delivered to the client by an earlier worker (migration).
-    resume_token_ids: list[int] = Field(default_factory=list)
+    resume_token_ids: list[int] = Field(default_factory=list, max_length=1_000_000)
     #: Characters of text the client already has for those ids. An engine may hold text
     #: back (a possible stop string, a partial UTF-8 character) while sending the ids;
     #: the resuming worker emits that held-back text first.

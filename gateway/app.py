@@ -19,6 +19,7 @@ import httpx
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from redis.asyncio import Redis
@@ -113,7 +114,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         finally:
             await services.aclose()
 
-    app = FastAPI(title="Sluice", version="0.1.0", lifespan=lifespan)
+    # /docs and /openapi.json are routes of ours: behind the API key once keys exist.
+    app = FastAPI(title="Sluice", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.add_middleware(RequestIdMiddleware)
     _install_error_handlers(app)
 
@@ -153,8 +156,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics(request: Request) -> Response:
-        _check_admin(request, settings)
         s = svc(request)
+        _check_admin(request, settings, await s.tenancy.enforced())
         for model in await s.redis.smembers(keys.MODELS):
             name = model.decode()
             for cls, depth in (await s.admission.queue_depths(name)).items():
@@ -172,14 +175,26 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
+        await svc(request).tenancy.authenticate(request.headers.get("authorization"))
         models = await svc(request).admission.live_models()
         return _json({"object": "list", "data": [_model_card(m) for m in models]})
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str, request: Request) -> Response:
+        await svc(request).tenancy.authenticate(request.headers.get("authorization"))
         if await svc(request).admission.live_workers(model) == 0:
             raise ModelNotFound(f"The model '{model}' does not exist", param="model")
         return _json(_model_card(model))
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_json(request: Request) -> Response:
+        await svc(request).tenancy.authenticate(request.headers.get("authorization"))
+        return _json(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(request: Request) -> Response:
+        await svc(request).tenancy.authenticate(request.headers.get("authorization"))
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="Sluice API")
 
     @app.get("/health")
     async def health() -> Response:
@@ -215,12 +230,16 @@ def _json(obj: object, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
-def _check_admin(request: Request, settings: GatewaySettings) -> None:
-    """/metrics: the admin key when one is configured, else loopback clients only."""
+def _check_admin(request: Request, settings: GatewaySettings, keys_enforced: bool) -> None:
+    """/metrics: the admin key when one is configured. Without one, only an open gateway
+    (no API keys) answers, and only loopback clients: a gateway with API keys never
+    trusts an address, since a local reverse proxy makes every client look local."""
     if settings.admin_key:
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {settings.admin_key}".encode()):
             raise AuthenticationFailed("this endpoint needs the admin key")
+    elif keys_enforced:
+        raise AuthenticationFailed("this gateway has API keys: set SLUICE_GATEWAY_ADMIN_KEY to read /metrics")
     elif request.client is None or not is_loopback(request.client.host):
         raise AuthenticationFailed("this endpoint answers loopback clients only (or set an admin key)")
 
@@ -310,10 +329,32 @@ async def _parse(request: Request, model: type[M], limit: int) -> tuple[M, bytes
         raise InvalidRequest("request body is not valid JSON") from None
     if not isinstance(obj, dict):
         raise InvalidRequest("request body must be a JSON object")
+    if _depth(obj) > MAX_JSON_DEPTH:
+        raise InvalidRequest(f"request body nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         return model.model_validate(obj), body
     except ValidationError as exc:
         raise _validation_error(exc.errors()) from None
+
+
+#: Deeper JSON is refused: orjson refuses to write what it read past its own limit, and no
+#: OpenAI request (tool schemas included) comes near this.
+MAX_JSON_DEPTH = 64
+
+
+def _depth(obj: object) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        node, level = stack.pop()
+        deepest = max(deepest, level)
+        if deepest > MAX_JSON_DEPTH:
+            return deepest
+        if isinstance(node, dict):
+            stack.extend((v, level + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, level + 1) for v in node)
+    return deepest
 
 
 def _validation_error(errors: Any) -> InvalidRequest:

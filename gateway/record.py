@@ -32,6 +32,9 @@ class RequestRecord:
     metrics: GatewayMetrics
     span: Span
     model: str = "-"
+    #: The metrics' model label: "unknown" until admission has seen the model exist, so
+    #: invented model names cannot add label values (series) to /metrics.
+    model_label: str = "unknown"
     #: Choices per prompt: the prompt is billed once per prompt, not once per choice.
     n: int = 1
     priority: int = 0
@@ -55,6 +58,10 @@ class RequestRecord:
         metrics.in_flight.inc()
         return cls(request_id=request_id, metrics=metrics, span=span)
 
+    def known_model(self) -> None:
+        """Admission found the model: from now on it may be a metrics label."""
+        self.model_label = self.model
+
     def describe(self, model: str, n: int, priority: int, key_id: str | None) -> None:
         self.model, self.n, self.priority, self.key_id = model, n, priority, key_id or "-"
         self.span.set_attributes({"gen_ai.request.model": model, "sluice.priority": priority,
@@ -77,7 +84,7 @@ class RequestRecord:
             self.first_token_s = now - self.started
             self.span.add_event("first_token")
         else:
-            self.metrics.itl.labels(self.model).observe(now - self._last_line)
+            self.metrics.itl.labels(self.model_label).observe(now - self._last_line)
         self._last_line = now
         self.completion_tokens += len(line.get("ids", ()))
         usage = line.get("usage")
@@ -98,7 +105,7 @@ class RequestRecord:
         if self._done:
             return
         self._done = True
-        m, model = self.metrics, self.model
+        m, model = self.metrics, self.model_label
         total = time.monotonic() - self.started
         if isinstance(status, SluiceError):
             error: SluiceError | None = status

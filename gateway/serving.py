@@ -52,17 +52,17 @@ class Serving:
         self._idempotency = idempotency
         self._redis = redis
         self._producers: set[asyncio.Task[None]] = set()
-        self._unknown_logged: set[str] = set()
 
     async def serve(self, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext) -> Response:
         """A chat or text completion, as one JSON body or an SSE stream."""
         return await self._serve("chat" if isinstance(req, ChatCompletionRequest) else "text", req, ctx)
 
     def _note_unknown(self, req: ChatCompletionRequest | CompletionRequest) -> None:
-        for name in req.unknown_fields():
-            if name not in self._unknown_logged:
-                self._unknown_logged.add(name)
-                log.info("ignoring unknown request field %r (logged once)", name)
+        """One capped log line per request that carries fields we do not know."""
+        names = req.unknown_fields()
+        if names:
+            shown = ", ".join(sorted(names)[:8])[:200]
+            log.info("ignoring %d unknown request field(s): %s%s", len(names), shown, " ..." if len(names) > 8 else "")
 
     async def _serve(
         self,

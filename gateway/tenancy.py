@@ -160,6 +160,10 @@ class Tenancy:
                 except (RedisError, OSError) as exc:
                     log.warning("concurrency renewal for key %s failed: %s", prefix, exc)
 
+    async def enforced(self) -> bool:
+        """Whether callers need an API key (never turns back off in a process's life)."""
+        return await self._enforced()
+
     async def check_startup(self) -> None:
         """Refuse an unauthenticated gateway on a non-loopback address unless allowed."""
         enforced = self._s.auth == "keys" or (self._s.auth == "auto" and await self.keys.any_keys())
@@ -177,9 +181,13 @@ class Tenancy:
         if self._s.auth != "auto":
             return self._s.auth == "keys"
         checked, present = self._keys_seen
+        if present:
+            return True  # once keys were seen, they stay enforced for this process's life
         if time.monotonic() - checked > 2.0:
             present = await self.keys.any_keys()
             self._keys_seen = (time.monotonic(), present)
+            if present:
+                log.info("API keys exist: authentication is enforced from now on")
         return present
 
     async def authenticate(self, authorization: str | None) -> ApiKey | None:

@@ -29,6 +29,7 @@ from gateway.config import GatewaySettings
 from gateway.context import RequestContext
 from sluice.errors import (
     DeadlineExceeded,
+    ModelNotFound,
     SluiceError,
     Unavailable,
     UpstreamFailed,
@@ -128,6 +129,7 @@ class Dispatcher:
         self._settings = settings
         self._admission = admission
         self._http = http
+        self._auth = {"authorization": f"Bearer {settings.internal_token}"} if settings.internal_token else {}
 
     async def release(self, lease: Lease) -> None:
         await self._admission.release(lease)
@@ -140,12 +142,19 @@ class Dispatcher:
         waited = time.monotonic()
         with tracer.start_as_current_span("queue.wait", context=ctx.record.context()) as queue_span:
             queue_span.set_attribute("sluice.priority", ctx.priority)
-            leases = await self._admission.acquire(
-                Ask(model=model, request_id=request_id, priority=ctx.priority, need=need,
-                    timeout_s=max(0.001, min(self._settings.queue_timeout_s, ctx.remaining_s())),
-                    tenant=ctx.tenant, cost=cost, boost=boost, exclude=tuple(exclude)),
-                ctx.disconnected,
-            )
+            try:
+                leases = await self._admission.acquire(
+                    Ask(model=model, request_id=request_id, priority=ctx.priority, need=need,
+                        timeout_s=max(0.001, min(self._settings.queue_timeout_s, ctx.remaining_s())),
+                        tenant=ctx.tenant, cost=cost, boost=boost, exclude=tuple(exclude)),
+                    ctx.disconnected,
+                )
+            except ModelNotFound:
+                raise
+            except SluiceError:
+                ctx.record.known_model()  # full, timed out, no live worker: the model exists
+                raise
+            ctx.record.known_model()
             queue_span.set_attribute("sluice.worker_id", ",".join(sorted({x.worker_id for x in leases})))
         ctx.record.queued(time.monotonic() - waited)
         return leases
@@ -205,7 +214,7 @@ class Dispatcher:
         ttft_s = max(0.0, min(s.ttft_timeout_s, deadline - time.monotonic()))
         request = self._http.build_request(
             "POST", lease.url + "/internal/generate", content=body,
-            headers={"content-type": "application/json", **inject(trace.set_span_in_context(span))},
+            headers={"content-type": "application/json", **self._auth, **inject(trace.set_span_in_context(span))},
         )
         upstream: Upstream | None = None
         try:
@@ -214,6 +223,9 @@ class Dispatcher:
                 upstream = Upstream(self._admission, lease, response, span)
                 if response.status_code != 200:
                     detail = await response.aread()
+                    if response.status_code in (401, 403):
+                        log.error("worker %s refused this gateway: SLUICE_INTERNAL_TOKEN differs", lease.worker_id)
+                        raise _Retryable("the worker refused this gateway's internal token")
                     if response.status_code >= 500 or response.status_code == 404:
                         raise _Retryable(f"worker answered {response.status_code}")
                     raise from_body(response.status_code, detail)

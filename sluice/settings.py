@@ -12,6 +12,11 @@ class RedisSettings(BaseSettings):
         default="redis://127.0.0.1:6379/0",
         validation_alias=AliasChoices("SLUICE_REDIS_URL", "redis_url"),
     )
+    #: Shared secret gateways present to workers (``Authorization: Bearer``) on
+    #: /internal/generate and /metrics. ``sluice up`` makes one for its children.
+    internal_token: str | None = Field(
+        default=None, validation_alias=AliasChoices("SLUICE_INTERNAL_TOKEN", "internal_token"),
+    )
     #: Connections each process keeps to each Redis server; past it, commands wait for one.
     redis_max_connections: int = Field(
         default=64, ge=4,

@@ -19,6 +19,7 @@ import yaml
 
 from engine_worker.config import WorkerSettings
 from gateway.config import GatewaySettings
+from sluice.settings import RedisSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAFANA = ROOT / "deploy/grafana"
@@ -154,7 +155,8 @@ def test_stop_grace_covers_drain_and_shutdown() -> None:
 def test_settings_named_in_the_environment_exist() -> None:
     known = {f"SLUICE_GATEWAY_{f.upper()}" for f in GatewaySettings.model_fields}
     known |= {f"SLUICE_WORKER_{f.upper()}" for f in WorkerSettings.model_fields}
-    known |= {"SLUICE_REDIS_URL", "SLUICE_REDIS_MAX_CONNECTIONS"}
+    known |= {alias for field in RedisSettings.model_fields.values()  # shared settings, by alias
+              for alias in getattr(field.validation_alias, "choices", ()) if str(alias).startswith("SLUICE_")}
     for name, service in _compose()["services"].items():
         for var in service.get("environment", {}):
             assert not var.startswith("SLUICE_") or var in known, f"{name}: {var}"
@@ -190,7 +192,10 @@ def test_prometheus_targets_match_the_services() -> None:
     (sd,) = jobs["sluice-worker"]["dns_sd_configs"]
     assert set(sd["names"]) == set(workers)
     assert {int(_arg(s["command"], "--port")) for s in workers.values()} == {sd["port"]}
-    assert "authorization" not in jobs["sluice-worker"]
+    # Workers' /metrics want the internal token every Sluice service shares.
+    tokens = {s["environment"]["SLUICE_INTERNAL_TOKEN"] for s in _sluice_services(services).values()}
+    assert len(tokens) == 1
+    assert jobs["sluice-worker"]["authorization"]["credentials"] == tokens.pop()
 
 
 def test_referenced_files_exist() -> None:

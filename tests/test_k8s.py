@@ -27,6 +27,7 @@ import yaml
 
 from engine_worker.config import WorkerSettings
 from gateway.config import GatewaySettings
+from sluice.settings import RedisSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy/k8s"
@@ -363,7 +364,8 @@ def check_settings(docs: list[Doc]) -> list[str]:
     """Every SLUICE_* variable names a real setting, so a typo cannot silently do nothing."""
     known = {f"SLUICE_GATEWAY_{f.upper()}" for f in GatewaySettings.model_fields}
     known |= {f"SLUICE_WORKER_{f.upper()}" for f in WorkerSettings.model_fields}
-    known |= {"SLUICE_REDIS_URL", "SLUICE_REDIS_MAX_CONNECTIONS"}
+    known |= {alias for field in RedisSettings.model_fields.values()  # shared settings, by alias
+              for alias in getattr(field.validation_alias, "choices", ()) if str(alias).startswith("SLUICE_")}
     return [f"{c['name']}: unknown setting {name}" for d in workloads(docs) for c in containers(d)
             for name in env(c) if name.startswith("SLUICE_") and name not in known]
 
@@ -518,4 +520,5 @@ def test_prometheus_scrape_config_finds_the_pods() -> None:
         assert port_number(containers(pod)[0], keep[("__meta_kubernetes_pod_container_port_name",)]), name
     secret_key = env(_gateway(docs))["SLUICE_GATEWAY_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]["key"]
     assert jobs["sluice-gateway"]["authorization"]["credentials_file"].endswith("/" + secret_key)
-    assert "authorization" not in jobs["sluice-worker"]
+    token_key = env(_gateway(docs))["SLUICE_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"]["key"]
+    assert jobs["sluice-worker"]["authorization"]["credentials_file"].endswith("/" + token_key)

@@ -57,13 +57,30 @@ def _prompts(count: int) -> list[str]:
     return [f"[{salt}-{i}] Write a few sentences about {TOPICS[i % len(TOPICS)]}." for i in range(count)]
 
 
+class _Timing:
+    """One stream's time to first chunk, and the gaps between its chunks (into ``gaps``)."""
+
+    def __init__(self, gaps: list[float]) -> None:
+        self.started = self._last = time.perf_counter()
+        self.ttft = 0.0
+        self._gaps = gaps
+
+    def chunk(self) -> None:
+        now = time.perf_counter()
+        if not self.ttft:
+            self.ttft = now - self.started
+        else:
+            self._gaps.append(now - self._last)
+        self._last = now
+
+
 async def _direct_one(
     client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int, gaps: list[float]
 ) -> tuple[float, int]:
     body = {"request_id": uuid.uuid4().hex, "model": model, "prompt": prompt,
             "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
-    started = last = time.perf_counter()
-    ttft, tokens, buffer = 0.0, 0, b""
+    clock = _Timing(gaps)
+    tokens, buffer = 0, b""
     async with client.stream("POST", url + "/internal/generate", json=body) as resp:
         resp.raise_for_status()
         async for chunk in resp.aiter_raw():
@@ -75,14 +92,9 @@ async def _direct_one(
                 data = orjson.loads(line)
                 if "error" in data:
                     raise RuntimeError(data["error"]["message"])
-                now = time.perf_counter()
-                if not ttft:
-                    ttft = now - started
-                else:
-                    gaps.append(now - last)
-                last = now
+                clock.chunk()
                 tokens += len(data["ids"])
-    return ttft, tokens
+    return clock.ttft, tokens
 
 
 async def _gateway_one(
@@ -90,8 +102,8 @@ async def _gateway_one(
 ) -> tuple[float, int]:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    started = last = time.perf_counter()
-    ttft, tokens = 0.0, 0
+    clock = _Timing(gaps)
+    tokens = 0
     async with client.stream("POST", url + "/v1/completions", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
@@ -101,15 +113,10 @@ async def _gateway_one(
             if "error" in data:
                 raise RuntimeError(data["error"]["message"])
             if data["choices"]:
-                now = time.perf_counter()
-                if not ttft:
-                    ttft = now - started
-                else:
-                    gaps.append(now - last)
-                last = now
+                clock.chunk()
             if data.get("usage"):
                 tokens = data["usage"]["completion_tokens"]
-    return ttft, tokens
+    return clock.ttft, tokens
 
 
 async def run_load(path: str, url: str, model: str, concurrency: int, requests: int, max_tokens: int) -> RunResult:

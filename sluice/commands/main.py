@@ -146,8 +146,16 @@ def main(argv: list[str] | None = None) -> None:
             )
             from sluice.models import ModelError
 
+            from gateway.tenancy import is_loopback
+
+            settings = WorkerSettings(**fields)
+            if settings.internal_token is None and not is_loopback(settings.host) and not settings.allow_open:
+                print(f"sluice worker: refusing to serve {settings.host}:{settings.port} to anyone: set "
+                      "SLUICE_INTERNAL_TOKEN (the same on gateways and workers), or "
+                      "SLUICE_WORKER_ALLOW_OPEN=true on a network only gateways reach", file=sys.stderr)
+                sys.exit(2)
             try:
-                worker = Worker(WorkerSettings(**fields))
+                worker = Worker(settings)
             except ModelError as exc:
                 print(f"sluice worker: {exc}", file=sys.stderr)
                 sys.exit(2)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -150,6 +151,8 @@ class Supervisor:
         except ModelError as exc:
             print(f"sluice up: {exc}", file=sys.stderr)
             return 2
+        # Workers answer only gateways that hold this secret; every child inherits it.
+        os.environ.setdefault("SLUICE_INTERNAL_TOKEN", secrets.token_urlsafe(32))
         redis_url = o.redis_url
         if redis_url is None:
             self.redis = EmbeddedRedis().start()

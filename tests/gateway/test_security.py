@@ -1,0 +1,137 @@
+"""Hardening: auth that never fails open, workers that answer gateways only, bounded
+metrics labels and logs, and malformed input that is a 400, never a 500.
+
+Against a private Redis: API keys there would switch the shared stack to authenticated."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import redis
+
+from sluice.embedded_redis import EmbeddedRedis
+from tests.conftest import ROOT
+
+TOKEN = "t0ken-for-tests"
+
+
+@pytest.fixture(scope="module")
+def secure_redis():
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def secure(secure_redis, start_worker, start_gateway):
+    env = {"SLUICE_INTERNAL_TOKEN": TOKEN}
+    worker = start_worker("secure", redis_at=secure_redis, env=env, sim_token_ms=0, sim_ttft_ms=0)
+    gateway = start_gateway(redis_at=secure_redis, env=env)
+    result = subprocess.run([sys.executable, "-m", "sluice", "keys", "create", "--name", "sec",
+                             "--redis-url", secure_redis], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    key = result.stdout.strip()
+    deadline = time.monotonic() + 10
+    while httpx.post(gateway.url + "/v1/completions", json={"model": "secure", "prompt": "x"}).status_code != 401:
+        assert time.monotonic() < deadline, "keys never enforced"
+        time.sleep(0.1)
+    return worker, gateway, key
+
+
+def _complete(url: str, key: str | None = None, **body: object) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(url + "/v1/completions", headers=headers, timeout=30,
+                      json={"model": "secure", "prompt": "x", "max_tokens": 2, **body})
+
+
+def test_keys_stay_enforced_after_redis_loses_them(secure, secure_redis) -> None:
+    """Regression: after FLUSHALL (or a restart without persistence) the gateway served
+    everyone without a key."""
+    _, gateway, key = secure
+    assert _complete(gateway.url, key).status_code == 200
+    client = redis.Redis.from_url(secure_redis)
+    try:
+        client.flushall()
+        time.sleep(2.5)  # past the gateway's 2 s re-check of whether keys exist
+        assert _complete(gateway.url).status_code == 401
+    finally:
+        client.close()
+    # The key itself is gone too: every call fails closed until the keys are restored.
+    assert _complete(gateway.url, key).status_code == 401
+
+
+def test_models_docs_and_metrics_need_credentials_once_keys_exist(secure) -> None:
+    _, gateway, _ = secure
+    for path in ("/v1/models", "/v1/models/secure", "/openapi.json", "/docs"):
+        assert httpx.get(gateway.url + path).status_code == 401, path
+    metrics = httpx.get(gateway.url + "/metrics")  # loopback, but keys exist and no admin key is set
+    assert metrics.status_code == 401 and "SLUICE_GATEWAY_ADMIN_KEY" in metrics.json()["error"]["message"]
+
+
+def test_workers_answer_gateways_only(secure) -> None:
+    worker, _, _ = secure
+    body = {"request_id": "r1", "model": "secure", "prompt": "x", "max_tokens": 2}
+    assert httpx.post(worker.url + "/internal/generate", json=body).status_code == 401
+    assert httpx.get(worker.url + "/metrics").status_code == 401
+    wrong = httpx.post(worker.url + "/internal/generate", json=body, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+    right = httpx.post(worker.url + "/internal/generate", json=body, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert right.status_code == 200
+    assert httpx.get(worker.url + "/health").status_code == 200  # probes stay open
+
+
+def test_worker_caps_are_checked_on_the_worker(secure) -> None:
+    worker, _, _ = secure
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    for extra in ({"stop": ["x"] * 100}, {"priority": -10**9}):
+        body = {"request_id": "r2", "model": "secure", "prompt": "x", "max_tokens": 2, **extra}
+        assert httpx.post(worker.url + "/internal/generate", json=body, headers=auth).status_code == 400, extra
+
+
+def test_a_gateway_without_the_token_gets_503_not_401(secure_redis, secure, start_gateway) -> None:
+    stranger = start_gateway(redis_at=secure_redis)
+    _, _, key = secure
+    resp = _complete(stranger.url, key)
+    assert resp.status_code == 503, resp.text
+
+
+def test_worker_on_a_public_address_needs_the_token() -> None:
+    result = subprocess.run([sys.executable, "-m", "sluice", "worker", "--host", "0.0.0.0", "--port", "0",
+                             "--redis-url", "redis://127.0.0.1:1/0"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=60,
+                            env={k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")})
+    assert result.returncode == 2 and "SLUICE_INTERNAL_TOKEN" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_deeply_nested_json_is_400(stack) -> None:
+    """Regression: 300 levels passed validation and crashed orjson.dumps when forwarded (500)."""
+    nested: object = "x"
+    for _ in range(300):
+        nested = [nested]
+    body = {"model": "sim", "messages": [{"role": "user", "content": "hi", "extra": nested}]}
+    resp = httpx.post(stack.url + "/v1/chat/completions", content=json.dumps(body),
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == 400 and "nests deeper" in resp.json()["error"]["message"]
+
+
+def test_invented_model_names_add_no_metric_series(stack) -> None:
+    """Regression: every request's model string became a Prometheus label (50 names, 1,600 series)."""
+    for i in range(50):
+        assert httpx.post(stack.url + "/v1/completions", json={"model": f"invented-{i}", "prompt": "x"}).status_code == 404
+    text = httpx.get(stack.url + "/metrics").text
+    assert "invented-" not in text
+    assert 'model="unknown"' in text
+
+
+def test_unknown_fields_are_logged_once_per_request_and_capped(stack) -> None:
+    """Regression: a request with 20,000 unknown fields produced 20,000 log lines."""
+    body = {"model": "sim", "prompt": "x", "max_tokens": 1, **{f"field_{i}": i for i in range(2000)}}
+    before = stack.log_path.read_text().count("unknown request field")
+    assert httpx.post(stack.url + "/v1/completions", json=body).status_code == 200
+    time.sleep(0.2)
+    lines = [ln for ln in stack.log_path.read_text().splitlines() if "unknown request field" in ln]
+    assert len(lines) - before == 1 and len(lines[-1]) < 600
