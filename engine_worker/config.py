@@ -35,6 +35,8 @@ class WorkerSettings(RedisSettings):
     sim_max_seqs: int = Field(default=64, ge=1)
     #: sim fault injection: the first N requests fail before their first token (worker 500).
     sim_fail_first: int = Field(default=0, ge=0)
+    #: sim fault injection: a prompt containing this text kills the worker process.
+    sim_crash_on: str | None = None
     #: vLLM: context length (prompt + completion).
     vllm_max_model_len: int = Field(default=2048, ge=16)
     #: vLLM: sequences batched at once; also the capacity this worker advertises.

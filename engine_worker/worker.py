@@ -39,6 +39,7 @@ def build_engine(settings: WorkerSettings) -> Engine:
             token_ms=settings.sim_token_ms,
             max_seqs=settings.sim_max_seqs,
             fail_first=settings.sim_fail_first,
+            crash_on=settings.sim_crash_on,
         )
     model_dir = resolve(settings.model)
     if settings.engine == "vllm":

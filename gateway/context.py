@@ -44,8 +44,17 @@ class RequestContext:
     headers: dict[str, str] = field(default_factory=dict)
     #: Whether the Idempotency-Key's outcome (done or forgotten) has been written.
     stream_settled: bool = False
+    #: Workers whose connection broke while serving this request (see lost_a_worker).
+    workers_lost: int = 0
     #: Usage, timings, access log, metrics and trace span of this request.
     record: RequestRecord = field(default=None)  # type: ignore[assignment]
+
+    def lost_a_worker(self) -> bool:
+        """Count a worker that broke off while serving this request (its connection died).
+        False from the second on: a request that kills workers is not handed to a third
+        (a query of death)."""
+        self.workers_lost += 1
+        return self.workers_lost < 2
 
     def take_charge(self) -> Charge | None:
         """The charge to settle, exactly once: every later call gets None."""

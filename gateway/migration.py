@@ -16,7 +16,7 @@ from typing import Any
 
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
-from gateway.upstream import Dispatcher, Line, Upstream
+from gateway.upstream import Dispatcher, Line, Upstream, query_of_death
 from sluice.errors import DeadlineExceeded, SluiceError, UpstreamFailed
 
 log = logging.getLogger("sluice.gateway")
@@ -60,6 +60,8 @@ class Migrator:
                     yield index, line
                 return
             except (UpstreamFailed, DeadlineExceeded) as exc:
+                if exc.code == "worker_lost" and not ctx.lost_a_worker():
+                    raise query_of_death() from None
                 if not self._may_migrate(exc, len(failed), ctx):
                     raise
                 failed.append(upstream.worker_id)

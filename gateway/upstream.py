@@ -44,7 +44,17 @@ Line = dict[str, Any]
 
 
 class _Retryable(Exception):
-    """This attempt failed in a way another worker may not."""
+    """This attempt failed in a way another worker may not. ``lost``: the worker's
+    connection died (a crash, perhaps caused by this very request)."""
+
+    def __init__(self, reason: str, *, lost: bool = False) -> None:
+        super().__init__(reason)
+        self.lost = lost
+
+
+def query_of_death() -> UpstreamFailed:
+    return UpstreamFailed("two workers died while serving this request; it is not sent to another",
+                          code="query_of_death")
 
 
 class Upstream:
@@ -85,7 +95,7 @@ class Upstream:
         line = self.first
         while True:
             if line is None:
-                raise UpstreamFailed("the worker closed the stream before it finished")
+                raise UpstreamFailed("the worker closed the stream before it finished", code="worker_lost")
             if "error" in line:
                 raise _error_line(line)
             yield line
@@ -101,7 +111,7 @@ class Upstream:
                     f"no token for {stall_timeout_s:g}s from the worker", code="stall_timeout"
                 ) from None
             except (httpx.TransportError, orjson.JSONDecodeError) as exc:
-                raise UpstreamFailed(f"the worker stream broke: {type(exc).__name__}") from None
+                raise UpstreamFailed(f"the worker stream broke: {type(exc).__name__}", code="worker_lost") from None
 
     async def aclose(self) -> None:
         if self._closed:
@@ -194,6 +204,10 @@ class Dispatcher:
                 return upstream
             except _Retryable as exc:
                 reason = str(exc)
+                if exc.lost and not ctx.lost_a_worker():
+                    log.error("request %s: worker %s died too; not retrying a probable query of death",
+                              ctx.request_id, lease.worker_id)
+                    raise query_of_death() from None
                 record.span.add_event("retry", {"sluice.worker_id": lease.worker_id, "sluice.reason": reason})
                 log.warning(
                     "attempt %d/%d on worker %s failed before the first token: %s",
@@ -231,7 +245,7 @@ class Dispatcher:
                     raise from_body(response.status_code, detail)
                 upstream.first = await upstream._read_line(ttft_s)
             if upstream.first is None:
-                raise _Retryable("worker closed the stream before the first token")
+                raise _Retryable("worker closed the stream before the first token", lost=True)
             if "error" in upstream.first:
                 raise _Retryable(f"worker error before the first token: {_error_line(upstream.first)}")
             return upstream
@@ -243,7 +257,8 @@ class Dispatcher:
             raise _Retryable(f"no first token within {ttft_s:g}s") from None
         except httpx.TransportError as exc:
             await _close(upstream, lease, self._admission, span)
-            raise _Retryable(f"{type(exc).__name__} talking to the worker") from None
+            raise _Retryable(f"{type(exc).__name__} talking to the worker",
+                             lost=not isinstance(exc, httpx.ConnectError)) from None
         except BaseException:
             await _close(upstream, lease, self._admission, span)
             raise

@@ -30,14 +30,27 @@ def as_token_ids(encoded: Any) -> list[int]:
 
 
 def prompt_token_ids(tokenizer: Any, request: GenerateRequest) -> list[int]:
-    """The model's chat template for ``messages``, plain encoding for ``prompt``."""
-    if request.messages is not None:
-        return as_token_ids(
-            tokenizer.apply_chat_template(
-                chat_messages(request.messages), add_generation_prompt=True, tokenize=True
+    """The model's chat template for ``messages``, plain encoding for ``prompt``.
+
+    A template that refuses the conversation (``raise_exception``: roles that do not
+    alternate, say) or a tokenizer that refuses the text is the client's error: a 400
+    that no other worker is tried for, not an engine failure.
+    """
+    from jinja2 import TemplateError
+
+    param = "messages" if request.messages is not None else "prompt"
+    try:
+        if request.messages is not None:
+            return as_token_ids(
+                tokenizer.apply_chat_template(
+                    chat_messages(request.messages), add_generation_prompt=True, tokenize=True
+                )
             )
-        )
-    return as_token_ids(tokenizer.encode(request.prompt or ""))
+        return as_token_ids(tokenizer.encode(request.prompt or ""))
+    except TemplateError as exc:
+        raise InvalidRequest(f"the model's chat template refused these messages: {exc}", param=param) from None
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequest(f"the tokenizer refused this input: {exc}", param=param) from None
 
 
 def completion_budget(request: GenerateRequest, prompt_len: int, context_len: int) -> int:

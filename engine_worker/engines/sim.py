@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -87,11 +88,15 @@ class SimEngine:
     name = "sim"
 
     def __init__(
-        self, *, ttft_ms: float = 20.0, token_ms: float = 5.0, max_seqs: int = 64, fail_first: int = 0
+        self, *, ttft_ms: float = 20.0, token_ms: float = 5.0, max_seqs: int = 64, fail_first: int = 0,
+        crash_on: str | None = None,
     ) -> None:
         self.capacity = max_seqs
         #: Fault injection: this many requests fail before their first token.
         self._fail_left = fail_first
+        #: Fault injection: a prompt containing this text kills the whole worker process
+        #: (as an engine crash would): a "query of death".
+        self._crash_on = crash_on
         self._ttft_s = ttft_ms / 1000
         self._token_s = token_ms / 1000
         self._waiting: deque[_Seq] = deque()
@@ -122,6 +127,8 @@ class SimEngine:
         )
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
+        if self._crash_on and self._crash_on in prompt_text(request):
+            os._exit(70)
         if self._fail_left > 0:
             self._fail_left -= 1
             raise RuntimeError("simulated engine failure before the first token")

@@ -74,6 +74,8 @@ def _build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--sim-ttft-ms", type=float, help="sim: time to first token (default 20)")
     wk.add_argument("--sim-token-ms", type=float, help="sim: time per decode step (default 5)")
     wk.add_argument("--sim-max-seqs", type=int, help="sim: sequences run at once (default 64)")
+    wk.add_argument("--sim-crash-on", metavar="TEXT",
+                    help="sim fault injection: a prompt containing TEXT kills the worker (a query of death)")
     wk.add_argument("--sim-fail-first", type=int,
                     help="sim fault injection: the first N requests fail before their first token")
     wk.add_argument("--vllm-max-model-len", type=int, help="vllm: context length (default 2048)")
@@ -140,13 +142,12 @@ def main(argv: list[str] | None = None) -> None:
             fields = _given(
                 args, "engine", "host", "port", "advertise_url", "worker_id", "model",
                 "served_model_name", "heartbeat_ms", "drain_timeout_s", "sim_ttft_ms",
-                "sim_token_ms", "sim_max_seqs", "sim_fail_first", "redis_url", "vllm_max_model_len",
+                "sim_token_ms", "sim_max_seqs", "sim_fail_first", "sim_crash_on", "redis_url", "vllm_max_model_len",
                 "vllm_max_num_seqs", "vllm_kv_cache_gib", "vllm_tensor_parallel_size", "vllm_enforce_eager",
                 "vllm_trtllm_kernels",
             )
-            from sluice.models import ModelError
-
             from gateway.tenancy import is_loopback
+            from sluice.models import ModelError
 
             settings = WorkerSettings(**fields)
             if settings.internal_token is None and not is_loopback(settings.host) and not settings.allow_open:

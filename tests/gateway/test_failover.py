@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import openai
 
 from tests.conftest import worker_alive
@@ -47,3 +48,20 @@ def test_no_live_worker_is_503_with_retry_after(start_worker, start_gateway) -> 
             assert int(exc.response.headers["retry-after"]) >= 1
         else:
             raise AssertionError("expected 503")
+
+
+def test_a_request_that_kills_workers_is_not_handed_to_a_third(start_worker, start_gateway) -> None:
+    """Regression ("query of death"): a request that crashed its worker was retried on
+    the next worker, and the next, killing up to max_attempts workers."""
+    model = "poison"
+    workers = [start_worker(model, "--sim-crash-on", "POISON") for _ in range(3)]
+    gateway = start_gateway()
+    resp = httpx.post(gateway.url + "/v1/completions", timeout=30,
+                      json={"model": model, "prompt": "a POISON prompt", "max_tokens": 3})
+    assert resp.status_code == 502, resp.text
+    assert resp.json()["error"]["code"] == "query_of_death"
+    assert sum(w.alive() for w in workers) == 1
+    deadline = time.monotonic() + 10
+    while httpx.post(gateway.url + "/v1/completions", timeout=30,
+                     json={"model": model, "prompt": "a harmless prompt", "max_tokens": 3}).status_code != 200:
+        assert time.monotonic() < deadline, "the surviving worker does not serve"
