@@ -119,6 +119,7 @@ def test_logprobs_and_n(client) -> None:
     assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
 
 
+@pytest.mark.timeout(360)  # starts two vLLM workers of its own (20-60 s each on 2 busy cores)
 def test_migration_after_worker_kill_is_byte_identical(start_worker, start_gateway) -> None:
     """Two vLLM workers; the one streaming is SIGKILLed mid-answer; the other finishes it.
 
