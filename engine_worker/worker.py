@@ -56,8 +56,8 @@ def build_engine(settings: WorkerSettings) -> Engine:
             kv_cache_bytes=int(kv_gib * 2**30) or None,
             enforce_eager=settings.vllm_enforce_eager,
             trtllm_kernels=settings.vllm_trtllm_kernels,
-            extra_args={"tensor_parallel_size": settings.vllm_tensor_parallel_size, **settings.vllm_engine_args}
-            if settings.vllm_tensor_parallel_size > 1 else settings.vllm_engine_args,
+            tensor_parallel_size=settings.vllm_tensor_parallel_size,
+            extra_args=settings.vllm_engine_args,
         )
     from engine_worker.engines.trtllm_engine import TrtllmEngine
 

@@ -39,7 +39,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.record import RequestRecord
 from gateway.serving import Serving
-from gateway.tenancy import Tenancy, is_loopback
+from gateway.tenancy import Tenancy
 from gateway.upstream import Dispatcher
 from sluice import keys
 from sluice.apikeys import ApiKey
@@ -55,6 +55,7 @@ from sluice.errors import (
     error_response,
 )
 from sluice.redis_pool import create_pool, redact_url
+from sluice.settings import is_loopback
 from sluice.telemetry import extract
 
 log = logging.getLogger("sluice.gateway")

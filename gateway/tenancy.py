@@ -10,7 +10,6 @@ real usage when the request ends.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import math
 import time
@@ -23,6 +22,7 @@ from gateway.config import GatewaySettings
 from sluice import keys
 from sluice.apikeys import ApiKey, KeyStore
 from sluice.errors import AuthenticationFailed, InvalidRequest, RateLimited
+from sluice.settings import is_loopback
 
 log = logging.getLogger("sluice.tenancy")
 
@@ -116,13 +116,6 @@ class Charge:
     headers: dict[str, str]
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class Tenancy:

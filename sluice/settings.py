@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings
 
@@ -22,3 +24,13 @@ class RedisSettings(BaseSettings):
         default=64, ge=4,
         validation_alias=AliasChoices("SLUICE_REDIS_MAX_CONNECTIONS", "redis_max_connections"),
     )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a bind address or a client's) is this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

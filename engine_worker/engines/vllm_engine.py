@@ -46,6 +46,7 @@ class VllmEngine:
         kv_cache_bytes: int | None = 512 * 1024 * 1024,
         enforce_eager: bool | None = None,
         trtllm_kernels: bool = False,
+        tensor_parallel_size: int = 1,
         extra_args: dict[str, Any] | None = None,
     ) -> None:
         self.model_dir = model_dir
@@ -55,6 +56,7 @@ class VllmEngine:
         self._kv_cache_bytes = kv_cache_bytes
         self._enforce_eager = enforce_eager
         self._trtllm_kernels = trtllm_kernels
+        self._tensor_parallel_size = tensor_parallel_size
         self._extra = dict(extra_args or {})
         self._engine: Any = None
         self._tokenizer: Any = None
@@ -82,6 +84,8 @@ class VllmEngine:
             # nonsense on our machines; float32 costs a 135M model little. Override with
             # SLUICE_WORKER_VLLM_ENGINE_ARGS='{"dtype": "bfloat16"}'.
             args["dtype"] = "float32"
+        if self._tensor_parallel_size > 1:
+            args["tensor_parallel_size"] = self._tensor_parallel_size
         if self._trtllm_kernels:
             args.update(trtllm_kernel_args())
         args.update(self._extra)

@@ -31,7 +31,14 @@ from typing import Any
 
 from sluice.commands.bench_load import Shot
 from sluice.commands.bench_probe import Sample, cpu, watched
-from sluice.commands.bench_report import by_label, pairs, quantile, statuses, table, throughput
+from sluice.commands.bench_report import (
+    by_label,
+    pairs,
+    quantile,
+    statuses,
+    table,
+    throughput,
+)
 from sluice.commands.bench_stack import Stack, StackShape, gateway_env
 
 #: (class, priority, share of arrivals out of 10): priority <= -1 is urgent.

@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> None:
                 "vllm_max_num_seqs", "vllm_kv_cache_gib", "vllm_tensor_parallel_size", "vllm_enforce_eager",
                 "vllm_trtllm_kernels",
             )
-            from gateway.tenancy import is_loopback
             from sluice.models import ModelError
+            from sluice.settings import is_loopback
 
             settings = WorkerSettings(**fields)
             if settings.internal_token is None and not is_loopback(settings.host) and not settings.allow_open:
