@@ -61,7 +61,7 @@ def test_every_break_gives_the_uninterrupted_text(tokenizer, stop: list[str]) ->
         assert text is not None
         out, stopped = "", False
         for j in range(k, len(ids)):
-            got, piece, stopped = text.step([ids[j]], finished=j == len(ids) - 1)
+            _, piece, stopped = text.step([ids[j]], finished=j == len(ids) - 1)
             out += piece
             if stopped:
                 assert j + 1 == kept, f"break after {k}: stopped at token {j + 1}, not {kept}"
