@@ -20,7 +20,13 @@ from gateway.admission import ClientGone
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
 from gateway.idempotency import Idempotency
-from gateway.journal import JournalWriter, live_key, start_producer, stream_key
+from gateway.journal import (
+    JournalCommitter,
+    JournalWriter,
+    live_key,
+    start_producer,
+    stream_key,
+)
 from gateway.journal_readers import JournalReaders
 from gateway.metrics import GatewayMetrics
 from gateway.migration import Migrator
@@ -52,6 +58,7 @@ class Serving:
         tenancy: Tenancy, readers: JournalReaders, metrics: GatewayMetrics,
     ) -> None:
         self._metrics = metrics
+        self._committer = JournalCommitter(redis)  # writes every journal this process produces
         self._settings = settings
         self._tenancy = tenancy
         self._readers = readers
@@ -60,6 +67,9 @@ class Serving:
         self._idempotency = idempotency
         self._redis = redis
         self._producers: set[asyncio.Task[None]] = set()
+
+    async def close(self) -> None:
+        await self._committer.close()
 
     async def serve(self, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext) -> Response:
         """A chat or text completion, as one JSON body or an SSE stream."""
@@ -152,7 +162,7 @@ class Serving:
             chunk_id=chunks.id, created=chunks.created, priority=ctx.priority, tenant=ctx.tenant, cost=ctx.cost,
             deadline_unix=time.time() + ctx.remaining_s(), fingerprint=ctx.fingerprint, choices=len(upstreams),
         )
-        writer = JournalWriter(self._redis, ctx.idempotency_key, ttl_s=self._settings.idempotency_ttl_s,
+        writer = JournalWriter(self._committer, ctx.idempotency_key, ttl_s=self._settings.idempotency_ttl_s,
                                owner=ctx.internal_id)
         try:
             await save_plan(self._redis, ctx.idempotency_key, plan, self._settings.idempotency_ttl_s)
@@ -176,7 +186,7 @@ class Serving:
         True while some gateway produces it (this one now, or another that was faster);
         False when it cannot be continued."""
         owner = uuid.uuid4().hex
-        writer = JournalWriter(self._redis, key, ttl_s=self._settings.idempotency_ttl_s, owner=owner)
+        writer = JournalWriter(self._committer, key, ttl_s=self._settings.idempotency_ttl_s, owner=owner)
         if not await writer.claim(take_over=True):
             return True
         found = await recover(self._redis, key)
