@@ -200,7 +200,7 @@ class Serving:
         record = RequestRecord.begin(plan.request_id, self._metrics, Context(), "takeover")
         record.describe(req.model, req.n, plan.priority, None if plan.tenant == "-" else plan.tenant)
         record.known_model()  # admitted once already
-        record.completion_tokens = state.completion_tokens
+        record.completion_tokens, record.prompt_tokens = state.completion_tokens, state.prompt_tokens
         ctx = RequestContext(
             request_id=plan.request_id, priority=plan.priority, idempotency_key=key,
             deadline=time.monotonic() + max(0.0, plan.deadline_unix - time.time()),
