@@ -34,7 +34,7 @@ from engine_worker.engines.prompts import (
     held_back_text,
     prompt_token_ids,
 )
-from engine_worker.protocol import Delta, GenerateRequest, Usage
+from engine_worker.protocol import Delta, GenerateRequest, KVEvent, Usage
 from sluice.errors import InvalidRequest
 
 log = logging.getLogger("sluice.worker.trtllm")
@@ -97,6 +97,11 @@ class TrtllmEngine:
         if self._llm is not None:
             await asyncio.to_thread(self._llm.shutdown)
             self._llm = None
+
+    def take_kv_events(self) -> list[KVEvent]:
+        # TensorRT-LLM's KV event API names blocks by token-id hashes too (see the vLLM engine);
+        # the index is corrected from each response's cached_tokens.
+        return []
 
     def stats(self) -> EngineStats:
         return self._stats

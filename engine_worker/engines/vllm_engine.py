@@ -25,7 +25,7 @@ from engine_worker.engines.prompts import (
     held_back_text,
     prompt_token_ids,
 )
-from engine_worker.protocol import Delta, GenerateRequest, Usage
+from engine_worker.protocol import Delta, GenerateRequest, KVEvent, Usage
 
 log = logging.getLogger("sluice.worker.vllm")
 
@@ -123,6 +123,12 @@ class VllmEngine:
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+
+    def take_kv_events(self) -> list[KVEvent]:
+        # vLLM names its blocks by hashes of token ids, which the gateways' word-block index cannot
+        # match without the tokenizer; its truth reaches the index through each response's
+        # cached_tokens (gateway/routing.py).
+        return []
 
     def stats(self) -> EngineStats:
         return self._stats
