@@ -10,7 +10,11 @@ from gateway.routing import PromptPrefix, RouteCheck
 from sluice import keys
 from sluice.prefix import block_hashes
 from sluice.prefix_index import PrefixIndex
-from tests.gateway.test_queue_scripts import Fleet, _queued, fleet, redis, url  # noqa: F401
+from tests.gateway import test_queue_scripts as queue_tests
+from tests.gateway.test_queue_scripts import Fleet, _queued
+
+# The queue tests' fixtures: a fleet on a single Redis and on a Redis Cluster.
+url, redis, fleet = queue_tests.url, queue_tests.redis, queue_tests.fleet
 
 SHARED = " ".join(f"sys{i}" for i in range(16 * 20))  # 20 blocks
 
