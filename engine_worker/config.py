@@ -36,8 +36,8 @@ class WorkerSettings(RedisSettings):
     #: sim: prefill cost per uncached prompt token, and prompt tokens prefilled per step.
     sim_prefill_ms_per_token: float = Field(default=0.0, ge=0)
     sim_prefill_chunk: int = Field(default=512, ge=1)
-    #: sim: prefix cache capacity in blocks of 16 tokens (0: no prefix cache).
-    sim_cache_blocks: int = Field(default=4096, ge=0)
+    #: sim: prefix cache capacity in blocks of 64 tokens (0: no prefix cache).
+    sim_cache_blocks: int = Field(default=1024, ge=0)
     #: sim fault injection: the first N requests fail before their first token (worker 500).
     sim_fail_first: int = Field(default=0, ge=0)
     #: sim fault injection: a prompt containing this text kills the worker process.

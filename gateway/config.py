@@ -48,8 +48,8 @@ class GatewaySettings(RedisSettings):
     #: gateway/scripts.py), "least" (least loaded), "rr" (round robin).
     routing: Literal["cache", "least", "rr"] = "cache"
     #: Cache routing: one request in flight on a worker weighs as much as prefilling this
-    #: many blocks of 16 tokens.
-    route_load_blocks: float = Field(default=8.0, ge=0)
+    #: many prompt blocks (of 64 tokens).
+    route_load_blocks: float = Field(default=2.0, ge=0)
     #: Cache routing, hot-spot guard: a worker this share of its slots busier than the
     #: least-loaded one gets no credit for its cached prefix.
     route_hot_share: float = Field(default=0.5, ge=0, le=1)

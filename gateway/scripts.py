@@ -225,7 +225,7 @@ local function lease_all(picks, req, ttl, meta)
     out[#out + 1] = {lease, w.id, w.url, picks.matched[w.id] or 0}
     if #blocks > 0 and not marked[w.id] then
       marked[w.id] = true
-      holders_add(K_PREFIX, K_PREFIX_LRU, blocks, w.id, now)
+      holders_add(K_PREFIX, K_PREFIX_LRU, blocks, w.id, now, picks.matched[w.id] or 0)
     end
   end
   return cjson.encode(out)
@@ -290,13 +290,14 @@ end
 -- blocked only by its excluded workers is skipped), then the normal class, tenant by
 -- tenant in start-tag order. Either stops at the first entry that lacks slots, so later
 -- ones cannot take them. `direct` names the calling request, whose grant is returned.
-local function pump(ws, direct)
+local function pump(ws, direct, direct_blocks)
   local result = nil
   local free = 0
   for _, w in ipairs(ws) do free = free + math.max(0, w.cap - w.used) end
   for _, req in ipairs(redis.call('ZRANGE', K_QURGENT, 0, 63)) do
     if free <= 0 then return result end
     local meta = cjson.decode(redis.call('HGET', K_META, req) or '{}')
+    if req == direct then meta.blocks = direct_blocks end
     local v = verdict(ws, meta)
     if v == nil then
       if #(meta.exclude or {}) == 0 then return result end
@@ -323,6 +324,7 @@ local function pump(ws, direct)
       local req = string.match(member, '[^|]*$')
       local meta = cjson.decode(redis.call('HGET', K_META, req) or '{}')
       meta.member = member
+      if req == direct then meta.blocks = direct_blocks end
       local v = verdict(ws, meta)
       if v == nil then return result end
       dequeue(K_QNORMAL, req, meta)
@@ -385,7 +387,9 @@ if not boost and length >= tonumber(ARGV[11]) then return {'full', length} end
 
 local meta = {deadline = now + tonumber(ARGV[10]), exclude = exclude, priority = priority, need = need,
               gw = gateway, mode = ARGV[17], load = tonumber(ARGV[18]), hot = tonumber(ARGV[19])}
-if ARGV[17] == 'cache' then meta.blocks = cjson.decode(ARGV[16]) end
+-- The caller's blocks stay out of its stored meta unless it has to wait (no JSON round trip
+-- for a request granted at once).
+local direct_blocks = ARGV[17] == 'cache' and cjson.decode(ARGV[16]) or nil
 if boost then
   redis.call('ZADD', K_QURGENT, -4e15 + now, req)
 elseif is_urgent(priority) then
@@ -406,10 +410,14 @@ end
 redis.call('HSET', K_META, req, cjson.encode(meta))
 redis.call('HINCRBY', K_DEPTH, class_of(priority), 1)
 if meta.member then refresh_head(tenant) end
-local got = pump(ws, req)
+local got = pump(ws, req, direct_blocks)
 if got == 'none' then return {'none'} end
 if got ~= nil then return {'granted', got} end
 if redis.call('HEXISTS', K_META, req) == 0 then return {'none'} end  -- dropped (cannot happen to a live caller)
+if direct_blocks then
+  meta.blocks = direct_blocks
+  redis.call('HSET', K_META, req, cjson.encode(meta))
+end
 return {'queued', queue_length() - 1}
 """
 

@@ -64,14 +64,18 @@ local function prefix_matches(hkey, hashes)
 end
 
 -- Mark `hashes` held by worker w (most recent holder last), refresh their recency, and
--- drop the least recently used blocks past the cap.
-local function holders_add(hkey, lkey, hashes, w, at)
+-- drop the least recently used blocks past the cap. The first `known` blocks are already
+-- known to be held by w (they are only touched).
+local function holders_add(hkey, lkey, hashes, w, at, known)
   if #hashes == 0 then return end
-  local vals = redis.call('HMGET', hkey, unpack(hashes))
+  known = known or 0
+  local vals = {}
+  if known < #hashes then vals = redis.call('HMGET', hkey, unpack(hashes, known + 1)) end
   local sets, touch = {}, {}
   for i, h in ipairs(hashes) do
-    local v = vals[i]
-    if not v then
+    local v = vals[i - known]
+    if i <= known then
+    elseif not v then
       sets[#sets + 1] = h
       sets[#sets + 1] = w
     elseif not holds(v, w) then

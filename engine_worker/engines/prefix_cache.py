@@ -37,8 +37,11 @@ class PrefixCache:
         for h in hashes:
             if h not in self._blocks:
                 break
-            self._blocks.move_to_end(h)
             found += 1
+        # Tail first, head last: a prefix is evicted from its end (as vLLM frees blocks),
+        # so what stays cached is still a usable prefix.
+        for h in reversed(hashes[:found]):
+            self._blocks.move_to_end(h)
         self.queried += len(hashes)
         self.hit += found
         return found
@@ -48,7 +51,8 @@ class PrefixCache:
         if self.capacity_blocks <= 0:
             return
         stored = []
-        for h in hashes[:self.capacity_blocks]:  # a prefix: later blocks are useless without earlier ones
+        # A prefix: later blocks are useless without earlier ones; the head is touched last.
+        for h in reversed(hashes[:self.capacity_blocks]):
             if h in self._blocks:
                 self._blocks.move_to_end(h)
             else:
@@ -58,7 +62,7 @@ class PrefixCache:
         while len(self._blocks) > self.capacity_blocks:
             removed.append(self._blocks.popitem(last=False)[0])
         if stored:
-            self._events.append(KVEvent(type="stored", block_hashes=stored))
+            self._events.append(KVEvent(type="stored", block_hashes=stored[::-1]))
         if removed:
             self._events.append(KVEvent(type="removed", block_hashes=removed))
 

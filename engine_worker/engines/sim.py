@@ -11,7 +11,7 @@ on top of the step's ``token_ms`` -- so prefill slows every running sequence's
 decode, as chunked prefill does in vLLM. Then it gets one token per step. At most
 ``max_seqs`` sequences run at once; the rest wait.
 
-Prefix cache: a prompt's words are its tokens, in blocks of 16 named by
+Prefix cache: a prompt's words are its tokens, in blocks of 64 named by
 :func:`sluice.prefix.block_hashes`; the leading blocks found in the worker's LRU
 (``cache_blocks`` of them at most) are ``cached_tokens`` and skip prefill. A prefilled
 prompt's blocks are stored, and every store and eviction is a KV event
@@ -102,7 +102,7 @@ class SimEngine:
     def __init__(
         self, *, ttft_ms: float = 20.0, token_ms: float = 5.0, max_seqs: int = 64, fail_first: int = 0,
         crash_on: str | None = None, prefill_ms_per_token: float = 0.0, prefill_chunk: int = 512,
-        cache_blocks: int = 4096,
+        cache_blocks: int = 1024,
     ) -> None:
         self.capacity = max_seqs
         self.cache = PrefixCache(cache_blocks)
@@ -193,11 +193,17 @@ class SimEngine:
 
     def _admit(self, seq: _Seq, now: float) -> None:
         seq.ready_at = now + self._ttft_s
-        seq.cached_tokens = self.cache.match(seq.blocks) * BLOCK_TOKENS
-        seq.prefill_left = seq.prompt_tokens - seq.cached_tokens
+        seq.prefill_left = -1  # the cache is looked up when its prefill starts
         if self._prefill_s <= 0:
+            self._start_prefill(seq)
             self._prefilled(seq)
         self._running.append(seq)
+
+    def _start_prefill(self, seq: _Seq) -> None:
+        # Looked up now, not on arrival: a sequence that waited for the prefill budget
+        # finds what the ones before it stored (as in vLLM, where it waits to be scheduled).
+        seq.cached_tokens = self.cache.match(seq.blocks) * BLOCK_TOKENS
+        seq.prefill_left = seq.prompt_tokens - seq.cached_tokens
 
     def _prefilled(self, seq: _Seq) -> None:
         seq.prefill_left = 0
@@ -209,6 +215,10 @@ class SimEngine:
         for seq in self._running:
             if budget <= 0:
                 break
+            if seq.prefill_left < 0:
+                self._start_prefill(seq)
+                if seq.prefill_left == 0:
+                    self._prefilled(seq)
             if seq.prefill_left > 0:
                 take = min(budget, seq.prefill_left)
                 budget -= take
@@ -235,7 +245,7 @@ class SimEngine:
                     if not seq.done:
                         self._step(seq)
             else:
-                earliest = min((s.ready_at for s in self._running), default=now)
+                earliest = min((s.ready_at for s in self._running if s.ready_at > now), default=now)
                 await asyncio.sleep(max(self._token_s, earliest - now))
             self._running = [s for s in self._running if not s.done]
 

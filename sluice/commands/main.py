@@ -78,7 +78,7 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="sim: prefill cost of one uncached prompt token (default 0: prefill is free)")
     wk.add_argument("--sim-prefill-chunk", type=int, help="sim: prompt tokens prefilled per step (default 512)")
     wk.add_argument("--sim-cache-blocks", type=int,
-                    help="sim: prefix cache capacity in blocks of 16 tokens (default 4096; 0 disables it)")
+                    help="sim: prefix cache capacity in blocks of 64 tokens (default 1024; 0 disables it)")
     wk.add_argument("--sim-crash-on", metavar="TEXT",
                     help="sim fault injection: a prompt containing TEXT kills the worker (a query of death)")
     wk.add_argument("--sim-fail-first", type=int,

@@ -8,7 +8,7 @@ import asyncio
 
 from gateway.routing import PromptPrefix, RouteCheck
 from sluice import keys
-from sluice.prefix import block_hashes
+from sluice.prefix import BLOCK_TOKENS, block_hashes
 from sluice.prefix_index import PrefixIndex
 from tests.gateway import test_queue_scripts as queue_tests
 from tests.gateway.test_queue_scripts import Fleet, _queued
@@ -16,11 +16,11 @@ from tests.gateway.test_queue_scripts import Fleet, _queued
 # The queue tests' fixtures: a fleet on a single Redis and on a Redis Cluster.
 url, redis, fleet = queue_tests.url, queue_tests.redis, queue_tests.fleet
 
-SHARED = " ".join(f"sys{i}" for i in range(16 * 20))  # 20 blocks
+SHARED = " ".join(f"sys{i}" for i in range(BLOCK_TOKENS * 20))  # 20 blocks
 
 
 def _blocks(question: str) -> tuple[str, ...]:
-    return tuple(block_hashes(SHARED + " " + " ".join(f"{question}{i}" for i in range(32))))
+    return tuple(block_hashes(SHARED + " " + " ".join(f"{question}{i}" for i in range(2 * BLOCK_TOKENS))))
 
 
 async def test_a_shared_prefix_goes_back_to_the_worker_that_holds_it(fleet: Fleet) -> None:
@@ -33,7 +33,7 @@ async def test_a_shared_prefix_goes_back_to_the_worker_that_holds_it(fleet: Flee
         (lease,) = await gw.acquire(fleet.ask(blocks=_blocks(question)))
         assert lease.worker_id == first.worker_id
         assert lease.matched_blocks == 20  # the shared blocks, not the other question's
-    (other,) = await gw.acquire(fleet.ask(blocks=tuple(block_hashes("z " * 64))))
+    (other,) = await gw.acquire(fleet.ask(blocks=tuple(block_hashes("z " * 2 * BLOCK_TOKENS))))
     assert other.worker_id == ({a, b} - {first.worker_id}).pop()  # no affinity: least loaded
 
 
@@ -57,7 +57,7 @@ async def test_without_affinity_routing_is_least_loaded(fleet: Fleet) -> None:
     await fleet.worker(capacity=4, worker_id="a")
     await fleet.worker(capacity=4, worker_id="b")
     gw = await fleet.gateway()
-    workers = [(await gw.acquire(fleet.ask(blocks=tuple(block_hashes(f"{i} " * 40)))))[0].worker_id
+    workers = [(await gw.acquire(fleet.ask(blocks=tuple(block_hashes(f"{i} " * 2 * BLOCK_TOKENS)))))[0].worker_id
                for i in range(6)]
     assert sorted(workers) == ["a", "a", "a", "b", "b", "b"]
 
@@ -108,12 +108,15 @@ async def test_engine_events_and_corrections_take_blocks_out_of_the_index(fleet:
 
 
 def test_route_check_measures_the_routers_error() -> None:
-    prefix = PromptPrefix(tuple(block_hashes("w " * 100)), 100)  # 6 blocks of 16 words
-    exact = RouteCheck.of(prefix, 6, {"prompt_tokens": 100, "cached_tokens": 96}, resumed=0)
-    assert (exact.expected, exact.error, exact.held_blocks) == (96, 0, 6)
-    # A real engine with ~1.25 tokens per word held only the first half.
-    half = RouteCheck.of(prefix, 6, {"prompt_tokens": 125, "cached_tokens": 60}, resumed=0)
-    assert (half.expected, half.error, half.held_blocks) == (120, 60, 3)
+    words = 6 * BLOCK_TOKENS + 16
+    prefix = PromptPrefix(tuple(block_hashes("w " * words)), words)  # 6 full blocks
+    exact = RouteCheck.of(prefix, 6, {"prompt_tokens": words, "cached_tokens": 6 * BLOCK_TOKENS}, resumed=0)
+    assert (exact.expected, exact.error, exact.held_blocks) == (6 * BLOCK_TOKENS, 0, 6)
+    # A real engine with 1.25 tokens per word held only the first half.
+    tokens = words * 5 // 4
+    half = RouteCheck.of(prefix, 6, {"prompt_tokens": tokens, "cached_tokens": 3 * BLOCK_TOKENS * 5 // 4}, resumed=0)
+    assert (half.expected, half.held_blocks) == (6 * BLOCK_TOKENS * 5 // 4, 3)
+    assert half.error == 3 * BLOCK_TOKENS * 5 // 4
     # Resumed tokens (migration) are not part of the prefix.
-    resumed = RouteCheck.of(prefix, 6, {"prompt_tokens": 110, "cached_tokens": 96}, resumed=10)
+    resumed = RouteCheck.of(prefix, 6, {"prompt_tokens": words + 10, "cached_tokens": 6 * BLOCK_TOKENS}, resumed=10)
     assert resumed.error == 0
