@@ -52,7 +52,7 @@ class GatewaySettings(RedisSettings):
     route_load_blocks: float = Field(default=2.0, ge=0)
     #: Cache routing, hot-spot guard: a worker this share of its slots busier than the
     #: least-loaded one gets no credit for its cached prefix.
-    route_hot_share: float = Field(default=0.5, ge=0, le=1)
+    route_hot_share: float = Field(default=0.75, ge=0, le=1)
     #: Share of each worker's slots only urgent requests may fill (headroom under overload).
     reserved_slots: float = Field(default=0.125, ge=0, lt=1)
     #: Priorities at or below this are urgent (service_tier "priority" maps to -10).

@@ -4,7 +4,7 @@ Each arm runs one workload on a fresh stack (Redis, 4 sim workers with a prefix 
 1 or 3 gateways; the client spreads requests over the gateways), one arm after another:
 
 - ``w1``: shared prefixes: groups x prompts (2,048-word prefix + 256-word question),
-  all shuffled, closed loop at the fleet's slot count (SGLang's benchmark shape).
+  all shuffled, closed loop with 3/4 of the fleet's slots as users (SGLang's shape).
 - ``w3``: prefixes whose total exceeds one worker's cache but fits the cluster's
   (about 80% of it: llm-d's shape), open loop: every round each group sends one request,
   in a shuffled order, at a fixed rate.
@@ -45,7 +45,13 @@ from sluice.commands.bench_report import quantile, table
 from sluice.commands.bench_stack import MODEL, Stack, StackShape, sync_client
 
 Messages = list[dict[str, str]]
-WORKERS, SLOTS, CACHE_BLOCKS = 4, 16, 1280
+WORKERS, SLOTS = 4, 16
+#: Each worker's prefix cache, in blocks of 64 tokens: W3's 32 prefixes of 32 blocks need
+#: 80% of the four workers' caches together, and a third of them fit one worker.
+CACHE_BLOCKS = 320
+#: Closed-loop users, below the fleet's slots: at exactly the slot count every freed slot
+#: goes to whoever is next, and no router has a choice to make.
+USERS = WORKERS * SLOTS * 3 // 4
 
 
 @dataclass
@@ -139,7 +145,7 @@ def workload(name: str, args: argparse.Namespace) -> Callable[[Client], Awaitabl
         groups, per = args.w1_groups, args.w1_prompts
         prompts = [_ask(_words(f"g{g}w", 2048), _words(f"g{g}q{p}w", 256)) for g in range(groups) for p in range(per)]
         rng.shuffle(prompts)
-        return lambda c: _closed(c, prompts, WORKERS * SLOTS)
+        return lambda c: _closed(c, prompts, USERS)
     if name == "w3":
         rounds = []
         for r in range(args.w3_rounds):
@@ -149,7 +155,7 @@ def workload(name: str, args: argparse.Namespace) -> Callable[[Client], Awaitabl
         return lambda c: _open(c, rounds, args.w3_rate)
     if name == "w5":
         prompts = [_ask(_words(f"u{i}s", 16), _words(f"u{i}w", 512)) for i in range(args.w5_requests)]
-        return lambda c: _closed(c, prompts, WORKERS * SLOTS)
+        return lambda c: _closed(c, prompts, USERS)
     if name == "chat":
         async def user(client: Client, u: int) -> None:
             history: Messages = [{"role": "system", "content": _words(f"c{u}s", 512)}]
@@ -189,6 +195,10 @@ async def run_arm(arm: Arm, args: argparse.Namespace, logs: Path) -> dict[str, A
                    f"--sim-prefill-ms-per-token={args.prefix_prefill_ms}", f"--sim-cache-blocks={CACHE_BLOCKS}"]
     env = {"SLUICE_GATEWAY_ROUTING": arm.routing, "SLUICE_GATEWAY_MAX_QUEUE": "10000",
            "SLUICE_GATEWAY_QUEUE_TIMEOUT_S": "300"}
+    if args.route_hot_share is not None:
+        env["SLUICE_GATEWAY_ROUTE_HOT_SHARE"] = str(args.route_hot_share)
+    if args.route_load_blocks is not None:
+        env["SLUICE_GATEWAY_ROUTE_LOAD_BLOCKS"] = str(args.route_load_blocks)
     shape = StackShape(gateways=arm.gateways, workers=WORKERS, gateway_env=env, worker_args=worker_args)
     with Stack(shape, logs, label=arm.name.replace(" ", "-")) as stack:
         redis = sync_client(stack.redis_url)
@@ -260,8 +270,10 @@ def draw(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main(args: argparse.Namespace) -> int:
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    arms = [Arm(w, r) for w in workloads for r in ("least", "rr", "cache")]
-    arms += [Arm(w, "cache", 3) for w in workloads if w != "w5"]
+    routings = [r.strip() for r in args.routings.split(",") if r.strip()]
+    arms = [Arm(w, r) for w in workloads for r in routings]
+    if "cache" in routings and args.replicas > 1:
+        arms += [Arm(w, "cache", args.replicas) for w in workloads if w != "w5"]
     logs = Path(tempfile.mkdtemp(prefix="sluice-prefix-"))
     print(f"sluice bench --scenario prefix: {WORKERS} sim workers x {SLOTS} slots, {CACHE_BLOCKS} cache blocks "
           f"each; prefill {args.prefix_prefill_ms} ms/token, decode step {args.prefix_token_ms} ms, "
@@ -282,14 +294,18 @@ def main(args: argparse.Namespace) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("prefix scenario")
     g.add_argument("--workloads", default="w1,w3,w5,chat", help="workloads to run, in order")
-    g.add_argument("--prefix-prefill-ms", type=float, default=0.05, help="sim prefill cost per uncached token")
+    g.add_argument("--routings", default="least,rr,cache", help="routing arms, each on every workload")
+    g.add_argument("--replicas", type=int, default=3, help="gateways of the extra cache arms (1: none)")
+    g.add_argument("--route-hot-share", type=float, help="cache arms: SLUICE_GATEWAY_ROUTE_HOT_SHARE")
+    g.add_argument("--route-load-blocks", type=float, help="cache arms: SLUICE_GATEWAY_ROUTE_LOAD_BLOCKS")
+    g.add_argument("--prefix-prefill-ms", type=float, default=0.2, help="sim prefill cost per uncached token")
     g.add_argument("--prefix-token-ms", type=float, default=10.0, help="sim decode step")
     g.add_argument("--prefix-max-tokens", type=int, default=32, help="output tokens per request")
-    g.add_argument("--w1-groups", type=int, default=16)
-    g.add_argument("--w1-prompts", type=int, default=16)
+    g.add_argument("--w1-groups", type=int, default=24)
+    g.add_argument("--w1-prompts", type=int, default=10)
     g.add_argument("--w3-groups", type=int, default=32, help="W3 prefixes of 2,048 words (128 blocks each)")
-    g.add_argument("--w3-rounds", type=int, default=10)
-    g.add_argument("--w3-rate", type=float, default=40.0, help="W3 arrivals per second")
+    g.add_argument("--w3-rounds", type=int, default=12)
+    g.add_argument("--w3-rate", type=float, default=10.0, help="W3 arrivals per second")
     g.add_argument("--w5-requests", type=int, default=256)
     g.add_argument("--chat-users", type=int, default=32)
     g.add_argument("--chat-rounds", type=int, default=6)
