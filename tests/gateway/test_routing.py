@@ -120,3 +120,26 @@ def test_route_check_measures_the_routers_error() -> None:
     # Resumed tokens (migration) are not part of the prefix.
     resumed = RouteCheck.of(prefix, 6, {"prompt_tokens": words + 10, "cached_tokens": 6 * BLOCK_TOKENS}, resumed=10)
     assert resumed.error == 0
+
+
+async def test_a_retry_or_migration_goes_to_another_holder_of_its_prefix(fleet: Fleet) -> None:
+    """A re-admission (the failed worker excluded, boosted) keeps preferring the prefix:
+    of the two workers left, the one that also holds it wins over the idle cold one."""
+    for name in "abc":
+        await fleet.worker(capacity=8, worker_id=name)
+    gw = await fleet.gateway()
+    index = PrefixIndex(fleet.redis)
+    await index.report(fleet.model, "a", [{"type": "stored", "block_hashes": list(_blocks("q"))}])
+    await index.report(fleet.model, "b", [{"type": "stored", "block_hashes": list(_blocks("q")[:20])}])
+    busy = [(await gw.acquire(fleet.ask(exclude=("a", "c"))))[0] for _ in range(2)]  # b is the busier
+    (moved,) = await gw.acquire(fleet.ask(blocks=_blocks("r"), exclude=("a",), boost=True))
+    assert moved.worker_id == "b" and moved.matched_blocks == 20
+    for lease in [moved, *busy]:
+        await gw.release(lease)
+
+
+def test_a_resumed_payload_routes_on_the_same_prefix() -> None:
+    messages = [{"role": "system", "content": SHARED}, {"role": "user", "content": "hi"}]
+    first = PromptPrefix.of({"messages": messages})
+    resumed = PromptPrefix.of({"messages": messages, "resume_token_ids": [1, 2, 3]})
+    assert first == resumed and len(first.blocks) == 20
