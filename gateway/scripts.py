@@ -289,7 +289,8 @@ end
 -- Hand free slots to waiting requests: the urgent queue first (in score order; an entry
 -- blocked only by its excluded workers is skipped), then the normal class, tenant by
 -- tenant in start-tag order. Either stops at the first entry that lacks slots, so later
--- ones cannot take them. `direct` names the calling request, whose grant is returned.
+-- ones cannot take them. `direct` names the calling request, whose grant is returned
+-- (`direct_blocks`: its prompt blocks, which its stored meta leaves out).
 local function pump(ws, direct, direct_blocks)
   local result = nil
   local free = 0
