@@ -7,7 +7,7 @@ Each arm runs one workload on a fresh stack (Redis, 4 sim workers with a prefix 
   all shuffled, closed loop with 3/4 of the fleet's slots as users (SGLang's shape).
 - ``w3``: prefixes whose total exceeds one worker's cache but fits the cluster's
   (about 80% of it: llm-d's shape), open loop: every round each group sends one request,
-  in a shuffled order, at a fixed rate.
+  in a shuffled order, at a fixed rate (above what round robin's prefill can serve).
 - ``w5``: no shared prefix (control), closed loop.
 - ``chat``: users x rounds, each round re-sends the whole history plus a new message.
 
@@ -29,6 +29,7 @@ import asyncio
 import hashlib
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -225,6 +226,14 @@ async def run_arm(arm: Arm, args: argparse.Namespace, logs: Path) -> dict[str, A
     }
 
 
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One arm's figures over its runs: each the median (the arm's name from the first)."""
+    if len(runs) == 1:
+        return runs[0]
+    return {k: runs[0][k] if isinstance(runs[0][k], str) else statistics.median(r[k] for r in runs)
+            for k in runs[0]}
+
+
 def _ratios(rows: dict[str, dict[str, Any]]) -> list[str]:
     def get(name: str, key: str) -> float:
         return float(rows[name][key]) if name in rows else float("nan")
@@ -278,14 +287,16 @@ def main(args: argparse.Namespace) -> int:
     print(f"sluice bench --scenario prefix: {WORKERS} sim workers x {SLOTS} slots, {CACHE_BLOCKS} cache blocks "
           f"each; prefill {args.prefix_prefill_ms} ms/token, decode step {args.prefix_token_ms} ms, "
           f"{args.prefix_max_tokens} output tokens; logs under {logs}", flush=True)
-    rows: list[dict[str, Any]] = []
-    for arm in arms:
-        rows.append(asyncio.run(run_arm(arm, args, logs)))
-        print(table(rows[-1:]), flush=True)
+    runs: list[dict[str, Any]] = []
+    for _ in range(args.repeat):
+        for arm in arms:
+            runs.append(asyncio.run(run_arm(arm, args, logs)))
+            print(table(runs[-1:]), flush=True)
+    rows = [_median([r for r in runs if r["arm"] == arm.name]) for arm in arms]
     print("\n" + table(rows))
     print("\n".join(_ratios({r["arm"]: r for r in rows})))
     Path(args.prefix_json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.prefix_json).write_text(json.dumps({"argv": sys.argv, "rows": rows}, indent=1))
+    Path(args.prefix_json).write_text(json.dumps({"argv": sys.argv, "rows": rows, "runs": runs}, indent=1))
     draw(rows, Path(args.prefix_plot))
     print(f"summary: {args.prefix_json}; chart: {args.prefix_plot}")
     return 1 if any(r["errors"] for r in rows) else 0
@@ -295,17 +306,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("prefix scenario")
     g.add_argument("--workloads", default="w1,w3,w5,chat", help="workloads to run, in order")
     g.add_argument("--routings", default="least,rr,cache", help="routing arms, each on every workload")
+    g.add_argument("--repeat", type=int, default=1,
+                   help="run every arm this many times, interleaved; figures are the medians")
     g.add_argument("--replicas", type=int, default=3, help="gateways of the extra cache arms (1: none)")
     g.add_argument("--route-hot-share", type=float, help="cache arms: SLUICE_GATEWAY_ROUTE_HOT_SHARE")
     g.add_argument("--route-load-blocks", type=float, help="cache arms: SLUICE_GATEWAY_ROUTE_LOAD_BLOCKS")
     g.add_argument("--prefix-prefill-ms", type=float, default=0.2, help="sim prefill cost per uncached token")
     g.add_argument("--prefix-token-ms", type=float, default=10.0, help="sim decode step")
     g.add_argument("--prefix-max-tokens", type=int, default=32, help="output tokens per request")
-    g.add_argument("--w1-groups", type=int, default=24)
-    g.add_argument("--w1-prompts", type=int, default=10)
+    g.add_argument("--w1-groups", type=int, default=16)
+    g.add_argument("--w1-prompts", type=int, default=16)
     g.add_argument("--w3-groups", type=int, default=32, help="W3 prefixes of 2,048 words (128 blocks each)")
-    g.add_argument("--w3-rounds", type=int, default=12)
-    g.add_argument("--w3-rate", type=float, default=10.0, help="W3 arrivals per second")
+    g.add_argument("--w3-rounds", type=int, default=16)
+    g.add_argument("--w3-rate", type=float, default=14.0, help="W3 arrivals per second")
     g.add_argument("--w5-requests", type=int, default=256)
     g.add_argument("--chat-users", type=int, default=32)
     g.add_argument("--chat-rounds", type=int, default=6)
