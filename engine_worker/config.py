@@ -33,6 +33,11 @@ class WorkerSettings(RedisSettings):
     sim_ttft_ms: float = Field(default=20.0, ge=0)
     sim_token_ms: float = Field(default=5.0, ge=0)
     sim_max_seqs: int = Field(default=64, ge=1)
+    #: sim: prefill cost per uncached prompt token, and prompt tokens prefilled per step.
+    sim_prefill_ms_per_token: float = Field(default=0.0, ge=0)
+    sim_prefill_chunk: int = Field(default=512, ge=1)
+    #: sim: prefix cache capacity in blocks of 64 tokens (0: no prefix cache).
+    sim_cache_blocks: int = Field(default=1024, ge=0)
     #: sim fault injection: the first N requests fail before their first token (worker 500).
     sim_fail_first: int = Field(default=0, ge=0)
     #: sim fault injection: a prompt containing this text kills the worker process.

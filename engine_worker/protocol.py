@@ -13,7 +13,7 @@ A failure after the stream started is one ``{"error": {...}}`` line.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypedDict
 
 import orjson
 from pydantic import BaseModel, Field
@@ -47,6 +47,14 @@ class GenerateRequest(BaseModel):
     #: back (a possible stop string, a partial UTF-8 character) while sending the ids;
     #: the resuming worker emits that held-back text first.
     resume_text_chars: int | None = Field(default=None, ge=0)
+
+
+class KVEvent(TypedDict):
+    """A change to an engine's prefix cache, named like vLLM's KV events (``BlockStored``,
+    ``BlockRemoved``, ``AllBlocksCleared``): blocks by their chained hashes."""
+
+    type: Literal["stored", "removed", "cleared"]
+    block_hashes: list[str]
 
 
 @dataclass(slots=True)

@@ -7,6 +7,7 @@ import logging
 import time
 
 from opentelemetry.trace import Span
+from redis.exceptions import RedisError
 
 from engine_worker.config import WorkerSettings
 from engine_worker.engines.base import Engine
@@ -14,11 +15,15 @@ from engine_worker.protocol import GenerateRequest
 from engine_worker.registration import Registration
 from engine_worker.stream import NDJSONStream
 from sluice.models import resolve
+from sluice.prefix_index import PrefixIndex
 from sluice.redis_pool import create_pool
 from sluice.serve import Server, run_async, uvicorn_config
 from sluice.telemetry import setup_tracing
 
 log = logging.getLogger("sluice.worker")
+
+#: How often the engine's KV events go to the prefix index.
+KV_EVENTS_PERIOD_S = 0.2
 
 
 def served_name(settings: WorkerSettings) -> str:
@@ -40,6 +45,9 @@ def build_engine(settings: WorkerSettings) -> Engine:
             max_seqs=settings.sim_max_seqs,
             fail_first=settings.sim_fail_first,
             crash_on=settings.sim_crash_on,
+            prefill_ms_per_token=settings.sim_prefill_ms_per_token,
+            prefill_chunk=settings.sim_prefill_chunk,
+            cache_blocks=settings.sim_cache_blocks,
         )
     model_dir = resolve(settings.model)
     if settings.engine == "vllm":
@@ -133,6 +141,18 @@ class Worker:
         except TimeoutError:
             log.warning("drain timeout: %d streams still open, cancelling", self.in_flight)
 
+    async def _report_kv_events(self, index: PrefixIndex) -> None:
+        """Tell the gateways' prefix index what the engine cached and evicted, a few times
+        a second (off the request path; a lost report only makes the index staler)."""
+        while True:
+            await asyncio.sleep(KV_EVENTS_PERIOD_S)
+            events = self.engine.take_kv_events()
+            if events:
+                try:
+                    await index.report(self.model, self.settings.worker_id, events)
+                except (RedisError, OSError) as exc:
+                    log.warning("could not report %d KV event(s): %s", len(events), exc)
+
     def run(self) -> None:
         setup_tracing("sluice-worker")
         run_async(self.async_run())
@@ -163,8 +183,12 @@ class Worker:
                 stats=lambda: self.engine.stats().as_dict(),
             )
             await self._registration.start()
+            reporting = asyncio.create_task(self._report_kv_events(PrefixIndex(redis)), name="kv-events")
             log.info("worker %s serving %r at %s", s.worker_id, self.model, s.url())
-            await serving
+            try:
+                await serving
+            finally:
+                reporting.cancel()
         finally:
             if self._registration is not None:
                 await self._registration.deregister()

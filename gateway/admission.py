@@ -96,6 +96,8 @@ class Lease:
     lease_id: str
     worker_id: str
     url: str
+    #: Leading prompt blocks the prefix index expected this worker to hold (cache routing).
+    matched_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +106,8 @@ class Ask:
 
     ``need`` slots at once (a request's generations); ``cost`` in tokens, charged to
     ``tenant``'s fair share; ``boost`` for retries and migrations (first in line,
-    never refused for queue length); ``exclude`` names workers that already failed it.
+    never refused for queue length); ``exclude`` names workers that already failed it;
+    ``blocks``: the prompt's block hashes (:mod:`sluice.prefix`), for cache routing.
     """
 
     model: str
@@ -116,6 +119,7 @@ class Ask:
     cost: int = 1
     boost: bool = False
     exclude: tuple[str, ...] = ()
+    blocks: tuple[str, ...] = ()
 
 
 def _tenant_name(tenant: str) -> str:
@@ -186,7 +190,9 @@ class Admission:
                 keys=keys.admission(model),
                 args=self._args(ask.request_id, ask.priority, ask.need, max(1, int(ask.timeout_s * 1000)),
                                 self._s.max_queue, orjson.dumps(list(ask.exclude)).decode(),
-                                int(ask.boost), _tenant_name(ask.tenant), ask.cost),
+                                int(ask.boost), _tenant_name(ask.tenant), ask.cost,
+                                orjson.dumps(ask.blocks).decode(), self._s.routing, self._s.route_load_blocks,
+                                self._s.route_hot_share),
             )
             status = result[0].decode()
             if status == "granted":
@@ -269,10 +275,11 @@ class Admission:
             return self._granted(ask.model, result[1])
         return []
 
-    def _granted(self, model: str, slots: bytes | tuple[tuple[str, str, str], ...]) -> list[Lease]:
+    def _granted(self, model: str, slots: bytes | tuple[tuple[Any, ...], ...]) -> list[Lease]:
         parsed = orjson.loads(slots) if isinstance(slots, bytes) else slots
-        leases = [Lease(model=model, lease_id=lease_id, worker_id=worker, url=url)
-                  for lease_id, worker, url in parsed]
+        leases = [Lease(model=model, lease_id=lease_id, worker_id=worker, url=url,
+                        matched_blocks=int(matched[0]) if matched else 0)
+                  for lease_id, worker, url, *matched in parsed]
         for lease in leases:
             self._active[lease.lease_id] = model
         return leases

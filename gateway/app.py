@@ -38,6 +38,7 @@ from gateway.journal_readers import JournalReaders
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.record import RequestRecord
+from gateway.routing import IndexCorrections
 from gateway.serving import Serving
 from gateway.tenancy import Tenancy
 from gateway.upstream import Dispatcher
@@ -54,6 +55,7 @@ from sluice.errors import (
     Unavailable,
     error_response,
 )
+from sluice.prefix_index import PrefixIndex
 from sluice.redis_pool import create_pool, redact_url
 from sluice.settings import is_loopback
 from sluice.telemetry import extract
@@ -100,8 +102,8 @@ async def open_services(settings: GatewaySettings) -> Services:
     readers = JournalReaders(redis)  # one reader loop for every re-attached stream of this process
     metrics = GatewayMetrics()
     serving = Serving(
-        settings, Dispatcher(settings, admission, http), Idempotency(redis, settings.idempotency_ttl_s),
-        redis, tenancy, readers, metrics,
+        settings, Dispatcher(settings, admission, http, IndexCorrections(PrefixIndex(redis))),
+        Idempotency(redis, settings.idempotency_ttl_s), redis, tenancy, readers, metrics,
     )
     readers.adopt = serving.take_over  # a re-attached reader whose producer died: continue it here
     return Services(redis=redis, http=http, admission=admission, serving=serving, tenancy=tenancy,

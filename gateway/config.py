@@ -44,6 +44,15 @@ class GatewaySettings(RedisSettings):
     #: Aging within a queue: one priority level is worth this many tokens of others'
     #: service (so a lower level waits longer but never forever); 0 = strict levels.
     priority_step_tokens: int = Field(default=2048, ge=0)
+    #: Which worker gets a request: "cache" (prefix affinity balanced against load, see
+    #: gateway/scripts.py), "least" (least loaded), "rr" (round robin).
+    routing: Literal["cache", "least", "rr"] = "cache"
+    #: Cache routing: one request in flight on a worker weighs as much as prefilling this
+    #: many prompt blocks (of 64 tokens).
+    route_load_blocks: float = Field(default=2.0, ge=0)
+    #: Cache routing, hot-spot guard: a worker this share of its slots busier than the
+    #: least-loaded one gets no credit for its cached prefix.
+    route_hot_share: float = Field(default=0.75, ge=0, le=1)
     #: Share of each worker's slots only urgent requests may fill (headroom under overload).
     reserved_slots: float = Field(default=0.125, ge=0, lt=1)
     #: Priorities at or below this are urgent (service_tier "priority" maps to -10).

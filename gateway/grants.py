@@ -38,7 +38,7 @@ class GrantMessage:
 
     ok: bool
     #: (lease id, worker id, worker url) per granted slot; empty when not ok.
-    slots: tuple[tuple[str, str, str], ...]
+    slots: tuple[tuple[Any, ...], ...]
 
     @classmethod
     def parse(cls, status: bytes, leases: bytes) -> GrantMessage:

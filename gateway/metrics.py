@@ -42,6 +42,15 @@ class GatewayMetrics:
                                          registry=r)
         self.cached_tokens = Counter("sluice_gateway_cached_tokens", "Prompt tokens served from prefix caches",
                                      ["model"], registry=r)
+        # Cache hit rate: cached_tokens / prompt_tokens. Routing accuracy:
+        # 1 - prefix_error_tokens / prompt_tokens (0 error: the index knew exactly).
+        self.route_expected_tokens = Counter(
+            "sluice_gateway_prefix_expected_tokens", "Prompt tokens the router expected the engine to have cached",
+            ["model"], registry=r)
+        self.route_error_tokens = Counter(
+            "sluice_gateway_prefix_error_tokens",
+            "Sum over requests of |tokens the router expected cached - cached tokens the engine reported|",
+            ["model"], registry=r)
         self.retries = Counter("sluice_gateway_retries", "Attempts retried before the first token", ["model"],
                                registry=r)
         self.migrations = Counter("sluice_gateway_migrations", "Streams moved to another worker mid-stream",

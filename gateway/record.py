@@ -48,6 +48,12 @@ class RequestRecord:
     completion_tokens: int = 0
     cached_tokens: int = 0
     workers: list[str] = field(default_factory=list)
+    #: Cache routing: leading prompt blocks the index expected on the chosen worker (last
+    #: attempt), the prompt's blocks, and the tokens it expected cached vs the error.
+    route_matched_blocks: int = 0
+    route_prompt_blocks: int = 0
+    route_expected_tokens: int = 0
+    route_error_tokens: int = 0
     _last_line: float = 0.0
     _done: bool = False
 
@@ -74,9 +80,16 @@ class RequestRecord:
         """Time spent waiting for slots (summed over admissions: first, retries, migrations)."""
         self.queue_wait_s += wait_s
 
-    def admitted(self, attempts: int, worker_id: str) -> None:
+    def admitted(self, attempts: int, worker_id: str, matched_blocks: int = 0, prompt_blocks: int = 0) -> None:
         self.retries += attempts - 1
         self.workers.append(worker_id)
+        self.route_matched_blocks, self.route_prompt_blocks = matched_blocks, prompt_blocks
+
+    def route_checked(self, expected_tokens: int, error_tokens: int) -> None:
+        """The router expected ``expected_tokens`` cached; the engine's report differed by
+        ``error_tokens``."""
+        self.route_expected_tokens += expected_tokens
+        self.route_error_tokens += error_tokens
 
     def add(self, index: int, line: dict[str, Any]) -> None:
         now = time.monotonic()
@@ -127,6 +140,8 @@ class RequestRecord:
         m.prompt_tokens.labels(model).inc(self.prompt_tokens)
         m.completion_tokens.labels(model).inc(self.completion_tokens)
         m.cached_tokens.labels(model).inc(self.cached_tokens)
+        m.route_expected_tokens.labels(model).inc(self.route_expected_tokens)
+        m.route_error_tokens.labels(model).inc(self.route_error_tokens)
         m.retries.labels(model).inc(self.retries)
         m.migrations.labels(model).inc(self.migrations)
         fields = {
@@ -136,6 +151,8 @@ class RequestRecord:
             "total_ms": round(total * 1000, 1), "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens,
             "retries": self.retries, "migrations": self.migrations, "workers": ",".join(self.workers) or "-",
+            "route_matched_blocks": self.route_matched_blocks, "route_prompt_blocks": self.route_prompt_blocks,
+            "route_expected_cached": self.route_expected_tokens,
         }
         if error is not None:
             fields["error"] = error.code or error.type
@@ -143,6 +160,9 @@ class RequestRecord:
             "http.response.status_code": int(status) if status.isdigit() else 200,
             "sluice.status": status, "gen_ai.usage.input_tokens": self.prompt_tokens,
             "gen_ai.usage.output_tokens": self.completion_tokens, "sluice.migrations": self.migrations,
+            "sluice.usage.cached_tokens": self.cached_tokens, "sluice.route.matched_blocks": self.route_matched_blocks,
+            "sluice.route.prompt_blocks": self.route_prompt_blocks,
+            "sluice.route.expected_cached_tokens": self.route_expected_tokens,
         })
         self.span.end()
         access.info("access " + " ".join(f"{k}={v}" for k, v in fields.items()), extra={"fields": fields})

@@ -34,16 +34,32 @@ are skipped.
 Grants for waiting requests go to the model's grant stream, tagged with the waiting
 gateway process; its one listener hands them to local futures. Entries whose gateway
 stopped beating (it died) are dropped instead of granted.
+
+Routing: which live worker with a free slot gets a request. ``least``: the lowest share
+of slots in use. ``rr``: round robin. ``cache`` (prefix affinity, see
+:mod:`sluice.prefix_index`): each worker costs the prompt blocks it would have to
+prefill plus ``load`` blocks per request it already runs,
+
+    cost(w) = (blocks - cached_blocks(w)) + load * in_flight(w)
+
+the lowest cost wins (ties: the least loaded). Hot-spot guard: a worker whose share of
+slots in use exceeds the least-loaded candidate's by more than ``hot`` gets no credit for
+its cached blocks, so one popular prefix spreads to a second worker instead of queueing
+on one, and a cold (new, empty) worker gets traffic as soon as the others fill up.
+The same choice serves a request granted from the queue by a release, so queued
+requests keep their affinity. A granted request's blocks are marked held by its worker
+in the index, in the same script: routing costs no extra Redis call.
 """
 
 from __future__ import annotations
 
-from sluice import keys
+from sluice import keys, prefix_index
 
-_PRELUDE = f"local GRANTS_KEPT = {keys.GRANTS_KEPT}\n" + r"""
+_PRELUDE = f"local GRANTS_KEPT = {keys.GRANTS_KEPT}\n" + prefix_index.FUNCTIONS + r"""
 local K_WORKERS, K_ALIVE, K_INFLIGHT, K_LEASES, K_OWNER = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local K_QURGENT, K_QNORMAL, K_META, K_DEPTH, K_GRANTS = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local K_GATEWAYS, K_FAIR, K_DONE, K_URGENT_SEEN, K_HEADS = KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15]
+local K_PREFIX, K_PREFIX_LRU = KEYS[16], KEYS[17]
 local gateway = ARGV[1]
 local lease_ttl, gw_ttl = tonumber(ARGV[2]), tonumber(ARGV[3])
 local reserve, urgent_max, step = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -82,17 +98,63 @@ local function usable(w, priority)
   return math.max(1, w.cap - math.ceil(w.cap * reserve))
 end
 
--- `need` slots for one request, least-loaded first (the same worker may give several),
--- or nil (and nothing taken) if they are not all there.
-local function choose(ws, excluded, priority, need)
-  local picks = {}
-  for _ = 1, need do
-    local best = nil
+local function eligible(w, excluded, priority)
+  return w.used < usable(w, priority) and not excluded[w.id]
+end
+
+-- Round robin: live workers in id order, from a shared counter.
+local function rr_pick(ws, excluded, priority)
+  local sorted = {}
+  for _, w in ipairs(ws) do sorted[#sorted + 1] = w end
+  table.sort(sorted, function(a, b) return a.id < b.id end)
+  local start = redis.call('HINCRBY', K_FAIR, 'rr', 1)
+  for k = 0, #sorted - 1 do
+    local w = sorted[(start + k) % #sorted + 1]
+    if eligible(w, excluded, priority) then return w end
+  end
+  return nil
+end
+
+-- The cheapest eligible worker (see the module docstring), least loaded on ties.
+local function best_pick(ws, excluded, priority, route, matched)
+  local cache = route.mode == 'cache'
+  local n = #(route.blocks or {})
+  local coolest = nil
+  if cache then
     for _, w in ipairs(ws) do
-      if w.used < usable(w, priority) and not excluded[w.id] then
-        if best == nil or w.used / w.cap < best.used / best.cap then best = w end
+      if eligible(w, excluded, priority) and (coolest == nil or w.used / w.cap < coolest) then
+        coolest = w.used / w.cap
       end
     end
+  end
+  local best, best_cost = nil, nil
+  for _, w in ipairs(ws) do
+    if eligible(w, excluded, priority) then
+      local cost = w.used / w.cap
+      if cache then
+        local m = matched[w.id] or 0
+        if w.used / w.cap - coolest > route.hot then m = 0 end
+        cost = (n - m) + route.load * w.used
+      end
+      if best == nil or cost < best_cost or (cost == best_cost and w.used / w.cap < best.used / best.cap) then
+        best, best_cost = w, cost
+      end
+    end
+  end
+  return best
+end
+
+-- `need` slots for one request (the same worker may give several), chosen by `route`
+-- ({mode, blocks, load, hot}), or nil (and nothing taken) if they are not all there.
+-- picks.matched: worker id -> leading blocks of the prompt the index says it holds.
+local function choose(ws, excluded, priority, need, route)
+  local matched = {}
+  if route.mode == 'cache' and #(route.blocks or {}) > 0 then matched = prefix_matches(K_PREFIX, route.blocks) end
+  local picks = {}
+  for _ = 1, need do
+    local best
+    if route.mode == 'rr' then best = rr_pick(ws, excluded, priority)
+    else best = best_pick(ws, excluded, priority, route, matched) end
     if best == nil then
       for _, p in ipairs(picks) do p.used = p.used - 1 end
       return nil
@@ -100,7 +162,13 @@ local function choose(ws, excluded, priority, need)
     best.used = best.used + 1
     picks[#picks + 1] = best
   end
+  picks.matched = matched
   return picks
+end
+
+local function route_of(meta)
+  return {mode = meta.mode or 'least', blocks = meta.blocks, load = tonumber(meta.load) or 0,
+          hot = tonumber(meta.hot) or 1}
 end
 
 local function serviceable(ws, excluded)
@@ -139,18 +207,26 @@ local function publish(meta, req, status, leases)
              's', status, 'l', leases)
 end
 
--- Lease `need` slots to req (lease ids req#0, req#1, ...): count, lease, describe.
+-- Lease `need` slots to req (lease ids req#0, req#1, ...): count, lease, describe
+-- ([lease, worker, url, blocks the index expected cached there]). With cache routing,
+-- the prompt's blocks are now held by each picked worker (it is about to prefill them).
 -- A lease handed to the caller lives a full TTL; one published to a waiting gateway
 -- must be claimed (renewed) within the gateway liveness TTL, so a grant sent to a
 -- gateway that has just died idles its slot for seconds, not a whole lease TTL.
-local function lease_all(picks, req, ttl)
+local function lease_all(picks, req, ttl, meta)
   local out = {}
+  local marked = {}
+  local blocks = meta.mode == 'cache' and meta.blocks or {}
   for i, w in ipairs(picks) do
     local lease = req .. '#' .. (i - 1)
     redis.call('HINCRBY', K_INFLIGHT, w.id, 1)
     redis.call('ZADD', K_LEASES, now + ttl, lease)
     redis.call('HSET', K_OWNER, lease, w.id)
-    out[#out + 1] = {lease, w.id, w.url}
+    out[#out + 1] = {lease, w.id, w.url, picks.matched[w.id] or 0}
+    if #blocks > 0 and not marked[w.id] then
+      marked[w.id] = true
+      holders_add(K_PREFIX, K_PREFIX_LRU, blocks, w.id, now, picks.matched[w.id] or 0)
+    end
   end
   return cjson.encode(out)
 end
@@ -193,7 +269,7 @@ local function verdict(ws, meta)
   local excluded = {}
   for _, id in ipairs(meta.exclude or {}) do excluded[id] = true end
   if not serviceable(ws, excluded) then return 'none' end
-  return choose(ws, excluded, tonumber(meta.priority) or 0, tonumber(meta.need) or 1)
+  return choose(ws, excluded, tonumber(meta.priority) or 0, tonumber(meta.need) or 1, route_of(meta))
 end
 
 -- Carry out a verdict that is not nil or 'drop', for an entry already dequeued. The
@@ -204,7 +280,7 @@ local function deliver(v, req, meta, direct, result)
     publish(meta, req, 'none', '[]')
     return result
   end
-  local leases = lease_all(v, req, req == direct and lease_ttl or gw_ttl)
+  local leases = lease_all(v, req, req == direct and lease_ttl or gw_ttl, meta)
   if req == direct then return leases end
   publish(meta, req, 'ok', leases)
   return result
@@ -213,14 +289,16 @@ end
 -- Hand free slots to waiting requests: the urgent queue first (in score order; an entry
 -- blocked only by its excluded workers is skipped), then the normal class, tenant by
 -- tenant in start-tag order. Either stops at the first entry that lacks slots, so later
--- ones cannot take them. `direct` names the calling request, whose grant is returned.
-local function pump(ws, direct)
+-- ones cannot take them. `direct` names the calling request, whose grant is returned
+-- (`direct_blocks`: its prompt blocks, which its stored meta leaves out).
+local function pump(ws, direct, direct_blocks)
   local result = nil
   local free = 0
   for _, w in ipairs(ws) do free = free + math.max(0, w.cap - w.used) end
   for _, req in ipairs(redis.call('ZRANGE', K_QURGENT, 0, 63)) do
     if free <= 0 then return result end
     local meta = cjson.decode(redis.call('HGET', K_META, req) or '{}')
+    if req == direct then meta.blocks = direct_blocks end
     local v = verdict(ws, meta)
     if v == nil then
       if #(meta.exclude or {}) == 0 then return result end
@@ -247,6 +325,7 @@ local function pump(ws, direct)
       local req = string.match(member, '[^|]*$')
       local meta = cjson.decode(redis.call('HGET', K_META, req) or '{}')
       meta.member = member
+      if req == direct then meta.blocks = direct_blocks end
       local v = verdict(ws, meta)
       if v == nil then return result end
       dequeue(K_QNORMAL, req, meta)
@@ -280,8 +359,10 @@ end
 """
 
 #: ARGV 7 request id, 8 priority, 9 slots needed, 10 queue timeout (ms), 11 max queue length,
-#: 12 excluded worker ids (JSON list), 13 boosted (1: a retry or migration), 14 tenant, 15 cost.
-#: Returns {'granted', leases JSON [[lease, worker, url], ...]} | {'queued', position}
+#: 12 excluded worker ids (JSON list), 13 boosted (1: a retry or migration), 14 tenant, 15 cost,
+#: 16 prompt block hashes (JSON list), 17 routing (least | rr | cache), 18 load (blocks per
+#: request in flight), 19 hot-spot guard (share of slots).
+#: Returns {'granted', leases JSON [[lease, worker, url, matched blocks], ...]} | {'queued', position}
 #: | {'full', length} | {'none'} | {'too_big', usable slots}.
 ACQUIRE = _PRELUDE + r"""
 local req, priority, need = ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9])
@@ -306,7 +387,10 @@ local length = queue_length()
 if not boost and length >= tonumber(ARGV[11]) then return {'full', length} end
 
 local meta = {deadline = now + tonumber(ARGV[10]), exclude = exclude, priority = priority, need = need,
-              gw = gateway}
+              gw = gateway, mode = ARGV[17], load = tonumber(ARGV[18]), hot = tonumber(ARGV[19])}
+-- The caller's blocks stay out of its stored meta unless it has to wait (no JSON round trip
+-- for a request granted at once).
+local direct_blocks = ARGV[17] == 'cache' and cjson.decode(ARGV[16]) or nil
 if boost then
   redis.call('ZADD', K_QURGENT, -4e15 + now, req)
 elseif is_urgent(priority) then
@@ -327,10 +411,14 @@ end
 redis.call('HSET', K_META, req, cjson.encode(meta))
 redis.call('HINCRBY', K_DEPTH, class_of(priority), 1)
 if meta.member then refresh_head(tenant) end
-local got = pump(ws, req)
+local got = pump(ws, req, direct_blocks)
 if got == 'none' then return {'none'} end
 if got ~= nil then return {'granted', got} end
 if redis.call('HEXISTS', K_META, req) == 0 then return {'none'} end  -- dropped (cannot happen to a live caller)
+if direct_blocks then
+  meta.blocks = direct_blocks
+  redis.call('HSET', K_META, req, cjson.encode(meta))
+end
 return {'queued', queue_length() - 1}
 """
 

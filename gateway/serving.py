@@ -234,7 +234,8 @@ class Serving:
         between them and wait for each other."""
         if len(payloads) == 1:
             return [await self._dispatcher.open(req.model, payloads[0], ctx, cost=ctx.cost)]
-        leases = await self._dispatcher.admit(req.model, ctx.internal_id, ctx, need=len(payloads), cost=ctx.cost)
+        leases = await self._dispatcher.admit(req.model, ctx.internal_id, ctx, need=len(payloads), cost=ctx.cost,
+                                              prefix=self._dispatcher.prefix_of(payloads[0]))
         results = await asyncio.gather(
             *(self._dispatcher.open(req.model, p, ctx, lease=lease) for p, lease in zip(payloads, leases, strict=True)),
             return_exceptions=True,

@@ -17,6 +17,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -27,6 +28,8 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from gateway.admission import Admission, Ask, Lease
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
+from gateway.record import RequestRecord
+from gateway.routing import IndexCorrections, PromptPrefix, RouteCheck
 from sluice.errors import (
     DeadlineExceeded,
     ModelNotFound,
@@ -57,13 +60,25 @@ def query_of_death() -> UpstreamFailed:
                           code="query_of_death")
 
 
+@dataclass(frozen=True, slots=True)
+class RouteFacts:
+    """What an attempt was routed on, checked against the engine's ``cached_tokens``."""
+
+    prefix: PromptPrefix
+    resumed: int
+    record: RequestRecord
+    corrections: IndexCorrections
+
+
 class Upstream:
     """One open stream from a worker, holding its lease until closed."""
 
     def __init__(
-        self, admission: Admission, lease: Lease, response: httpx.Response, span: Span | None = None
+        self, admission: Admission, lease: Lease, response: httpx.Response, span: Span | None = None,
+        route: RouteFacts | None = None,
     ) -> None:
         self.lease = lease
+        self._route = route
         self._admission = admission
         self._span = span
         self._response = response
@@ -98,6 +113,8 @@ class Upstream:
                 raise UpstreamFailed("the worker closed the stream before it finished", code="worker_lost")
             if "error" in line:
                 raise _error_line(line)
+            if "usage" in line:
+                self._check_route(line["usage"])
             yield line
             if line.get("finish_reason") is not None:
                 return
@@ -112,6 +129,17 @@ class Upstream:
                 ) from None
             except (httpx.TransportError, orjson.JSONDecodeError) as exc:
                 raise UpstreamFailed(f"the worker stream broke: {type(exc).__name__}", code="worker_lost") from None
+
+    def _check_route(self, usage: dict[str, Any]) -> None:
+        """The engine's cached tokens against the router's guess: the accuracy metric, and
+        blocks the worker did not hold leave the index."""
+        route, lease = self._route, self.lease
+        if route is None:
+            return
+        check = RouteCheck.of(route.prefix, lease.matched_blocks, usage, route.resumed)
+        route.record.route_checked(check.expected, check.error)
+        route.corrections.worker_lacks(lease.model, lease.worker_id, route.prefix, check.held_blocks,
+                                       lease.matched_blocks)
 
     async def aclose(self) -> None:
         if self._closed:
@@ -135,8 +163,12 @@ def _error_line(line: Line) -> SluiceError:
 
 
 class Dispatcher:
-    def __init__(self, settings: GatewaySettings, admission: Admission, http: httpx.AsyncClient) -> None:
+    def __init__(
+        self, settings: GatewaySettings, admission: Admission, http: httpx.AsyncClient,
+        corrections: IndexCorrections,
+    ) -> None:
         self._settings = settings
+        self._corrections = corrections
         self._admission = admission
         self._http = http
         self._auth = {"authorization": f"Bearer {settings.internal_token}"} if settings.internal_token else {}
@@ -144,11 +176,18 @@ class Dispatcher:
     async def release(self, lease: Lease) -> None:
         await self._admission.release(lease)
 
+    def prefix_of(self, payload: dict[str, Any]) -> PromptPrefix:
+        """The prompt's blocks when routing by cache (hashing costs nothing otherwise)."""
+        if self._settings.routing != "cache":
+            return PromptPrefix((), 0)
+        return PromptPrefix.of(payload)
+
     async def admit(
         self, model: str, request_id: str, ctx: RequestContext, *, need: int = 1, cost: int = 1,
-        exclude: list[str] | tuple[str, ...] = (), boost: bool = False,
+        exclude: list[str] | tuple[str, ...] = (), boost: bool = False, prefix: PromptPrefix | None = None,
     ) -> list[Lease]:
-        """``need`` slots for this request, all at once (queueing if they are not free)."""
+        """``need`` slots for this request, all at once (queueing if they are not free),
+        on workers chosen by the gateway's routing (``prefix``: the prompt, for cache routing)."""
         waited = time.monotonic()
         with tracer.start_as_current_span("queue.wait", context=ctx.record.context()) as queue_span:
             queue_span.set_attribute("sluice.priority", ctx.priority)
@@ -156,7 +195,8 @@ class Dispatcher:
                 leases = await self._admission.acquire(
                     Ask(model=model, request_id=request_id, priority=ctx.priority, need=need,
                         timeout_s=max(0.001, min(self._settings.queue_timeout_s, ctx.remaining_s())),
-                        tenant=ctx.tenant, cost=cost, boost=boost, exclude=tuple(exclude)),
+                        tenant=ctx.tenant, cost=cost, boost=boost, exclude=tuple(exclude),
+                        blocks=prefix.blocks if prefix is not None else ()),
                     ctx.disconnected,
                 )
             except ModelNotFound:
@@ -165,7 +205,9 @@ class Dispatcher:
                 ctx.record.known_model()  # full, timed out, no live worker: the model exists
                 raise
             ctx.record.known_model()
-            queue_span.set_attribute("sluice.worker_id", ",".join(sorted({x.worker_id for x in leases})))
+            queue_span.set_attributes({"sluice.worker_id": ",".join(sorted({x.worker_id for x in leases})),
+                                       "sluice.route": self._settings.routing,
+                                       "sluice.route.matched_blocks": max(x.matched_blocks for x in leases)})
         ctx.record.queued(time.monotonic() - waited)
         return leases
 
@@ -184,23 +226,29 @@ class Dispatcher:
 
         ``lease``: a slot already granted for the first attempt (this call owns it);
         ``boost`` puts the request ahead of the queue (a migration); ``exclude``
-        names workers that already failed it.
+        names workers that already failed it. Retries and migrations are routed on the
+        same prompt prefix, so they too prefer a worker that holds it.
         """
         s = self._settings
         payload["priority"] = ctx.priority
         body = orjson.dumps(payload)
+        prefix = self.prefix_of(payload)
+        route = RouteFacts(prefix, len(payload.get("resume_token_ids") or ()), ctx.record, self._corrections)
         excluded: list[str] = list(exclude)
         reason = "no attempt made"
         record = ctx.record
         for attempt in range(1, s.max_attempts + 1):
             if lease is None:
                 (lease,) = await self.admit(model, f"{payload['request_id']}~{attempt}", ctx, cost=cost,
-                                            exclude=excluded, boost=boost or attempt > 1)
+                                            exclude=excluded, boost=boost or attempt > 1, prefix=prefix)
             span = tracer.start_span("upstream", context=record.context(), kind=SpanKind.CLIENT,
-                                     attributes={"sluice.worker_id": lease.worker_id, "sluice.attempt": attempt})
+                                     attributes={"sluice.worker_id": lease.worker_id, "sluice.attempt": attempt,
+                                                 "sluice.route": s.routing,
+                                                 "sluice.route.matched_blocks": lease.matched_blocks,
+                                                 "sluice.route.prompt_blocks": len(prefix.blocks)})
             try:
-                upstream = await self._attempt(lease, body, ctx.deadline, span)
-                record.admitted(attempt, lease.worker_id)
+                upstream = await self._attempt(lease, body, ctx.deadline, span, route)
+                record.admitted(attempt, lease.worker_id, lease.matched_blocks, len(prefix.blocks))
                 return upstream
             except _Retryable as exc:
                 reason = str(exc)
@@ -223,7 +271,7 @@ class Dispatcher:
             retry_after_s=1,
         )
 
-    async def _attempt(self, lease: Lease, body: bytes, deadline: float, span: Span) -> Upstream:
+    async def _attempt(self, lease: Lease, body: bytes, deadline: float, span: Span, route: RouteFacts) -> Upstream:
         s = self._settings
         ttft_s = max(0.0, min(s.ttft_timeout_s, deadline - time.monotonic()))
         request = self._http.build_request(
@@ -234,7 +282,7 @@ class Dispatcher:
         try:
             async with asyncio.timeout(ttft_s):
                 response = await self._http.send(request, stream=True)
-                upstream = Upstream(self._admission, lease, response, span)
+                upstream = Upstream(self._admission, lease, response, span, route)
                 if response.status_code != 200:
                     detail = await response.aread()
                     if response.status_code in (401, 403):

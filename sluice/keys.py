@@ -23,6 +23,8 @@ carry their own hash tag for the same reason.
     sl:{m}:fair                    hash V:<class> -> virtual time, F:<class>:<tenant> -> finish tag
     sl:{m}:done                    list of recent completion times (ms), for Retry-After
     sl:{m}:urgent_seen             exists for a minute after an urgent request: slot headroom is on
+    sl:{m}:prefix                  hash prefix block hash -> ids of workers holding it (space-separated)
+    sl:{m}:prefix:lru              zset prefix block hash -> last use (ms); the oldest go past the cap
 
     sl:apikeys                     set of API key prefixes
     sl:apikey:{prefix}             hash: one API key's record
@@ -46,6 +48,12 @@ HEARTBEAT_MISSES = 3
 #: Grants kept in a model's grant stream (approximate trim); a listener further behind
 #: than this still gets its grant when its waiter gives up and asks (CANCEL).
 GRANTS_KEPT = 10_000
+
+
+#: Prefix blocks the shared index keeps per model (least recently used dropped first),
+#: and workers remembered per block (the oldest holder dropped first).
+PREFIX_BLOCKS_KEPT = 200_000
+PREFIX_HOLDERS = 4
 
 
 def _tag(model: str) -> str:
@@ -103,6 +111,8 @@ class AdmissionKeys(NamedTuple):
     done: str
     urgent_seen: str
     heads: str
+    prefix: str
+    prefix_lru: str
 
 
 def admission(model: str) -> AdmissionKeys:
@@ -113,7 +123,13 @@ def admission(model: str) -> AdmissionKeys:
         lease_owner=t + ":lease_owner", q_urgent=urgent, q_normal=normal, queue_meta=t + ":queue_meta",
         depth=t + ":depth", grants=grants(model), gateways=t + ":gateways", fair=t + ":fair",
         done=done(model), urgent_seen=t + ":urgent_seen", heads=normal + ":heads",
+        prefix=prefix_index(model)[0], prefix_lru=prefix_index(model)[1],
     )
+
+
+def prefix_index(model: str) -> list[str]:
+    """KEYS of the prefix index scripts: block holders, block recency."""
+    return [_tag(model) + ":prefix", _tag(model) + ":prefix:lru"]
 
 
 def worker_keys(model: str) -> list[str]:

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine_worker.protocol import Delta, GenerateRequest
+from engine_worker.protocol import Delta, GenerateRequest, KVEvent
 
 
 @dataclass(slots=True)
@@ -43,5 +43,11 @@ class Engine(Protocol):
     def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]: ...
 
     def stats(self) -> EngineStats: ...
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """Prefix cache changes since the last call, named by :mod:`sluice.prefix` block
+        hashes (reported to the gateways' prefix index); [] for engines whose blocks are
+        named otherwise."""
+        ...
 
     async def shutdown(self) -> None: ...

@@ -6,13 +6,7 @@ from typing import Any
 
 from engine_worker.protocol import GenerateRequest
 from sluice.errors import InvalidRequest
-
-
-def text_content(content: object) -> str:
-    """Flatten OpenAI content parts to text (chat templates take strings)."""
-    if isinstance(content, list):
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return "" if content is None else str(content)
+from sluice.prefix import text_content
 
 
 def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:

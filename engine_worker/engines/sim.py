@@ -4,9 +4,18 @@ The text of token ``i`` depends only on (prompt, seed, i), so a request resumed
 with ``resume_token_ids`` on another worker continues exactly where the first
 one stopped, and a run can be checked token for token against a reference.
 
-Timing: a sequence admitted to the running batch waits ``ttft_ms`` (prefill),
-then gets one token per step; a step takes ``token_ms``. At most ``max_seqs``
-sequences run at once; the rest wait, as in a real continuous-batching engine.
+Timing: a sequence admitted to the running batch waits at least ``ttft_ms``, and
+its uncached prompt tokens are prefilled, ``prefill_chunk`` tokens per step shared
+by the sequences in prefill (oldest first), each costing ``prefill_ms_per_token``
+on top of the step's ``token_ms`` -- so prefill slows every running sequence's
+decode, as chunked prefill does in vLLM. Then it gets one token per step. At most
+``max_seqs`` sequences run at once; the rest wait.
+
+Prefix cache: a prompt's words are its tokens, in blocks of 64 named by
+:func:`sluice.prefix.block_hashes`; the leading blocks found in the worker's LRU
+(``cache_blocks`` of them at most) are ``cached_tokens`` and skip prefill. A prefilled
+prompt's blocks are stored, and every store and eviction is a KV event
+(:meth:`SimEngine.take_kv_events`) that the worker reports to the gateways' index.
 """
 
 from __future__ import annotations
@@ -20,8 +29,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine_worker.engines.base import EngineStats
-from engine_worker.engines.prompts import chat_messages
-from engine_worker.protocol import Delta, GenerateRequest, Usage
+from engine_worker.engines.prefix_cache import PrefixCache
+from engine_worker.protocol import Delta, GenerateRequest, KVEvent, Usage
+from sluice.prefix import BLOCK_TOKENS, block_hashes_of_words, chat_text
 
 _SYLLABLES = [c + v for c in "bcdfghjklmnprstvwxz" for v in "aeiou"]
 VOCAB = [_SYLLABLES[i % len(_SYLLABLES)] + _SYLLABLES[(i // len(_SYLLABLES) * 7) % len(_SYLLABLES)] for i in range(1024)]
@@ -30,9 +40,8 @@ MIN_NATURAL, NATURAL_SPAN = 32, 224
 
 
 def render_chat(messages: list[dict[str, object]]) -> str:
-    """The simulator's chat template."""
-    parts = [f"<|{m['role']}|> {m['content']}" for m in chat_messages(messages)]
-    return "\n".join(parts) + "\n<|assistant|>"
+    """The simulator's chat template (the gateway's canonical prompt text)."""
+    return chat_text(messages)
 
 
 def prompt_text(request: GenerateRequest) -> str:
@@ -77,8 +86,11 @@ class _Seq:
     next_index: int
     limit: int
     end_reason: str
+    blocks: list[str] = field(default_factory=list)
     queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
     ready_at: float = 0.0
+    cached_tokens: int = 0
+    prefill_left: int = 0
     text: str = ""
     generated: int = 0
     done: bool = False
@@ -89,9 +101,13 @@ class SimEngine:
 
     def __init__(
         self, *, ttft_ms: float = 20.0, token_ms: float = 5.0, max_seqs: int = 64, fail_first: int = 0,
-        crash_on: str | None = None,
+        crash_on: str | None = None, prefill_ms_per_token: float = 0.0, prefill_chunk: int = 512,
+        cache_blocks: int = 1024,
     ) -> None:
         self.capacity = max_seqs
+        self.cache = PrefixCache(cache_blocks)
+        self._prefill_s = prefill_ms_per_token / 1000
+        self._prefill_chunk = prefill_chunk
         #: Fault injection: this many requests fail before their first token.
         self._fail_left = fail_first
         #: Fault injection: a prompt containing this text kills the whole worker process
@@ -124,7 +140,12 @@ class SimEngine:
             running=len(self._running),
             waiting=len(self._waiting),
             kv_usage=len(self._running) / self.capacity,
+            prefix_queries=self.cache.queried,
+            prefix_hits=self.cache.hit,
         )
+
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.cache.take_events()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
         if self._crash_on and self._crash_on in prompt_text(request):
@@ -143,10 +164,12 @@ class SimEngine:
         limit, end_reason = end, "stop"
         if request.max_tokens is not None and resumed + request.max_tokens <= end:
             limit, end_reason = resumed + request.max_tokens, "length"
+        words = prompt.split()
         seq = _Seq(
             request=request,
             tokens=tokens,
-            prompt_tokens=len(prompt.split()) + resumed,
+            blocks=block_hashes_of_words(words),
+            prompt_tokens=len(words) + resumed,
             next_index=resumed,
             limit=limit,
             end_reason=end_reason,
@@ -168,6 +191,42 @@ class SimEngine:
                 if seq in self._running:
                     self._running.remove(seq)
 
+    def _admit(self, seq: _Seq, now: float) -> None:
+        seq.ready_at = now + self._ttft_s
+        seq.prefill_left = -1  # the cache is looked up when its prefill starts
+        if self._prefill_s <= 0:
+            self._start_prefill(seq)
+            self._prefilled(seq)
+        self._running.append(seq)
+
+    def _start_prefill(self, seq: _Seq) -> None:
+        # Looked up now, not on arrival: a sequence that waited for the prefill budget
+        # finds what the ones before it stored (as in vLLM, where it waits to be scheduled).
+        seq.cached_tokens = self.cache.match(seq.blocks) * BLOCK_TOKENS
+        seq.prefill_left = seq.prompt_tokens - seq.cached_tokens
+
+    def _prefilled(self, seq: _Seq) -> None:
+        seq.prefill_left = 0
+        self.cache.store(seq.blocks)
+
+    def _prefill(self) -> int:
+        """One step's chunk of prefill, oldest sequences first; returns the tokens prefilled."""
+        budget = self._prefill_chunk
+        for seq in self._running:
+            if budget <= 0:
+                break
+            if seq.prefill_left < 0:
+                self._start_prefill(seq)
+                if seq.prefill_left == 0:
+                    self._prefilled(seq)
+            if seq.prefill_left > 0:
+                take = min(budget, seq.prefill_left)
+                budget -= take
+                seq.prefill_left -= take
+                if seq.prefill_left == 0:
+                    self._prefilled(seq)
+        return self._prefill_chunk - budget
+
     async def _loop(self) -> None:
         while True:
             if not self._running and not self._waiting:
@@ -175,20 +234,20 @@ class SimEngine:
                 await self._wake.wait()
             now = time.monotonic()
             while self._waiting and len(self._running) < self.capacity:
-                seq = self._waiting.popleft()
-                seq.ready_at = now + self._ttft_s
-                self._running.append(seq)
-            earliest = None
-            for seq in self._running:
-                if seq.ready_at <= now:
-                    self._step(seq)
-                elif earliest is None or seq.ready_at < earliest:
-                    earliest = seq.ready_at
+                self._admit(self._waiting.popleft(), now)
+            # Sequences prefilled before this step decode in it; the step lasts longer by
+            # the prefill it also does.
+            decoding = [s for s in self._running if s.prefill_left == 0 and s.ready_at <= now]
+            prefilled = self._prefill()
+            if decoding or prefilled:
+                await asyncio.sleep(self._token_s + prefilled * self._prefill_s)
+                for seq in decoding:
+                    if not seq.done:
+                        self._step(seq)
+            else:
+                earliest = min((s.ready_at for s in self._running if s.ready_at > now), default=now)
+                await asyncio.sleep(max(self._token_s, earliest - now))
             self._running = [s for s in self._running if not s.done]
-            delay = self._token_s
-            if earliest is not None and not any(s.ready_at <= now for s in self._running):
-                delay = max(delay, earliest - now)
-            await asyncio.sleep(delay)
 
     def _step(self, seq: _Seq) -> None:
         token_id = seq.tokens.token(seq.next_index)
@@ -209,7 +268,8 @@ class SimEngine:
         usage = None
         if finish is not None:
             seq.done = True
-            usage = Usage(prompt_tokens=seq.prompt_tokens, completion_tokens=seq.generated)
+            usage = Usage(prompt_tokens=seq.prompt_tokens, completion_tokens=seq.generated,
+                          cached_tokens=seq.cached_tokens)
         lps = None
         if seq.request.logprobs is not None:
             lps = [sim_logprobs(token_id, seq.request.logprobs)]

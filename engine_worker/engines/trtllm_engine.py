@@ -31,7 +31,7 @@ from typing import Any
 from engine_worker.engines.base import EngineStats
 from engine_worker.engines.prompts import completion_budget, prompt_token_ids
 from engine_worker.engines.resume import ResumedText
-from engine_worker.protocol import Delta, GenerateRequest, Usage
+from engine_worker.protocol import Delta, GenerateRequest, KVEvent, Usage
 from sluice.errors import InvalidRequest
 
 log = logging.getLogger("sluice.worker.trtllm")
@@ -94,6 +94,11 @@ class TrtllmEngine:
         if self._llm is not None:
             await asyncio.to_thread(self._llm.shutdown)
             self._llm = None
+
+    def take_kv_events(self) -> list[KVEvent]:
+        # TensorRT-LLM's KV event API names blocks by token-id hashes too (see the vLLM engine);
+        # the index is corrected from each response's cached_tokens.
+        return []
 
     def stats(self) -> EngineStats:
         return self._stats

@@ -22,7 +22,7 @@ from typing import Any
 from engine_worker.engines.base import EngineStats
 from engine_worker.engines.prompts import completion_budget, prompt_token_ids
 from engine_worker.engines.resume import ResumedText
-from engine_worker.protocol import Delta, GenerateRequest, Usage
+from engine_worker.protocol import Delta, GenerateRequest, KVEvent, Usage
 
 log = logging.getLogger("sluice.worker.vllm")
 
@@ -120,6 +120,12 @@ class VllmEngine:
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+
+    def take_kv_events(self) -> list[KVEvent]:
+        # vLLM names its blocks by hashes of token ids, which the gateways' word-block index cannot
+        # match without the tokenizer; its truth reaches the index through each response's
+        # cached_tokens (gateway/routing.py).
+        return []
 
     def stats(self) -> EngineStats:
         return self._stats

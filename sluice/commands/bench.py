@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import httpx
 import orjson
 
+from sluice.commands.bench_prefix import add_arguments as prefix_arguments
+
 TOPICS = ["rivers", "canal locks", "tides", "dams", "harbours", "rain", "glaciers", "wells"]
 
 
@@ -217,6 +219,10 @@ def main(args: argparse.Namespace) -> int:
         from sluice.commands.bench_resilience import main as resilience_main
 
         return resilience_main(args)
+    if args.scenario == "prefix":
+        from sluice.commands.bench_prefix import main as prefix_main
+
+        return prefix_main(args)
     args.requests = args.requests or 32
 
     options = UpOptions(engine=args.engine, workers=1, port=args.port, model=args.model,
@@ -242,12 +248,14 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scenario", choices=["overhead", "priority", "flood", "resilience"], default="overhead",
+    p.add_argument("--scenario", choices=["overhead", "priority", "flood", "resilience", "prefix"],
+                   default="overhead",
                    help="overhead: gateway vs direct worker (default); priority: per-class TTFT and "
                         "shedding at 0.5x and 2x capacity (sim engine); flood: 10k streams over three "
                         "gateways, a gateway kill, a Redis Cluster, fairness between tenants (sim engine); "
                         "resilience: journal cost, worker SIGKILLs under load, a gateway SIGKILL under "
-                        "resumable streams (sim engine)")
+                        "resumable streams (sim engine); prefix: cache-aware vs least-loaded vs "
+                        "round-robin routing on shared-prefix workloads (sim engine)")
     p.add_argument("--duration-s", type=float, default=20.0, help="priority: seconds per phase")
     p.add_argument("--queue-timeout-s", type=float, default=2.0, help="priority: gateway queue timeout")
     p.add_argument("--sim-max-seqs", type=int, default=8, help="priority: sim worker slots")
@@ -286,3 +294,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from sluice.commands.bench_resilience import add_arguments as resilience_arguments
 
     resilience_arguments(p)
+    prefix_arguments(p)

@@ -74,6 +74,11 @@ def _build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--sim-ttft-ms", type=float, help="sim: time to first token (default 20)")
     wk.add_argument("--sim-token-ms", type=float, help="sim: time per decode step (default 5)")
     wk.add_argument("--sim-max-seqs", type=int, help="sim: sequences run at once (default 64)")
+    wk.add_argument("--sim-prefill-ms-per-token", type=float,
+                    help="sim: prefill cost of one uncached prompt token (default 0: prefill is free)")
+    wk.add_argument("--sim-prefill-chunk", type=int, help="sim: prompt tokens prefilled per step (default 512)")
+    wk.add_argument("--sim-cache-blocks", type=int,
+                    help="sim: prefix cache capacity in blocks of 64 tokens (default 1024; 0 disables it)")
     wk.add_argument("--sim-crash-on", metavar="TEXT",
                     help="sim fault injection: a prompt containing TEXT kills the worker (a query of death)")
     wk.add_argument("--sim-fail-first", type=int,
@@ -142,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
             fields = _given(
                 args, "engine", "host", "port", "advertise_url", "worker_id", "model",
                 "served_model_name", "heartbeat_ms", "drain_timeout_s", "sim_ttft_ms",
-                "sim_token_ms", "sim_max_seqs", "sim_fail_first", "sim_crash_on", "redis_url", "vllm_max_model_len",
+                "sim_token_ms", "sim_max_seqs", "sim_fail_first", "sim_crash_on", "sim_prefill_ms_per_token",
+                "sim_prefill_chunk", "sim_cache_blocks", "redis_url", "vllm_max_model_len",
                 "vllm_max_num_seqs", "vllm_kv_cache_gib", "vllm_tensor_parallel_size", "vllm_enforce_eager",
                 "vllm_trtllm_kernels",
             )

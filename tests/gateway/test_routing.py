@@ -1,0 +1,145 @@
+"""Cache routing in the admission scripts, on a real Redis (single server and a
+three-master cluster): affinity when load allows, the hot-spot guard, a cold worker's
+share, queued grants that keep affinity, round robin, and the index's corrections."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gateway.routing import PromptPrefix, RouteCheck
+from sluice import keys
+from sluice.prefix import BLOCK_TOKENS, block_hashes
+from sluice.prefix_index import PrefixIndex
+from tests.gateway import test_queue_scripts as queue_tests
+from tests.gateway.test_queue_scripts import Fleet, _queued
+
+# The queue tests' fixtures: a fleet on a single Redis and on a Redis Cluster.
+url, redis, fleet = queue_tests.url, queue_tests.redis, queue_tests.fleet
+
+SHARED = " ".join(f"sys{i}" for i in range(BLOCK_TOKENS * 20))  # 20 blocks
+
+
+def _blocks(question: str) -> tuple[str, ...]:
+    return tuple(block_hashes(SHARED + " " + " ".join(f"{question}{i}" for i in range(2 * BLOCK_TOKENS))))
+
+
+async def test_a_shared_prefix_goes_back_to_the_worker_that_holds_it(fleet: Fleet) -> None:
+    a, b = await fleet.worker(capacity=8, worker_id="a"), await fleet.worker(capacity=8, worker_id="b")
+    gw = await fleet.gateway()
+    (first,) = await gw.acquire(fleet.ask(blocks=_blocks("q")))
+    assert first.matched_blocks == 0
+    # The holder already runs a request; its 20 cached blocks still outweigh that load.
+    for question in ("r", "s"):
+        (lease,) = await gw.acquire(fleet.ask(blocks=_blocks(question)))
+        assert lease.worker_id == first.worker_id
+        assert lease.matched_blocks == 20  # the shared blocks, not the other question's
+    (other,) = await gw.acquire(fleet.ask(blocks=tuple(block_hashes("z " * 2 * BLOCK_TOKENS))))
+    assert other.worker_id == ({a, b} - {first.worker_id}).pop()  # no affinity: least loaded
+
+
+async def test_hot_spot_guard_spills_a_popular_prefix_to_a_cold_worker(fleet: Fleet) -> None:
+    """Regression for the peers' hot spot: one shared system prompt sent everything to
+    one worker. Past the guard (half its slots busier than the coolest worker), the
+    holder's cache no longer counts and the cold worker gets its share."""
+    await fleet.worker(capacity=4, worker_id="a")
+    await fleet.worker(capacity=4, worker_id="b")
+    gw = await fleet.gateway(route_hot_share=0.5)
+    leases = [(await gw.acquire(fleet.ask(blocks=_blocks(f"q{i}"))))[0] for i in range(4)]
+    holder = leases[0].worker_id
+    assert [x.worker_id == holder for x in leases] == [True, True, True, False]
+    assert leases[3].matched_blocks == 0
+    # The cold worker now holds the prefix too: both are credited from here on.
+    matched = await fleet.redis.hget(keys.prefix_index(fleet.model)[0], _blocks("x")[0])  # type: ignore[attr-defined]
+    assert set(matched.decode().split()) == {"a", "b"}
+
+
+async def test_without_affinity_routing_is_least_loaded(fleet: Fleet) -> None:
+    await fleet.worker(capacity=4, worker_id="a")
+    await fleet.worker(capacity=4, worker_id="b")
+    gw = await fleet.gateway()
+    workers = [(await gw.acquire(fleet.ask(blocks=tuple(block_hashes(f"{i} " * 2 * BLOCK_TOKENS)))))[0].worker_id
+               for i in range(6)]
+    assert sorted(workers) == ["a", "a", "a", "b", "b", "b"]
+
+
+async def test_a_queued_request_keeps_its_affinity_when_granted_by_a_release(fleet: Fleet) -> None:
+    await fleet.worker(capacity=1, worker_id="a")
+    await fleet.worker(capacity=1, worker_id="b")
+    gw = await fleet.gateway(queue_timeout_s=10)
+    (warm,) = await gw.acquire(fleet.ask(blocks=_blocks("q")))
+    await gw.release(warm)
+    held = [(await gw.acquire(fleet.ask()))[0] for _ in range(2)]
+    waiter = asyncio.create_task(gw.acquire(fleet.ask(blocks=_blocks("r"))))
+    await _queued(fleet, 1)
+    holder_lease = next(x for x in held if x.worker_id == warm.worker_id)
+    await gw.release(holder_lease)
+    (granted,) = await asyncio.wait_for(waiter, 5)
+    assert granted.worker_id == warm.worker_id and granted.matched_blocks == 20
+    for lease in [granted, *held]:
+        await gw.release(lease)
+
+
+async def test_round_robin_takes_turns(fleet: Fleet) -> None:
+    for name in "abc":
+        await fleet.worker(capacity=8, worker_id=name)
+    gw = await fleet.gateway(routing="rr")
+    workers = [(await gw.acquire(fleet.ask(blocks=_blocks("q"))))[0].worker_id for _ in range(6)]
+    assert sorted(workers[:3]) == ["a", "b", "c"] and workers[3:] == workers[:3]
+
+
+async def test_engine_events_and_corrections_take_blocks_out_of_the_index(fleet: Fleet) -> None:
+    await fleet.worker(capacity=8, worker_id="a")
+    await fleet.worker(capacity=8, worker_id="b")
+    gw = await fleet.gateway()
+    index = PrefixIndex(fleet.redis)
+    (first,) = await gw.acquire(fleet.ask(blocks=_blocks("q")))
+    await gw.release(first)
+    # The engine evicted the prefix's last 5 blocks: the next request matches 15.
+    await index.report(fleet.model, first.worker_id,
+                       [{"type": "removed", "block_hashes": list(_blocks("q")[15:20])}])
+    (second,) = await gw.acquire(fleet.ask(blocks=_blocks("r")))
+    assert second.worker_id == first.worker_id and second.matched_blocks == 15
+    await gw.release(second)
+    # A response reported fewer cached tokens than expected: the rest is corrected away.
+    await index.correct(fleet.model, first.worker_id, list(_blocks("r")[5:]))
+    (third,) = await gw.acquire(fleet.ask(blocks=_blocks("s")))
+    assert third.matched_blocks == 5
+    await gw.release(third)
+
+
+def test_route_check_measures_the_routers_error() -> None:
+    words = 6 * BLOCK_TOKENS + 16
+    prefix = PromptPrefix(tuple(block_hashes("w " * words)), words)  # 6 full blocks
+    exact = RouteCheck.of(prefix, 6, {"prompt_tokens": words, "cached_tokens": 6 * BLOCK_TOKENS}, resumed=0)
+    assert (exact.expected, exact.error, exact.held_blocks) == (6 * BLOCK_TOKENS, 0, 6)
+    # A real engine with 1.25 tokens per word held only the first half.
+    tokens = words * 5 // 4
+    half = RouteCheck.of(prefix, 6, {"prompt_tokens": tokens, "cached_tokens": 3 * BLOCK_TOKENS * 5 // 4}, resumed=0)
+    assert (half.expected, half.held_blocks) == (6 * BLOCK_TOKENS * 5 // 4, 3)
+    assert half.error == 3 * BLOCK_TOKENS * 5 // 4
+    # Resumed tokens (migration) are not part of the prefix.
+    resumed = RouteCheck.of(prefix, 6, {"prompt_tokens": words + 10, "cached_tokens": 6 * BLOCK_TOKENS}, resumed=10)
+    assert resumed.error == 0
+
+
+async def test_a_retry_or_migration_goes_to_another_holder_of_its_prefix(fleet: Fleet) -> None:
+    """A re-admission (the failed worker excluded, boosted) keeps preferring the prefix:
+    of the two workers left, the one that also holds it wins over the idle cold one."""
+    for name in "abc":
+        await fleet.worker(capacity=8, worker_id=name)
+    gw = await fleet.gateway()
+    index = PrefixIndex(fleet.redis)
+    await index.report(fleet.model, "a", [{"type": "stored", "block_hashes": list(_blocks("q"))}])
+    await index.report(fleet.model, "b", [{"type": "stored", "block_hashes": list(_blocks("q")[:20])}])
+    busy = [(await gw.acquire(fleet.ask(exclude=("a", "c"))))[0] for _ in range(2)]  # b is the busier
+    (moved,) = await gw.acquire(fleet.ask(blocks=_blocks("r"), exclude=("a",), boost=True))
+    assert moved.worker_id == "b" and moved.matched_blocks == 20
+    for lease in [moved, *busy]:
+        await gw.release(lease)
+
+
+def test_a_resumed_payload_routes_on_the_same_prefix() -> None:
+    messages = [{"role": "system", "content": SHARED}, {"role": "user", "content": "hi"}]
+    first = PromptPrefix.of({"messages": messages})
+    resumed = PromptPrefix.of({"messages": messages, "resume_token_ids": [1, 2, 3]})
+    assert first == resumed and len(first.blocks) == 20
