@@ -363,7 +363,14 @@ def _validation_error(errors: Any) -> InvalidRequest:
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-    return InvalidRequest(f"{param}: {msg}" if param else msg, param=param)
+    if param is None:
+        # A check across fields (a model validator) names its field first: "best_of: ...".
+        named = _FIELD_FIRST.match(msg)
+        return InvalidRequest(msg, param=named.group(1) if named else None)
+    return InvalidRequest(f"{param}: {msg}", param=param)
+
+
+_FIELD_FIRST = re.compile(r"^([a-z_]+): ")
 
 
 _REF = "#/components/schemas/{model}"

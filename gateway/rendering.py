@@ -24,6 +24,7 @@ from gateway.protocol import (
     ChatCompletionRequest,
     ChunkWriter,
     CompletionRequest,
+    ToolCallAssembler,
     completion_body,
 )
 from gateway.record import RequestRecord
@@ -49,11 +50,13 @@ async def sse_events(
         async for index, line in lines:
             record.add(index, line)
             first = index not in offsets
+            echo = line.get("echo", "")
             text = line.get("text", "")
             lp = line.get("lp")
-            rendered = None if lp is None else render_logprobs(kind, lp, offsets.get(index, 0))
-            offsets[index] = offsets.get(index, 0) + len(text)
-            yield writer.delta(index, text, line.get("finish_reason"), first=first, logprobs=rendered)
+            rendered = None if lp is None else render_logprobs(kind, lp, offsets.get(index, 0) + len(echo))
+            offsets[index] = offsets.get(index, 0) + len(echo) + len(text)
+            yield writer.delta(index, echo + text, line.get("finish_reason"), first=first, logprobs=rendered,
+                               tool_calls=line.get("tc"))
         if req.include_usage():
             yield writer.usage(record.usage())
         completed = True
@@ -84,11 +87,13 @@ async def json_response(
     texts = [""] * choices
     finishes: list[str | None] = [None] * choices
     entries: list[list[list[object]]] = [[] for _ in range(choices)]
+    calls = [ToolCallAssembler() for _ in range(choices)]
 
     async def gather() -> None:
         async for index, line in lines:
             record.add(index, line)
-            texts[index] += line.get("text", "")
+            texts[index] += line.get("echo", "") + line.get("text", "")
+            calls[index].add(line.get("tc") or [])
             finishes[index] = line.get("finish_reason") or finishes[index]
             entries[index].extend(line.get("lp") or ())
 
@@ -105,8 +110,8 @@ async def json_response(
             await end()
     wants = req.logprobs_count() is not None
     rendered = [
-        (text, finish, render_logprobs(kind, lp) if wants else None)
-        for text, finish, lp in zip(texts, finishes, entries, strict=True)
+        (text, finish, render_logprobs(kind, lp) if wants else None, assembled.calls())
+        for text, finish, lp, assembled in zip(texts, finishes, entries, calls, strict=True)
     ]
     body = completion_body(kind, req.model, rendered, record.usage())
     return Response(body, media_type="application/json", headers=headers)

@@ -20,7 +20,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine_worker.engines.base import EngineStats
-from engine_worker.engines.prompts import chat_messages
+from engine_worker.engines.prompts import chat_messages, checked_bias, checked_ids
+from engine_worker.engines.sim_structured import structured_pieces
+from engine_worker.engines.tool_calls import ForcedCalls, decoding_constraint
 from engine_worker.protocol import Delta, GenerateRequest, Usage
 
 _SYLLABLES = [c + v for c in "bcdfghjklmnprstvwxz" for v in "aeiou"]
@@ -38,6 +40,9 @@ def render_chat(messages: list[dict[str, object]]) -> str:
 def prompt_text(request: GenerateRequest) -> str:
     if request.messages is not None:
         return render_chat(request.messages)
+    if request.prompt_token_ids is not None:
+        # The simulator's vocabulary is VOCAB: ids outside it are refused as a model would.
+        return "".join(SimSequence.text(i) for i in checked_ids(request.prompt_token_ids, len(VOCAB)))
     return request.prompt or ""
 
 
@@ -77,6 +82,12 @@ class _Seq:
     next_index: int
     limit: int
     end_reason: str
+    #: Structured output: the JSON text's pieces, one per simulated token.
+    pieces: list[str] | None = None
+    #: A forced tool call turns the JSON into tool-call deltas (no "auto": the simulator
+    #: has no tool-call syntax of its own, so with "auto" it answers in text).
+    tools: ForcedCalls | None = None
+    echo: str | None = None
     queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
     ready_at: float = 0.0
     text: str = ""
@@ -133,6 +144,7 @@ class SimEngine:
             self._fail_left -= 1
             raise RuntimeError("simulated engine failure before the first token")
         prompt = prompt_text(request)
+        checked_bias(request.logit_bias, len(VOCAB))  # the simulator samples nothing, but checks as vLLM does
         tokens = SimSequence(prompt, request.seed)
         resumed = len(request.resume_token_ids)
         # The simulated end-of-sequence, unless ignored; never before min_tokens.
@@ -140,6 +152,10 @@ class SimEngine:
         if request.ignore_eos and request.max_tokens is not None:
             end = resumed + request.max_tokens
         end = max(end, resumed + request.min_tokens)
+        constraint = decoding_constraint(request)
+        pieces = None if constraint is None else structured_pieces(constraint, f"{request.seed or 0}:{prompt}")
+        if pieces is not None:
+            end = len(pieces)  # the grammar ends the output: EOS once the JSON is complete
         limit, end_reason = end, "stop"
         if request.max_tokens is not None and resumed + request.max_tokens <= end:
             limit, end_reason = resumed + request.max_tokens, "length"
@@ -150,6 +166,9 @@ class SimEngine:
             next_index=resumed,
             limit=limit,
             end_reason=end_reason,
+            pieces=pieces,
+            tools=None if request.tool_mode in (None, "none", "auto") else ForcedCalls(request.tool_mode),
+            echo=prompt if request.echo and not resumed else None,
         )
         self._waiting.append(seq)
         self._wake.set()
@@ -194,7 +213,7 @@ class SimEngine:
         token_id = seq.tokens.token(seq.next_index)
         seq.next_index += 1
         seq.generated += 1
-        piece = SimSequence.text(token_id)
+        piece = SimSequence.text(token_id) if seq.pieces is None else seq.pieces[seq.next_index - 1]
         finish: str | None = None
         before = len(seq.text)
         seq.text += piece
@@ -213,4 +232,8 @@ class SimEngine:
         lps = None
         if seq.request.logprobs is not None:
             lps = [sim_logprobs(token_id, seq.request.logprobs)]
-        seq.queue.put_nowait(Delta([token_id], piece, finish, usage, lps))
+        calls = None
+        if seq.tools is not None:
+            piece, calls, finish = seq.tools.step(piece, [token_id], finish)
+        seq.queue.put_nowait(Delta([token_id], piece, finish, usage, lps, calls, seq.echo))
+        seq.echo = None

@@ -21,16 +21,22 @@ from typing import Any
 
 from engine_worker.engines.base import EngineStats
 from engine_worker.engines.prompts import (
+    checked_bias,
     completion_budget,
+    echo_text,
     held_back_text,
     prompt_token_ids,
 )
+from engine_worker.engines.tool_calls import ForcedCalls, decoding_constraint
+from engine_worker.engines.vllm_tools import AutoToolCalls, check_parser
 from engine_worker.protocol import Delta, GenerateRequest, Usage
+from sluice.errors import UpstreamFailed
 
 log = logging.getLogger("sluice.worker.vllm")
 
-#: vLLM's finish reasons, as the gateway (and OpenAI) name them.
-FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+#: vLLM's finish reasons OpenAI also has. Any other ("abort": the engine dropped the
+#: request) is an engine failure, never a finish reason a client sees.
+FINISH_REASONS = {"stop": "stop", "length": "length"}
 
 
 class VllmEngine:
@@ -47,8 +53,12 @@ class VllmEngine:
         enforce_eager: bool | None = None,
         trtllm_kernels: bool = False,
         tensor_parallel_size: int = 1,
+        tool_call_parser: str | None = None,
         extra_args: dict[str, Any] | None = None,
     ) -> None:
+        if tool_call_parser is not None:
+            check_parser(tool_call_parser)
+        self._tool_call_parser = tool_call_parser
         self.model_dir = model_dir
         self.capacity = max_num_seqs
         self.max_model_len = max_model_len
@@ -139,8 +149,14 @@ class VllmEngine:
             "ignore_eos": request.ignore_eos,
             "min_tokens": request.min_tokens,
             "logprobs": request.logprobs,
+            "logit_bias": checked_bias(request.logit_bias, len(self._tokenizer)),
         }
-        for name in ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty",
+        constraint = decoding_constraint(request)
+        if constraint is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            fields["structured_outputs"] = StructuredOutputsParams(**constraint)
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(request, name)
             if value is not None:
@@ -161,14 +177,23 @@ class VllmEngine:
         (engine_input,) = renderer.render_cmpl([parsed], renderer.default_cmpl_tok_params)
         return engine_input
 
+    def _tool_calls(self, request: GenerateRequest) -> ForcedCalls | AutoToolCalls | None:
+        if request.tool_mode in (None, "none"):
+            return None
+        if request.tool_mode == "auto":
+            return AutoToolCalls(self._tool_call_parser, self._tokenizer, request)
+        return ForcedCalls(request.tool_mode)
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
         from vllm.inputs import TokensPrompt
 
         prompt = prompt_token_ids(self._tokenizer, request)
         resumed = list(request.resume_token_ids)
         params = self.sampling_params(request, len(prompt) + len(resumed))
+        tools = self._tool_calls(request)
         request_id = f"{request.request_id}-{uuid.uuid4().hex[:8]}"
         pending = held_back_text(self._tokenizer, request)
+        echo = echo_text(self._tokenizer, request, prompt)
         finished = False
         completion = 0
         stream = self._engine.generate(
@@ -186,7 +211,9 @@ class VllmEngine:
                 usage = None
                 if choice.finish_reason is not None:
                     finished = True
-                    finish = FINISH_REASONS.get(choice.finish_reason, choice.finish_reason)
+                    finish = FINISH_REASONS.get(choice.finish_reason)
+                    if finish is None:
+                        raise UpstreamFailed(f"the engine ended this request ({choice.finish_reason})")
                     usage = Usage(
                         prompt_tokens=len(prompt) + len(resumed),
                         completion_tokens=completion,
@@ -195,8 +222,11 @@ class VllmEngine:
                 lps = None
                 if request.logprobs is not None and choice.logprobs is not None:
                     lps = logprob_entries(choice.token_ids, choice.logprobs, request.logprobs)
-                yield Delta(list(choice.token_ids), pending + choice.text, finish, usage, lps)
-                pending = ""
+                text, calls = pending + choice.text, None
+                if tools is not None:
+                    text, calls, finish = tools.step(text, list(choice.token_ids), finish)
+                yield Delta(list(choice.token_ids), text, finish, usage, lps, calls, echo)
+                pending, echo = "", None
                 if finished:
                     return
         finally:

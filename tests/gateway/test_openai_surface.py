@@ -1,0 +1,156 @@
+"""The rest of OpenAI's surface with the official SDK on the simulator: tools, structured
+outputs, token prompts, echo, and a 400 naming every field that is not honoured."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel
+
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.fixture
+def client(base_url: str) -> openai.OpenAI:
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as c:
+        yield c
+
+
+class City(BaseModel):
+    name: str
+    population: int
+    capital: bool
+
+
+def test_parse_returns_a_valid_pydantic_object(client: openai.OpenAI) -> None:
+    completion = client.chat.completions.parse(model="sim", messages=MESSAGES, response_format=City)
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, City)
+    assert completion.choices[0].finish_reason == "stop"
+
+
+def test_json_object_is_json(client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(model="sim", messages=MESSAGES, response_format={"type": "json_object"})
+    assert isinstance(json.loads(resp.choices[0].message.content or ""), dict)
+
+
+def test_required_tool_call(client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(model="sim", messages=MESSAGES, tools=[WEATHER], tool_choice="required")
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert set(json.loads(call.function.arguments)) == {"city", "unit"}
+
+
+def test_required_tool_call_streamed_equals_assembled(client: openai.OpenAI) -> None:
+    with client.chat.completions.stream(model="sim", messages=MESSAGES, tools=[WEATHER],
+                                        tool_choice="required") as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion()
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls or []
+    assert json.loads(call.function.arguments)["unit"] in ("c", "f")
+
+
+def test_named_tool_call_streams_its_arguments(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model="sim", messages=MESSAGES, tools=[WEATHER, TIME], stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    pieces = [d.tool_calls[0].function.arguments for d in deltas if d.tool_calls]
+    assert len(pieces) > 1, "the arguments arrive in several deltas"
+    assert deltas[0].role == "assistant"
+    assert json.loads("".join(pieces))["city"]
+
+
+def test_multi_turn_with_a_tool_result(client: openai.OpenAI) -> None:
+    first = client.chat.completions.create(model="sim", messages=MESSAGES, tools=[WEATHER], tool_choice="required")
+    call = (first.choices[0].message.tool_calls or [])[0]
+    messages = [*MESSAGES, first.choices[0].message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21}'}]
+    second = client.chat.completions.create(model="sim", messages=messages, tools=[WEATHER], tool_choice="none",
+                                            max_tokens=8)
+    assert second.choices[0].message.content and not second.choices[0].message.tool_calls
+
+
+def test_token_prompts(client: openai.OpenAI) -> None:
+    one = client.completions.create(model="sim", prompt=[1, 2, 3], max_tokens=4)
+    assert one.choices[0].text and one.usage is not None
+    two = client.completions.create(model="sim", prompt=[[1, 2, 3], [4, 5]], max_tokens=4)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.choices[0].text == one.choices[0].text
+
+
+def test_echo_sends_the_prompt_first(client: openai.OpenAI) -> None:
+    resp = client.completions.create(model="sim", prompt="Once upon a time", max_tokens=3, echo=True)
+    assert resp.choices[0].text.startswith("Once upon a time ")
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="sim", prompt="Once upon a time", max_tokens=3, echo=True, stream=True))
+    assert streamed == resp.choices[0].text
+
+
+REFUSED = [
+    ("completions", {"prompt": "x", "suffix": "y"}, "suffix"),
+    ("completions", {"prompt": "x", "best_of": 3}, "best_of"),
+    ("completions", {"prompt": "x", "echo": True, "logprobs": 2}, "echo"),
+    ("completions", {"prompt": [1, 5000]}, "prompt"),
+    ("completions", {"prompt": [[1], []]}, "prompt"),
+    ("completions", {"prompt": [1, -2]}, "prompt.list[int].1"),
+    ("chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+    ("chat/completions", {"function_call": "auto"}, "function_call"),
+    ("chat/completions", {"audio": {"voice": "x"}}, "audio"),
+    ("chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+    ("chat/completions", {"logit_bias": {"99999": 1}}, "logit_bias"),
+    ("chat/completions", {"logit_bias": {"1": 300}}, "logit_bias"),
+    ("chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("chat/completions", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ("chat/completions", {"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ("chat/completions", {"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ("chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages.0.content"),
+]
+
+
+@pytest.mark.parametrize(("route", "fields", "param"), REFUSED, ids=[p for _, _, p in REFUSED])
+def test_a_field_that_is_not_honoured_is_a_400_naming_it(base_url: str, route: str, fields: dict[str, object],
+                                                          param: str) -> None:
+    body: dict[str, object] = {"model": "sim", "max_tokens": 4}
+    if route == "chat/completions":
+        body["messages"] = MESSAGES
+    body.update(fields)
+    resp = httpx.post(f"{base_url}/{route}", json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] is not None and error["param"].startswith(param.split(".")[0]), error
+    assert param.split(".")[0] in error["message"], error
+
+
+def test_honoured_sampling_fields_are_accepted(client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=3, logit_bias={"5": -100},
+                                          extra_body={"min_p": 0.1})
+    assert resp.choices[0].finish_reason == "length"
+    resp = client.completions.create(model="sim", prompt="x", max_tokens=2, n=2, best_of=2)
+    assert len(resp.choices) == 2
