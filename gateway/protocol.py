@@ -397,6 +397,9 @@ class ToolCallAssembler:
     def calls(self) -> list[dict[str, Any]]:
         return [self._calls[i] for i in sorted(self._calls)]
 
+    def call(self, index: int) -> dict[str, Any]:
+        return self._calls[index]
+
 
 def completion_body(
     kind: Literal["chat", "text"],

@@ -26,6 +26,7 @@ from gateway.protocol import (
     worker_payloads,
 )
 from gateway.record import RequestRecord
+from gateway.responses import ResponseShape
 from gateway.rendering import GuardedSSE, Kind, json_response, sse_events
 from gateway.tenancy import Tenancy
 from gateway.upstream import Dispatcher, Upstream
@@ -53,9 +54,13 @@ class Serving:
         self._redis = redis
         self._producers: set[asyncio.Task[None]] = set()
 
-    async def serve(self, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext) -> Response:
-        """A chat or text completion, as one JSON body or an SSE stream."""
-        return await self._serve("chat" if isinstance(req, ChatCompletionRequest) else "text", req, ctx)
+    async def serve(
+        self, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext, shape: ResponseShape | None = None,
+    ) -> Response:
+        """A chat or text completion, as one JSON body or an SSE stream; with a ``shape``,
+        a chat completion rendered as the Responses API's ``response``."""
+        kind: Kind = "responses" if shape is not None else "chat" if isinstance(req, ChatCompletionRequest) else "text"
+        return await self._serve(kind, req, ctx, shape)
 
     def _note_unknown(self, req: ChatCompletionRequest | CompletionRequest) -> None:
         """One capped log line per request that carries fields we do not know."""
@@ -69,6 +74,7 @@ class Serving:
         kind: Kind,
         req: ChatCompletionRequest | CompletionRequest,
         ctx: RequestContext,
+        shape: ResponseShape | None,
     ) -> Response:
         self._note_unknown(req)
         key = ctx.idempotency_key
@@ -85,7 +91,7 @@ class Serving:
                     return replay
                 owned = True
                 await self._redis.delete(stream_key(key))  # an earlier failed attempt's journal
-            return await self._generate(kind, req, ctx)
+            return await self._generate(kind, req, ctx, shape)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 if owned and key is not None:
@@ -94,7 +100,8 @@ class Serving:
             raise
 
     async def _generate(
-        self, kind: Kind, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext
+        self, kind: Kind, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext,
+        shape: ResponseShape | None,
     ) -> Response:
         record = ctx.record
         headers = {"x-request-id": ctx.request_id, **ctx.headers}
@@ -111,7 +118,7 @@ class Serving:
             async def end(outcome: str | SluiceError, completed: bool) -> None:
                 await self._end_stream(upstreams, record, ctx, outcome, completed)
 
-            events = sse_events(kind, req, lines, record, end)
+            events = sse_events(kind, req, lines, record, end, shape)
             if ctx.idempotency_key is not None:
                 # Resumable: the generation feeds the journal, independent of this client
                 # (a migration must not give up because the first reader left), and this
@@ -126,7 +133,7 @@ class Serving:
             return GuardedSSE(events, abandon, ping=self._settings.sse_ping_s, headers=headers)
         try:
             response = await json_response(kind, req, lines, record, headers, ctx.disconnected, len(upstreams),
-                                           lambda: self._end_json(upstreams, ctx))
+                                           lambda: self._end_json(upstreams, ctx), shape)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await abandon()

@@ -154,3 +154,54 @@ def test_honoured_sampling_fields_are_accepted(client: openai.OpenAI) -> None:
     assert resp.choices[0].finish_reason == "length"
     resp = client.completions.create(model="sim", prompt="x", max_tokens=2, n=2, best_of=2)
     assert len(resp.choices) == 2
+
+
+def test_responses_text(client: openai.OpenAI) -> None:
+    resp = client.responses.create(model="sim", input="Tell me about sluices.", instructions="Be brief.",
+                                   max_output_tokens=6)
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    assert resp.output_text and resp.usage.output_tokens == 6
+    events = list(client.responses.create(model="sim", input="Tell me about sluices.", instructions="Be brief.",
+                                          max_output_tokens=6, stream=True))
+    assert [e.type for e in events][:2] == ["response.created", "response.in_progress"]
+    assert events[-1].type == "response.incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == resp.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_function_call_streamed_and_not(client: openai.OpenAI) -> None:
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    resp = client.responses.create(model="sim", input="Weather in Paris?", tools=[tool], tool_choice="required")
+    (call,) = resp.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert set(json.loads(call.arguments)) == {"city", "unit"}
+    with client.responses.stream(model="sim", input="Weather in Paris?", tools=[tool],
+                                 tool_choice={"type": "function", "name": "get_weather"}) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
+    (streamed,) = final.output
+    assert set(json.loads(streamed.arguments)) == {"city", "unit"}
+    follow = client.responses.create(model="sim", max_output_tokens=4, input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "21C"}])
+    assert follow.output_text
+
+
+def test_responses_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
+    resp = client.responses.parse(model="sim", input="A city, please.", text_format=City)
+    assert isinstance(resp.output_parsed, City)
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"store": True}, "store"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+     "messages"),
+])
+def test_responses_refusals_name_the_field(base_url: str, fields: dict[str, object], param: str) -> None:
+    body = {"model": "sim", "input": "hi", **fields}
+    resp = httpx.post(f"{base_url}/responses", json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"].startswith(param)
