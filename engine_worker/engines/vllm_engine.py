@@ -94,6 +94,10 @@ class VllmEngine:
             # nonsense on our machines; float32 costs a 135M model little. Override with
             # SLUICE_WORKER_VLLM_ENGINE_ARGS='{"dtype": "bfloat16"}'.
             args["dtype"] = "float32"
+        # Grammars (response_format, forced tool calls) through xgrammar, which runs on CPU
+        # too, with compact JSON: the same values, and a small model cannot spend its
+        # max_tokens on newlines and indentation.
+        args["structured_outputs_config"] = {"backend": "xgrammar", "disable_any_whitespace": True}
         if self._tensor_parallel_size > 1:
             args["tensor_parallel_size"] = self._tensor_parallel_size
         if self._trtllm_kernels:
@@ -113,6 +117,10 @@ class VllmEngine:
 
         args = self.engine_args()
         log.info("starting vLLM with %s", args)
+        if isinstance(args.get("structured_outputs_config"), dict):  # AsyncEngineArgs wants the object
+            from vllm.config import StructuredOutputsConfig
+
+            args["structured_outputs_config"] = StructuredOutputsConfig(**args["structured_outputs_config"])
         if self._trtllm_kernels:
             report_trtllm_kernels()
         # On a GPU, the API server's usage context: the defaults vLLM's own server picks for
