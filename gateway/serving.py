@@ -26,8 +26,8 @@ from gateway.protocol import (
     worker_payloads,
 )
 from gateway.record import RequestRecord
-from gateway.responses import ResponseShape
 from gateway.rendering import GuardedSSE, Kind, json_response, sse_events
+from gateway.responses import ResponseShape
 from gateway.tenancy import Tenancy
 from gateway.upstream import Dispatcher, Upstream
 from sluice.errors import (

@@ -49,11 +49,9 @@ def example(schema: dict[str, Any], seed: str, root: dict[str, Any] | None = Non
             count = min(count, int(schema["maxItems"]))
         return [example(items, f"{seed}[{i}]", root, depth + 1) for i in range(count)]
     if kind == "integer":
-        low = int(schema.get("minimum", 0))
-        return low + _pick(seed, 100)
+        return int(schema.get("minimum", 0)) + _pick(seed, 100)
     if kind == "number":
-        low = float(schema.get("minimum", 0))
-        return low + _pick(seed, 1000) / 10
+        return float(schema.get("minimum", 0)) + _pick(seed, 1000) / 10
     if kind == "boolean":
         return _pick(seed, 2) == 1
     if kind == "null":

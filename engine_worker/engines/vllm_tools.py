@@ -35,14 +35,18 @@ class AutoToolCalls:
                 "tool_choice 'auto' needs a tool-call parser for this model, and this worker has none "
                 "(start it with --tool-call-parser NAME); tool_choice 'required', a named function or "
                 "'none' work without one", param="tool_choice")
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.chat_completion.protocol import (
+            ChatCompletionRequest,
+        )
         from vllm.tool_parsers import ToolParserManager
 
-        self._request = ChatCompletionRequest(
-            messages=[{"role": "user", "content": ""}], tools=request.tools, tool_choice="auto",
-            parallel_tool_calls=request.parallel_tool_calls,
-        )
-        self._parser = ToolParserManager.get_tool_parser(parser_name)(tokenizer, self._request.tools)
+        # Parsers read the tools (names, schemas) from vLLM's own request object.
+        self._request = ChatCompletionRequest.model_validate({
+            "messages": [{"role": "user", "content": ""}], "tools": request.tools, "tool_choice": "auto",
+            "parallel_tool_calls": request.parallel_tool_calls,
+        })
+        tools: Any = self._request.tools
+        self._parser = ToolParserManager.get_tool_parser(parser_name)(tokenizer, tools)
         self._parallel = request.parallel_tool_calls
         self._text = ""
         self._ids: list[int] = []

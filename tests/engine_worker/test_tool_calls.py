@@ -8,7 +8,11 @@ import json
 import pytest
 
 from engine_worker.engines.sim_structured import example, structured_pieces
-from engine_worker.engines.tool_calls import ForcedCalls, decoding_constraint, forced_schema
+from engine_worker.engines.tool_calls import (
+    ForcedCalls,
+    decoding_constraint,
+    forced_schema,
+)
 from engine_worker.protocol import GenerateRequest
 from gateway.protocol import ToolCallAssembler
 from sluice.errors import InvalidRequest
