@@ -114,6 +114,12 @@ REFUSED_FIELDS = {
 }
 
 
+def first_refused(extra: dict[str, Any], refused: dict[str, str]) -> tuple[str, str] | None:
+    """(field, why) for the first of ``refused`` that a request's extra fields set."""
+    name = next((n for n in sorted(extra) if n in refused and extra[n] is not None), None)
+    return None if name is None else (name, refused[name])
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by chat and text completions."""
 
@@ -159,9 +165,9 @@ class _SamplingFields(BaseModel):
     def refusal(self) -> tuple[str, str] | None:
         """(field, why) for the first field this request sets that is not honoured."""
         extra = self.model_extra or {}
-        for name in sorted(extra):
-            if name in REFUSED_FIELDS and extra[name] is not None:
-                return name, REFUSED_FIELDS[name]
+        refused = first_refused(extra, REFUSED_FIELDS)
+        if refused is not None:
+            return refused
         if extra.get("modalities") not in (None, ["text"]):
             return "modalities", "only ['text'] output is supported"
         if self.stream_options is not None and not self.stream:

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.protocol import ChatCompletionRequest, ToolCallAssembler
+from gateway.protocol import ChatCompletionRequest, ToolCallAssembler, first_refused
 
 #: Fields that change what a Responses request means and that this gateway cannot honour.
 REFUSED_FIELDS = {
@@ -74,11 +74,7 @@ class ResponsesRequest(BaseModel):
         return self
 
     def refusal(self) -> tuple[str, str] | None:
-        extra = self.model_extra or {}
-        for name in sorted(extra):
-            if name in REFUSED_FIELDS and extra[name] is not None:
-                return name, REFUSED_FIELDS[name]
-        return None
+        return first_refused(self.model_extra or {}, REFUSED_FIELDS)
 
     def to_chat(self) -> ChatCompletionRequest:
         """The chat completion this response is generated as (its validation errors name

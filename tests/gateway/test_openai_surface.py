@@ -10,19 +10,9 @@ import openai
 import pytest
 from pydantic import BaseModel
 
+from tests.openai_tools import WEATHER
+
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
-            "required": ["city", "unit"],
-        },
-    },
-}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 
 
@@ -68,7 +58,7 @@ def test_required_tool_call_streamed_equals_assembled(client: openai.OpenAI) -> 
     choice = final.choices[0]
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls or []
-    assert json.loads(call.function.arguments)["unit"] in ("c", "f")
+    assert json.loads(call.function.arguments)["unit"] in ("celsius", "fahrenheit")
 
 
 def test_named_tool_call_streams_its_arguments(client: openai.OpenAI) -> None:

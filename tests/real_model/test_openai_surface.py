@@ -12,6 +12,7 @@ import pytest
 from pydantic import BaseModel
 
 from sluice.models import default_model_dir, is_prepared
+from tests.openai_tools import WEATHER
 
 pytestmark = [
     pytest.mark.real_model,
@@ -21,20 +22,6 @@ pytestmark = [
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 40},
-                           "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
