@@ -54,16 +54,17 @@ async def sse_events(
             for event in response.start():
                 yield event
         async for index, line in lines:
+            record.add(index, line)
             if response is not None:
-                record.add(index, line)
                 for event in response.line(line):
                     yield event
                 continue
-            record.add(index, line)
             first = index not in offsets
             echo = line.get("echo", "")
             text = line.get("text", "")
             lp = line.get("lp")
+            if not (first or text or echo or lp or line.get("tc") or line.get("finish_reason")):
+                continue  # tokens that show nothing yet (a tool call's JSON being read): no empty chunk
             rendered = None if lp is None else render_logprobs(writer.kind, lp, offsets.get(index, 0) + len(echo))
             offsets[index] = offsets.get(index, 0) + len(echo) + len(text)
             yield writer.delta(index, echo + text, line.get("finish_reason"), first=first, logprobs=rendered,

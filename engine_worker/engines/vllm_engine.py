@@ -30,7 +30,7 @@ from engine_worker.engines.prompts import (
 from engine_worker.engines.tool_calls import ForcedCalls, decoding_constraint
 from engine_worker.engines.vllm_tools import AutoToolCalls, check_parser
 from engine_worker.protocol import Delta, GenerateRequest, Usage
-from sluice.errors import UpstreamFailed
+from sluice.errors import InvalidRequest, UpstreamFailed
 
 log = logging.getLogger("sluice.worker.vllm")
 
@@ -94,10 +94,11 @@ class VllmEngine:
             # nonsense on our machines; float32 costs a 135M model little. Override with
             # SLUICE_WORKER_VLLM_ENGINE_ARGS='{"dtype": "bfloat16"}'.
             args["dtype"] = "float32"
-        # Grammars (response_format, forced tool calls) through xgrammar, which runs on CPU
-        # too, with compact JSON: the same values, and a small model cannot spend its
-        # max_tokens on newlines and indentation.
-        args["structured_outputs_config"] = {"backend": "xgrammar", "disable_any_whitespace": True}
+        # Grammars (response_format, forced tool calls) through llguidance: it takes the
+        # widest JSON Schema (xgrammar refuses, e.g., a pattern with a length; vLLM's "auto"
+        # falls back to guidance then), runs on CPU, and with compact JSON (the same values)
+        # a small model cannot spend its max_tokens on newlines and indentation.
+        args["structured_outputs_config"] = {"backend": "guidance", "disable_any_whitespace": True}
         if self._tensor_parallel_size > 1:
             args["tensor_parallel_size"] = self._tensor_parallel_size
         if self._trtllm_kernels:
@@ -193,11 +194,15 @@ class VllmEngine:
         return ForcedCalls(request.tool_mode)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
 
         prompt = prompt_token_ids(self._tokenizer, request)
         resumed = list(request.resume_token_ids)
-        params = self.sampling_params(request, len(prompt) + len(resumed))
+        try:
+            params = self.sampling_params(request, len(prompt) + len(resumed))
+        except VLLMClientError as exc:
+            raise InvalidRequest(str(exc), param=_param_of(request, exc)) from None
         tools = self._tool_calls(request)
         request_id = f"{request.request_id}-{uuid.uuid4().hex[:8]}"
         pending = held_back_text(self._tokenizer, request)
@@ -237,11 +242,23 @@ class VllmEngine:
                 pending, echo = "", None
                 if finished:
                     return
+        except VLLMClientError as exc:  # the request's fault (a schema the grammar cannot take...)
+            raise InvalidRequest(str(exc), param=_param_of(request, exc)) from None
         finally:
             if not finished:
                 self.aborted += 1
                 await stream.aclose()
                 await self._engine.abort(request_id)
+
+
+def _param_of(request: GenerateRequest, exc: Exception) -> str | None:
+    """The request field a vLLM refusal is about: the one that built the grammar, if any."""
+    named = getattr(exc, "parameter", None)
+    if named:
+        return str(named)
+    if request.tool_mode not in (None, "none", "auto"):
+        return "tools"
+    return "response_format" if request.structured else None
 
 
 def _finite(logprob: float) -> float:

@@ -195,3 +195,22 @@ def test_responses_refusals_name_the_field(base_url: str, fields: dict[str, obje
     resp = httpx.post(f"{base_url}/responses", json=body, timeout=30)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"].startswith(param)
+
+
+def test_responses_take_the_chat_path(base_url: str) -> None:
+    """Priority, request id and queue headers, as on chat completions."""
+    resp = httpx.post(f"{base_url}/responses", json={"model": "sim", "input": "hi", "max_output_tokens": 2},
+                      headers={"x-sluice-priority": "5", "x-request-id": "responses-path-1"}, timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-sluice-priority"] == "5"
+    assert resp.headers["x-request-id"] == "responses-path-1"
+    assert "x-sluice-queue-ms" in resp.headers
+    assert resp.json()["object"] == "response"
+
+
+def test_a_required_call_streams_no_empty_chunks(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(model="sim", messages=MESSAGES, tools=[WEATHER], tool_choice="required",
+                                            stream=True)
+    chunks = [c for c in stream if c.choices]
+    assert len(chunks) == 2, "the role, then the whole call with its finish reason"
+    assert chunks[-1].choices[0].delta.tool_calls and chunks[-1].choices[0].finish_reason == "tool_calls"

@@ -57,6 +57,25 @@ def test_json_object(client) -> None:
     assert isinstance(json.loads(resp.choices[0].message.content or ""), dict)
 
 
+def test_a_schema_xgrammar_refuses_still_works(client) -> None:
+    # A pattern with a length: xgrammar cannot compile it; llguidance can.
+    schema = {"type": "object", "additionalProperties": False, "required": ["code"],
+              "properties": {"code": {"type": "string", "pattern": "^[A-Z]+$", "minLength": 2, "maxLength": 3}}}
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Country code of France?"}], temperature=0,
+        max_tokens=30, response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema,
+                                                                                "strict": True}})
+    jsonschema.validate(json.loads(resp.choices[0].message.content or ""), schema)
+
+
+def test_a_schema_the_grammar_cannot_take_is_a_400(client) -> None:
+    broken = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}, "required": ["a"]}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5, response_format={
+            "type": "json_schema", "json_schema": {"name": "broken", "schema": broken}})
+    assert caught.value.body["param"] == "response_format"
+
+
 def _check_call(call) -> dict:
     assert call.function.name == "get_weather"
     arguments = json.loads(call.function.arguments)
