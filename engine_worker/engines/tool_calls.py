@@ -49,6 +49,7 @@ def forced_schema(request: GenerateRequest) -> dict[str, Any] | None:
                 "parameters": function.get("parameters") or EMPTY_OBJECT,
             },
             "required": ["name", "parameters"],
+            "additionalProperties": False,
         })
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": branches}}
     if not request.parallel_tool_calls:

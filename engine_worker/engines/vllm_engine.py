@@ -96,9 +96,11 @@ class VllmEngine:
             args["dtype"] = "float32"
         # Grammars (response_format, forced tool calls) through llguidance: it takes the
         # widest JSON Schema (xgrammar refuses, e.g., a pattern with a length; vLLM's "auto"
-        # falls back to guidance then), runs on CPU, and with compact JSON (the same values)
-        # a small model cannot spend its max_tokens on newlines and indentation.
-        args["structured_outputs_config"] = {"backend": "guidance", "disable_any_whitespace": True}
+        # falls back to guidance then) and runs on CPU. Compact JSON (the same values), and
+        # only the properties a schema declares (as OpenAI's strict mode and xgrammar do): a
+        # small model cannot spend its max_tokens on indentation or invented keys.
+        args["structured_outputs_config"] = {"backend": "guidance", "disable_any_whitespace": True,
+                                             "disable_additional_properties": True}
         if self._tensor_parallel_size > 1:
             args["tensor_parallel_size"] = self._tensor_parallel_size
         if self._trtllm_kernels:
