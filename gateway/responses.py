@@ -19,6 +19,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.protocol import ChatCompletionRequest, ToolCallAssembler, first_refused
+from sluice.errors import InvalidRequest
 
 #: Fields that change what a Responses request means and that this gateway cannot honour.
 REFUSED_FIELDS = {
@@ -110,17 +111,18 @@ def response_format(fmt: dict[str, Any]) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": schema}
 
 
-def _text(content: Any) -> str | list[dict[str, Any]]:
-    """Input content: a string, or parts (input_text / output_text become chat text parts;
-    anything else is kept so chat validation refuses it by name)."""
+def _text(content: Any, index: int) -> str | list[dict[str, Any]]:
+    """Input content: a string, or text parts (input_text / output_text); an image, a
+    file or audio is refused by name, never dropped."""
     if isinstance(content, str):
         return content
     parts = []
     for part in content or ():
-        if isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text"):
-            parts.append({"type": "text", "text": part.get("text")})
-        else:
-            parts.append(part)
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text"):
+            raise InvalidRequest(f"input[{index}]: content parts of type {kind!r} are not supported (text only)",
+                                 param="input")
+        parts.append({"type": "text", "text": part.get("text")})
     return parts
 
 
@@ -130,10 +132,10 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
-    for item in items:
+    for index, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "message":
-            messages.append({"role": item.get("role", "user"), "content": _text(item.get("content"))})
+            messages.append({"role": item.get("role", "user"), "content": _text(item.get("content"), index)})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
@@ -147,8 +149,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                              "content": output if isinstance(output, str) else orjson.dumps(output).decode()})
         else:
-            # An unknown role would be refused by chat validation anyway; say which item.
-            messages.append({"role": f"input item type {kind!r} is not supported", "content": ""})
+            raise InvalidRequest(f"input[{index}]: items of type {kind!r} are not supported", param="input")
     return messages
 
 

@@ -188,7 +188,9 @@ def test_responses_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"store": True}, "store"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
-     "messages"),
+     "input"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
 ])
 def test_responses_refusals_name_the_field(base_url: str, fields: dict[str, object], param: str) -> None:
     body = {"model": "sim", "input": "hi", **fields}
