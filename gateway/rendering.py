@@ -40,14 +40,19 @@ Kind = Literal["chat", "text", "responses"]
 async def sse_events(
     kind: Kind, req: ChatCompletionRequest | CompletionRequest, lines: AsyncIterator[tuple[int, Line]],
     record: RequestRecord, end: Callable[[str | SluiceError, bool], Awaitable[None]],
+    writer: ChunkWriter | None = None, offsets: dict[int, int] | None = None, *,
     shape: ResponseShape | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE bytes of a streamed completion, ending with ``[DONE]`` whatever happens;
-    ``end(outcome, completed)`` runs once, shielded, when the lines stop."""
-    writer = ChunkWriter("text" if kind == "text" else "chat", req.model)
+    ``end(outcome, completed)`` runs once, shielded, when the lines stop. With a
+    ``shape``: the Responses API's typed events instead of chunks.
+
+    A stream taken over from another gateway passes its ``writer`` (same id) and the
+    characters each choice already sent (``offsets``: no second role chunk)."""
+    writer = writer or ChunkWriter("text" if kind == "text" else "chat", req.model)
     response = None if shape is None else ResponseEvents(shape)
     completed = False
-    offsets: dict[int, int] = {}
+    offsets = dict(offsets or {})
     outcome: str | SluiceError = "ok"
     try:
         if response is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,9 @@ from engine_worker.engines.prompts import (
     checked_bias,
     completion_budget,
     echo_text,
-    held_back_text,
     prompt_token_ids,
 )
+from engine_worker.engines.resume import ResumedText
 from engine_worker.engines.tool_calls import ForcedCalls, decoding_constraint
 from engine_worker.engines.vllm_tools import AutoToolCalls, check_parser
 from engine_worker.protocol import Delta, GenerateRequest, Usage
@@ -155,7 +155,8 @@ class VllmEngine:
         fields: dict[str, Any] = {
             "max_tokens": completion_budget(request, prompt_len, self.max_model_len),
             "output_kind": RequestOutputKind.DELTA,
-            "stop": request.stop or None,
+            # A resumed generation checks its stop strings itself (engines/resume.py).
+            "stop": None if request.resume_token_ids else request.stop or None,
             "seed": request.seed,
             "ignore_eos": request.ignore_eos,
             "min_tokens": request.min_tokens,
@@ -205,11 +206,12 @@ class VllmEngine:
             params = self.sampling_params(request, len(prompt) + len(resumed))
         except VLLMClientError as exc:
             raise InvalidRequest(str(exc), param=_param_of(request, exc)) from None
+        # A resumed generation's text and stop strings are ours (see engines/resume.py).
+        text = ResumedText.start(self._tokenizer, request)
         tools = self._tool_calls(request)
-        request_id = f"{request.request_id}-{uuid.uuid4().hex[:8]}"
-        pending = held_back_text(self._tokenizer, request)
         echo = echo_text(self._tokenizer, request, prompt)
-        finished = False
+        request_id = f"{request.request_id}-{uuid.uuid4().hex[:8]}"
+        engine_done = False
         completion = 0
         stream = self._engine.generate(
             self._engine_input(TokensPrompt(prompt_token_ids=prompt + resumed)),
@@ -221,14 +223,19 @@ class VllmEngine:
         try:
             async for out in stream:
                 choice = out.outputs[0]
-                completion += len(choice.token_ids)
+                engine_done = choice.finish_reason is not None
+                ids, piece = list(choice.token_ids), choice.text
                 finish = None
-                usage = None
-                if choice.finish_reason is not None:
-                    finished = True
+                if engine_done:
                     finish = FINISH_REASONS.get(choice.finish_reason)
                     if finish is None:
                         raise UpstreamFailed(f"the engine ended this request ({choice.finish_reason})")
+                if text is not None:
+                    ids, piece, stopped = text.step(ids, engine_done)
+                    finish = "stop" if stopped else finish
+                completion += len(ids)
+                usage = None
+                if finish is not None:
                     usage = Usage(
                         prompt_tokens=len(prompt) + len(resumed),
                         completion_tokens=completion,
@@ -236,18 +243,19 @@ class VllmEngine:
                     )
                 lps = None
                 if request.logprobs is not None and choice.logprobs is not None:
-                    lps = logprob_entries(choice.token_ids, choice.logprobs, request.logprobs)
-                text, calls = pending + choice.text, None
+                    label = None if text is None else text.token_label
+                    lps = logprob_entries(ids, choice.logprobs, request.logprobs, label, completion - len(ids))
+                calls = None
                 if tools is not None:
-                    text, calls, finish = tools.step(text, list(choice.token_ids), finish)
-                yield Delta(list(choice.token_ids), text, finish, usage, lps, calls, echo)
-                pending, echo = "", None
-                if finished:
+                    piece, calls, finish = tools.step(piece, ids, finish)
+                yield Delta(ids, piece, finish, usage, lps, calls, echo)
+                echo = None
+                if finish is not None:
                     return
         except VLLMClientError as exc:  # the request's fault (a schema the grammar cannot take...)
             raise InvalidRequest(str(exc), param=_param_of(request, exc)) from None
         finally:
-            if not finished:
+            if not engine_done:
                 self.aborted += 1
                 await stream.aclose()
                 await self._engine.abort(request_id)
@@ -267,16 +275,24 @@ def _finite(logprob: float) -> float:
     return max(float(logprob), -9999.0)  # JSON has no -inf
 
 
-def logprob_entries(ids: Any, per_token: Any, top: int) -> list[list[Any]]:
-    """vLLM's ``{token_id: Logprob}`` per position, as [text, logprob, [[alt, logprob], ...]]."""
+def logprob_entries(
+    ids: Any, per_token: Any, top: int, label: Callable[[int, int, str], str] | None = None, first: int = 0,
+) -> list[list[Any]]:
+    """vLLM's ``{token_id: Logprob}`` per position, as [text, logprob, [[alt, logprob], ...]].
+
+    ``label(position, token_id, text)`` corrects the texts of a resumed generation's
+    first tokens (``ResumedText.token_label``); ``first`` is the position of ``ids[0]``."""
+    def text(position: int, token_id: int, option: Any) -> str:
+        decoded = option.decoded_token or ""
+        return decoded if label is None else label(position, token_id, decoded)
+
     entries = []
-    for token_id, options in zip(ids, per_token, strict=False):
-        sampled = options[token_id]
-        ranked = sorted(options.values(), key=lambda o: -o.logprob)[:top]
+    for position, (token_id, options) in enumerate(zip(ids, per_token, strict=False), start=first):
+        ranked = sorted(options.items(), key=lambda o: -o[1].logprob)[:top]
         entries.append([
-            sampled.decoded_token or "",
-            _finite(sampled.logprob),
-            [[o.decoded_token or "", _finite(o.logprob)] for o in ranked],
+            text(position, token_id, options[token_id]),
+            _finite(options[token_id].logprob),
+            [[text(position, alt, o), _finite(o.logprob)] for alt, o in ranked],
         ])
     return entries
 
