@@ -216,3 +216,15 @@ def test_a_required_call_streams_no_empty_chunks(client: openai.OpenAI) -> None:
     chunks = [c for c in stream if c.choices]
     assert len(chunks) == 2, "the role, then the whole call with its finish reason"
     assert chunks[-1].choices[0].delta.tool_calls and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_resumable_responses_stream_reattaches(base_url: str) -> None:
+    """Idempotency-Key on /v1/responses: journaled typed events, re-attachable after any id."""
+    body = {"model": "sim", "input": "Tell me about sluices.", "max_output_tokens": 6, "stream": True}
+    headers = {"Idempotency-Key": "responses-resume-1"}
+    with httpx.stream("POST", f"{base_url}/responses", json=body, headers=headers, timeout=30) as resp:
+        first = [line for line in resp.iter_lines() if line.startswith("event: ")]
+    assert first[0] == "event: response.created" and first[-1] == "event: response.incomplete"
+    again = httpx.get(f"{base_url}/streams/responses-resume-1", headers={"Last-Event-ID": "2"}, timeout=30)
+    replayed = [line for line in again.text.splitlines() if line.startswith("event: ")]
+    assert replayed == first[2:]
