@@ -243,37 +243,48 @@ class ResponseEvents:
         out: list[bytes] = []
         text = line.get("text", "")
         if text:
-            if self._message is None:
-                self._message = {"id": "msg_" + uuid.uuid4().hex, "text": "", "index": len(self._items)}
-                self._items.append(self._message)
-                out.append(self._event("response.output_item.added", output_index=self._message["index"],
-                                       item=_message(self._message["id"], "", "in_progress")))
-                out.append(self._event("response.content_part.added", item_id=self._message["id"],
-                                       output_index=self._message["index"], content_index=0,
-                                       part={"type": "output_text", "text": "", "annotations": []}))
-            self._message["text"] += text
-            out.append(self._event("response.output_text.delta", item_id=self._message["id"],
-                                   output_index=self._message["index"], content_index=0, delta=text, logprobs=[]))
+            message = self._open_message(out)
+            message["text"] += text
+            out.append(self._event("response.output_text.delta", item_id=message["id"],
+                                   output_index=message["index"], content_index=0, delta=text, logprobs=[]))
         for delta in line.get("tc") or ():
-            self._assembler.add([delta])
-            item = self._calls.get(int(delta["index"]))
-            if item is None:
-                item = {"id": "fc_" + uuid.uuid4().hex, "index": len(self._items), "tool": int(delta["index"])}
-                self._items.append(item)
-                self._calls[item["tool"]] = item
-                call = self._assembler.call(item["tool"])
-                out.append(self._event("response.output_item.added", output_index=item["index"],
-                                       item=_function_call(item["id"], {**call, "function": {
-                                           **call["function"], "arguments": ""}}, "in_progress")))
-            arguments = (delta.get("function") or {}).get("arguments")
-            if arguments:
-                out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                       output_index=item["index"], delta=arguments))
+            self._tool_delta(delta, out)
         self._finish = line.get("finish_reason") or self._finish
         return out
 
+    def _open_message(self, out: list[bytes]) -> dict[str, Any]:
+        """The message item, announced (item and its text part) on first use."""
+        if self._message is None:
+            self._message = {"id": "msg_" + uuid.uuid4().hex, "text": "", "index": len(self._items)}
+            self._items.append(self._message)
+            out.append(self._event("response.output_item.added", output_index=self._message["index"],
+                                   item=_message(self._message["id"], "", "in_progress")))
+            out.append(self._event("response.content_part.added", item_id=self._message["id"],
+                                   output_index=self._message["index"], content_index=0,
+                                   part={"type": "output_text", "text": "", "annotations": []}))
+        return self._message
+
+    def _tool_delta(self, delta: dict[str, Any], out: list[bytes]) -> None:
+        """One tool-call delta: a new function_call item on its first, then its arguments."""
+        self._assembler.add([delta])
+        tool = int(delta["index"])
+        item = self._calls.get(tool)
+        if item is None:
+            item = self._calls[tool] = {"id": "fc_" + uuid.uuid4().hex, "index": len(self._items), "tool": tool}
+            self._items.append(item)
+            call = self._assembler.call(tool)
+            opened = {**call, "function": {**call["function"], "arguments": ""}}
+            out.append(self._event("response.output_item.added", output_index=item["index"],
+                                   item=_function_call(item["id"], opened, "in_progress")))
+        arguments = (delta.get("function") or {}).get("arguments")
+        if arguments:
+            out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                   output_index=item["index"], delta=arguments))
+
     def finish(self, usage: dict[str, Any]) -> list[bytes]:
         out: list[bytes] = []
+        if not self._items:
+            self._open_message(out)  # an empty answer is still one (empty) message, as unstreamed
         output: list[dict[str, Any]] = []
         for item in self._items:
             if item is self._message:
