@@ -99,3 +99,35 @@ def test_auto_without_a_parser_is_a_400_that_says_so() -> None:
     with pytest.raises(InvalidRequest, match="--tool-call-parser") as caught:
         AutoToolCalls(None, object(), _request(tools=[WEATHER], tool_mode="auto"))
     assert caught.value.param == "tool_choice"
+
+
+class _Template:
+    def __init__(self, source: str) -> None:
+        self.chat_template = source
+
+
+CONVERSATION = [
+    {"role": "user", "content": [{"type": "text", "text": "Weather?"}], "name": "ann"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "4C"},
+]
+
+
+def test_messages_reach_a_tool_aware_template_intact() -> None:
+    from engine_worker.engines.prompts import template_messages
+
+    request = _request(tools=[WEATHER], tool_mode="auto").model_copy(update={"messages": CONVERSATION})
+    messages = template_messages(_Template("{% for t in tools %}{{ m.tool_calls }}{% endfor %}"), request)
+    assert messages[0] == {"role": "user", "content": "Weather?", "name": "ann"}
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}  # parsed, as HF templates want
+    assert messages[2] == {"role": "tool", "tool_call_id": "call_1", "content": "4C"}
+
+
+def test_a_template_without_tools_gets_them_as_text() -> None:
+    from engine_worker.engines.prompts import template_messages
+
+    request = _request(tools=[WEATHER], tool_mode="required").model_copy(update={"messages": CONVERSATION})
+    messages = template_messages(_Template("{{ m.content }}"), request)
+    assert messages[0]["role"] == "system" and "get_weather" in messages[0]["content"]
+    assert "tool_calls" not in messages[2] and "Oslo" in messages[2]["content"]
