@@ -7,6 +7,12 @@ one stopped, and a run can be checked token for token against a reference.
 Timing: a sequence admitted to the running batch waits ``ttft_ms`` (prefill),
 then gets one token per step; a step takes ``token_ms``. At most ``max_seqs``
 sequences run at once; the rest wait, as in a real continuous-batching engine.
+
+Structured output (``response_format`` JSON, a forced tool call) is one schema-valid
+JSON value streamed a few characters per token (engines/sim_structured.py), turned
+into tool calls as a real engine's would be; ``tool_choice: "auto"`` is answered in
+text (the simulator has no tool-call syntax). Token-id prompts use the simulator's
+vocabulary (``VOCAB``); ``echo`` sends the prompt back first.
 """
 
 from __future__ import annotations
