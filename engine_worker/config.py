@@ -57,6 +57,9 @@ class WorkerSettings(RedisSettings):
     vllm_enforce_eager: bool | None = None
     #: vLLM on NVIDIA GPUs: use FlashInfer's TensorRT-LLM attention/MoE kernels (untested here).
     vllm_trtllm_kernels: bool = False
+    #: vLLM: the vLLM tool-call parser (``hermes``, ``llama3_json``...) for tool_choice "auto";
+    #: unset, a request that needs one is a 400.
+    tool_call_parser: str | None = None
     #: vLLM: extra AsyncEngineArgs as a JSON object, e.g. '{"dtype": "float32"}'.
     vllm_engine_args: dict[str, object] = Field(default_factory=dict)
     #: TensorRT-LLM: sequences batched at once (untested here).

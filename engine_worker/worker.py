@@ -65,6 +65,7 @@ def build_engine(settings: WorkerSettings) -> Engine:
             enforce_eager=settings.vllm_enforce_eager,
             trtllm_kernels=settings.vllm_trtllm_kernels,
             tensor_parallel_size=settings.vllm_tensor_parallel_size,
+            tool_call_parser=settings.tool_call_parser,
             extra_args=settings.vllm_engine_args,
         )
     from engine_worker.engines.trtllm_engine import TrtllmEngine

@@ -94,6 +94,9 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="vllm: no graph compilation (default: eager on CPU, compiled on GPU)")
     wk.add_argument("--vllm-trtllm-kernels", action="store_true", default=None,
                     help="vllm on NVIDIA GPUs: FlashInfer TensorRT-LLM kernels (untested here)")
+    wk.add_argument("--tool-call-parser",
+                    help="vllm: vLLM tool-call parser for tool_choice 'auto' (e.g. hermes, llama3_json); "
+                         "without one, 'auto' with tools is a 400")
     _add_redis(wk)
 
     model = sub.add_parser("model", help="prepare model folders")
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
                 "sim_token_ms", "sim_max_seqs", "sim_fail_first", "sim_crash_on", "sim_prefill_ms_per_token",
                 "sim_prefill_chunk", "sim_cache_blocks", "redis_url", "vllm_max_model_len",
                 "vllm_max_num_seqs", "vllm_kv_cache_gib", "vllm_tensor_parallel_size", "vllm_enforce_eager",
-                "vllm_trtllm_kernels",
+                "vllm_trtllm_kernels", "tool_call_parser",
             )
             from sluice.models import ModelError
             from sluice.settings import is_loopback
