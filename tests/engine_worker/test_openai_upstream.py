@@ -141,10 +141,10 @@ def test_client_disconnect_cancels_the_upstream_stream(gateway, mocks) -> None:
     with httpx.Client(base_url=gateway.url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json={"model": "mockv", "prompt": "long one", "stream": True,
                                                           "max_tokens": 2000, "ignore_eos": True}) as resp:
-            for line in resp.iter_lines():
-                if line.startswith("data: {"):
-                    break
-        assert streams_at_mocks() >= 1
+            lines = resp.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass
+            assert streams_at_mocks() == 1
     wait_for(lambda: streams_at_mocks() == 0, 10, "the upstream stream to be closed")
 
 
