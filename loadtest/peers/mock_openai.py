@@ -76,7 +76,8 @@ class _Stream:
 
 
 class MockEngine:
-    def __init__(self, ttft_ms: float, token_ms: float, vllm: bool) -> None:
+    def __init__(self, ttft_ms: float, token_ms: float, vllm: bool, eos: bool = True) -> None:
+        self.eos = eos
         self.ttft_s = ttft_ms / 1000
         self.token_s = token_ms / 1000
         self.vllm = vllm
@@ -101,7 +102,7 @@ class MockEngine:
                 token, eos = next_token(s.seed, s.ids)
                 s.ids.append(token)
                 s.generated += 1
-                finish = "stop" if eos and not s.ignore_eos else "length" if s.generated >= s.limit else None
+                finish = "stop" if eos and self.eos and not s.ignore_eos else "length" if s.generated >= s.limit else None
                 s.queue.put_nowait((token, finish))
                 if finish is not None:
                     self.streams.discard(s)
@@ -237,8 +238,9 @@ def main() -> None:
     parser.add_argument("--ttft-ms", type=float, default=20.0)
     parser.add_argument("--token-ms", type=float, default=5.0)
     parser.add_argument("--vllm", action="store_true", help="answer like vLLM (token ids, /version, /metrics)")
+    parser.add_argument("--no-eos", action="store_true", help="every stream runs to max_tokens")
     args = parser.parse_args()
-    engine = MockEngine(args.ttft_ms, args.token_ms, args.vllm)
+    engine = MockEngine(args.ttft_ms, args.token_ms, args.vllm, eos=not args.no_eos)
     uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="warning",
                 loop="uvloop", http="httptools", access_log=False)
 
