@@ -53,6 +53,8 @@ class RequestRecord:
     #: Whether any line carried token ids; a server that gives none (an ``openai``
     #: worker fronting a generic server) is counted from its usage lines instead.
     _ids_seen: bool = False
+    _itl: Any = None
+    _itl_label: str = ""
 
     @classmethod
     def begin(cls, request_id: str, metrics: GatewayMetrics, parent: Context, route: str) -> RequestRecord:
@@ -87,7 +89,10 @@ class RequestRecord:
             self.first_token_s = now - self.started
             self.span.add_event("first_token")
         else:
-            self.metrics.itl.labels(self.model_label).observe(now - self._last_line)
+            if self._itl is None or self._itl_label != self.model_label:
+                # One labels() lookup per request, not per chunk.
+                self._itl, self._itl_label = self.metrics.itl.labels(self.model_label), self.model_label
+            self._itl.observe(now - self._last_line)
         self._last_line = now
         ids = line.get("ids")
         if ids:
