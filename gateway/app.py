@@ -41,6 +41,7 @@ from gateway.record import RequestRecord
 from gateway.serving import Serving
 from gateway.tenancy import Tenancy
 from gateway.upstream import Dispatcher
+from gateway.worker_http import WorkerPool
 from sluice import keys
 from sluice.apikeys import ApiKey
 from sluice.errors import (
@@ -70,6 +71,7 @@ _DRAIN_LIMIT = 64 * 1024 * 1024
 class Services:
     redis: Redis
     http: httpx.AsyncClient
+    workers: WorkerPool
     admission: Admission
     serving: Serving
     tenancy: Tenancy
@@ -81,6 +83,7 @@ class Services:
         await self.tenancy.close()
         await self.readers.close()
         await self.http.aclose()
+        await self.workers.aclose()
         await self.redis.aclose()
 
 
@@ -91,6 +94,7 @@ async def open_services(settings: GatewaySettings) -> Services:
         timeout=httpx.Timeout(None, connect=settings.connect_timeout_s),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
     )
+    workers = WorkerPool(settings.connect_timeout_s)
     tenancy = Tenancy(redis, settings)
     await tenancy.check_startup()
     await tenancy.start()
@@ -98,10 +102,10 @@ async def open_services(settings: GatewaySettings) -> Services:
     await admission.start()
     readers = JournalReaders(redis)  # one reader loop for every re-attached stream of this process
     serving = Serving(
-        settings, Dispatcher(settings, admission, http), Idempotency(redis, settings.idempotency_ttl_s),
+        settings, Dispatcher(settings, admission, http, workers), Idempotency(redis, settings.idempotency_ttl_s),
         redis, tenancy, readers,
     )
-    return Services(redis=redis, http=http, admission=admission, serving=serving, tenancy=tenancy,
+    return Services(redis=redis, http=http, workers=workers, admission=admission, serving=serving, tenancy=tenancy,
                     metrics=GatewayMetrics(), readers=readers)
 
 

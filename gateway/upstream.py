@@ -27,6 +27,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from gateway.admission import Admission, Ask, Lease
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
+from gateway.worker_http import WorkerPool, WorkerResponse
 from sluice.errors import (
     DeadlineExceeded,
     ModelNotFound,
@@ -61,7 +62,8 @@ class Upstream:
     """One open stream from a worker, holding its lease until closed."""
 
     def __init__(
-        self, admission: Admission, lease: Lease, response: httpx.Response, span: Span | None = None
+        self, admission: Admission, lease: Lease, response: WorkerResponse | httpx.Response,
+        span: Span | None = None,
     ) -> None:
         self.lease = lease
         self._admission = admission
@@ -135,10 +137,13 @@ def _error_line(line: Line) -> SluiceError:
 
 
 class Dispatcher:
-    def __init__(self, settings: GatewaySettings, admission: Admission, http: httpx.AsyncClient) -> None:
+    def __init__(
+        self, settings: GatewaySettings, admission: Admission, http: httpx.AsyncClient, workers: WorkerPool,
+    ) -> None:
         self._settings = settings
         self._admission = admission
         self._http = http
+        self._workers = workers
         self._auth = {"authorization": f"Bearer {settings.internal_token}"} if settings.internal_token else {}
 
     async def release(self, lease: Lease) -> None:
@@ -226,14 +231,11 @@ class Dispatcher:
     async def _attempt(self, lease: Lease, body: bytes, deadline: float, span: Span) -> Upstream:
         s = self._settings
         ttft_s = max(0.0, min(s.ttft_timeout_s, deadline - time.monotonic()))
-        request = self._http.build_request(
-            "POST", lease.url + "/internal/generate", content=body,
-            headers={"content-type": "application/json", **self._auth, **inject(trace.set_span_in_context(span))},
-        )
+        headers = {"content-type": "application/json", **self._auth, **inject(trace.set_span_in_context(span))}
         upstream: Upstream | None = None
         try:
             async with asyncio.timeout(ttft_s):
-                response = await self._http.send(request, stream=True)
+                response = await self._send(lease.url, body, headers)
                 upstream = Upstream(self._admission, lease, response, span)
                 if response.status_code != 200:
                     detail = await response.aread()
@@ -262,6 +264,14 @@ class Dispatcher:
         except BaseException:
             await _close(upstream, lease, self._admission, span)
             raise
+
+
+    async def _send(self, url: str, body: bytes, headers: dict[str, str]) -> WorkerResponse | httpx.Response:
+        """Plain-HTTP workers through the lean NDJSON client; a worker behind TLS through httpx."""
+        if url.startswith("http://"):
+            return await self._workers.post(url, "/internal/generate", body, headers)
+        request = self._http.build_request("POST", url + "/internal/generate", content=body, headers=headers)
+        return await self._http.send(request, stream=True)
 
 
 async def _close(upstream: Upstream | None, lease: Lease, admission: Admission, span: Span) -> None:

@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT))
 
-from loadtest.peers.load import Window, percentile, run  # noqa: E402
+from loadtest.peers.load import Window, percentile, run
 
 VENVS = Path(os.environ.get("VENVS", "/work/venvs"))
 
@@ -83,6 +83,50 @@ def wait_ready(url: str, timeout_s: float = 120, json_body: dict[str, object] | 
     raise RuntimeError(f"{url} not ready after {timeout_s}s")
 
 
+def start_vllm(procs: Procs, base: int, redis_url: str) -> list[Path_]:
+    """vLLM's own server (CPU, the default model) read directly and through Sluice."""
+    from sluice.models import default_model_dir
+
+    py = sys.executable
+    name = default_model_dir().name
+    procs.start("vllm-serve", [py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(default_model_dir()),
+                               "--served-model-name", name, "--port", str(base), "--dtype", "float32",
+                               "--max-model-len", "2048", "--max-num-seqs", "16", "--enforce-eager",
+                               "--block-size", "32", "--kv-cache-memory-bytes", str(512 * 2**20),
+                               "--scheduling-policy", "priority", "--generation-config", "vllm"],
+                env={"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
+    server = f"http://127.0.0.1:{base}"
+    wait_ready(server + "/health", 600)
+    return [Path_("direct", server, name)] + start_sluice(procs, base, redis_url, server, name, sim=None)
+
+
+def start_sluice(procs: Procs, base: int, redis_url: str, upstream: str, model: str,
+                 sim: tuple[float, float] | None) -> list[Path_]:
+    """A gateway, an openai worker fronting ``upstream``, and a sim worker when ``sim``
+    gives its (ttft_ms, token_ms)."""
+    py = sys.executable
+    env = {"PYTHONPATH": str(ROOT), "SLUICE_LOG_FORMAT": "json"}
+    procs.start("sluice-worker-openai", [py, "-m", "sluice", "--log-level", "WARNING", "worker", "--engine", "openai",
+                                         "--upstream-url", upstream, "--served-model-name", model, "--port",
+                                         str(base + 3), "--redis-url", redis_url, "--upstream-capacity", "256"],
+                env=env)
+    if sim is not None:
+        procs.start("sluice-worker-sim", [py, "-m", "sluice", "--log-level", "WARNING", "worker", "--engine", "sim",
+                                          "--served-model-name", "sim", "--port", str(base + 4), "--redis-url",
+                                          redis_url, "--sim-ttft-ms", str(sim[0]), "--sim-token-ms", str(sim[1]),
+                                          "--sim-max-seqs", "256"], env=env)
+    procs.start("sluice-gateway", [py, "-m", "sluice", "--log-level", "WARNING", "gateway", "--port", str(base + 5),
+                                   "--redis-url", redis_url, "--procs", "1"], env=env)
+    gateway = f"http://127.0.0.1:{base + 5}"
+    paths = [Path_("sluice (openai worker)", gateway, model)]
+    if sim is not None:
+        paths.append(Path_("sluice (sim worker)", gateway, "sim"))
+    probe = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+    for p in paths:
+        wait_ready(p.url + "/v1/chat/completions", 180, {**probe, "model": p.model})
+    return paths
+
+
 def start_all(procs: Procs, base: int, ttft_ms: float, token_ms: float, redis_url: str) -> list[Path_]:
     py = sys.executable
     mock_port = base
@@ -108,23 +152,9 @@ def start_all(procs: Procs, base: int, ttft_ms: float, token_ms: float, redis_ur
                 env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"})
     paths.append(Path_("litellm", f"http://127.0.0.1:{base + 2}", "mock"))
 
-    sluice_env = {"PYTHONPATH": str(ROOT), "SLUICE_LOG_FORMAT": "json"}
-    procs.start("sluice-worker-openai", [py, "-m", "sluice", "--log-level", "WARNING", "worker", "--engine", "openai",
-                                         "--upstream-url", mock, "--served-model-name", "mock", "--port",
-                                         str(base + 3), "--redis-url", redis_url, "--upstream-capacity", "256"],
-                env=sluice_env)
-    procs.start("sluice-worker-sim", [py, "-m", "sluice", "--log-level", "WARNING", "worker", "--engine", "sim",
-                                      "--served-model-name", "sim", "--port", str(base + 4), "--redis-url", redis_url,
-                                      "--sim-ttft-ms", str(ttft_ms), "--sim-token-ms", str(token_ms),
-                                      "--sim-max-seqs", "256"], env=sluice_env)
-    procs.start("sluice-gateway", [py, "-m", "sluice", "--log-level", "WARNING", "gateway", "--port", str(base + 5),
-                                   "--redis-url", redis_url, "--procs", "1"], env=sluice_env)
-    gateway = f"http://127.0.0.1:{base + 5}"
-    paths.append(Path_("sluice (openai worker)", gateway, "mock"))
-    paths.append(Path_("sluice (sim worker)", gateway, "sim"))
-
+    paths += start_sluice(procs, base, redis_url, mock, "mock", sim=(ttft_ms, token_ms))
     probe = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
-    for p in paths:
+    for p in paths[:3]:
         wait_ready(p.url + "/v1/chat/completions", 180, {**probe, "model": p.model})
     return paths
 
@@ -150,7 +180,7 @@ def table(results: dict[str, dict[str, dict[str, object]]], levels: list[int]) -
             ratio = r["chunks_per_s"] / direct["chunks_per_s"] if direct["chunks_per_s"] else 0
             added = (None if r["ttft_p50_ms"] is None or direct["ttft_p50_ms"] is None
                      else r["ttft_p50_ms"] - direct["ttft_p50_ms"])
-            fmt = lambda v: "-" if v is None else f"{v:,.1f}"  # noqa: E731
+            fmt = lambda v: "-" if v is None else f"{v:,.1f}"
             lines.append(f"| {name} | {level} | {r['chunks_per_s']:,.0f} | {ratio:.2f} | {fmt(r['ttft_p50_ms'])} | "
                          f"{'-' if added is None else f'{added:+.1f}'} | {fmt(r['ttft_p99_ms'])} | {r['errors']} |")
     return "\n".join(lines)
@@ -209,6 +239,9 @@ def main() -> None:
     parser.add_argument("--token-ms", type=float, default=5.0)
     parser.add_argument("--base-port", type=int, default=18520)
     parser.add_argument("--only", help="comma-separated path names to run (default: all)")
+    parser.add_argument("--server", choices=["mock", "vllm"], default="mock",
+                        help="the engine server: the mock (all peers), or vLLM's own server on CPU with the "
+                        "default model (direct and Sluice only)")
     parser.add_argument("--out", default=str(HERE / "peers"), help="output prefix (.json, .png)")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
@@ -219,7 +252,10 @@ def main() -> None:
     procs = Procs(logs)
     try:
         with EmbeddedRedis() as redis:
-            paths = start_all(procs, args.base_port, args.ttft_ms, args.token_ms, redis.url)
+            if args.server == "vllm":
+                paths = start_vllm(procs, args.base_port, redis.url)
+            else:
+                paths = start_all(procs, args.base_port, args.ttft_ms, args.token_ms, redis.url)
             if args.only:
                 keep = set(args.only.split(","))
                 paths = [p for p in paths if p.name in keep or p.name == "direct"]
@@ -228,13 +264,14 @@ def main() -> None:
     finally:
         procs.stop()
     print(table(results, levels))
-    meta = {"levels": levels, "max_tokens": args.max_tokens, "ttft_ms": args.ttft_ms, "token_ms": args.token_ms,
-            "measure_s": args.measure_s, "cpus": os.cpu_count(), "at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    meta = {"server": args.server, "levels": levels, "max_tokens": args.max_tokens, "ttft_ms": args.ttft_ms,
+            "token_ms": args.token_ms, "measure_s": args.measure_s, "cpus": os.cpu_count(), "at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     out = Path(args.out)
     out.with_suffix(".json").write_bytes(orjson.dumps({"meta": meta, "results": results}, option=orjson.OPT_INDENT_2))
+    engine = ("vLLM's own server on CPU (SmolLM2-135M, float32)" if args.server == "vllm" else
+              f"one mock engine (first token {args.ttft_ms:g} ms, {args.token_ms:g} ms/token)")
     draw(results, levels, out.with_suffix(".png"),
-         f"one mock engine (first token {args.ttft_ms:g} ms, {args.token_ms:g} ms/token, {args.max_tokens} tokens "
-         f"per stream), {os.cpu_count()} cores, {meta['at']}")
+         f"{engine}, {args.max_tokens} tokens per stream, {os.cpu_count()} cores, {meta['at']}")
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def next_token(seed: int, ids: list[int]) -> tuple[int, bool]:
 
 
 class _Stream:
-    __slots__ = ("queue", "ready_at", "ids", "generated", "limit", "seed", "ignore_eos", "fail_at", "done")
+    __slots__ = ("done", "fail_at", "generated", "ids", "ignore_eos", "limit", "queue", "ready_at", "seed")
 
     def __init__(self, ids: list[int], body: dict[str, Any], ttft_s: float) -> None:
         self.queue: asyncio.Queue[tuple[int, str | None] | None] = asyncio.Queue()

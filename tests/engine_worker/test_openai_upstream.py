@@ -138,13 +138,13 @@ def test_client_disconnect_cancels_the_upstream_stream(gateway, mocks) -> None:
     def streams_at_mocks() -> int:
         return sum(parse_metrics(httpx.get(m.url + "/metrics").content).running for m in mocks["vllm"])
 
-    with httpx.Client(base_url=gateway.url, timeout=30) as http:
-        with http.stream("POST", "/v1/completions", json={"model": "mockv", "prompt": "long one", "stream": True,
-                                                          "max_tokens": 2000, "ignore_eos": True}) as resp:
-            lines = resp.iter_lines()
-            while not next(lines).startswith("data: {"):
-                pass
-            assert streams_at_mocks() == 1
+    body = {"model": "mockv", "prompt": "long one", "stream": True, "max_tokens": 2000, "ignore_eos": True}
+    with httpx.Client(base_url=gateway.url, timeout=30) as http, http.stream("POST", "/v1/completions",
+                                                                               json=body) as resp:
+        lines = resp.iter_lines()
+        while not next(lines).startswith("data: {"):
+            pass
+        assert streams_at_mocks() == 1
     wait_for(lambda: streams_at_mocks() == 0, 10, "the upstream stream to be closed")
 
 
