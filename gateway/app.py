@@ -41,7 +41,6 @@ from gateway.record import RequestRecord
 from gateway.serving import Serving
 from gateway.tenancy import Tenancy
 from gateway.upstream import Dispatcher
-from gateway.worker_http import WorkerPool
 from sluice import keys
 from sluice.apikeys import ApiKey
 from sluice.errors import (
@@ -55,6 +54,7 @@ from sluice.errors import (
     Unavailable,
     error_response,
 )
+from sluice.http1 import Http1Pool
 from sluice.redis_pool import create_pool, redact_url
 from sluice.settings import is_loopback
 from sluice.telemetry import extract
@@ -71,7 +71,7 @@ _DRAIN_LIMIT = 64 * 1024 * 1024
 class Services:
     redis: Redis
     http: httpx.AsyncClient
-    workers: WorkerPool
+    workers: Http1Pool
     admission: Admission
     serving: Serving
     tenancy: Tenancy
@@ -94,7 +94,7 @@ async def open_services(settings: GatewaySettings) -> Services:
         timeout=httpx.Timeout(None, connect=settings.connect_timeout_s),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
     )
-    workers = WorkerPool(settings.connect_timeout_s)
+    workers = Http1Pool(settings.connect_timeout_s)
     tenancy = Tenancy(redis, settings)
     await tenancy.check_startup()
     await tenancy.start()

@@ -27,7 +27,6 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from gateway.admission import Admission, Ask, Lease
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
-from gateway.worker_http import WorkerPool, WorkerResponse
 from sluice.errors import (
     DeadlineExceeded,
     ModelNotFound,
@@ -36,6 +35,7 @@ from sluice.errors import (
     UpstreamFailed,
     from_body,
 )
+from sluice.http1 import Http1Pool, Http1Response
 from sluice.telemetry import inject
 
 log = logging.getLogger("sluice.gateway")
@@ -62,7 +62,7 @@ class Upstream:
     """One open stream from a worker, holding its lease until closed."""
 
     def __init__(
-        self, admission: Admission, lease: Lease, response: WorkerResponse | httpx.Response,
+        self, admission: Admission, lease: Lease, response: Http1Response | httpx.Response,
         span: Span | None = None,
     ) -> None:
         self.lease = lease
@@ -138,7 +138,7 @@ def _error_line(line: Line) -> SluiceError:
 
 class Dispatcher:
     def __init__(
-        self, settings: GatewaySettings, admission: Admission, http: httpx.AsyncClient, workers: WorkerPool,
+        self, settings: GatewaySettings, admission: Admission, http: httpx.AsyncClient, workers: Http1Pool,
     ) -> None:
         self._settings = settings
         self._admission = admission
@@ -266,8 +266,9 @@ class Dispatcher:
             raise
 
 
-    async def _send(self, url: str, body: bytes, headers: dict[str, str]) -> WorkerResponse | httpx.Response:
-        """Plain-HTTP workers through the lean NDJSON client; a worker behind TLS through httpx."""
+    async def _send(self, url: str, body: bytes, headers: dict[str, str]) -> Http1Response | httpx.Response:
+        """Plain-HTTP workers through the lean HTTP/1.1 client (sluice/http1.py); a worker behind TLS
+        through httpx."""
         if url.startswith("http://"):
             return await self._workers.post(url, "/internal/generate", body, headers)
         request = self._http.build_request("POST", url + "/internal/generate", content=body, headers=headers)

@@ -43,6 +43,7 @@ from sluice.errors import (
     Unavailable,
     UpstreamFailed,
 )
+from sluice.http1 import Http1Pool, Http1Response
 
 log = logging.getLogger("sluice.worker.openai")
 
@@ -156,6 +157,10 @@ class OpenAIUpstreamEngine:
         self._start_timeout_s = start_timeout_s
         self._stats = EngineStats()
         self._http: httpx.AsyncClient | None = None
+        #: Streams go through the lean client on plain HTTP: every token crosses it.
+        self._streams = Http1Pool(connect_timeout_s=5.0) if self.url.startswith("http://") else None
+        self._headers = {"content-type": "application/json",
+                         **({"authorization": f"Bearer {api_key}"} if api_key else {})}
         self._poller: asyncio.Task[None] | None = None
         self.aborted = 0
 
@@ -241,6 +246,8 @@ class OpenAIUpstreamEngine:
         if self._http is not None:
             await self._http.aclose()
             self._http = None
+        if self._streams is not None:
+            await self._streams.aclose()
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -330,13 +337,17 @@ class OpenAIUpstreamEngine:
             if not finished:
                 self.aborted += 1
 
-    async def _open(self, path: str, body: dict[str, Any]) -> httpx.Response:
+    async def _send(self, path: str, body: dict[str, Any]) -> Http1Response | httpx.Response:
+        if self._streams is not None:
+            return await self._streams.post(self.url, path, orjson.dumps(body), self._headers)
+        request = self.client.build_request("POST", path, content=orjson.dumps(body), headers=self._headers)
+        return await self.client.send(request, stream=True)
+
+    async def _open(self, path: str, body: dict[str, Any]) -> Http1Response | httpx.Response:
         """Send the request; a server that refuses ``priority`` is asked once more without it."""
         while True:
-            request = self.client.build_request("POST", path, content=orjson.dumps(body),
-                                                headers={"content-type": "application/json"})
             try:
-                response = await self.client.send(request, stream=True)
+                response = await self._send(path, body)
             except httpx.HTTPError as exc:
                 raise Unavailable(f"upstream server unreachable: {type(exc).__name__}", retry_after_s=1) from None
             if response.status_code == 200:

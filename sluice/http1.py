@@ -1,15 +1,14 @@
-"""The gateway's HTTP/1.1 client for the NDJSON hop to workers: one POST, a streamed
-chunked body, keep-alive connections per worker.
+"""A lean HTTP/1.1 client for long streamed responses over plain HTTP: one POST, a body
+read chunk by chunk straight from an asyncio stream, keep-alive connections per host.
 
-Why not httpx here: profiling a saturated gateway (64 streams, one process) put a third
-of its CPU in httpx/httpcore/h11 and their anyio and context-manager wrappers, once per
-streamed line. Workers are our own uvicorn servers speaking plain HTTP/1.1 with chunked
-bodies, so this reader needs none of that generality: it reads straight from an asyncio
-stream and hands each line-bearing chunk to :class:`gateway.upstream.Upstream`.
+Used where every streamed token crosses it: the gateway's NDJSON hop to workers, and an
+``openai`` worker's stream from the server it fronts. Why not httpx there: profiling a
+saturated gateway (64 streams, one process) put a third of its CPU in httpx/httpcore/h11
+and their anyio and context-manager wrappers, once per streamed line; the same held for
+an ``openai`` worker. Everything else (small JSON calls, ``https://``) stays on httpx.
 
 Failures are raised as httpx's exception types (``ConnectError``, ``ReadError``,
-``RemoteProtocolError``) so that callers keep one vocabulary for "the worker is gone".
-``https://`` worker URLs and anything unusual in a response go through httpx instead.
+``RemoteProtocolError``), so callers keep one vocabulary for "the server is gone".
 
 >>> response = await pool.post("http://10.0.0.5:8100", "/internal/generate", body, headers)
 >>> response.status_code, [chunk async for chunk in response.aiter_raw()]
@@ -24,7 +23,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-#: Idle keep-alive connections kept per worker.
+#: Idle keep-alive connections kept per host.
 MAX_IDLE = 64
 
 
@@ -38,10 +37,10 @@ class _Conn:
         self.writer.close()
 
 
-class WorkerResponse:
+class Http1Response:
     """A streamed response: ``status_code``, ``headers``, ``aiter_raw()``, ``aread()``, ``aclose()``."""
 
-    def __init__(self, pool: WorkerPool, conn: _Conn, status_code: int, headers: dict[bytes, bytes]) -> None:
+    def __init__(self, pool: Http1Pool, conn: _Conn, status_code: int, headers: dict[bytes, bytes]) -> None:
         self._pool = pool
         self._conn: _Conn | None = conn
         self.status_code = status_code
@@ -62,7 +61,7 @@ class WorkerResponse:
                 while left > 0:
                     data = await reader.read(min(left, 65536))
                     if not data:
-                        raise httpx.RemoteProtocolError("worker closed the connection mid-body")
+                        raise httpx.RemoteProtocolError("the server closed the connection mid-body")
                     left -= len(data)
                     yield data
             else:
@@ -76,9 +75,9 @@ class WorkerResponse:
                     yield data[:-2]
             self._done = True
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
-            raise httpx.RemoteProtocolError(f"worker response broke off: {type(exc).__name__}") from None
+            raise httpx.RemoteProtocolError(f"the response broke off: {type(exc).__name__}") from None
         except OSError as exc:
-            raise httpx.ReadError(f"reading from the worker failed: {exc}") from None
+            raise httpx.ReadError(f"reading the response failed: {exc}") from None
 
     async def aread(self) -> bytes:
         return b"".join([chunk async for chunk in self.aiter_raw()])
@@ -90,11 +89,11 @@ class WorkerResponse:
         if self._done and self._keep:
             self._pool.give_back(conn)
         else:
-            conn.close()  # closed early: the worker sees the disconnect and aborts the engine request
+            conn.close()  # closed early: the server sees the disconnect and aborts the request
 
 
-class WorkerPool:
-    """Keep-alive connections to workers, by host and port."""
+class Http1Pool:
+    """Keep-alive connections by host and port (plain ``http://`` only)."""
 
     def __init__(self, connect_timeout_s: float) -> None:
         self._connect_timeout_s = connect_timeout_s
@@ -112,10 +111,10 @@ class WorkerPool:
             async with asyncio.timeout(self._connect_timeout_s):
                 reader, writer = await asyncio.open_connection(key[0], key[1], limit=2**20)
         except (OSError, TimeoutError) as exc:
-            raise httpx.ConnectError(f"cannot connect to the worker: {exc or type(exc).__name__}") from None
+            raise httpx.ConnectError(f"cannot connect: {exc or type(exc).__name__}") from None
         return _Conn(reader, writer, key)
 
-    async def post(self, url: str, path: str, body: bytes, headers: dict[str, str]) -> WorkerResponse:
+    async def post(self, url: str, path: str, body: bytes, headers: dict[str, str]) -> Http1Response:
         """Send the request and read the response head; the body is read by the caller."""
         parts = urlsplit(url)
         key = (parts.hostname or "127.0.0.1", parts.port or 80)
@@ -124,7 +123,7 @@ class WorkerPool:
                 + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n").encode("latin-1")
         idle = self._idle.get(key)
         while idle:
-            # A reused connection the worker closed meanwhile fails before any byte of a
+            # A reused connection the server closed meanwhile fails before any byte of a
             # response: that is safe to try once more on a fresh connection.
             conn = idle.pop()
             try:
@@ -138,7 +137,7 @@ class WorkerPool:
             conn.close()
             raise
 
-    async def _exchange(self, conn: _Conn, head: bytes, body: bytes) -> WorkerResponse:
+    async def _exchange(self, conn: _Conn, head: bytes, body: bytes) -> Http1Response:
         try:
             conn.writer.write(head + body)
             await conn.writer.drain()
@@ -149,10 +148,10 @@ class WorkerPool:
                 headers[name.strip().lower()] = value.strip()
             status = int(status_line.split(b" ", 2)[1])
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, IndexError) as exc:
-            raise httpx.RemoteProtocolError(f"bad response head from the worker: {type(exc).__name__}") from None
+            raise httpx.RemoteProtocolError(f"bad response head: {type(exc).__name__}") from None
         except OSError as exc:
-            raise httpx.ReadError(f"the worker connection failed: {exc}") from None
-        return WorkerResponse(self, conn, status, headers)
+            raise httpx.ReadError(f"the connection failed: {exc}") from None
+        return Http1Response(self, conn, status, headers)
 
     async def aclose(self) -> None:
         for idle in self._idle.values():
