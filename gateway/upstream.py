@@ -13,6 +13,7 @@ been relayed, the client has seen output and a failure is reported in-band.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -73,6 +74,9 @@ class Upstream:
         self._buffer = b""
         self._pending: list[bytes] = []
         self._closed = False
+        #: The finishing line arrived: the body's end follows at once, and reading it lets
+        #: the connection be reused for the next request instead of closed.
+        self._finished = False
         self.first: Line | None = None
 
     async def _read_line(self, timeout_s: float) -> Line | None:
@@ -102,6 +106,7 @@ class Upstream:
                 raise _error_line(line)
             yield line
             if line.get("finish_reason") is not None:
+                self._finished = True
                 return
             left = deadline - time.monotonic()
             try:
@@ -120,6 +125,11 @@ class Upstream:
             return
         self._closed = True
         try:
+            if self._finished:
+                with contextlib.suppress(TimeoutError, httpx.HTTPError):
+                    async with asyncio.timeout(0.05):
+                        async for _ in self._raw:
+                            pass
             await self._response.aclose()
         finally:
             if self._span is not None:

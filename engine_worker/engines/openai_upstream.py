@@ -25,6 +25,7 @@ exactly through a chat template.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -124,6 +125,15 @@ def _text_logprobs(logprobs: Any) -> list[list[Any]] | None:
         [token, lp if lp is not None else 0.0, sorted(([t, v] for t, v in (top or {}).items()), key=lambda x: -x[1])]
         for token, lp, top in zip(logprobs["tokens"], logprobs.get("token_logprobs") or (), tops, strict=False)
     ]
+
+
+async def _drain(raw: AsyncIterator[bytes]) -> None:
+    """Read what is left of a finished body (its terminating chunk), briefly, so that the
+    connection goes back to the pool instead of being closed."""
+    with contextlib.suppress(TimeoutError, httpx.HTTPError):
+        async with asyncio.timeout(0.05):
+            async for _ in raw:
+                pass
 
 
 class OpenAIUpstreamEngine:
@@ -368,7 +378,8 @@ class OpenAIUpstreamEngine:
         finish: Delta | None = None
         try:
             buffer = b""
-            async for raw in response.aiter_raw():
+            chunks = response.aiter_raw()
+            async for raw in chunks:
                 buffer += raw
                 *events, buffer = buffer.split(b"\n")
                 for event in events:
@@ -376,6 +387,7 @@ class OpenAIUpstreamEngine:
                         continue
                     data = event[5:].strip()
                     if data == b"[DONE]":
+                        await _drain(chunks)  # the body's end: the connection can be reused
                         if finish is not None:
                             yield finish
                         return
