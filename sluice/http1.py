@@ -46,8 +46,10 @@ class Http1Response:
         self.status_code = status_code
         self.headers = headers
         self._chunked = headers.get(b"transfer-encoding", b"").lower() == b"chunked"
-        self._length = int(headers.get(b"content-length", b"0") or 0)
-        self._keep = headers.get(b"connection", b"").lower() != b"close"
+        length = headers.get(b"content-length")
+        #: None: neither chunked nor sized, so the body runs to the connection's end.
+        self._length = int(length) if length is not None else (None if not self._chunked else 0)
+        self._keep = headers.get(b"connection", b"").lower() != b"close" and self._length is not None
         self._done = False
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
@@ -56,7 +58,10 @@ class Http1Response:
             return
         reader = conn.reader
         try:
-            if not self._chunked:
+            if self._length is None:
+                while data := await reader.read(65536):
+                    yield data
+            elif not self._chunked:
                 left = self._length
                 while left > 0:
                     data = await reader.read(min(left, 65536))
