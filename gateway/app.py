@@ -56,6 +56,7 @@ from sluice.errors import (
     Unavailable,
     error_response,
 )
+from sluice.http1 import Http1Pool
 from sluice.prefix_index import PrefixIndex
 from sluice.redis_pool import create_pool, redact_url
 from sluice.settings import is_loopback
@@ -73,6 +74,7 @@ _DRAIN_LIMIT = 64 * 1024 * 1024
 class Services:
     redis: Redis
     http: httpx.AsyncClient
+    workers: Http1Pool
     admission: Admission
     serving: Serving
     tenancy: Tenancy
@@ -85,6 +87,7 @@ class Services:
         await self.serving.close()
         await self.readers.close()
         await self.http.aclose()
+        await self.workers.aclose()
         await self.redis.aclose()
 
 
@@ -95,6 +98,7 @@ async def open_services(settings: GatewaySettings) -> Services:
         timeout=httpx.Timeout(None, connect=settings.connect_timeout_s),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
     )
+    workers = Http1Pool(settings.connect_timeout_s)
     tenancy = Tenancy(redis, settings)
     await tenancy.check_startup()
     await tenancy.start()
@@ -103,12 +107,12 @@ async def open_services(settings: GatewaySettings) -> Services:
     readers = JournalReaders(redis)  # one reader loop for every re-attached stream of this process
     metrics = GatewayMetrics()
     serving = Serving(
-        settings, Dispatcher(settings, admission, http, IndexCorrections(PrefixIndex(redis))),
+        settings, Dispatcher(settings, admission, http, workers, IndexCorrections(PrefixIndex(redis))),
         Idempotency(redis, settings.idempotency_ttl_s), redis, tenancy, readers, metrics,
     )
     readers.adopt = serving.take_over  # a re-attached reader whose producer died: continue it here
-    return Services(redis=redis, http=http, admission=admission, serving=serving, tenancy=tenancy,
-                    metrics=metrics, readers=readers)
+    return Services(redis=redis, http=http, workers=workers, admission=admission, serving=serving,
+                    tenancy=tenancy, metrics=metrics, readers=readers)
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:

@@ -40,7 +40,7 @@ from engine_worker.engines.sim import SimSequence, render_chat
 from sluice.commands.bench_stack import MODEL, Stack, StackShape
 
 
-def reference_words(messages: list[dict[str, str]], seed: int, tokens: int) -> list[str]:
+def reference_words(messages: list[dict[str, object]], seed: int, tokens: int) -> list[str]:
     """The simulator's deterministic answer, one word per token."""
     seq = SimSequence(render_chat(messages), seed)
     return [SimSequence.text(seq.token(i)).strip() for i in range(tokens)]
