@@ -46,7 +46,7 @@ class GatewaySettings(RedisSettings):
     priority_step_tokens: int = Field(default=2048, ge=0)
     #: Which worker gets a request: "least" (least loaded), "cache" (prefix affinity
     #: balanced against load, see gateway/scripts.py), "rr" (round robin). "least" stays
-    #: the default until "cache" measures no worse without shared prefixes (loadtest/README.md).
+    #: the default until "cache" holds up under prefill-bound overload (loadtest/README.md).
     routing: Literal["cache", "least", "rr"] = "least"
     #: Cache routing: one request in flight on a worker weighs as much as prefilling this
     #: many prompt blocks (of 64 tokens).
