@@ -24,7 +24,7 @@ class WorkerSettings(RedisSettings):
     #: No whitespace: the prefix index keeps a block's holders as space-separated ids.
     worker_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}",
                            pattern=r"^\S+$", max_length=128)
-    engine: Literal["sim", "vllm", "trtllm"] = "sim"
+    engine: Literal["sim", "vllm", "trtllm", "openai"] = "sim"
     #: Local Hugging Face model folder (vllm and trtllm engines).
     model: str | None = None
     #: Name clients use in the ``model`` field; default "sim", or the model folder's name.
@@ -59,6 +59,9 @@ class WorkerSettings(RedisSettings):
     vllm_enforce_eager: bool | None = None
     #: vLLM on NVIDIA GPUs: use FlashInfer's TensorRT-LLM attention/MoE kernels (untested here).
     vllm_trtllm_kernels: bool = False
+    #: vLLM: the vLLM tool-call parser (``hermes``, ``llama3_json``...) for tool_choice "auto";
+    #: unset, a request that needs one is a 400.
+    tool_call_parser: str | None = None
     #: vLLM: extra AsyncEngineArgs as a JSON object, e.g. '{"dtype": "float32"}'.
     vllm_engine_args: dict[str, object] = Field(default_factory=dict)
     #: TensorRT-LLM: sequences batched at once (untested here).
@@ -67,6 +70,22 @@ class WorkerSettings(RedisSettings):
     trtllm_max_seq_len: int = Field(default=4096, ge=16)
     #: TensorRT-LLM: share of free GPU memory for the KV cache.
     trtllm_kv_cache_fraction: float = Field(default=0.9, gt=0, le=1)
+
+    #: openai: the OpenAI-compatible server this worker fronts (vllm serve, trtllm-serve, SGLang, TGI).
+    upstream_url: str | None = None
+    #: openai: the server's name for the model; default the first one its /v1/models lists.
+    upstream_model: str | None = None
+    #: openai: bearer token the server wants, if any.
+    upstream_api_key: str | None = None
+    #: openai: streams sent to the server at once (the worker's capacity).
+    upstream_capacity: int = Field(default=64, ge=1)
+    #: openai: whether the server returns token ids and takes token prompts (token-exact
+    #: migration); auto: yes when it answers vLLM's /version.
+    upstream_token_ids: Literal["auto", "on", "off"] = "auto"
+    #: openai: how often /health and /metrics are read.
+    upstream_poll_ms: int = Field(default=1000, ge=50)
+    #: openai: how long to wait at start for the server to list its model.
+    upstream_start_timeout_s: float = Field(default=600.0, gt=0)
 
     def url(self) -> str:
         """Where gateways reach this worker: the advertised URL, else this host's address."""

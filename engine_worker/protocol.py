@@ -7,7 +7,9 @@ Response: NDJSON, one line per engine step::
     {"ids": [13], "text": ".", "finish_reason": "stop",
      "usage": {"prompt_tokens": 12, "completion_tokens": 3, "cached_tokens": 0}}
 
-A failure after the stream started is one ``{"error": {...}}`` line.
+Optional keys: ``lp`` (log-probabilities), ``tc`` (tool-call deltas in OpenAI's
+streamed shape; the finish reason is then ``tool_calls``), ``echo`` (the prompt's
+text, first line only). A failure after the stream started is one ``{"error": {...}}`` line.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ class GenerateRequest(BaseModel):
     model: str
     messages: list[dict[str, Any]] | None = None
     prompt: str | None = None
+    prompt_token_ids: list[int] | None = Field(default=None, min_length=1)
+    #: Completions: send the prompt's text back first (in the first line's ``echo``).
+    echo: bool = False
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
@@ -33,6 +38,15 @@ class GenerateRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    logit_bias: dict[str, float] | None = None
+    #: A decoding constraint: ``{"json": schema}`` or ``{"json_object": true}``.
+    structured: dict[str, Any] | None = None
+    #: OpenAI ``tools`` (function definitions), passed to the chat template.
+    tools: list[dict[str, Any]] | None = None
+    #: "none", "auto" (the worker's tool-call parser), "required", or {"name": ...}.
+    tool_mode: str | dict[str, str] | None = None
+    parallel_tool_calls: bool = True
     #: vLLM extensions: generate exactly up to max_tokens / at least min_tokens.
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
@@ -81,9 +95,17 @@ class Delta:
     usage: Usage | None = None
     #: Per token: [token text, logprob, [[alternative text, logprob], ...]].
     logprobs: list[list[Any]] | None = None
+    #: Tool-call deltas in OpenAI's streamed shape (``index``, ``id``, ``function``).
+    tool_calls: list[dict[str, Any]] | None = None
+    #: The prompt's text, sent back before the completion (completions' ``echo``).
+    echo: str | None = None
 
     def encode(self) -> bytes:
         line: dict[str, Any] = {"ids": self.token_ids, "text": self.text}
+        if self.tool_calls:
+            line["tc"] = self.tool_calls
+        if self.echo:
+            line["echo"] = self.echo
         if self.logprobs is not None:
             line["lp"] = self.logprobs
         if self.finish_reason is not None:

@@ -14,7 +14,7 @@ from engine_worker.engines.base import Engine
 from engine_worker.protocol import GenerateRequest
 from engine_worker.registration import Registration
 from engine_worker.stream import NDJSONStream
-from sluice.models import resolve
+from sluice.models import ModelError, resolve
 from sluice.prefix_index import PrefixIndex
 from sluice.redis_pool import create_pool
 from sluice.serve import Server, run_async, uvicorn_config
@@ -31,6 +31,8 @@ def served_name(settings: WorkerSettings) -> str:
         return settings.served_model_name
     if settings.engine == "sim":
         return "sim"
+    if settings.engine == "openai":
+        return settings.upstream_model or ""  # "": the server's own name, learnt at start
     return resolve(settings.model).name
 
 
@@ -49,6 +51,20 @@ def build_engine(settings: WorkerSettings) -> Engine:
             prefill_chunk=settings.sim_prefill_chunk,
             cache_blocks=settings.sim_cache_blocks,
         )
+    if settings.engine == "openai":
+        from engine_worker.engines.openai_upstream import OpenAIUpstreamEngine
+
+        if not settings.upstream_url:
+            raise ModelError("--engine openai needs --upstream-url (the server to front)")
+        return OpenAIUpstreamEngine(
+            settings.upstream_url,
+            model=settings.upstream_model,
+            api_key=settings.upstream_api_key,
+            capacity=settings.upstream_capacity,
+            tokens=settings.upstream_token_ids,
+            poll_s=settings.upstream_poll_ms / 1000,
+            start_timeout_s=settings.upstream_start_timeout_s,
+        )
     model_dir = resolve(settings.model)
     if settings.engine == "vllm":
         from engine_worker.engines.vllm_engine import VllmEngine, has_gpu
@@ -65,6 +81,7 @@ def build_engine(settings: WorkerSettings) -> Engine:
             enforce_eager=settings.vllm_enforce_eager,
             trtllm_kernels=settings.vllm_trtllm_kernels,
             tensor_parallel_size=settings.vllm_tensor_parallel_size,
+            tool_call_parser=settings.tool_call_parser,
             extra_args=settings.vllm_engine_args,
         )
     from engine_worker.engines.trtllm_engine import TrtllmEngine
@@ -165,6 +182,8 @@ class Worker:
                                   client_name=f"sluice-worker-{s.worker_id}")
         try:
             await self.engine.start()
+            if not self.model:  # an upstream server's own model name
+                self.model = str(getattr(self.engine, "model", "") or "model")
             server = Server(uvicorn_config(create_app(self), s.host, s.port, graceful_s=1), self.drain)
             serving = asyncio.create_task(server.serve())
             while not server.started:

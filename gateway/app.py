@@ -38,6 +38,7 @@ from gateway.journal_readers import JournalReaders
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.record import RequestRecord
+from gateway.responses import ResponseShape, ResponsesRequest
 from gateway.routing import IndexCorrections
 from gateway.serving import Serving
 from gateway.tenancy import Tenancy
@@ -55,6 +56,7 @@ from sluice.errors import (
     Unavailable,
     error_response,
 )
+from sluice.http1 import Http1Pool
 from sluice.prefix_index import PrefixIndex
 from sluice.redis_pool import create_pool, redact_url
 from sluice.settings import is_loopback
@@ -72,6 +74,7 @@ _DRAIN_LIMIT = 64 * 1024 * 1024
 class Services:
     redis: Redis
     http: httpx.AsyncClient
+    workers: Http1Pool
     admission: Admission
     serving: Serving
     tenancy: Tenancy
@@ -84,6 +87,7 @@ class Services:
         await self.serving.close()
         await self.readers.close()
         await self.http.aclose()
+        await self.workers.aclose()
         await self.redis.aclose()
 
 
@@ -94,6 +98,7 @@ async def open_services(settings: GatewaySettings) -> Services:
         timeout=httpx.Timeout(None, connect=settings.connect_timeout_s),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
     )
+    workers = Http1Pool(settings.connect_timeout_s)
     tenancy = Tenancy(redis, settings)
     await tenancy.check_startup()
     await tenancy.start()
@@ -102,12 +107,12 @@ async def open_services(settings: GatewaySettings) -> Services:
     readers = JournalReaders(redis)  # one reader loop for every re-attached stream of this process
     metrics = GatewayMetrics()
     serving = Serving(
-        settings, Dispatcher(settings, admission, http, IndexCorrections(PrefixIndex(redis))),
+        settings, Dispatcher(settings, admission, http, workers, IndexCorrections(PrefixIndex(redis))),
         Idempotency(redis, settings.idempotency_ttl_s), redis, tenancy, readers, metrics,
     )
     readers.adopt = serving.take_over  # a re-attached reader whose producer died: continue it here
-    return Services(redis=redis, http=http, admission=admission, serving=serving, tenancy=tenancy,
-                    metrics=metrics, readers=readers)
+    return Services(redis=redis, http=http, workers=workers, admission=admission, serving=serving,
+                    tenancy=tenancy, metrics=metrics, readers=readers)
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -126,31 +131,46 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.add_middleware(RequestIdMiddleware)
     _install_error_handlers(app)
 
-    async def admitted(request: Request, model: type[M], record: RequestRecord) -> tuple[M, RequestContext]:
-        """Authenticate, parse, cap, clamp priority, charge the key's limits."""
+    async def admitted(
+        request: Request, model: type[ChatCompletionRequest | CompletionRequest | ResponsesRequest],
+        record: RequestRecord,
+    ) -> tuple[ChatCompletionRequest | CompletionRequest, RequestContext, ResponseShape | None]:
+        """Authenticate, parse, cap, clamp priority, charge the key's limits. A Responses
+        request goes on as the chat completion it is generated as, with its shape."""
         s = svc(request)
         key = await s.tenancy.authenticate(request.headers.get("authorization"))
-        req, body = await _parse(request, model, settings.max_body_bytes)
-        check_caps(req, settings)  # type: ignore[arg-type]
-        ctx = _context(request, req, body, settings, key, record)  # type: ignore[arg-type]
+        parsed, body = await _parse(request, model, settings.max_body_bytes)
+        shape = None
+        if isinstance(parsed, ResponsesRequest):
+            refused = parsed.refusal()
+            if refused is not None:
+                raise InvalidRequest(f"{refused[0]}: {refused[1]}", param=refused[0])
+            shape = ResponseShape(parsed)
+            try:
+                parsed = parsed.to_chat()
+            except ValidationError as exc:
+                raise _validation_error(exc.errors()) from None
+        req = parsed
+        check_caps(req, settings)
+        ctx = _context(request, req, body, settings, key, record)
         if key is not None:
-            ctx.charge = await s.tenancy.admit(
-                key, ctx.cost, ctx.internal_id, generations(req)  # type: ignore[arg-type]
-            )
+            ctx.charge = await s.tenancy.admit(key, ctx.cost, ctx.internal_id, generations(req))
             ctx.headers.update(ctx.charge.headers)
         ctx.headers["x-sluice-priority"] = str(ctx.priority)
-        record.describe(req.model, req.n, ctx.priority, key.prefix if key else None)  # type: ignore[attr-defined]
-        return req, ctx
+        record.describe(req.model, req.n, ctx.priority, key.prefix if key else None)
+        return req, ctx, shape
 
     def begin(request: Request, route: str) -> RequestRecord:
         return RequestRecord.begin(_request_id(request), svc(request).metrics, extract(request.headers), route)
 
-    def completion_route(path: str, model: type[ChatCompletionRequest | CompletionRequest], name: str) -> None:
+    def completion_route(
+        path: str, model: type[ChatCompletionRequest | CompletionRequest | ResponsesRequest], name: str,
+    ) -> None:
         async def route(request: Request) -> Response:
             record = begin(request, name)
             try:
-                req, ctx = await admitted(request, model, record)
-                return await svc(request).serving.serve(req, ctx)
+                req, ctx, shape = await admitted(request, model, record)
+                return await svc(request).serving.serve(req, ctx, shape)
             except BaseException as exc:
                 record.finish(as_sluice_error(exc))
                 raise
@@ -159,6 +179,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     completion_route("/v1/chat/completions", ChatCompletionRequest, "chat.completions")
     completion_route("/v1/completions", CompletionRequest, "completions")
+    completion_route("/v1/responses", ResponsesRequest, "responses")
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics(request: Request) -> Response:
@@ -216,7 +237,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             raise Unavailable("no live worker", retry_after_s=2)
         return _json({"status": "ready", "models": models})
 
-    _install_openapi(app, [ChatCompletionRequest, CompletionRequest])
+    _install_openapi(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest])
     return app
 
 
@@ -369,7 +390,14 @@ def _validation_error(errors: Any) -> InvalidRequest:
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-    return InvalidRequest(f"{param}: {msg}" if param else msg, param=param)
+    if param is None:
+        # A check across fields (a model validator) names its field first: "best_of: ...".
+        named = _FIELD_FIRST.match(msg)
+        return InvalidRequest(msg, param=named.group(1) if named else None)
+    return InvalidRequest(f"{param}: {msg}", param=param)
+
+
+_FIELD_FIRST = re.compile(r"^([a-z_]+): ")
 
 
 _REF = "#/components/schemas/{model}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import orjson
+
 from gateway.config import GatewaySettings
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from sluice.errors import InvalidRequest
@@ -9,17 +11,25 @@ from sluice.errors import InvalidRequest
 
 def prompt_chars(req: ChatCompletionRequest | CompletionRequest) -> int:
     if isinstance(req, CompletionRequest):
-        return sum(len(p) for p in req.prompts())
+        # A token id stands for about four characters (the estimate token_estimate undoes).
+        return sum(len(p) if isinstance(p, str) else 4 * len(p) for p in req.prompts())
     total = 0
     for message in req.messages:
         if isinstance(message.content, str):
             total += len(message.content)
         elif message.content:
             total += sum(len(str(part.get("text", ""))) for part in message.content)
+        for call in message.tool_calls or ():
+            total += len(call.function.arguments)
+    # Tool definitions reach the prompt too (through the chat template).
+    total += sum(len(orjson.dumps(tool.model_dump(exclude_none=True))) for tool in req.tools or ())
     return total
 
 
 def check_caps(req: ChatCompletionRequest | CompletionRequest, s: GatewaySettings) -> None:
+    refused = req.refusal()
+    if refused is not None:
+        raise InvalidRequest(f"{refused[0]}: {refused[1]}", param=refused[0])
     if isinstance(req, ChatCompletionRequest) and len(req.messages) > s.max_messages:
         raise InvalidRequest(f"at most {s.max_messages} messages per request", param="messages")
     chars = prompt_chars(req)

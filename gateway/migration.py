@@ -5,6 +5,11 @@ The new worker continues from prompt + the token ids already relayed
 queue (boosted) and never on a worker that already failed this choice. The
 client's stream has no gap and no repeated token. Each choice of an ``n > 1``
 request migrates on its own; their lines are merged in arrival order.
+
+A choice under a grammar (``response_format``, forced tool calls) or a tool-call
+parser does not migrate: a new engine would start the grammar (and the parser's
+state) from the beginning, not from the tokens already sent, and could break the
+JSON the client has half received. Such a stream ends with one in-band error.
 """
 
 from __future__ import annotations
@@ -88,9 +93,13 @@ class Migrator:
                     log.warning("request %s: worker %s broke off after %d tokens (%s); migrating",
                                 ctx.request_id, upstream.worker_id, len(sent), exc.message)
                     await upstream.aclose()
+            if sent and not resumable(payload):
+                raise UpstreamFailed(
+                    "this structured (JSON or tool-call) output broke off mid-stream; it cannot be resumed "
+                    "on another worker (a new engine would restart its grammar)", code="worker_lost")
             limit = payload.get("max_tokens")
             payload = {**payload, "request_id": f"{ctx.internal_id}-{index}-m{len(failed)}",
-                       "resume_token_ids": list(sent), "resume_text_chars": chars,
+                       "resume_token_ids": list(sent), "resume_text_chars": chars, "echo": False,
                        "max_tokens": None if limit is None else limit - len(sent) + resumed,
                        # Counted from the original start, like max_tokens (5 of 10 already sent).
                        "min_tokens": max(0, int(payload.get("min_tokens") or 0) - len(sent) + resumed)}
@@ -105,6 +114,11 @@ class Migrator:
         if exc.code == "request_timeout" or ctx.remaining_s() <= 0:
             return False
         return migrations < self._settings.max_migrations
+
+
+def resumable(payload: dict[str, Any]) -> bool:
+    """Whether another engine can continue this choice from its tokens alone."""
+    return not payload.get("structured") and payload.get("tool_mode") in (None, "none")
 
 
 async def _merge(sources: list[AsyncIterator[tuple[int, Line]]]) -> AsyncIterator[tuple[int, Line]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -18,12 +18,106 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class FunctionCall(BaseModel):
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """A tool call an earlier assistant turn made, as the client sends it back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    #: An assistant turn's calls and a tool turn's answer reach the chat template intact.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, value: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        # The engines take text: an image or audio part is refused, never dropped.
+        for part in value if isinstance(value, list) else ():
+            kind = part.get("type")
+            if kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported (text only)")
+            if not isinstance(part.get("text"), str):
+                raise ValueError("a text content part needs a string 'text'")
+        return value
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(BaseModel):
+    class _Name(BaseModel):
+        name: str
+
+    type: Literal["function"]
+    function: _Name
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    #: ``schema`` on the wire (a pydantic BaseModel attribute name, hence the alias).
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object")
+        return self
+
+    def constraint(self) -> dict[str, Any] | None:
+        """What the worker constrains decoding to: ``{"json": schema}``, ``{"json_object": True}``."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema" and self.json_schema is not None:
+            return {"json": self.json_schema.json_schema}
+        return None
+
+
+#: OpenAI fields that change what a request means and that no engine here honours: a 400
+#: naming the field, never a silent drop.
+REFUSED_FIELDS = {
+    "functions": "the deprecated 'functions' field is not supported; use 'tools'",
+    "function_call": "the deprecated 'function_call' field is not supported; use 'tool_choice'",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "reasoning_effort": "this gateway's models do no reasoning; 'reasoning_effort' is not supported",
+    "suffix": "'suffix' (insertion) is not supported",
+}
+
+
+def first_refused(extra: dict[str, Any], refused: dict[str, str]) -> tuple[str, str] | None:
+    """(field, why) for the first of ``refused`` that a request's extra fields set."""
+    name = next((n for n in sorted(extra) if n in refused and extra[n] is not None), None)
+    return None if name is None else (name, refused[name])
 
 
 class _SamplingFields(BaseModel):
@@ -52,14 +146,33 @@ class _SamplingFields(BaseModel):
     service_tier: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    #: vLLM extension: drop tokens below min_p x the top token's probability.
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    #: Token id (as a string, OpenAI's shape) -> bias added to its logit, -100..100.
+    logit_bias: dict[str, float] | None = None
 
-    @field_validator("response_format")
+    @field_validator("logit_bias")
     @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type", "text") != "text":
-            raise ValueError(f"response_format {value.get('type')!r} (guided decoding) is not supported yet")
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"keys are token ids; {token!r} is not one")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"bias {bias} for token {token} is outside -100..100")
         return value
+
+    def refusal(self) -> tuple[str, str] | None:
+        """(field, why) for the first field this request sets that is not honoured."""
+        extra = self.model_extra or {}
+        refused = first_refused(extra, REFUSED_FIELDS)
+        if refused is not None:
+            return refused
+        if extra.get("modalities") not in (None, ["text"]):
+            return "modalities", "only ['text'] output is supported"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options is only allowed when stream is true"
+        return None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -78,11 +191,23 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
-    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+    def _consistent(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice: only allowed when tools are given")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice: no tool named {self.tool_choice.function.name!r} in tools")
+        if self.parallel_tool_calls is not None and not self.tools:
+            raise ValueError("parallel_tool_calls: only allowed when tools are given")
         return self
 
     def token_limit(self) -> int | None:
@@ -91,10 +216,36 @@ class ChatCompletionRequest(_SamplingFields):
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def tool_mode(self) -> str | dict[str, Any] | None:
+        """What the worker does with tools: None (no tools), "none", "auto", "required",
+        or ``{"name": ...}`` for one named function."""
+        if not self.tools:
+            return None
+        choice = self.tool_choice or "auto"
+        return {"name": choice.function.name} if isinstance(choice, NamedToolChoice) else choice
+
+
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] = Field(min_length=1)
+    #: Text, texts, token ids, or lists of token ids (one generation each).
+    prompt: str | list[str] | TokenIds | list[TokenIds] = Field(min_length=1)
     logprobs: int | None = Field(default=None, ge=0, le=5)
+    #: The prompt is sent back before the completion.
+    echo: bool = False
+    #: Equal to n (or 1) only: vLLM's V1 engine has no server-side best-of selection.
+    best_of: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: only best_of == n is supported (no server-side ranking)")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo: echo with logprobs (prompt log-probabilities) is not supported")
+        if any(isinstance(p, list) and not p for p in self.prompts()):
+            raise ValueError("prompt: a token-id prompt must not be empty")
+        return self
 
     def logprobs_count(self) -> int | None:
         return self.logprobs
@@ -102,13 +253,19 @@ class CompletionRequest(_SamplingFields):
     def token_limit(self) -> int | None:
         return self.max_tokens
 
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or a list of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(p, int) for p in prompt):
+            return [prompt]  # type: ignore[list-item]
+        return list(prompt)  # type: ignore[arg-type]
 
 
 def worker_payloads(req: ChatCompletionRequest | CompletionRequest, request_id: str) -> list[dict[str, Any]]:
     """One ``POST /internal/generate`` body per choice: prompts x n, in choice-index order."""
-    prompts: list[str | None] = list(req.prompts()) if isinstance(req, CompletionRequest) else [None]
+    prompts: list[str | list[int] | None] = list(req.prompts()) if isinstance(req, CompletionRequest) else [None]
     count = len(prompts) * req.n
     return [
         worker_payload(
@@ -122,7 +279,8 @@ def worker_payloads(req: ChatCompletionRequest | CompletionRequest, request_id: 
 
 
 def worker_payload(
-    req: ChatCompletionRequest | CompletionRequest, request_id: str, prompt: str | None, *, choice: int = 0
+    req: ChatCompletionRequest | CompletionRequest, request_id: str, prompt: str | list[int] | None, *,
+    choice: int = 0,
 ) -> dict[str, Any]:
     """The body of ``POST /internal/generate`` for one choice."""
     payload: dict[str, Any] = {
@@ -132,19 +290,30 @@ def worker_payload(
         "temperature": req.temperature,
         "top_p": req.top_p,
         "top_k": req.top_k,
+        "min_p": req.min_p,
         "seed": None if req.seed is None else req.seed + choice,
         "stop": req.stop_list(),
         "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty,
+        "logit_bias": req.logit_bias,
         "ignore_eos": req.ignore_eos,
         "min_tokens": req.min_tokens,
         "logprobs": req.logprobs_count(),
+        "structured": req.response_format.constraint() if req.response_format else None,
     }
     if isinstance(req, ChatCompletionRequest):
         payload["messages"] = [m.model_dump(exclude_none=True) for m in req.messages]
+        if req.tools:
+            payload["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+            payload["tool_mode"] = req.tool_mode()
+            payload["parallel_tool_calls"] = req.parallel_tool_calls is not False
+    elif isinstance(prompt, list):
+        payload["prompt_token_ids"] = prompt
+        payload["echo"] = req.echo
     else:
         payload["prompt"] = prompt
+        payload["echo"] = req.echo
     return payload
 
 
@@ -186,9 +355,14 @@ class ChunkWriter:
         *,
         first: bool = False,
         logprobs: dict[str, Any] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> bytes:
         if self.kind == "chat":
-            body = {"role": "assistant", "content": text} if first else {"content": text}
+            body: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+            if tool_calls:
+                body["tool_calls"] = tool_calls
+                if not text:
+                    body["content"] = None
             middle = b',"delta":' + orjson.dumps(body)
         else:
             middle = b',"text":' + orjson.dumps(text)
@@ -210,18 +384,47 @@ def new_id(kind: Literal["chat", "text"]) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
 
 
+class ToolCallAssembler:
+    """Streamed tool-call deltas (``{"index", "id", "function": {"name", "arguments"}}``)
+    merged into whole calls, as the SDK assembles them from a stream."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, dict[str, Any]] = {}
+
+    def add(self, deltas: list[dict[str, Any]]) -> None:
+        for delta in deltas:
+            call = self._calls.setdefault(
+                int(delta["index"]), {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+            )
+            call["id"] = delta.get("id") or call["id"]
+            function = delta.get("function") or {}
+            call["function"]["name"] += function.get("name") or ""
+            call["function"]["arguments"] += function.get("arguments") or ""
+
+    def calls(self) -> list[dict[str, Any]]:
+        return [self._calls[i] for i in sorted(self._calls)]
+
+    def call(self, index: int) -> dict[str, Any]:
+        return self._calls[index]
+
+
 def completion_body(
     kind: Literal["chat", "text"],
     model: str,
-    choices: list[tuple[str, str | None, dict[str, Any] | None]],
+    choices: list[tuple[str, str | None, dict[str, Any] | None, list[dict[str, Any]]]],
     usage: dict[str, Any],
 ) -> bytes:
-    """One ``chat.completion`` or ``text_completion`` JSON body."""
+    """One ``chat.completion`` or ``text_completion`` JSON body; a choice is (text, finish
+    reason, logprobs, tool calls)."""
     rendered: list[dict[str, Any]] = []
-    for index, (text, finish_reason, logprobs) in enumerate(choices):
+    for index, (text, finish_reason, logprobs, tool_calls) in enumerate(choices):
         choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
         if kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+                message["content"] = text or None
+            choice["message"] = message
         else:
             choice["text"] = text
         rendered.append(choice)

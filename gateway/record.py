@@ -56,6 +56,11 @@ class RequestRecord:
     route_error_tokens: int = 0
     _last_line: float = 0.0
     _done: bool = False
+    #: Whether any line carried token ids; a server that gives none (an ``openai``
+    #: worker fronting a generic server) is counted from its usage lines instead.
+    _ids_seen: bool = False
+    _itl: Any = None
+    _itl_label: str = ""
 
     @classmethod
     def begin(cls, request_id: str, metrics: GatewayMetrics, parent: Context, route: str) -> RequestRecord:
@@ -97,10 +102,18 @@ class RequestRecord:
             self.first_token_s = now - self.started
             self.span.add_event("first_token")
         else:
-            self.metrics.itl.labels(self.model_label).observe(now - self._last_line)
+            if self._itl is None or self._itl_label != self.model_label:
+                # One labels() lookup per request, not per chunk.
+                self._itl, self._itl_label = self.metrics.itl.labels(self.model_label), self.model_label
+            self._itl.observe(now - self._last_line)
         self._last_line = now
-        self.completion_tokens += len(line.get("ids", ()))
+        ids = line.get("ids")
+        if ids:
+            self.completion_tokens += len(ids)
+            self._ids_seen = True
         usage = line.get("usage")
+        if usage and not self._ids_seen:
+            self.completion_tokens += int(usage.get("completion_tokens", 0))
         if usage and index % self.n == 0:
             self.prompt_tokens += int(usage.get("prompt_tokens", 0))
             self.cached_tokens += int(usage.get("cached_tokens", 0))

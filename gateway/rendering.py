@@ -24,41 +24,60 @@ from gateway.protocol import (
     ChatCompletionRequest,
     ChunkWriter,
     CompletionRequest,
+    ToolCallAssembler,
     completion_body,
 )
 from gateway.record import RequestRecord
+from gateway.responses import ResponseEvents, ResponseShape, response_body
 from gateway.upstream import Line
 from sluice.errors import SluiceError, Unavailable, error_event
 
 log = logging.getLogger("sluice.gateway")
 
-Kind = Literal["chat", "text"]
+Kind = Literal["chat", "text", "responses"]
 
 
 async def sse_events(
     kind: Kind, req: ChatCompletionRequest | CompletionRequest, lines: AsyncIterator[tuple[int, Line]],
     record: RequestRecord, end: Callable[[str | SluiceError, bool], Awaitable[None]],
-    writer: ChunkWriter | None = None, offsets: dict[int, int] | None = None,
+    writer: ChunkWriter | None = None, offsets: dict[int, int] | None = None, *,
+    shape: ResponseShape | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE bytes of a streamed completion, ending with ``[DONE]`` whatever happens;
-    ``end(outcome, completed)`` runs once, shielded, when the lines stop.
+    ``end(outcome, completed)`` runs once, shielded, when the lines stop. With a
+    ``shape``: the Responses API's typed events instead of chunks.
 
     A stream taken over from another gateway passes its ``writer`` (same id) and the
     characters each choice already sent (``offsets``: no second role chunk)."""
-    writer = writer or ChunkWriter(kind, req.model)
+    writer = writer or ChunkWriter("text" if kind == "text" else "chat", req.model)
+    response = None if shape is None else ResponseEvents(shape)
     completed = False
     offsets = dict(offsets or {})
     outcome: str | SluiceError = "ok"
     try:
+        if response is not None:
+            for event in response.start():
+                yield event
         async for index, line in lines:
             record.add(index, line)
+            if response is not None:
+                for event in response.line(line):
+                    yield event
+                continue
             first = index not in offsets
+            echo = line.get("echo", "")
             text = line.get("text", "")
             lp = line.get("lp")
-            rendered = None if lp is None else render_logprobs(kind, lp, offsets.get(index, 0))
-            offsets[index] = offsets.get(index, 0) + len(text)
-            yield writer.delta(index, text, line.get("finish_reason"), first=first, logprobs=rendered)
-        if req.include_usage():
+            if not (first or text or echo or lp or line.get("tc") or line.get("finish_reason")):
+                continue  # tokens that show nothing yet (a tool call's JSON being read): no empty chunk
+            rendered = None if lp is None else render_logprobs(writer.kind, lp, offsets.get(index, 0) + len(echo))
+            offsets[index] = offsets.get(index, 0) + len(echo) + len(text)
+            yield writer.delta(index, echo + text, line.get("finish_reason"), first=first, logprobs=rendered,
+                               tool_calls=line.get("tc"))
+        if response is not None:
+            for event in response.finish(record.usage()):
+                yield event
+        elif req.include_usage():
             yield writer.usage(record.usage())
         completed = True
     except SluiceError as exc:
@@ -81,18 +100,20 @@ async def sse_events(
 async def json_response(
     kind: Kind, req: ChatCompletionRequest | CompletionRequest, lines: AsyncIterator[tuple[int, Line]],
     record: RequestRecord, headers: dict[str, str], disconnected: Callable[[], Awaitable[bool]] | None,
-    choices: int, end: Callable[[], Awaitable[None]],
+    choices: int, end: Callable[[], Awaitable[None]], shape: ResponseShape | None = None,
 ) -> Response:
     """A whole completion as one JSON body; ``end()`` runs once, shielded, when the lines stop.
     A client that leaves meanwhile cancels the generation."""
     texts = [""] * choices
     finishes: list[str | None] = [None] * choices
     entries: list[list[list[object]]] = [[] for _ in range(choices)]
+    calls = [ToolCallAssembler() for _ in range(choices)]
 
     async def gather() -> None:
         async for index, line in lines:
             record.add(index, line)
-            texts[index] += line.get("text", "")
+            texts[index] += line.get("echo", "") + line.get("text", "")
+            calls[index].add(line.get("tc") or [])
             finishes[index] = line.get("finish_reason") or finishes[index]
             entries[index].extend(line.get("lp") or ())
 
@@ -107,12 +128,16 @@ async def json_response(
     finally:
         with anyio.CancelScope(shield=True):
             await end()
+    if shape is not None:
+        body = response_body(shape, texts[0], finishes[0], calls[0].calls(), record.usage())
+        return Response(body, media_type="application/json", headers=headers)
     wants = req.logprobs_count() is not None
     rendered = [
-        (text, finish, render_logprobs(kind, lp) if wants else None)
-        for text, finish, lp in zip(texts, finishes, entries, strict=True)
+        (text, finish, render_logprobs("text" if kind == "text" else "chat", lp) if wants else None,
+         assembled.calls())
+        for text, finish, lp, assembled in zip(texts, finishes, entries, calls, strict=True)
     ]
-    body = completion_body(kind, req.model, rendered, record.usage())
+    body = completion_body("text" if kind == "text" else "chat", req.model, rendered, record.usage())
     return Response(body, media_type="application/json", headers=headers)
 
 
@@ -123,6 +148,15 @@ class GuardedSSE(EventSourceResponse):
     def __init__(self, content: AsyncIterator[bytes], cleanup: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self._cleanup = cleanup
+
+    async def _send_with_timeout(self, send: Any, message: Any) -> None:
+        # Per chunk: without a send timeout (ours never sets one) the base class still opens
+        # and closes a cancel scope around every send; the profile of a saturated gateway put
+        # that at ~5% of its CPU. Stalled clients are bounded by the stall/request deadlines.
+        if self.send_timeout is None:
+            await send(message)
+        else:
+            await super()._send_with_timeout(send, message)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:

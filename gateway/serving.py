@@ -38,6 +38,7 @@ from gateway.protocol import (
 )
 from gateway.record import RequestRecord
 from gateway.rendering import GuardedSSE, Kind, json_response, sse_events
+from gateway.responses import ResponseShape
 from gateway.takeover import LineTap, Plan, recover, save_plan
 from gateway.tenancy import Tenancy
 from gateway.upstream import Dispatcher, Line, Upstream
@@ -71,9 +72,13 @@ class Serving:
     async def close(self) -> None:
         await self._committer.close()
 
-    async def serve(self, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext) -> Response:
-        """A chat or text completion, as one JSON body or an SSE stream."""
-        return await self._serve("chat" if isinstance(req, ChatCompletionRequest) else "text", req, ctx)
+    async def serve(
+        self, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext, shape: ResponseShape | None = None,
+    ) -> Response:
+        """A chat or text completion, as one JSON body or an SSE stream; with a ``shape``,
+        a chat completion rendered as the Responses API's ``response``."""
+        kind: Kind = "responses" if shape is not None else "chat" if isinstance(req, ChatCompletionRequest) else "text"
+        return await self._serve(kind, req, ctx, shape)
 
     def _note_unknown(self, req: ChatCompletionRequest | CompletionRequest) -> None:
         """One capped log line per request that carries fields we do not know."""
@@ -87,6 +92,7 @@ class Serving:
         kind: Kind,
         req: ChatCompletionRequest | CompletionRequest,
         ctx: RequestContext,
+        shape: ResponseShape | None,
     ) -> Response:
         self._note_unknown(req)
         key = ctx.idempotency_key
@@ -104,7 +110,7 @@ class Serving:
                 owned = True
                 # An earlier failed attempt's journal and plan.
                 await self._redis.delete(stream_key(key), keys.journal_plan(key))
-            return await self._generate(kind, req, ctx)
+            return await self._generate(kind, req, ctx, shape)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 if owned and key is not None:
@@ -113,7 +119,8 @@ class Serving:
             raise
 
     async def _generate(
-        self, kind: Kind, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext
+        self, kind: Kind, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext,
+        shape: ResponseShape | None,
     ) -> Response:
         record = ctx.record
         headers = {"x-request-id": ctx.request_id, **ctx.headers}
@@ -131,12 +138,12 @@ class Serving:
                 await self._end_stream(upstreams, record, ctx, outcome, completed)
 
             if ctx.idempotency_key is not None:
-                return await self._produce(kind, req, ctx, upstreams, lines, end, abandon, headers)
-            events = sse_events(kind, req, lines, record, end)
+                return await self._produce(kind, req, ctx, upstreams, lines, end, abandon, headers, shape)
+            events = sse_events(kind, req, lines, record, end, shape=shape)
             return GuardedSSE(events, abandon, ping=self._settings.sse_ping_s, headers=headers)
         try:
             response = await json_response(kind, req, lines, record, headers, ctx.disconnected, len(upstreams),
-                                           lambda: self._end_json(upstreams, ctx))
+                                           lambda: self._end_json(upstreams, ctx), shape)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await abandon()
@@ -149,14 +156,14 @@ class Serving:
         self, kind: Kind, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext,
         upstreams: list[Upstream | None], lines: AsyncIterator[tuple[int, Line]],
         end: Callable[[str | SluiceError, bool], Awaitable[None]], abandon: Callable[[], Awaitable[None]],
-        headers: dict[str, str],
+        headers: dict[str, str], shape: ResponseShape | None,
     ) -> Response:
         """A resumable stream: the generation feeds the journal, independent of this client
         (a migration must not give up because the first reader left), and this client is
         its first reader. The plan lets another gateway continue it if this one dies."""
         assert ctx.idempotency_key is not None
         ctx.detach_from_client()
-        chunks = ChunkWriter(kind, req.model)
+        chunks = ChunkWriter("text" if kind == "text" else "chat", req.model)
         plan = Plan(
             kind=kind, body=ctx.body.decode(), internal_id=ctx.internal_id, request_id=ctx.request_id,
             chunk_id=chunks.id, created=chunks.created, priority=ctx.priority, tenant=ctx.tenant, cost=ctx.cost,
@@ -173,7 +180,7 @@ class Serving:
             raise
         first = writer.subscribe(self._readers.tail)
         tap = LineTap(lines)
-        events = sse_events(kind, req, tap.lines(), ctx.record, end, chunks)
+        events = sse_events(kind, req, tap.lines(), ctx.record, end, chunks, shape=shape)
         self._keep(await start_producer(writer, events, abandon, tap.take))
         return GuardedSSE(first.events(), first.close, ping=self._settings.sse_ping_s, headers=headers)
 
@@ -194,6 +201,11 @@ class Serving:
             await self._redis.delete(live_key(key))
             return found is not None
         plan, state = found
+        if plan.kind == "responses":
+            # Its typed events (item ids, sequence numbers) live only in the dead gateway:
+            # a Responses stream is journaled and re-attachable, but not continued elsewhere.
+            await self._redis.delete(live_key(key))
+            return False
         model = ChatCompletionRequest if plan.kind == "chat" else CompletionRequest
         req = model.model_validate_json(plan.body)
         kind: Kind = "chat" if plan.kind == "chat" else "text"
@@ -219,7 +231,7 @@ class Serving:
         async def abandon() -> None:
             await end(ClientGone("the take-over ended before it began"), False)
 
-        chunks = ChunkWriter(kind, req.model, id=plan.chunk_id, created=plan.created)
+        chunks = ChunkWriter("chat" if kind == "chat" else "text", req.model, id=plan.chunk_id, created=plan.created)
         events = sse_events(kind, req, tap.lines(), record, end, chunks, state.offsets)
         writer.continue_after(state.last)
         self._keep(await start_producer(writer, events, abandon, tap.take))

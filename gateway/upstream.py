@@ -13,6 +13,7 @@ been relayed, the client has seen output and a failure is reported in-band.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -38,6 +39,7 @@ from sluice.errors import (
     UpstreamFailed,
     from_body,
 )
+from sluice.http1 import Http1Pool, Http1Response
 from sluice.telemetry import inject
 
 log = logging.getLogger("sluice.gateway")
@@ -74,8 +76,8 @@ class Upstream:
     """One open stream from a worker, holding its lease until closed."""
 
     def __init__(
-        self, admission: Admission, lease: Lease, response: httpx.Response, span: Span | None = None,
-        route: RouteFacts | None = None,
+        self, admission: Admission, lease: Lease, response: Http1Response | httpx.Response,
+        span: Span | None = None, route: RouteFacts | None = None,
     ) -> None:
         self.lease = lease
         self._route = route
@@ -86,6 +88,9 @@ class Upstream:
         self._buffer = b""
         self._pending: list[bytes] = []
         self._closed = False
+        #: The finishing line arrived: the body's end follows at once, and reading it lets
+        #: the connection be reused for the next request instead of closed.
+        self._finished = False
         self.first: Line | None = None
 
     async def _read_line(self, timeout_s: float) -> Line | None:
@@ -117,6 +122,7 @@ class Upstream:
                 self._check_route(line["usage"])
             yield line
             if line.get("finish_reason") is not None:
+                self._finished = True
                 return
             left = deadline - time.monotonic()
             try:
@@ -146,6 +152,11 @@ class Upstream:
             return
         self._closed = True
         try:
+            if self._finished:
+                with contextlib.suppress(TimeoutError, httpx.HTTPError):
+                    async with asyncio.timeout(0.05):
+                        async for _ in self._raw:
+                            pass
             await self._response.aclose()
         finally:
             if self._span is not None:
@@ -164,13 +175,14 @@ def _error_line(line: Line) -> SluiceError:
 
 class Dispatcher:
     def __init__(
-        self, settings: GatewaySettings, admission: Admission, http: httpx.AsyncClient,
+        self, settings: GatewaySettings, admission: Admission, http: httpx.AsyncClient, workers: Http1Pool,
         corrections: IndexCorrections,
     ) -> None:
         self._settings = settings
         self._corrections = corrections
         self._admission = admission
         self._http = http
+        self._workers = workers
         self._auth = {"authorization": f"Bearer {settings.internal_token}"} if settings.internal_token else {}
 
     async def release(self, lease: Lease) -> None:
@@ -278,14 +290,11 @@ class Dispatcher:
     ) -> Upstream:
         s = self._settings
         ttft_s = max(0.0, min(s.ttft_timeout_s, deadline - time.monotonic()))
-        request = self._http.build_request(
-            "POST", lease.url + "/internal/generate", content=body,
-            headers={"content-type": "application/json", **self._auth, **inject(trace.set_span_in_context(span))},
-        )
+        headers = {"content-type": "application/json", **self._auth, **inject(trace.set_span_in_context(span))}
         upstream: Upstream | None = None
         try:
             async with asyncio.timeout(ttft_s):
-                response = await self._http.send(request, stream=True)
+                response = await self._send(lease.url, body, headers)
                 upstream = Upstream(self._admission, lease, response, span, route)
                 if response.status_code != 200:
                     detail = await response.aread()
@@ -314,6 +323,15 @@ class Dispatcher:
         except BaseException:
             await _close(upstream, lease, self._admission, span)
             raise
+
+
+    async def _send(self, url: str, body: bytes, headers: dict[str, str]) -> Http1Response | httpx.Response:
+        """Plain-HTTP workers through the lean HTTP/1.1 client (sluice/http1.py); a worker behind TLS
+        through httpx."""
+        if url.startswith("http://"):
+            return await self._workers.post(url, "/internal/generate", body, headers)
+        request = self._http.build_request("POST", url + "/internal/generate", content=body, headers=headers)
+        return await self._http.send(request, stream=True)
 
 
 async def _close(upstream: Upstream | None, lease: Lease, admission: Admission, span: Span) -> None:

@@ -5,13 +5,17 @@
 Besides the request itself, every stream reports two extra locust events:
 ``ttft`` (time to first token, ms) and ``tokens`` (completion tokens, as the
 "response time" column, so its average is tokens per request).
-Environment: SLUICE_LOAD_MODEL (default sim), SLUICE_LOAD_MAX_TOKENS (default 64).
+Environment: SLUICE_LOAD_MODEL (default sim), SLUICE_LOAD_MAX_TOKENS (default 64),
+SLUICE_LOAD_TOOL_SHARE (default 0: the share of requests that force a tool call,
+``tool_choice: "required"``, reported as "chat tools stream"; the simulator answers
+them with a schema-valid call).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import time
 
 from locust import between, task
@@ -19,6 +23,10 @@ from locust.contrib.fasthttp import FastHttpUser
 
 MODEL = os.environ.get("SLUICE_LOAD_MODEL", "sim")
 MAX_TOKENS = int(os.environ.get("SLUICE_LOAD_MAX_TOKENS", "64"))
+TOOL_SHARE = float(os.environ.get("SLUICE_LOAD_TOOL_SHARE", "0"))
+TOOLS = [{"type": "function", "function": {"name": "lookup_river", "parameters": {
+    "type": "object", "properties": {"river": {"type": "string"}, "year": {"type": "integer"}},
+    "required": ["river", "year"]}}}]
 
 
 class StreamingChatUser(FastHttpUser):
@@ -33,11 +41,15 @@ class StreamingChatUser(FastHttpUser):
             "max_tokens": MAX_TOKENS,
             "messages": [{"role": "user", "content": f"Write about rivers #{time.monotonic_ns() % 997}"}],
         }
+        name = "chat stream"
+        if TOOL_SHARE and random.random() < TOOL_SHARE:
+            body.update(tools=TOOLS, tool_choice="required")
+            name = "chat tools stream"
         started = time.perf_counter()
         first_token_ms: float | None = None
         tokens = 0
         with self.client.post(
-            "/v1/chat/completions", json=body, stream=True, catch_response=True, name="chat stream"
+            "/v1/chat/completions", json=body, stream=True, catch_response=True, name=name
         ) as resp:
             if resp.status_code != 200:
                 resp.failure(f"status {resp.status_code}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from engine_worker.protocol import GenerateRequest
@@ -9,11 +10,51 @@ from sluice.errors import InvalidRequest
 from sluice.prefix import text_content
 
 
-def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-    return [
-        {"role": str(m.get("role", "user")), "content": text_content(m.get("content"))}
-        for m in messages
-    ]
+def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages for a chat template: content as text, every other field intact
+    (an assistant's ``tool_calls``, a tool answer's ``tool_call_id``, ``name``), with
+    tool-call arguments parsed, as Hugging Face templates expect them."""
+    rendered = []
+    for m in messages:
+        message = {**m, "role": str(m.get("role", "user")), "content": text_content(m.get("content"))}
+        if m.get("tool_calls"):
+            message["tool_calls"] = [_template_call(call) for call in m["tool_calls"]]
+        rendered.append(message)
+    return rendered
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = dict(call.get("function") or {})
+    try:
+        function["arguments"] = json.loads(function.get("arguments") or "{}")
+    except json.JSONDecodeError:
+        pass  # a template gets the string as sent
+    return {**call, "function": function}
+
+
+def template_messages(tokenizer: Any, request: GenerateRequest) -> list[dict[str, Any]]:
+    """:func:`chat_messages`, plus what a template that knows no tools would drop.
+
+    A template that never mentions ``tools`` / ``tool_calls`` (SmolLM2's, say) would
+    show the model neither the functions it may call nor the calls it made earlier;
+    those are then written into the conversation as text, so nothing is lost silently.
+    """
+    messages = chat_messages(request.messages or [])
+    source = str(getattr(tokenizer, "chat_template", None) or "")
+    if request.tools and request.tool_mode != "none" and "tools" not in source:
+        listing = json.dumps([t.get("function") for t in request.tools], ensure_ascii=False)
+        note = f"You can call these functions (JSON schemas): {listing}"
+        if messages and messages[0]["role"] in ("system", "developer"):
+            messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{note}".strip()}
+        else:
+            messages.insert(0, {"role": "system", "content": note})
+    if "tool_calls" not in source:
+        for message in messages:
+            calls = message.pop("tool_calls", None)
+            if calls:
+                written = json.dumps([c.get("function") for c in calls], ensure_ascii=False)
+                message["content"] = f"{message['content']}\n{written}".strip()
+    return messages
 
 
 def as_token_ids(encoded: Any) -> list[int]:
@@ -37,14 +78,45 @@ def prompt_token_ids(tokenizer: Any, request: GenerateRequest) -> list[int]:
         if request.messages is not None:
             return as_token_ids(
                 tokenizer.apply_chat_template(
-                    chat_messages(request.messages), add_generation_prompt=True, tokenize=True
+                    template_messages(tokenizer, request), tools=request.tools,
+                    add_generation_prompt=True, tokenize=True,
                 )
             )
+        if request.prompt_token_ids is not None:
+            return checked_ids(request.prompt_token_ids, len(tokenizer))
         return as_token_ids(tokenizer.encode(request.prompt or ""))
     except TemplateError as exc:
         raise InvalidRequest(f"the model's chat template refused these messages: {exc}", param=param) from None
     except (ValueError, TypeError) as exc:
         raise InvalidRequest(f"the tokenizer refused this input: {exc}", param=param) from None
+
+
+def checked_ids(ids: list[int], vocab_size: int) -> list[int]:
+    """Token-id prompts are the client's ids: each must name a token of this model."""
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"prompt: token id {bad} is outside this model's vocabulary (0..{vocab_size - 1})",
+                             param="prompt")
+    return list(ids)
+
+
+def checked_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """``logit_bias`` with int keys, each a token of this model."""
+    if not bias:
+        return None
+    out = {int(k): float(v) for k, v in bias.items()}
+    bad = next((i for i in out if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"logit_bias: token id {bad} is outside this model's vocabulary "
+                             f"(0..{vocab_size - 1})", param="logit_bias")
+    return out
+
+
+def echo_text(tokenizer: Any, request: GenerateRequest, prompt_ids: list[int]) -> str | None:
+    """The prompt as text, for ``echo``; only on a fresh (not resumed) generation."""
+    if not request.echo or request.resume_token_ids:
+        return None
+    return request.prompt if request.prompt is not None else str(tokenizer.decode(prompt_ids))
 
 
 def completion_budget(request: GenerateRequest, prompt_len: int, context_len: int) -> int:

@@ -16,6 +16,12 @@ Prefix cache: a prompt's words are its tokens, in blocks of 64 named by
 (``cache_blocks`` of them at most) are ``cached_tokens`` and skip prefill. A prefilled
 prompt's blocks are stored, and every store and eviction is a KV event
 (:meth:`SimEngine.take_kv_events`) that the worker reports to the gateways' index.
+
+Structured output (``response_format`` JSON, a forced tool call) is one schema-valid
+JSON value streamed a few characters per token (engines/sim_structured.py), turned
+into tool calls as a real engine's would be; ``tool_choice: "auto"`` is answered in
+text (the simulator has no tool-call syntax). Token-id prompts use the simulator's
+vocabulary (``VOCAB``); ``echo`` sends the prompt back first.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ from dataclasses import dataclass, field
 
 from engine_worker.engines.base import EngineStats
 from engine_worker.engines.prefix_cache import PrefixCache
+from engine_worker.engines.prompts import checked_bias, checked_ids
+from engine_worker.engines.sim_structured import structured_pieces
+from engine_worker.engines.tool_calls import ForcedCalls, decoding_constraint
 from engine_worker.protocol import Delta, GenerateRequest, KVEvent, Usage
 from sluice.prefix import BLOCK_TOKENS, block_hashes_of_words, chat_text
 
@@ -47,6 +56,9 @@ def render_chat(messages: list[dict[str, object]]) -> str:
 def prompt_text(request: GenerateRequest) -> str:
     if request.messages is not None:
         return render_chat(request.messages)
+    if request.prompt_token_ids is not None:
+        # The simulator's vocabulary is VOCAB: ids outside it are refused as a model would.
+        return "".join(SimSequence.text(i) for i in checked_ids(request.prompt_token_ids, len(VOCAB)))
     return request.prompt or ""
 
 
@@ -87,6 +99,12 @@ class _Seq:
     limit: int
     end_reason: str
     blocks: list[str] = field(default_factory=list)
+    #: Structured output: the JSON text's pieces, one per simulated token.
+    pieces: list[str] | None = None
+    #: A forced tool call turns the JSON into tool-call deltas (no "auto": the simulator
+    #: has no tool-call syntax of its own, so with "auto" it answers in text).
+    tools: ForcedCalls | None = None
+    echo: str | None = None
     queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
     ready_at: float = 0.0
     cached_tokens: int = 0
@@ -154,6 +172,7 @@ class SimEngine:
             self._fail_left -= 1
             raise RuntimeError("simulated engine failure before the first token")
         prompt = prompt_text(request)
+        checked_bias(request.logit_bias, len(VOCAB))  # the simulator samples nothing, but checks as vLLM does
         tokens = SimSequence(prompt, request.seed)
         resumed = len(request.resume_token_ids)
         # The simulated end-of-sequence, unless ignored; never before min_tokens.
@@ -161,6 +180,10 @@ class SimEngine:
         if request.ignore_eos and request.max_tokens is not None:
             end = resumed + request.max_tokens
         end = max(end, resumed + request.min_tokens)
+        constraint = decoding_constraint(request)
+        pieces = None if constraint is None else structured_pieces(constraint, f"{request.seed or 0}:{prompt}")
+        if pieces is not None:
+            end = len(pieces)  # the grammar ends the output: EOS once the JSON is complete
         limit, end_reason = end, "stop"
         if request.max_tokens is not None and resumed + request.max_tokens <= end:
             limit, end_reason = resumed + request.max_tokens, "length"
@@ -173,6 +196,9 @@ class SimEngine:
             next_index=resumed,
             limit=limit,
             end_reason=end_reason,
+            pieces=pieces,
+            tools=None if request.tool_mode in (None, "none", "auto") else ForcedCalls(request.tool_mode),
+            echo=prompt if request.echo and not resumed else None,
         )
         self._waiting.append(seq)
         self._wake.set()
@@ -253,7 +279,7 @@ class SimEngine:
         token_id = seq.tokens.token(seq.next_index)
         seq.next_index += 1
         seq.generated += 1
-        piece = SimSequence.text(token_id)
+        piece = SimSequence.text(token_id) if seq.pieces is None else seq.pieces[seq.next_index - 1]
         finish: str | None = None
         before = len(seq.text)
         seq.text += piece
@@ -273,4 +299,8 @@ class SimEngine:
         lps = None
         if seq.request.logprobs is not None:
             lps = [sim_logprobs(token_id, seq.request.logprobs)]
-        seq.queue.put_nowait(Delta([token_id], piece, finish, usage, lps))
+        calls = None
+        if seq.tools is not None:
+            piece, calls, finish = seq.tools.step(piece, [token_id], finish)
+        seq.queue.put_nowait(Delta([token_id], piece, finish, usage, lps, calls, seq.echo))
+        seq.echo = None

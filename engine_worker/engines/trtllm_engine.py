@@ -108,6 +108,14 @@ class TrtllmEngine:
 
         if request.logprobs is not None:
             raise InvalidRequest("logprobs are not supported by the trtllm engine yet", param="logprobs")
+        # Not wired to TensorRT-LLM's guided decoding / logits processors yet: refused, not dropped.
+        unsupported = {
+            "response_format": request.structured, "tools": request.tool_mode not in (None, "none") or None,
+            "logit_bias": request.logit_bias, "min_p": request.min_p, "echo": request.echo or None,
+        }
+        for name, value in unsupported.items():
+            if value is not None:
+                raise InvalidRequest(f"{name} is not supported by the trtllm engine yet", param=name)
         fields: dict[str, Any] = {
             # TensorRT-LLM's default is only 32 tokens: always set it.
             "max_tokens": completion_budget(request, prompt_len, self.max_seq_len),

@@ -20,14 +20,23 @@ from pathlib import Path
 from typing import Any
 
 from engine_worker.engines.base import EngineStats
-from engine_worker.engines.prompts import completion_budget, prompt_token_ids
+from engine_worker.engines.prompts import (
+    checked_bias,
+    completion_budget,
+    echo_text,
+    prompt_token_ids,
+)
 from engine_worker.engines.resume import ResumedText
+from engine_worker.engines.tool_calls import ForcedCalls, decoding_constraint
+from engine_worker.engines.vllm_tools import AutoToolCalls, check_parser
 from engine_worker.protocol import Delta, GenerateRequest, KVEvent, Usage
+from sluice.errors import InvalidRequest, UpstreamFailed
 
 log = logging.getLogger("sluice.worker.vllm")
 
-#: vLLM's finish reasons, as the gateway (and OpenAI) name them.
-FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+#: vLLM's finish reasons OpenAI also has. Any other ("abort": the engine dropped the
+#: request) is an engine failure, never a finish reason a client sees.
+FINISH_REASONS = {"stop": "stop", "length": "length"}
 
 
 class VllmEngine:
@@ -44,8 +53,12 @@ class VllmEngine:
         enforce_eager: bool | None = None,
         trtllm_kernels: bool = False,
         tensor_parallel_size: int = 1,
+        tool_call_parser: str | None = None,
         extra_args: dict[str, Any] | None = None,
     ) -> None:
+        if tool_call_parser is not None:
+            check_parser(tool_call_parser)
+        self._tool_call_parser = tool_call_parser
         self.model_dir = model_dir
         self.capacity = max_num_seqs
         self.max_model_len = max_model_len
@@ -81,6 +94,13 @@ class VllmEngine:
             # nonsense on our machines; float32 costs a 135M model little. Override with
             # SLUICE_WORKER_VLLM_ENGINE_ARGS='{"dtype": "bfloat16"}'.
             args["dtype"] = "float32"
+        # Grammars (response_format, forced tool calls) through llguidance: it takes the
+        # widest JSON Schema (xgrammar refuses, e.g., a pattern with a length; vLLM's "auto"
+        # falls back to guidance then) and runs on CPU. Compact JSON (the same values), and
+        # only the properties a schema declares (as OpenAI's strict mode and xgrammar do): a
+        # small model cannot spend its max_tokens on indentation or invented keys.
+        args["structured_outputs_config"] = {"backend": "guidance", "disable_any_whitespace": True,
+                                             "disable_additional_properties": True}
         if self._tensor_parallel_size > 1:
             args["tensor_parallel_size"] = self._tensor_parallel_size
         if self._trtllm_kernels:
@@ -100,6 +120,10 @@ class VllmEngine:
 
         args = self.engine_args()
         log.info("starting vLLM with %s", args)
+        if isinstance(args.get("structured_outputs_config"), dict):  # AsyncEngineArgs wants the object
+            from vllm.config import StructuredOutputsConfig
+
+            args["structured_outputs_config"] = StructuredOutputsConfig(**args["structured_outputs_config"])
         if self._trtllm_kernels:
             report_trtllm_kernels()
         # On a GPU, the API server's usage context: the defaults vLLM's own server picks for
@@ -143,8 +167,14 @@ class VllmEngine:
             "ignore_eos": request.ignore_eos,
             "min_tokens": request.min_tokens,
             "logprobs": request.logprobs,
+            "logit_bias": checked_bias(request.logit_bias, len(self._tokenizer)),
         }
-        for name in ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty",
+        constraint = decoding_constraint(request)
+        if constraint is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            fields["structured_outputs"] = StructuredOutputsParams(**constraint)
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(request, name)
             if value is not None:
@@ -165,14 +195,27 @@ class VllmEngine:
         (engine_input,) = renderer.render_cmpl([parsed], renderer.default_cmpl_tok_params)
         return engine_input
 
+    def _tool_calls(self, request: GenerateRequest) -> ForcedCalls | AutoToolCalls | None:
+        if request.tool_mode in (None, "none"):
+            return None
+        if request.tool_mode == "auto":
+            return AutoToolCalls(self._tool_call_parser, self._tokenizer, request)
+        return ForcedCalls(request.tool_mode)
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
 
         prompt = prompt_token_ids(self._tokenizer, request)
         resumed = list(request.resume_token_ids)
-        params = self.sampling_params(request, len(prompt) + len(resumed))
+        try:
+            params = self.sampling_params(request, len(prompt) + len(resumed))
+        except VLLMClientError as exc:
+            raise InvalidRequest(str(exc), param=_param_of(request, exc)) from None
         # A resumed generation's text and stop strings are ours (see engines/resume.py).
         text = ResumedText.start(self._tokenizer, request)
+        tools = self._tool_calls(request)
+        echo = echo_text(self._tokenizer, request, prompt)
         request_id = f"{request.request_id}-{uuid.uuid4().hex[:8]}"
         engine_done = False
         completion = 0
@@ -188,7 +231,11 @@ class VllmEngine:
                 choice = out.outputs[0]
                 engine_done = choice.finish_reason is not None
                 ids, piece = list(choice.token_ids), choice.text
-                finish = FINISH_REASONS.get(choice.finish_reason, choice.finish_reason) if engine_done else None
+                finish = None
+                if engine_done:
+                    finish = FINISH_REASONS.get(choice.finish_reason)
+                    if finish is None:
+                        raise UpstreamFailed(f"the engine ended this request ({choice.finish_reason})")
                 if text is not None:
                     ids, piece, stopped = text.step(ids, engine_done)
                     finish = "stop" if stopped else finish
@@ -204,14 +251,30 @@ class VllmEngine:
                 if request.logprobs is not None and choice.logprobs is not None:
                     label = None if text is None else text.token_label
                     lps = logprob_entries(ids, choice.logprobs, request.logprobs, label, completion - len(ids))
-                yield Delta(ids, piece, finish, usage, lps)
+                calls = None
+                if tools is not None:
+                    piece, calls, finish = tools.step(piece, ids, finish)
+                yield Delta(ids, piece, finish, usage, lps, calls, echo)
+                echo = None
                 if finish is not None:
                     return
+        except VLLMClientError as exc:  # the request's fault (a schema the grammar cannot take...)
+            raise InvalidRequest(str(exc), param=_param_of(request, exc)) from None
         finally:
             if not engine_done:
                 self.aborted += 1
                 await stream.aclose()
                 await self._engine.abort(request_id)
+
+
+def _param_of(request: GenerateRequest, exc: Exception) -> str | None:
+    """The request field a vLLM refusal is about: the one that built the grammar, if any."""
+    named = getattr(exc, "parameter", None)
+    if named:
+        return str(named)
+    if request.tool_mode not in (None, "none", "auto"):
+        return "tools"
+    return "response_format" if request.structured else None
 
 
 def _finite(logprob: float) -> float:

@@ -254,8 +254,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "shedding at 0.5x and 2x capacity (sim engine); flood: 10k streams over three "
                         "gateways, a gateway kill, a Redis Cluster, fairness between tenants (sim engine); "
                         "resilience: journal cost, worker SIGKILLs under load, a gateway SIGKILL under "
-                        "resumable streams (sim engine); prefix: cache-aware vs least-loaded vs round-robin "
-                        "routing on shared-prefix workloads (sim engine)")
+                        "resumable streams (sim engine); prefix: cache-aware vs least-loaded vs "
+                        "round-robin routing on shared-prefix workloads (sim engine)")
     p.add_argument("--duration-s", type=float, default=20.0, help="priority: seconds per phase")
     p.add_argument("--queue-timeout-s", type=float, default=2.0, help="priority: gateway queue timeout")
     p.add_argument("--sim-max-seqs", type=int, default=8, help="priority: sim worker slots")

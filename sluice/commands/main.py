@@ -62,7 +62,8 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_redis(gw)
 
     wk = sub.add_parser("worker", help="run one engine worker process")
-    wk.add_argument("--engine", choices=["sim", "vllm", "trtllm"], help="engine (default sim)")
+    wk.add_argument("--engine", choices=["sim", "vllm", "trtllm", "openai"],
+                    help="engine (default sim); openai: front an OpenAI-compatible server (--upstream-url)")
     wk.add_argument("--host", help="bind address (default 127.0.0.1)")
     wk.add_argument("--port", type=int, help="port (default 8100)")
     wk.add_argument("--advertise-url", help="URL gateways use to reach this worker")
@@ -94,6 +95,17 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="vllm: no graph compilation (default: eager on CPU, compiled on GPU)")
     wk.add_argument("--vllm-trtllm-kernels", action="store_true", default=None,
                     help="vllm on NVIDIA GPUs: FlashInfer TensorRT-LLM kernels (untested here)")
+    wk.add_argument("--tool-call-parser",
+                    help="vllm: vLLM tool-call parser for tool_choice 'auto' (e.g. hermes, llama3_json); "
+                         "without one, 'auto' with tools is a 400")
+    wk.add_argument("--upstream-url", help="openai: the server to front, e.g. http://127.0.0.1:8001 "
+                    "(vllm serve, trtllm-serve, SGLang, TGI)")
+    wk.add_argument("--upstream-model", help="openai: the server's model name (default: the first it lists)")
+    wk.add_argument("--upstream-capacity", type=int, help="openai: streams sent to the server at once (default 64)")
+    wk.add_argument("--upstream-token-ids", choices=["auto", "on", "off"],
+                    help="openai: the server returns token ids and takes token prompts, for token-exact "
+                    "migration (default auto: yes for vLLM)")
+    wk.add_argument("--upstream-poll-ms", type=int, help="openai: /health and /metrics period (default 1000)")
     _add_redis(wk)
 
     model = sub.add_parser("model", help="prepare model folders")
@@ -150,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
                 "sim_token_ms", "sim_max_seqs", "sim_fail_first", "sim_crash_on", "sim_prefill_ms_per_token",
                 "sim_prefill_chunk", "sim_cache_blocks", "redis_url", "vllm_max_model_len",
                 "vllm_max_num_seqs", "vllm_kv_cache_gib", "vllm_tensor_parallel_size", "vllm_enforce_eager",
-                "vllm_trtllm_kernels",
+                "vllm_trtllm_kernels", "tool_call_parser", "upstream_url", "upstream_model", "upstream_capacity",
+                "upstream_token_ids", "upstream_poll_ms",
             )
             from sluice.models import ModelError
             from sluice.settings import is_loopback

@@ -1,0 +1,278 @@
+"""Sluice beside its peers, one run on one machine: the same load generator against an
+OpenAI-compatible mock engine read directly, and through vllm-router, LiteLLM's proxy and
+Sluice (fronting the mock with ``--engine openai``, and fronting its own simulator with
+the same timing).
+
+    loadtest/peers/setup.sh                      # the peers' venvs, once
+    flock /tmp/sluice-heavy.lock .venv/bin/python loadtest/peers/bench_peers.py
+
+Prints one table and writes ``loadtest/peers/peers.json`` and ``peers.png``. Every path
+runs at each concurrency in turn (16, 64, then past the point where direct stops scaling),
+with a warm-up before each measured window. Ports: ``--base-port`` and the next nine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import orjson
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path.insert(0, str(ROOT))
+
+from loadtest.peers.load import Window, percentile, run
+
+VENVS = Path(os.environ.get("VENVS", "/work/venvs"))
+
+
+@dataclass
+class Path_:
+    name: str
+    url: str
+    model: str
+
+
+class Procs:
+    """Child processes, each in its own process group, all stopped at the end."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the child
+        self.started.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                             env={**os.environ, **(env or {})}, start_new_session=True))
+
+    def stop(self) -> None:
+        for proc in reversed(self.started):
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for proc in self.started:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def wait_ready(url: str, timeout_s: float = 120, json_body: dict[str, object] | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if json_body is None:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return
+            elif httpx.post(url, json=json_body, timeout=10).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"{url} not ready after {timeout_s}s")
+
+
+def start_vllm(procs: Procs, base: int, redis_url: str) -> list[Path_]:
+    """vLLM's own server (CPU, the default model) read directly and through Sluice."""
+    from sluice.models import default_model_dir
+
+    py = sys.executable
+    name = default_model_dir().name
+    procs.start("vllm-serve", [py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(default_model_dir()),
+                               "--served-model-name", name, "--port", str(base), "--dtype", "float32",
+                               "--max-model-len", "2048", "--max-num-seqs", "16", "--enforce-eager",
+                               "--block-size", "32", "--kv-cache-memory-bytes", str(512 * 2**20),
+                               "--scheduling-policy", "priority", "--generation-config", "vllm"],
+                env={"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
+    server = f"http://127.0.0.1:{base}"
+    wait_ready(server + "/health", 600)
+    return [Path_("direct", server, name)] + start_sluice(procs, base, redis_url, server, name, sim=None)
+
+
+def start_sluice(procs: Procs, base: int, redis_url: str, upstream: str, model: str,
+                 sim: tuple[float, float] | None) -> list[Path_]:
+    """A gateway, an openai worker fronting ``upstream``, and a sim worker when ``sim``
+    gives its (ttft_ms, token_ms)."""
+    py = sys.executable
+    env = {"PYTHONPATH": str(ROOT), "SLUICE_LOG_FORMAT": "json"}
+    procs.start("sluice-worker-openai", [py, "-m", "sluice", "--log-level", "WARNING", "worker", "--engine", "openai",
+                                         "--upstream-url", upstream, "--served-model-name", model, "--port",
+                                         str(base + 3), "--redis-url", redis_url, "--upstream-capacity", "256"],
+                env=env)
+    if sim is not None:
+        procs.start("sluice-worker-sim", [py, "-m", "sluice", "--log-level", "WARNING", "worker", "--engine", "sim",
+                                          "--served-model-name", "sim", "--port", str(base + 4), "--redis-url",
+                                          redis_url, "--sim-ttft-ms", str(sim[0]), "--sim-token-ms", str(sim[1]),
+                                          "--sim-max-seqs", "256"], env=env)
+    procs.start("sluice-gateway", [py, "-m", "sluice", "--log-level", "WARNING", "gateway", "--port", str(base + 5),
+                                   "--redis-url", redis_url, "--procs", "1"], env=env)
+    gateway = f"http://127.0.0.1:{base + 5}"
+    paths = [Path_("sluice (openai worker)", gateway, model)]
+    if sim is not None:
+        paths.append(Path_("sluice (sim worker)", gateway, "sim"))
+    probe = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+    for p in paths:
+        wait_ready(p.url + "/v1/chat/completions", 180, {**probe, "model": p.model})
+    return paths
+
+
+def start_all(procs: Procs, base: int, ttft_ms: float, token_ms: float, redis_url: str) -> list[Path_]:
+    py = sys.executable
+    mock_port = base
+    procs.start("mock", [py, str(HERE / "mock_openai.py"), "--port", str(mock_port), "--vllm", "--no-eos",
+                         "--ttft-ms", str(ttft_ms), "--token-ms", str(token_ms)])
+    mock = f"http://127.0.0.1:{mock_port}"
+    wait_ready(mock + "/health")
+    paths = [Path_("direct", mock, "mock")]
+
+    router = VENVS / "vllm-router" / "bin" / "vllm-router"
+    procs.start("vllm-router", [str(router), "--host", "127.0.0.1", "--port", str(base + 1), "--worker-urls", mock,
+                                "--policy", "round_robin", "--log-level", "warning"])
+    paths.append(Path_("vllm-router", f"http://127.0.0.1:{base + 1}", "mock"))
+
+    config = procs.logs / "litellm.yaml"
+    config.write_text(
+        "model_list:\n  - model_name: mock\n    litellm_params:\n      model: openai/mock\n"
+        f"      api_base: {mock}/v1\n      api_key: unused\n"
+        "litellm_settings:\n  drop_params: false\n"
+    )
+    procs.start("litellm", [str(VENVS / "litellm" / "bin" / "litellm"), "--config", str(config), "--host",
+                            "127.0.0.1", "--port", str(base + 2), "--num_workers", "1", "--telemetry", "False"],
+                env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"})
+    paths.append(Path_("litellm", f"http://127.0.0.1:{base + 2}", "mock"))
+
+    paths += start_sluice(procs, base, redis_url, mock, "mock", sim=(ttft_ms, token_ms))
+    probe = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+    for p in paths[:3]:
+        wait_ready(p.url + "/v1/chat/completions", 180, {**probe, "model": p.model})
+    return paths
+
+
+def summarize(win: Window, measure_s: float) -> dict[str, object]:
+    return {
+        "chunks_per_s": win.chunks / measure_s,
+        "ttft_p50_ms": None if not win.ttfts else 1000 * (percentile(win.ttfts, 0.5) or 0),
+        "ttft_p99_ms": None if not win.ttfts else 1000 * (percentile(win.ttfts, 0.99) or 0),
+        "requests": win.requests,
+        "errors": win.errors,
+        "error_kinds": win.error_kinds,
+    }
+
+
+def table(results: dict[str, dict[str, dict[str, object]]], levels: list[int]) -> str:
+    lines = ["| path | streams | chunks/s | × direct | TTFT p50 ms | +p50 over direct | TTFT p99 ms | errors |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for level in levels:
+        direct = results["direct"][str(level)]
+        for name, by_level in results.items():
+            r = by_level[str(level)]
+            ratio = r["chunks_per_s"] / direct["chunks_per_s"] if direct["chunks_per_s"] else 0
+            added = (None if r["ttft_p50_ms"] is None or direct["ttft_p50_ms"] is None
+                     else r["ttft_p50_ms"] - direct["ttft_p50_ms"])
+            fmt = lambda v: "-" if v is None else f"{v:,.1f}"
+            lines.append(f"| {name} | {level} | {r['chunks_per_s']:,.0f} | {ratio:.2f} | {fmt(r['ttft_p50_ms'])} | "
+                         f"{'-' if added is None else f'{added:+.1f}'} | {fmt(r['ttft_p99_ms'])} | {r['errors']} |")
+    return "\n".join(lines)
+
+
+def draw(results: dict[str, dict[str, dict[str, object]]], levels: list[int], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_tp, ax_ttft) = plt.subplots(1, 2, figsize=(14, 5))
+    names = list(results)
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        xs = [j + i * width for j in range(len(levels))]
+        tp = [results[name][str(lv)]["chunks_per_s"] for lv in levels]
+        ax_tp.bar(xs, tp, width, label=name)
+        p50 = [results[name][str(lv)]["ttft_p50_ms"] or 0 for lv in levels]
+        p99 = [results[name][str(lv)]["ttft_p99_ms"] or 0 for lv in levels]
+        ax_ttft.bar(xs, p50, width, label=f"{name} p50")
+        ax_ttft.scatter(xs, p99, marker="_", s=200, color="black")
+    for ax in (ax_tp, ax_ttft):
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(levels))], [f"{lv} streams" for lv in levels])
+    ax_tp.set(title="streamed chunks/s (higher is better)", ylabel="chunks/s")
+    ax_ttft.set(title="TTFT p50 (bars) and p99 (black marks)", ylabel="ms", yscale="log")
+    ax_tp.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+async def measure(paths: list[Path_], levels: list[int], warmup_s: float, measure_s: float,
+                  max_tokens: int) -> dict[str, dict[str, dict[str, object]]]:
+    results: dict[str, dict[str, dict[str, object]]] = {p.name: {} for p in paths}
+    for level in levels:
+        for p in paths:
+            win = await run(p.url, p.model, level, warmup_s, measure_s, max_tokens)
+            results[p.name][str(level)] = summarize(win, measure_s)
+            r = results[p.name][str(level)]
+            print(f"  {p.name:24s} {level:4d} streams: {r['chunks_per_s']:8,.0f} chunks/s  TTFT p50 "
+                  f"{r['ttft_p50_ms'] or 0:7.1f} ms  p99 {r['ttft_p99_ms'] or 0:7.1f} ms  errors {r['errors']}",
+                  flush=True)
+            await asyncio.sleep(1)  # let the last streams drain
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Sluice vs vllm-router vs LiteLLM in front of one mock engine")
+    parser.add_argument("--levels", default="16,64,128", help="concurrent streams, comma-separated")
+    parser.add_argument("--warmup-s", type=float, default=2.0)
+    parser.add_argument("--measure-s", type=float, default=10.0)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--ttft-ms", type=float, default=20.0)
+    parser.add_argument("--token-ms", type=float, default=5.0)
+    parser.add_argument("--base-port", type=int, default=18520)
+    parser.add_argument("--only", help="comma-separated path names to run (default: all)")
+    parser.add_argument("--server", choices=["mock", "vllm"], default="mock",
+                        help="the engine server: the mock (all peers), or vLLM's own server on CPU with the "
+                        "default model (direct and Sluice only)")
+    parser.add_argument("--out", default=str(HERE / "peers"), help="output prefix (.json, .png)")
+    args = parser.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+
+    from sluice.embedded_redis import EmbeddedRedis
+
+    logs = Path(tempfile.mkdtemp(prefix="sluice-peers-"))
+    procs = Procs(logs)
+    try:
+        with EmbeddedRedis() as redis:
+            if args.server == "vllm":
+                paths = start_vllm(procs, args.base_port, redis.url)
+            else:
+                paths = start_all(procs, args.base_port, args.ttft_ms, args.token_ms, redis.url)
+            if args.only:
+                keep = set(args.only.split(","))
+                paths = [p for p in paths if p.name in keep or p.name == "direct"]
+            print(f"logs in {logs}; {len(paths)} paths x {levels} streams, {args.measure_s:g} s each", flush=True)
+            results = asyncio.run(measure(paths, levels, args.warmup_s, args.measure_s, args.max_tokens))
+    finally:
+        procs.stop()
+    print(table(results, levels))
+    meta = {"server": args.server, "levels": levels, "max_tokens": args.max_tokens, "ttft_ms": args.ttft_ms,
+            "token_ms": args.token_ms, "measure_s": args.measure_s, "cpus": os.cpu_count(), "at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    out = Path(args.out)
+    out.with_suffix(".json").write_bytes(orjson.dumps({"meta": meta, "results": results}, option=orjson.OPT_INDENT_2))
+    engine = ("vLLM's own server on CPU (SmolLM2-135M, float32)" if args.server == "vllm" else
+              f"one mock engine (first token {args.ttft_ms:g} ms, {args.token_ms:g} ms/token)")
+    draw(results, levels, out.with_suffix(".png"),
+         f"{engine}, {args.max_tokens} tokens per stream, {os.cpu_count()} cores, {meta['at']}")
+
+
+if __name__ == "__main__":
+    main()

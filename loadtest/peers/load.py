@@ -1,0 +1,133 @@
+"""A closed-loop streaming load generator on a minimal HTTP/1.1 client (asyncio streams,
+chunked decoding by hand), so that 10k+ chunks/s cost the generator little and every path
+is read the same way.
+
+Each of ``streams`` loops: POST ``/v1/chat/completions`` with ``stream: true``, read
+every SSE event, count the chunks that carry content, note the time to the first one,
+repeat until the window closes. Chunks are counted when they arrive inside the measured
+window; TTFT and errors belong to requests that started inside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import orjson
+
+
+@dataclass(slots=True)
+class Window:
+    start: float
+    end: float
+    chunks: int = 0
+    ttfts: list[float] = field(default_factory=list)
+    requests: int = 0
+    errors: int = 0
+    error_kinds: dict[str, int] = field(default_factory=dict)
+
+    def error(self, kind: str) -> None:
+        self.errors += 1
+        self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
+
+
+async def _read_chunked(reader: asyncio.StreamReader) -> bytes | None:
+    """One chunk of a chunked body; None at its end."""
+    size_line = await reader.readuntil(b"\r\n")
+    size = int(size_line.split(b";", 1)[0], 16)
+    if size == 0:
+        await reader.readuntil(b"\r\n")
+        return None
+    data = await reader.readexactly(size + 2)
+    return data[:-2]
+
+
+async def _one(host: str, port: int, path: str, body: bytes, headers: bytes, win: Window) -> None:
+    sent = time.monotonic()
+    counted = sent >= win.start
+    first: float | None = None
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+    except OSError:
+        win.error("connect")
+        return
+    try:
+        writer.write(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + host.encode() + b"\r\n" + headers
+                     + b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+                     + b"\r\nConnection: close\r\n\r\n" + body)
+        head = await reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        if status != 200:
+            if counted:
+                win.error(f"http {status}")
+            return
+        lowered = head.lower()
+        chunked = b"transfer-encoding: chunked" in lowered
+        buffer = b""
+        done = False
+        while True:
+            data = await (_read_chunked(reader) if chunked else reader.read(65536))
+            if not data:
+                break
+            buffer += data
+            *events, buffer = buffer.split(b"\n\n")
+            now = time.monotonic()
+            for event in events:
+                event = event.strip()
+                if not event.startswith(b"data:"):
+                    continue
+                payload = event[5:].strip()
+                if payload == b"[DONE]":
+                    done = True
+                    continue
+                obj = orjson.loads(payload)
+                if "error" in obj:
+                    if counted:
+                        win.error("in-band")
+                    continue
+                choices = obj.get("choices") or ()
+                if choices and (choices[0].get("delta") or {}).get("content"):
+                    if first is None:
+                        first = now
+                    if win.start <= now <= win.end:
+                        win.chunks += 1
+        if counted and sent <= win.end:
+            win.requests += 1
+            if not done:
+                win.error("no [DONE]")
+            elif first is not None:
+                win.ttfts.append(first - sent)
+    except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+        if counted:
+            win.error(type(exc).__name__)
+    finally:
+        writer.close()
+
+
+async def run(url: str, model: str, streams: int, warmup_s: float, measure_s: float, max_tokens: int,
+              api_key: str | None = None) -> Window:
+    """``streams`` closed loops against ``url`` for warmup + measure seconds."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    path = (parts.path.rstrip("/") or "") + "/v1/chat/completions"
+    body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "Tell me a long story."}],
+                         "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True})
+    headers = f"Authorization: Bearer {api_key}\r\n".encode() if api_key else b""
+    now = time.monotonic()
+    win = Window(start=now + warmup_s, end=now + warmup_s + measure_s)
+
+    async def loop() -> None:
+        while time.monotonic() < win.end:
+            await _one(host, port, path, body, headers, win)
+
+    await asyncio.gather(*(loop() for _ in range(streams)))
+    return win
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

@@ -1,0 +1,249 @@
+"""An OpenAI-compatible mock engine with a fixed timing model, for the peers benchmark and
+the ``--engine openai`` tests.
+
+    python loadtest/peers/mock_openai.py --port 18501 [--ttft-ms 20 --token-ms 5] [--vllm]
+
+Timing: the first token ``ttft_ms`` after the request arrives, then one token every
+``token_ms``, for every stream at once (one ticker serves them all, so 64 streams cost
+what one batched engine step would). Tokens are words; token ``k+1`` is a hash of the
+seed and the two tokens before it, so a stream continued from prompt + the tokens it
+already gave goes on exactly as it would have (what token-exact migration needs), and
+a token whose hash falls in 1/64 of the range ends the sequence (unless ``ignore_eos``).
+
+``--vllm`` makes it look like vLLM where Sluice looks: ``/version``, ``/metrics`` with
+vLLM's names, ``return_token_ids``, token-id prompts, ``/tokenize`` and ``/detokenize``.
+``GET /mock/requests`` lists the request bodies received (tests read what was passed on);
+a body whose prompt contains ``MOCK_FAIL_MIDWAY`` breaks its stream after 3 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+_SYLLABLES = [c + v for c in "bcdfghjklmnprstvwxz" for v in "aeiou"]
+VOCAB = [_SYLLABLES[i % 95] + _SYLLABLES[(i // 95 * 7 + i) % 95] for i in range(1024)]
+_WORD_ID = {w: i for i, w in enumerate(VOCAB)}
+MODEL = "mock"
+
+
+def _hash(*parts: object) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=4).digest(), "little")
+
+
+def tokenize(text: str) -> list[int]:
+    return [_WORD_ID.get(w, _hash(w) % len(VOCAB)) for w in text.split()]
+
+
+def detokenize(ids: list[int]) -> str:
+    return "".join(" " + VOCAB[i % len(VOCAB)] for i in ids)
+
+
+def chat_template(messages: list[dict[str, Any]]) -> str:
+    return "".join(f"<|{m.get('role')}|> {m.get('content')} " for m in messages) + "<|assistant|>"
+
+
+def next_token(seed: int, ids: list[int]) -> tuple[int, bool]:
+    h = _hash(seed, ids[-2] if len(ids) > 1 else -1, ids[-1] if ids else -1)
+    return h % len(VOCAB), (h >> 16) % 64 == 0
+
+
+class _Stream:
+    __slots__ = ("done", "fail_at", "generated", "ids", "ignore_eos", "limit", "queue", "ready_at", "seed")
+
+    def __init__(self, ids: list[int], body: dict[str, Any], ttft_s: float) -> None:
+        self.queue: asyncio.Queue[tuple[int, str | None] | None] = asyncio.Queue()
+        self.ready_at = time.monotonic() + ttft_s
+        self.ids = ids
+        self.generated = 0
+        self.limit = int(body.get("max_tokens") or 256)
+        self.seed = int(body.get("seed") or 0)
+        self.ignore_eos = bool(body.get("ignore_eos"))
+        self.fail_at = 3 if "MOCK_FAIL_MIDWAY" in f"{body.get('prompt')}{body.get('messages')}" else -1
+        self.done = False
+
+
+class MockEngine:
+    def __init__(self, ttft_ms: float, token_ms: float, vllm: bool, eos: bool = True) -> None:
+        self.eos = eos
+        self.ttft_s = ttft_ms / 1000
+        self.token_s = token_ms / 1000
+        self.vllm = vllm
+        self.streams: set[_Stream] = set()
+        self.received: list[dict[str, Any]] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def ticker(self) -> None:
+        while True:
+            if not self.streams:
+                self._wake.clear()
+                await self._wake.wait()
+            now = time.monotonic()
+            for s in list(self.streams):
+                if s.ready_at > now:
+                    continue
+                if s.generated == s.fail_at:
+                    s.queue.put_nowait(None)
+                    self.streams.discard(s)
+                    continue
+                token, eos = next_token(s.seed, s.ids)
+                s.ids.append(token)
+                s.generated += 1
+                finish = "stop" if eos and self.eos and not s.ignore_eos else "length" if s.generated >= s.limit else None
+                s.queue.put_nowait((token, finish))
+                if finish is not None:
+                    self.streams.discard(s)
+            await asyncio.sleep(self.token_s)
+
+    def add(self, stream: _Stream) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self.ticker())
+        self.streams.add(stream)
+        self._wake.set()
+
+
+def _chunk(rid: str, chat: bool, created: int, token: int | None, finish: str | None,
+           want_ids: bool) -> bytes:
+    text = "" if token is None else " " + VOCAB[token]
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+    if chat:
+        choice["delta"] = {"content": text}
+    else:
+        choice["text"] = text
+    if want_ids:
+        choice["token_ids"] = [] if token is None else [token]
+    body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": MODEL, "choices": [choice]}
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+def create_app(engine: MockEngine) -> Starlette:
+    def json(obj: Any, status: int = 200) -> Response:
+        return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+
+    def error(message: str, status: int = 400) -> Response:
+        return json({"error": {"message": message, "type": "BadRequestError", "code": status}}, status)
+
+    async def generate(request: Request) -> Response:
+        chat = request.url.path.endswith("chat/completions")
+        body = orjson.loads(await request.body())
+        engine.received.append(body)
+        if body.get("model") not in (None, MODEL):
+            return error(f"The model `{body.get('model')}` does not exist.", 404)
+        if "priority" in body and not engine.vllm:
+            return error("priority is not supported by this server")
+        prompt = body.get("prompt")
+        if chat:
+            ids = tokenize(chat_template(body.get("messages") or []))
+        elif isinstance(prompt, list) and engine.vllm:
+            ids = [int(i) for i in prompt]
+        elif isinstance(prompt, str):
+            ids = tokenize(prompt)
+        else:
+            return error("prompt must be a string")
+        if len(ids) > 4096:
+            return error("This model's maximum context length is 4096 tokens.")
+        prompt_len = len(ids)
+        stream = _Stream(ids, body, engine.ttft_s)
+        want_ids = bool(body.get("return_token_ids")) and engine.vllm
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if not body.get("stream"):
+            return error("the mock streams only")
+        engine.add(stream)
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                if chat:
+                    yield (b"data: " + orjson.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
+                           "model": MODEL, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                        "finish_reason": None}]}) + b"\n\n")
+                while True:
+                    item = await stream.queue.get()
+                    if item is None:
+                        raise ConnectionResetError("MOCK_FAIL_MIDWAY")  # the server "dies" mid-stream
+                    token, finish = item
+                    yield _chunk(rid, chat, created, token, finish, want_ids)
+                    if finish is not None:
+                        break
+                if (body.get("stream_options") or {}).get("include_usage"):
+                    usage = {"prompt_tokens": prompt_len, "completion_tokens": stream.generated,
+                             "total_tokens": prompt_len + stream.generated,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+                    yield b"data: " + orjson.dumps({"id": rid, "choices": [], "usage": usage}) + b"\n\n"
+                yield b"data: [DONE]\n\n"
+            finally:
+                engine.streams.discard(stream)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def models(request: Request) -> Response:
+        return json({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "mock"}]})
+
+    async def health(request: Request) -> Response:
+        return Response(b"", status_code=200)
+
+    async def version(request: Request) -> Response:
+        return json({"version": "0.0.0-mock"}) if engine.vllm else error("not found", 404)
+
+    async def metrics(request: Request) -> Response:
+        if not engine.vllm:
+            return error("not found", 404)
+        running = sum(1 for s in engine.streams if s.ready_at <= time.monotonic())
+        text = (f'vllm:num_requests_running{{model_name="{MODEL}"}} {running}.0\n'
+                f'vllm:num_requests_waiting{{model_name="{MODEL}"}} {len(engine.streams) - running}.0\n'
+                f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} {len(engine.streams) / 256}\n')
+        return Response(text.encode(), media_type="text/plain")
+
+    async def tokenize_route(request: Request) -> Response:
+        body = orjson.loads(await request.body())
+        if not engine.vllm:
+            return error("not found", 404)
+        text = chat_template(body["messages"]) if "messages" in body else str(body.get("prompt", ""))
+        ids = tokenize(text)
+        return json({"count": len(ids), "max_model_len": 4096, "tokens": ids})
+
+    async def detokenize_route(request: Request) -> Response:
+        body = orjson.loads(await request.body())
+        return json({"prompt": detokenize(body["tokens"])})
+
+    async def received(request: Request) -> Response:
+        return json(engine.received)
+
+    return Starlette(routes=[
+        Route("/v1/completions", generate, methods=["POST"]),
+        Route("/v1/chat/completions", generate, methods=["POST"]),
+        Route("/v1/models", models), Route("/health", health), Route("/version", version),
+        Route("/metrics", metrics), Route("/tokenize", tokenize_route, methods=["POST"]),
+        Route("/detokenize", detokenize_route, methods=["POST"]), Route("/mock/requests", received),
+    ])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--ttft-ms", type=float, default=20.0)
+    parser.add_argument("--token-ms", type=float, default=5.0)
+    parser.add_argument("--vllm", action="store_true", help="answer like vLLM (token ids, /version, /metrics)")
+    parser.add_argument("--no-eos", action="store_true", help="every stream runs to max_tokens")
+    args = parser.parse_args()
+    engine = MockEngine(args.ttft_ms, args.token_ms, args.vllm, eos=not args.no_eos)
+    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="warning",
+                loop="uvloop", http="httptools", access_log=False)
+
+
+if __name__ == "__main__":
+    main()

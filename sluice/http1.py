@@ -1,0 +1,166 @@
+"""A lean HTTP/1.1 client for long streamed responses over plain HTTP: one POST, a body
+read chunk by chunk straight from an asyncio stream, keep-alive connections per host.
+
+Used where every streamed token crosses it: the gateway's NDJSON hop to workers, and an
+``openai`` worker's stream from the server it fronts. Why not httpx there: profiling a
+saturated gateway (64 streams, one process) put a third of its CPU in httpx/httpcore/h11
+and their anyio and context-manager wrappers, once per streamed line; the same held for
+an ``openai`` worker. Everything else (small JSON calls, ``https://``) stays on httpx.
+
+Failures are raised as httpx's exception types (``ConnectError``, ``ReadError``,
+``RemoteProtocolError``), so callers keep one vocabulary for "the server is gone".
+
+>>> response = await pool.post("http://10.0.0.5:8100", "/internal/generate", body, headers)
+>>> response.status_code, [chunk async for chunk in response.aiter_raw()]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+import httpx
+
+#: Idle keep-alive connections kept per host.
+MAX_IDLE = 64
+
+
+class _Conn:
+    __slots__ = ("key", "reader", "writer")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: tuple[str, int]) -> None:
+        self.reader, self.writer, self.key = reader, writer, key
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class Http1Response:
+    """A streamed response: ``status_code``, ``headers``, ``aiter_raw()``, ``aread()``, ``aclose()``."""
+
+    def __init__(self, pool: Http1Pool, conn: _Conn, status_code: int, headers: dict[bytes, bytes]) -> None:
+        self._pool = pool
+        self._conn: _Conn | None = conn
+        self.status_code = status_code
+        self.headers = headers
+        self._chunked = headers.get(b"transfer-encoding", b"").lower() == b"chunked"
+        length = headers.get(b"content-length")
+        #: None: neither chunked nor sized, so the body runs to the connection's end.
+        self._length = int(length) if length is not None else (None if not self._chunked else 0)
+        self._keep = headers.get(b"connection", b"").lower() != b"close" and self._length is not None
+        self._done = False
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        conn = self._conn
+        if conn is None:
+            return
+        reader = conn.reader
+        try:
+            if self._length is None:
+                while data := await reader.read(65536):
+                    yield data
+            elif not self._chunked:
+                left = self._length
+                while left > 0:
+                    data = await reader.read(min(left, 65536))
+                    if not data:
+                        raise httpx.RemoteProtocolError("the server closed the connection mid-body")
+                    left -= len(data)
+                    yield data
+            else:
+                while True:
+                    size_line = await reader.readuntil(b"\r\n")
+                    size = int(size_line.split(b";", 1)[0], 16)
+                    if size == 0:
+                        await reader.readuntil(b"\r\n")  # no trailers from our workers
+                        break
+                    data = await reader.readexactly(size + 2)
+                    yield data[:-2]
+            self._done = True
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+            raise httpx.RemoteProtocolError(f"the response broke off: {type(exc).__name__}") from None
+        except OSError as exc:
+            raise httpx.ReadError(f"reading the response failed: {exc}") from None
+
+    async def aread(self) -> bytes:
+        return b"".join([chunk async for chunk in self.aiter_raw()])
+
+    async def aclose(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if self._done and self._keep:
+            self._pool.give_back(conn)
+        else:
+            conn.close()  # closed early: the server sees the disconnect and aborts the request
+
+
+class Http1Pool:
+    """Keep-alive connections by host and port (plain ``http://`` only)."""
+
+    def __init__(self, connect_timeout_s: float) -> None:
+        self._connect_timeout_s = connect_timeout_s
+        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+
+    def give_back(self, conn: _Conn) -> None:
+        idle = self._idle.setdefault(conn.key, [])
+        if len(idle) < MAX_IDLE and not conn.writer.is_closing() and not conn.reader.at_eof():
+            idle.append(conn)
+        else:
+            conn.close()
+
+    async def _connect(self, key: tuple[str, int]) -> _Conn:
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                reader, writer = await asyncio.open_connection(key[0], key[1], limit=2**20)
+        except (OSError, TimeoutError) as exc:
+            raise httpx.ConnectError(f"cannot connect: {exc or type(exc).__name__}") from None
+        return _Conn(reader, writer, key)
+
+    async def post(self, url: str, path: str, body: bytes, headers: dict[str, str]) -> Http1Response:
+        """Send the request and read the response head; the body is read by the caller."""
+        parts = urlsplit(url)
+        key = (parts.hostname or "127.0.0.1", parts.port or 80)
+        head = (f"POST {parts.path.rstrip('/')}{path} HTTP/1.1\r\nhost: {parts.netloc}\r\n"
+                f"content-length: {len(body)}\r\n"
+                + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n").encode("latin-1")
+        idle = self._idle.get(key)
+        while idle:
+            # A reused connection the server closed meanwhile fails before any byte of a
+            # response: that is safe to try once more on a fresh connection.
+            conn = idle.pop()
+            try:
+                return await self._exchange(conn, head, body)
+            except (httpx.ReadError, httpx.RemoteProtocolError):
+                conn.close()
+        conn = await self._connect(key)
+        try:
+            return await self._exchange(conn, head, body)
+        except BaseException:
+            conn.close()
+            raise
+
+    async def _exchange(self, conn: _Conn, head: bytes, body: bytes) -> Http1Response:
+        try:
+            conn.writer.write(head + body)
+            await conn.writer.drain()
+            status_line = await conn.reader.readuntil(b"\r\n")
+            headers: dict[bytes, bytes] = {}
+            while (line := await conn.reader.readuntil(b"\r\n")) != b"\r\n":
+                name, _, value = line.partition(b":")
+                headers[name.strip().lower()] = value.strip()
+            status = int(status_line.split(b" ", 2)[1])
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, IndexError) as exc:
+            raise httpx.RemoteProtocolError(f"bad response head: {type(exc).__name__}") from None
+        except OSError as exc:
+            raise httpx.ReadError(f"the connection failed: {exc}") from None
+        return Http1Response(self, conn, status, headers)
+
+    async def aclose(self) -> None:
+        for idle in self._idle.values():
+            for conn in idle:
+                with contextlib.suppress(Exception):
+                    conn.close()
+        self._idle.clear()

@@ -1,0 +1,166 @@
+"""``--engine openai``: a worker fronting an OpenAI-compatible server, here the peers
+benchmark's mock (loadtest/peers/mock_openai.py) in its vLLM-like and generic modes,
+through a real gateway with the real ``openai`` SDK."""
+
+from __future__ import annotations
+
+import sys
+
+import httpx
+import openai
+import pytest
+
+from engine_worker.engines.openai_upstream import parse_metrics, upstream_error
+from loadtest.peers.mock_openai import chat_template, detokenize, next_token, tokenize
+from sluice.embedded_redis import free_port
+from tests.conftest import ROOT, Proc, wait_for
+
+MOCK = ROOT / "loadtest" / "peers" / "mock_openai.py"
+
+
+@pytest.fixture(scope="module")
+def start_mock(procs, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("mock-logs")
+
+    def start(*flags: str) -> Proc:
+        port = free_port()
+        proc = Proc(f"mock-{port}", [sys.executable, str(MOCK), "--port", str(port), *flags],
+                    logs / f"mock-{port}.log", {"PYTHONUNBUFFERED": "1"})
+        proc.url = f"http://127.0.0.1:{port}"
+        procs.append(proc)
+        proc.wait_http("/health")
+        return proc
+
+    return start
+
+
+@pytest.fixture(scope="module")
+def mocks(start_mock):
+    """Two vLLM-like servers (migration needs a second one) and one generic server."""
+    return {"vllm": [start_mock("--vllm"), start_mock("--vllm")], "generic": start_mock()}
+
+
+@pytest.fixture(scope="module")
+def gateway(mocks, start_worker, start_gateway):
+    for mock in mocks["vllm"]:
+        start_worker("mockv", engine="openai", upstream_url=mock.url, upstream_poll_ms=100)
+    start_worker("mockg", engine="openai", upstream_url=mocks["generic"].url, upstream_poll_ms=100)
+    return start_gateway()
+
+
+@pytest.fixture
+def client(gateway):
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=30) as c:
+        yield c
+
+
+def reference(prompt_ids: list[int], count: int, seed: int = 0) -> str:
+    """The mock's greedy continuation of ``prompt_ids``: ``count`` tokens, end-of-sequence ignored."""
+    ids = list(prompt_ids)
+    for _ in range(count):
+        ids.append(next_token(seed, ids)[0])
+    return detokenize(ids[len(prompt_ids):])
+
+
+def received(mock: Proc) -> list[dict]:
+    return httpx.get(mock.url + "/mock/requests").json()
+
+
+def test_chat_stream_through_the_gateway_matches_the_server(client) -> None:
+    messages = [{"role": "user", "content": "tell me about sluice gates"}]
+    stream = client.chat.completions.create(model="mockv", messages=messages, max_tokens=20, stream=True,
+                                            extra_body={"ignore_eos": True},
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reference(tokenize(chat_template(messages)), 20)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 20
+    assert usage.prompt_tokens == len(tokenize(chat_template(messages)))
+
+
+def test_text_completion_and_generic_server(client) -> None:
+    for model in ("mockv", "mockg"):
+        resp = client.completions.create(model=model, prompt="the canal lock", max_tokens=7,
+                                         extra_body={"ignore_eos": True})
+        assert resp.choices[0].text == reference(tokenize("the canal lock"), 7)
+        assert resp.choices[0].finish_reason == "length"
+        assert resp.usage.completion_tokens == 7
+
+
+def test_priority_and_token_ids_are_passed_on(client, mocks) -> None:
+    client.completions.create(model="mockv", prompt="priority probe alpha", max_tokens=2,
+                              extra_body={"priority": -3})
+    bodies = [b for m in mocks["vllm"] for b in received(m) if b.get("prompt") == "priority probe alpha"]
+    assert len(bodies) == 1
+    assert bodies[0]["priority"] == -3 and bodies[0]["return_token_ids"] is True
+
+
+def test_a_server_that_refuses_priority_is_asked_without_it(client, mocks) -> None:
+    resp = client.completions.create(model="mockg", prompt="priority probe beta", max_tokens=2,
+                                     extra_body={"priority": 5})
+    assert resp.choices[0].text
+    bodies = [b for b in received(mocks["generic"]) if b.get("prompt") == "priority probe beta"]
+    assert [b.get("priority") for b in bodies] == [5, None]
+    assert "return_token_ids" not in bodies[0]
+
+
+def test_upstream_refusals_are_openai_errors(client) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="mockv", prompt="word " * 5000, max_tokens=2)
+    assert caught.value.code == "context_length_exceeded"
+    assert "maximum context length" in caught.value.message
+
+
+def test_a_server_dying_mid_stream_migrates_token_exactly(client, mocks) -> None:
+    """The first server breaks its stream after 3 tokens; the other continues from
+    the server-tokenized prompt + the 3 tokens as a token prompt, with no gap or repeat."""
+    messages = [{"role": "user", "content": "MOCK_FAIL_MIDWAY then go on"}]
+    stream = client.chat.completions.create(model="mockv", messages=messages, max_tokens=12, stream=True,
+                                            extra_body={"ignore_eos": True})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == reference(tokenize(chat_template(messages)), 12)
+    resumed = [b for m in mocks["vllm"] for b in received(m) if isinstance(b.get("prompt"), list)]
+    assert resumed and resumed[-1]["max_tokens"] == 9
+
+
+def test_migration_onto_a_server_without_token_ids_is_refused(client) -> None:
+    """Only one generic server and it breaks mid-stream: the stream ends with one in-band error."""
+    stream = client.completions.create(model="mockg", prompt="MOCK_FAIL_MIDWAY generic", max_tokens=12,
+                                       stream=True, extra_body={"ignore_eos": True})
+    with pytest.raises(openai.APIError):
+        list(stream)
+
+
+def test_client_disconnect_cancels_the_upstream_stream(gateway, mocks) -> None:
+    def streams_at_mocks() -> int:
+        return sum(parse_metrics(httpx.get(m.url + "/metrics").content).running for m in mocks["vllm"])
+
+    body = {"model": "mockv", "prompt": "long one", "stream": True, "max_tokens": 2000, "ignore_eos": True}
+    with httpx.Client(base_url=gateway.url, timeout=30) as http, http.stream("POST", "/v1/completions",
+                                                                               json=body) as resp:
+        lines = resp.iter_lines()
+        while not next(lines).startswith("data: {"):
+            pass
+        assert streams_at_mocks() == 1
+    wait_for(lambda: streams_at_mocks() == 0, 10, "the upstream stream to be closed")
+
+
+def test_vllm_metrics_become_engine_stats() -> None:
+    text = (b'# HELP x\nvllm:num_requests_running{model_name="m",engine="0"} 3.0\n'
+            b'vllm:num_requests_running{model_name="m",engine="1"} 2.0\n'
+            b'vllm:num_requests_waiting{model_name="m"} 4.0\nvllm:kv_cache_usage_perc{model_name="m"} 0.25\n'
+            b'vllm:prefix_cache_queries_total{model_name="m"} 100.0\nvllm:prefix_cache_hits_total 40.0\n')
+    stats = parse_metrics(text)
+    assert stats is not None
+    assert (stats.running, stats.waiting, stats.kv_usage, stats.prefix_queries, stats.prefix_hits) == (5, 4, 0.25, 100, 40)
+    assert parse_metrics(b"# nothing of vLLM's\nfoo 1\n") is None
+
+
+def test_error_mapping() -> None:
+    assert upstream_error(400, b'{"error": {"message": "bad"}}').status == 400
+    assert upstream_error(404, b'{"detail": "no such model"}').status == 404
+    assert upstream_error(503, b"garbage").status == 503
+    assert upstream_error(429, b"{}").status == 503  # another worker may have room

@@ -1,0 +1,92 @@
+"""sluice/http1.py against a loopback server that answers each request with given bytes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from sluice.embedded_redis import free_port
+from sluice.http1 import Http1Pool
+
+CHUNKED = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+SIZED = b"HTTP/1.1 404 Not Found\r\ncontent-length: 9\r\n\r\nnot found"
+TO_EOF = b"HTTP/1.1 200 OK\r\n\r\nuntil the end"
+BROKEN = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhel"
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[tuple[str, list[bytes], list[int]]]:
+    """(url, answers to give in turn, connection count)."""
+    answers: list[bytes] = []
+    connections = [0]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections[0] += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length")))
+                await reader.readexactly(length)
+                answer = answers.pop(0)
+                writer.write(answer)
+                await writer.drain()
+                if answer in (TO_EOF, BROKEN):
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    port = free_port()
+    srv = await asyncio.start_server(handle, "127.0.0.1", port)
+    yield f"http://127.0.0.1:{port}", answers, connections
+    srv.close()
+
+
+async def test_chunked_bodies_and_keep_alive(server) -> None:
+    url, answers, connections = server
+    pool = Http1Pool(connect_timeout_s=1)
+    answers += [CHUNKED, SIZED]
+    first = await pool.post(url, "/x", b"{}", {"content-type": "application/json"})
+    assert first.status_code == 200 and [c async for c in first.aiter_raw()] == [b"hello", b" world"]
+    await first.aclose()
+    second = await pool.post(url, "/x", b"{}", {})
+    assert (second.status_code, await second.aread()) == (404, b"not found")
+    await second.aclose()
+    assert connections[0] == 1  # the finished first response gave its connection back
+    await pool.aclose()
+
+
+async def test_a_body_without_length_runs_to_the_end(server) -> None:
+    url, answers, _ = server
+    pool = Http1Pool(connect_timeout_s=1)
+    answers.append(TO_EOF)
+    response = await pool.post(url, "/x", b"", {})
+    assert await response.aread() == b"until the end"
+    await response.aclose()
+    await pool.aclose()
+
+
+async def test_failures_are_httpx_errors(server) -> None:
+    url, answers, connections = server
+    pool = Http1Pool(connect_timeout_s=1)
+    answers.append(BROKEN)
+    response = await pool.post(url, "/x", b"", {})
+    with pytest.raises(httpx.RemoteProtocolError):
+        await response.aread()
+    await response.aclose()
+    with pytest.raises(httpx.ConnectError):
+        await pool.post(f"http://127.0.0.1:{free_port()}", "/x", b"", {})
+    # A response closed before its end is not reused: the server must see the disconnect.
+    answers += [CHUNKED, CHUNKED]
+    early = await pool.post(url, "/x", b"", {})
+    await anext(early.aiter_raw())
+    await early.aclose()
+    later = await pool.post(url, "/x", b"", {})
+    await later.aread()
+    await later.aclose()
+    assert connections[0] == 3
+    await pool.aclose()
