@@ -21,7 +21,9 @@ class WorkerSettings(RedisSettings):
     allow_open: bool = False
     #: URL the gateways use to reach this worker; default http://host:port.
     advertise_url: str | None = None
-    worker_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
+    #: No whitespace: the prefix index keeps a block's holders as space-separated ids.
+    worker_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}",
+                           pattern=r"^\S+$", max_length=128)
     engine: Literal["sim", "vllm", "trtllm", "openai"] = "sim"
     #: Local Hugging Face model folder (vllm and trtllm engines).
     model: str | None = None

@@ -245,7 +245,9 @@ class Dispatcher:
         payload["priority"] = ctx.priority
         body = orjson.dumps(payload)
         prefix = self.prefix_of(payload)
-        route = RouteFacts(prefix, len(payload.get("resume_token_ids") or ()), ctx.record, self._corrections)
+        # Only cache routing expects anything of the engine's cache: the others are not checked.
+        route = None if s.routing != "cache" else RouteFacts(
+            prefix, len(payload.get("resume_token_ids") or ()), ctx.record, self._corrections)
         excluded: list[str] = list(exclude)
         reason = "no attempt made"
         record = ctx.record
@@ -283,7 +285,9 @@ class Dispatcher:
             retry_after_s=1,
         )
 
-    async def _attempt(self, lease: Lease, body: bytes, deadline: float, span: Span, route: RouteFacts) -> Upstream:
+    async def _attempt(
+        self, lease: Lease, body: bytes, deadline: float, span: Span, route: RouteFacts | None,
+    ) -> Upstream:
         s = self._settings
         ttft_s = max(0.0, min(s.ttft_timeout_s, deadline - time.monotonic()))
         headers = {"content-type": "application/json", **self._auth, **inject(trace.set_span_in_context(span))}

@@ -21,7 +21,7 @@ def test_shared_system_prompts_hit_the_cache_and_the_router_knew(start_worker, s
     model = "prefix-e2e"
     for _ in range(3):
         start_worker(model, sim_prefill_ms_per_token=0.01)
-    gateway = start_gateway()
+    gateway = start_gateway(env={"SLUICE_GATEWAY_ROUTING": "cache"})
     systems = [" ".join(f"s{k}w{i}" for i in range(3 * BLOCK_TOKENS)) for k in range(3)]
     cached: list[int] = []
     with openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0) as client:

@@ -25,7 +25,7 @@ def _blocks(question: str) -> tuple[str, ...]:
 
 async def test_a_shared_prefix_goes_back_to_the_worker_that_holds_it(fleet: Fleet) -> None:
     a, b = await fleet.worker(capacity=8, worker_id="a"), await fleet.worker(capacity=8, worker_id="b")
-    gw = await fleet.gateway()
+    gw = await fleet.gateway(routing="cache")
     (first,) = await gw.acquire(fleet.ask(blocks=_blocks("q")))
     assert first.matched_blocks == 0
     # The holder already runs a request; its 20 cached blocks still outweigh that load.
@@ -43,7 +43,7 @@ async def test_hot_spot_guard_spills_a_popular_prefix_to_a_cold_worker(fleet: Fl
     holder's cache no longer counts and the cold worker gets its share."""
     await fleet.worker(capacity=4, worker_id="a")
     await fleet.worker(capacity=4, worker_id="b")
-    gw = await fleet.gateway(route_hot_share=0.5)
+    gw = await fleet.gateway(routing="cache", route_hot_share=0.5)
     leases = [(await gw.acquire(fleet.ask(blocks=_blocks(f"q{i}"))))[0] for i in range(4)]
     holder = leases[0].worker_id
     assert [x.worker_id == holder for x in leases] == [True, True, True, False]
@@ -56,7 +56,7 @@ async def test_hot_spot_guard_spills_a_popular_prefix_to_a_cold_worker(fleet: Fl
 async def test_without_affinity_routing_is_least_loaded(fleet: Fleet) -> None:
     await fleet.worker(capacity=4, worker_id="a")
     await fleet.worker(capacity=4, worker_id="b")
-    gw = await fleet.gateway()
+    gw = await fleet.gateway(routing="cache")
     workers = [(await gw.acquire(fleet.ask(blocks=tuple(block_hashes(f"{i} " * 2 * BLOCK_TOKENS)))))[0].worker_id
                for i in range(6)]
     assert sorted(workers) == ["a", "a", "a", "b", "b", "b"]
@@ -65,7 +65,7 @@ async def test_without_affinity_routing_is_least_loaded(fleet: Fleet) -> None:
 async def test_a_queued_request_keeps_its_affinity_when_granted_by_a_release(fleet: Fleet) -> None:
     await fleet.worker(capacity=1, worker_id="a")
     await fleet.worker(capacity=1, worker_id="b")
-    gw = await fleet.gateway(queue_timeout_s=10)
+    gw = await fleet.gateway(routing="cache", queue_timeout_s=10)
     (warm,) = await gw.acquire(fleet.ask(blocks=_blocks("q")))
     await gw.release(warm)
     held = [(await gw.acquire(fleet.ask()))[0] for _ in range(2)]
@@ -90,7 +90,7 @@ async def test_round_robin_takes_turns(fleet: Fleet) -> None:
 async def test_engine_events_and_corrections_take_blocks_out_of_the_index(fleet: Fleet) -> None:
     await fleet.worker(capacity=8, worker_id="a")
     await fleet.worker(capacity=8, worker_id="b")
-    gw = await fleet.gateway()
+    gw = await fleet.gateway(routing="cache")
     index = PrefixIndex(fleet.redis)
     (first,) = await gw.acquire(fleet.ask(blocks=_blocks("q")))
     await gw.release(first)
@@ -127,7 +127,7 @@ async def test_a_retry_or_migration_goes_to_another_holder_of_its_prefix(fleet: 
     of the two workers left, the one that also holds it wins over the idle cold one."""
     for name in "abc":
         await fleet.worker(capacity=8, worker_id=name)
-    gw = await fleet.gateway()
+    gw = await fleet.gateway(routing="cache")
     index = PrefixIndex(fleet.redis)
     await index.report(fleet.model, "a", [{"type": "stored", "block_hashes": list(_blocks("q"))}])
     await index.report(fleet.model, "b", [{"type": "stored", "block_hashes": list(_blocks("q")[:20])}])
