@@ -80,6 +80,7 @@ class Services:
     async def aclose(self) -> None:
         await self.admission.close()
         await self.tenancy.close()
+        await self.serving.close()
         await self.readers.close()
         await self.http.aclose()
         await self.redis.aclose()

@@ -24,10 +24,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError, RedisError
 
 from sluice import keys
 from sluice.errors import UpstreamFailed, error_event
@@ -147,44 +150,43 @@ class JournalWriter:
 
     An event reaches the first client only once it is in the journal, so whatever a
     client saw, a gateway taking the stream over (gateway/takeover.py) has too. Writes
-    are not batched on a timer: each write takes every event produced while the last
-    one was in flight, so the journal adds one Redis round trip to an event's latency
-    and no more.
+    are not batched on a timer: the process's :class:`JournalCommitter` writes every
+    pending event of every stream in one pipeline per round trip, so the journal adds
+    about one Redis round trip to an event's latency and costs one command per stream
+    per round, however many events it carries.
 
-    >>> writer = JournalWriter(redis, scope, ttl_s=3600, owner=token)
+    >>> writer = JournalWriter(committer, scope, ttl_s=3600, owner=token)
     >>> await writer.claim()                    # this gateway produces the stream now
     >>> first = writer.subscribe(readers.tail)  # before the producer starts
     >>> producer = await start_producer(writer, events, abandon, tap.take)
     >>> response = GuardedSSE(first.events(), first.close)  # the first client reads this
     """
 
-    def __init__(self, redis: Redis, key: str, *, ttl_s: float, owner: str, start: int = 0,
+    def __init__(self, committer: JournalCommitter, key: str, *, ttl_s: float, owner: str,
                  max_events: int = 20_000, max_pending: int = 4096) -> None:
-        self._redis = redis
-        self._key = key
-        self._stream = stream_key(key)
-        self._live = live_key(key)
+        self._committer = committer
+        self.key = key
         self._owner = owner
         self._ttl_ms = int(ttl_s * 1000)
         self._max = max_events
         self._max_pending = max_pending
         self._pending: list[tuple[bytes, bytes]] = []  # (event, state): events _written+1 .. _produced
-        self._written = start
-        self._produced = start
-        self._wake = asyncio.Event()  # something to write, or the stream ended
-        self._flushed = asyncio.Event()
-        self._closing = False
+        self._in_flight = 0  # events of _pending being written now
+        self._written = 0
+        self._produced = 0
+        self._progress = asyncio.Event()  # a write ended (well or not)
+        self.last_write = time.monotonic()
         self._failure: RedisError | OSError | JournalLost | None = None
         self._first: FirstReader | None = None
-        self._append = redis.register_script(APPEND)
 
     def __repr__(self) -> str:
-        return f"<JournalWriter {self._key} produced={self._produced} written={self._written}>"
+        return f"<JournalWriter {self.key} produced={self._produced} written={self._written}>"
 
     async def claim(self, *, take_over: bool = False) -> bool:
         """Mark this gateway as the stream's producer; taking over only succeeds while no
         other gateway holds it (its ``:live`` expired)."""
-        return bool(await self._redis.set(self._live, self._owner, px=LIVE_TTL_MS, nx=take_over))
+        redis = self._committer.redis
+        return bool(await redis.set(live_key(self.key), self._owner, px=LIVE_TTL_MS, nx=take_over))
 
     def continue_after(self, number: int) -> None:
         """A taken-over stream: its next event is ``number + 1``."""
@@ -196,7 +198,7 @@ class JournalWriter:
         """The first client's reader; call it before the producer starts, so it misses nothing."""
         if self._produced:
             raise RuntimeError("subscribe before the producer starts")
-        self._first = FirstReader(self._key, catch_up, lag_max)
+        self._first = FirstReader(self.key, catch_up, lag_max)
         return self._first
 
     async def run(self, events: AsyncIterator[bytes], abandon: Callable[[], Awaitable[None]],
@@ -207,22 +209,21 @@ class JournalWriter:
         ``abandon`` cleans up the generation if ``events`` never got to run (its own
         ``finally`` only runs once it has started); it must be idempotent.
         """
-        flusher = asyncio.create_task(self._flush_loop(), name="journal-flusher")
+        self._committer.follow(self)
         try:
             async for event in events:
                 self._produced += 1
                 self._pending.append((event, state()))
-                self._wake.set()
+                self._committer.schedule(self)
                 await self._hold_back()
         finally:
             await events.aclose()  # type: ignore[attr-defined]  # runs the generation's clean-up
             await abandon()
-            self._closing = True
-            self._wake.set()
-            await flusher  # writes what is left, then returns
+            await self._drain()
+            self._committer.unfollow(self)
             if not isinstance(self._failure, JournalLost):
                 with contextlib.suppress(RedisError, OSError):
-                    await self._redis.delete(self._live)
+                    await self._committer.redis.delete(live_key(self.key))
             if self._first is not None:
                 self._first.end()
 
@@ -231,51 +232,158 @@ class JournalWriter:
         while len(self._pending) >= self._max_pending or isinstance(self._failure, JournalLost):
             if self._failure is not None:
                 raise self._failure
-            self._flushed.clear()
-            self._wake.set()
-            await self._flushed.wait()
+            self._progress.clear()
+            await self._progress.wait()
 
-    async def _flush_loop(self) -> None:
-        """Write what is pending as soon as there is any; keep ``:live`` fresh meanwhile."""
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), _LIVE_REFRESH_S)
-            self._wake.clear()
-            closing = self._closing
-            try:
-                await self._flush()  # with nothing pending, only refreshes :live
-                self._failure = None
-            except JournalLost as exc:
-                self._failure = exc
-                log.warning("journal %s was taken over by another gateway; this one stops producing it", self._key)
-                if self._first is not None:
-                    self._first.hand_over()
-                    self._first = None
-                self._flushed.set()
+    async def _drain(self, attempts: int = 3) -> None:
+        """Write what is left; after a few failed attempts the journal just ends early."""
+        for _ in range(attempts):
+            if not self._pending or isinstance(self._failure, JournalLost) or not self._committer.alive():
                 return
-            except (RedisError, OSError) as exc:
-                self._failure = exc
-                log.warning("journal write failed for %s: %s", self._key, exc)
-            self._flushed.set()
-            if closing and not self._pending or closing and self._failure is not None:
-                return
+            self._progress.clear()
+            self._committer.schedule(self)
+            await self._progress.wait()
 
-    async def _flush(self) -> None:
-        batch = self._pending[:]
+    # The committer's side: take a batch, then report how its write went.
+
+    def batch(self) -> tuple[list[str], list[bytes | str | int]]:
+        """KEYS and ARGV of ``APPEND`` for everything pending (only ``:live`` when nothing is)."""
+        self._in_flight = len(self._pending)
         args: list[bytes | str | int] = [self._owner, self._ttl_ms, LIVE_TTL_MS, self._max]
-        for number, (event, state) in enumerate(batch, start=self._written + 1):
+        for number, (event, state) in enumerate(self._pending, start=self._written + 1):
             args += [f"0-{number}", event, state]
-        if not await self._append(keys=[self._stream, self._live], args=args):
-            raise JournalLost(self._key)
-        # Only once written: a failed write is retried with the same ids.
-        first = self._written + 1
+        return [stream_key(self.key), live_key(self.key)], args
+
+    def written(self, owned: bool) -> None:
+        self.last_write = time.monotonic()
+        if not owned:
+            self.failed(JournalLost(self.key))
+            return
+        batch, first = self._pending[:self._in_flight], self._written + 1
         self._written += len(batch)
-        del self._pending[:len(batch)]
+        del self._pending[:len(batch)]  # only once written: a failed write is retried with the same ids
+        self._failure = None
         if self._first is not None:
             for number, (event, _) in enumerate(batch, start=first):
                 if not self._first.offer(number, event):
                     self._first = None
                     break
+        self._progress.set()
+
+    def failed(self, exc: RedisError | OSError | JournalLost) -> None:
+        self._failure = exc
+        if isinstance(exc, JournalLost):
+            log.warning("journal %s was taken over by another gateway; this one stops producing it", self.key)
+            if self._first is not None:
+                self._first.hand_over()
+                self._first = None
+        else:
+            log.warning("journal write failed for %s: %s", self.key, exc)
+        self._progress.set()
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self._pending)
+
+
+class JournalCommitter:
+    """Writes the journals of every stream this gateway process produces, one pipeline per
+    round: all pending events of all streams (one ``APPEND`` per stream), plus a ``:live``
+    refresh for streams silent for a while (a migration in progress). A round starts as
+    soon as the last one returned, so writes batch by themselves under load.
+
+    >>> committer = JournalCommitter(redis)   # one per process
+    >>> writer = JournalWriter(committer, scope, ttl_s=3600, owner=token)
+    >>> await committer.close()
+    """
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self._script = redis.register_script(APPEND)
+        self._followed: set[JournalWriter] = set()
+        self._due: dict[JournalWriter, None] = {}  # insertion-ordered set
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.rounds = 0
+
+    def __repr__(self) -> str:
+        return f"<JournalCommitter streams={len(self._followed)} rounds={self.rounds}>"
+
+    def follow(self, writer: JournalWriter) -> None:
+        self._followed.add(writer)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="journal-committer")
+
+    def unfollow(self, writer: JournalWriter) -> None:
+        self._followed.discard(writer)
+        self._due.pop(writer, None)
+
+    def schedule(self, writer: JournalWriter) -> None:
+        self._due[writer] = None
+        self._wake.set()
+
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        try:
+            await self._rounds()
+        except Exception:  # a bug must not leave every producer waiting forever
+            log.exception("the journal committer failed; its streams end here")
+            for writer in list(self._followed):
+                writer.failed(RedisError("the journal committer failed"))
+            raise
+
+    async def _rounds(self) -> None:
+        while self._followed or self._due:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), _LIVE_REFRESH_S / 2)
+            self._wake.clear()
+            stale = time.monotonic() - _LIVE_REFRESH_S
+            for writer in self._followed:
+                if writer.last_write < stale:
+                    self._due[writer] = None
+            writers = [w for w in self._due if w.dirty or w in self._followed]
+            self._due.clear()
+            if writers:
+                await self._round(writers)
+
+    async def _round(self, writers: list[JournalWriter]) -> None:
+        self.rounds += 1
+        batches = [writer.batch() for writer in writers]
+        try:
+            results = await self._append_all(batches)
+        except (RedisError, OSError) as exc:
+            for writer in writers:
+                writer.failed(exc)
+            await asyncio.sleep(0.05)  # Redis is down or far: do not spin
+            return
+        for writer, result in zip(writers, results, strict=True):
+            if isinstance(result, NoScriptError):  # Redis restarted or failed over
+                await self.redis.script_load(APPEND)
+                self.schedule(writer)
+            elif isinstance(result, (RedisError, OSError)):
+                writer.failed(result)
+            else:
+                writer.written(bool(result))
+
+    async def _append_all(self, batches: list[tuple[list[str], list[bytes | str | int]]]) -> list[Any]:
+        """One ``APPEND`` per batch: one pipeline on a single server; on a Cluster (whose
+        pipelines refuse scripts) concurrent calls, each to its stream's node."""
+        if isinstance(self.redis, RedisCluster):
+            return await asyncio.gather(
+                *(self._script(keys=keys_, args=args) for keys_, args in batches), return_exceptions=True
+            )
+        pipe = self.redis.pipeline(transaction=False)
+        for keys_, args in batches:
+            pipe.evalsha(self._script.sha, len(keys_), *keys_, *args)
+        return list(await pipe.execute(raise_on_error=False))
 
 
 def last_event_id(header: str | None) -> int:

@@ -20,7 +20,13 @@ from gateway.admission import ClientGone
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
 from gateway.idempotency import Idempotency
-from gateway.journal import JournalWriter, live_key, start_producer, stream_key
+from gateway.journal import (
+    JournalCommitter,
+    JournalWriter,
+    live_key,
+    start_producer,
+    stream_key,
+)
 from gateway.journal_readers import JournalReaders
 from gateway.metrics import GatewayMetrics
 from gateway.migration import Migrator
@@ -53,6 +59,7 @@ class Serving:
         tenancy: Tenancy, readers: JournalReaders, metrics: GatewayMetrics,
     ) -> None:
         self._metrics = metrics
+        self._committer = JournalCommitter(redis)  # writes every journal this process produces
         self._settings = settings
         self._tenancy = tenancy
         self._readers = readers
@@ -61,6 +68,9 @@ class Serving:
         self._idempotency = idempotency
         self._redis = redis
         self._producers: set[asyncio.Task[None]] = set()
+
+    async def close(self) -> None:
+        await self._committer.close()
 
     async def serve(
         self, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext, shape: ResponseShape | None = None,
@@ -159,7 +169,7 @@ class Serving:
             chunk_id=chunks.id, created=chunks.created, priority=ctx.priority, tenant=ctx.tenant, cost=ctx.cost,
             deadline_unix=time.time() + ctx.remaining_s(), fingerprint=ctx.fingerprint, choices=len(upstreams),
         )
-        writer = JournalWriter(self._redis, ctx.idempotency_key, ttl_s=self._settings.idempotency_ttl_s,
+        writer = JournalWriter(self._committer, ctx.idempotency_key, ttl_s=self._settings.idempotency_ttl_s,
                                owner=ctx.internal_id)
         try:
             await save_plan(self._redis, ctx.idempotency_key, plan, self._settings.idempotency_ttl_s)
@@ -183,7 +193,7 @@ class Serving:
         True while some gateway produces it (this one now, or another that was faster);
         False when it cannot be continued."""
         owner = uuid.uuid4().hex
-        writer = JournalWriter(self._redis, key, ttl_s=self._settings.idempotency_ttl_s, owner=owner)
+        writer = JournalWriter(self._committer, key, ttl_s=self._settings.idempotency_ttl_s, owner=owner)
         if not await writer.claim(take_over=True):
             return True
         found = await recover(self._redis, key)
@@ -202,7 +212,7 @@ class Serving:
         record = RequestRecord.begin(plan.request_id, self._metrics, Context(), "takeover")
         record.describe(req.model, req.n, plan.priority, None if plan.tenant == "-" else plan.tenant)
         record.known_model()  # admitted once already
-        record.completion_tokens = state.completion_tokens
+        record.completion_tokens, record.prompt_tokens = state.completion_tokens, state.prompt_tokens
         ctx = RequestContext(
             request_id=plan.request_id, priority=plan.priority, idempotency_key=key,
             deadline=time.monotonic() + max(0.0, plan.deadline_unix - time.time()),

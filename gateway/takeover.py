@@ -2,7 +2,8 @@
 
 A resumable stream (``Idempotency-Key``) is journaled event by event, each event
 before its client sees it (gateway/journal.py). Next to the SSE bytes, every event
-that carries tokens records them: ``[[choice, [token ids], characters, finish], ...]``.
+that carries tokens records them: ``[[choice, [token ids], characters, finish, prompt
+tokens], ...]`` (prompt tokens once the choice's usage is known, else 0).
 With the stream's :class:`Plan` (the request, its ids and deadline, written when it
 started), any gateway can continue it once its producer's ``:live`` expired:
 
@@ -66,6 +67,7 @@ class Recovered:
     progress: dict[int, Progress] = field(default_factory=dict)  # unfinished choices
     offsets: dict[int, int] = field(default_factory=dict)  # characters sent, per started choice
     completion_tokens: int = 0
+    prompt_tokens: int = 0  # of the choices that finished
 
 
 class LineTap:
@@ -85,7 +87,8 @@ class LineTap:
         """The token state of the lines consumed since the last call; b"" for none."""
         if not self._seen:
             return b""
-        state = [[i, line.get("ids", []), len(line.get("text", "")), line.get("finish_reason")]
+        state = [[i, line.get("ids", []), len(line.get("text", "")), line.get("finish_reason"),
+                  int((line.get("usage") or {}).get("prompt_tokens", 0))]
                  for i, line in self._seen]
         self._seen.clear()
         return orjson.dumps(state)
@@ -112,8 +115,9 @@ async def recover(redis: Redis, scope: str) -> tuple[Plan, Recovered] | None:
         ident = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
         state.last = int(ident.split("-", 1)[1])
         state.done |= fields.get(b"d") == DONE
-        for index, ids, chars, finish in orjson.loads(fields[b"s"]) if fields.get(b"s") else ():
+        for index, ids, chars, finish, prompt in orjson.loads(fields[b"s"]) if fields.get(b"s") else ():
             sent[index].extend(ids)
+            state.prompt_tokens += prompt
             state.offsets[index] = state.offsets.get(index, 0) + chars
             state.completion_tokens += len(ids)
             if finish is not None:

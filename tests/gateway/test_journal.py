@@ -11,6 +11,7 @@ import pytest
 
 from gateway.journal import (
     DONE,
+    JournalCommitter,
     JournalLost,
     JournalWriter,
     live_key,
@@ -27,6 +28,13 @@ async def redis(request: pytest.FixtureRequest) -> AsyncIterator[RedisClient]:
     client = await create_pool(request.getfixturevalue(request.param))
     yield client
     await client.aclose()
+
+
+@pytest.fixture
+async def committer(redis: RedisClient) -> AsyncIterator[JournalCommitter]:
+    writes = JournalCommitter(redis)
+    yield writes
+    await writes.close()
 
 
 @pytest.fixture
@@ -51,10 +59,10 @@ def _expected(n: int, after: int = 0) -> list[bytes]:
 
 
 async def test_a_first_reader_that_falls_behind_goes_on_from_the_journal(
-    redis: RedisClient, readers: JournalReaders
+    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter
 ) -> None:
     key = uuid.uuid4().hex
-    writer = JournalWriter(redis, key, ttl_s=60, owner="t")
+    writer = JournalWriter(committer, key, ttl_s=60, owner="t")
     assert await writer.claim()
     first = writer.subscribe(readers.tail, lag_max=4)
     producer = await start_producer(writer, _events(100), _nothing)
@@ -63,11 +71,11 @@ async def test_a_first_reader_that_falls_behind_goes_on_from_the_journal(
 
 
 async def test_readers_of_several_streams_at_any_position_get_the_rest(
-    redis: RedisClient, readers: JournalReaders
+    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter
 ) -> None:
     keys = [uuid.uuid4().hex for _ in range(4)]  # on a cluster, in different slots
     for key in keys:
-        writer = JournalWriter(redis, key, ttl_s=60, owner="t")
+        writer = JournalWriter(committer, key, ttl_s=60, owner="t")
         assert await writer.claim()
         await writer.run(_events(600), _nothing)
 
@@ -80,7 +88,7 @@ async def test_readers_of_several_streams_at_any_position_get_the_rest(
 
 
 async def test_readers_of_a_stream_whose_producer_is_gone_get_the_error(
-    redis: RedisClient, readers: JournalReaders
+    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter
 ) -> None:
     key = uuid.uuid4().hex
     await redis.xadd(stream_key(key), {"d": b"data: 1\n\n"}, id="0-1")
@@ -93,16 +101,16 @@ async def test_readers_of_a_stream_whose_producer_is_gone_get_the_error(
 
 
 async def test_a_producer_taken_over_stops_writing_and_its_reader_follows_the_journal(
-    redis: RedisClient, readers: JournalReaders
+    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter
 ) -> None:
     """A gateway that stalled past ``:live``'s TTL while another took its stream over must
     not write on (two producers would interleave their events)."""
     key = uuid.uuid4().hex
-    stalled = JournalWriter(redis, key, ttl_s=60, owner="stalled")
+    stalled = JournalWriter(committer, key, ttl_s=60, owner="stalled")
     assert await stalled.claim()
     first = stalled.subscribe(readers.tail)
     await redis.set(live_key(key), "taker", px=60_000)  # another gateway took over
-    assert not await JournalWriter(redis, key, ttl_s=60, owner="third").claim(take_over=True)
+    assert not await JournalWriter(committer, key, ttl_s=60, owner="third").claim(take_over=True)
 
     async def taker() -> None:  # the taker writes events 1..3 and ends the stream
         for number, data in enumerate([b"data: 1\n\n", b"data: 2\n\n", b"data: 3\n\n", DONE], start=1):
