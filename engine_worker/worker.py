@@ -179,6 +179,7 @@ class Worker:
                 capacity=self.engine.capacity,
                 heartbeat_ms=s.heartbeat_ms,
                 stats=lambda: self.engine.stats().as_dict(),
+                healthy=lambda: self.engine.healthy,
             )
             await self._registration.start()
             log.info("worker %s serving %r at %s", s.worker_id, self.model, s.url())

@@ -35,6 +35,7 @@ FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
 class VllmEngine:
     name = "vllm"
+    healthy = True
 
     def __init__(
         self,
