@@ -81,6 +81,7 @@ class Services:
     async def aclose(self) -> None:
         await self.admission.close()
         await self.tenancy.close()
+        await self.serving.close()
         await self.readers.close()
         await self.http.aclose()
         await self.workers.aclose()
@@ -101,12 +102,14 @@ async def open_services(settings: GatewaySettings) -> Services:
     admission = Admission(redis, settings)
     await admission.start()
     readers = JournalReaders(redis)  # one reader loop for every re-attached stream of this process
+    metrics = GatewayMetrics()
     serving = Serving(
         settings, Dispatcher(settings, admission, http, workers), Idempotency(redis, settings.idempotency_ttl_s),
-        redis, tenancy, readers,
+        redis, tenancy, readers, metrics,
     )
-    return Services(redis=redis, http=http, workers=workers, admission=admission, serving=serving, tenancy=tenancy,
-                    metrics=GatewayMetrics(), readers=readers)
+    readers.adopt = serving.take_over  # a re-attached reader whose producer died: continue it here
+    return Services(redis=redis, http=http, workers=workers, admission=admission, serving=serving,
+                    tenancy=tenancy, metrics=metrics, readers=readers)
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -267,6 +270,7 @@ def _context(
         disconnected=request.is_disconnected,
         idempotency_key=None if idem is None else scoped(owner, Idempotency.check_key(idem)),
         fingerprint=fingerprint(body) if idem is not None else "",
+        body=body if idem is not None else b"",
         last_event_id=last_event_id(request.headers.get("last-event-id")),
         tenant=owner,
         cost=token_estimate(req),

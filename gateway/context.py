@@ -27,6 +27,8 @@ class RequestContext:
     idempotency_key: str | None = None
     #: SHA-256 of the raw body, to tell a true retry from a key reused for another request.
     fingerprint: str = ""
+    #: The raw body of a resumable request: another gateway may have to continue it.
+    body: bytes = b""
     #: SSE ``Last-Event-ID`` of a client re-attaching to a resumable stream.
     last_event_id: int = 0
     #: Whose fair share of the queue this request draws on: the API key's id, or "-".

@@ -1,20 +1,22 @@
 """Resumable streams: the SSE events of a stream started with an ``Idempotency-Key``
 are journaled in a capped Redis stream, so a client can re-attach and get the rest.
 
-    sl:journal:{scope}        Redis stream; entry id ``0-N`` holds event N ("d" = SSE data bytes)
-    sl:journal:{scope}:live   refreshed while this gateway still produces it
+    sl:journal:{scope}        Redis stream; entry id ``0-N`` holds event N: "d" = SSE data
+                              bytes, "s" = the token ids it carries (see gateway/takeover.py)
+    sl:journal:{scope}:live   the producing gateway's token, refreshed while it produces
+    sl:journal:{scope}:plan   what another gateway needs to take the stream over
 
 ``scope`` is a hash of the caller's API key id and its Idempotency-Key (see
 gateway/idempotency.py), so one tenant can neither read nor disturb another's.
 
 The generation runs in a producer task (:class:`JournalWriter`) that does not depend
-on any client. It hands each event straight to the first client
-(:meth:`JournalWriter.subscribe`), with the ``id: N`` the journal gives it, and
-queues it for the journal, which a flusher task writes in batches (every
-``flush_s`` or ``batch`` events): Redis is not touched per chunk and the first client
-never waits for a write. Re-attaching clients read the journal through the one
-shared reader loop of gateway/journal_readers.py; so does a first client that falls
-too far behind.
+on any client. Each event goes to the journal, then to the first client
+(:meth:`JournalWriter.subscribe`) with the ``id: N`` the journal gave it: a client
+never has an event the journal lacks, so when the producing gateway dies, another one
+continues the stream from the journal (gateway/takeover.py) and the client, re-attached
+with its ``Last-Event-ID``, gets exactly the rest. Re-attaching clients read the
+journal through the one shared reader loop of gateway/journal_readers.py; so does a
+first client that falls too far behind.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError, ResponseError
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError, RedisError
 
 from sluice import keys
 from sluice.errors import UpstreamFailed, error_event
@@ -87,6 +91,12 @@ class FirstReader:
         self._queue.put_nowait((number, frame(number, event)))
         return True
 
+    def hand_over(self) -> None:
+        """Another gateway produces the stream now: go on from the journal."""
+        if not self._closed:
+            self._lagging = True
+            self._queue.put_nowait(None)
+
     def end(self) -> None:
         """The producer is done; a reader still waiting for ``[DONE]`` gets the in-band error."""
         if not self._closed:
@@ -112,118 +122,268 @@ class FirstReader:
         self._closed = True
 
 
-class JournalWriter:
-    """Produces one resumable stream: journals its events and hands them to the first client.
+#: Appends events to a journal if this producer still owns it (``:live`` holds its token):
+#: a producer that stalled past ``LIVE_TTL_MS`` and was taken over by another gateway
+#: must not write on. KEYS: stream, live. ARGV: owner, stream ttl ms, live ttl ms, max
+#: events, then (id, data, state) per event; state "" when the event carries no tokens.
+APPEND = """
+local owner = redis.call('GET', KEYS[2])
+if owner ~= ARGV[1] then return 0 end
+for i = 5, #ARGV, 3 do
+  local ok = redis.pcall('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], ARGV[i], 'd', ARGV[i + 1], 's', ARGV[i + 2])
+  if type(ok) == 'table' and ok.err and not string.find(ok.err, 'equal or smaller') then
+    return redis.error_reply(ok.err)
+  end
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
+return 1
+"""
 
-    >>> writer = JournalWriter(redis, scope, ttl_s=3600)
+
+class JournalLost(Exception):
+    """Another gateway took this stream over (this one stalled past ``:live``'s TTL)."""
+
+
+class JournalWriter:
+    """Produces one resumable stream: journals its events, then hands them to the first client.
+
+    An event reaches the first client only once it is in the journal, so whatever a
+    client saw, a gateway taking the stream over (gateway/takeover.py) has too. Writes
+    are not batched on a timer: the process's :class:`JournalCommitter` writes every
+    pending event of every stream in one pipeline per round trip, so the journal adds
+    about one Redis round trip to an event's latency and costs one command per stream
+    per round, however many events it carries.
+
+    >>> writer = JournalWriter(committer, scope, ttl_s=3600, owner=token)
+    >>> await writer.claim()                    # this gateway produces the stream now
     >>> first = writer.subscribe(readers.tail)  # before the producer starts
-    >>> producer = await start_producer(writer, events, abandon)
+    >>> producer = await start_producer(writer, events, abandon, tap.take)
     >>> response = GuardedSSE(first.events(), first.close)  # the first client reads this
     """
 
-    def __init__(self, redis: Redis, key: str, *, ttl_s: float, max_events: int = 20_000,
-                 flush_s: float = 0.1, batch: int = 32, max_pending: int = 4096) -> None:
-        self._redis = redis
-        self._key = key
-        self._stream = stream_key(key)
-        self._live = live_key(key)
+    def __init__(self, committer: JournalCommitter, key: str, *, ttl_s: float, owner: str,
+                 max_events: int = 20_000, max_pending: int = 4096) -> None:
+        self._committer = committer
+        self.key = key
+        self._owner = owner
         self._ttl_ms = int(ttl_s * 1000)
         self._max = max_events
-        self._flush_s = flush_s
-        self._batch = batch
         self._max_pending = max_pending
-        self._pending: list[bytes] = []  # events _written+1 .. _produced
+        self._pending: list[tuple[bytes, bytes]] = []  # (event, state): events _written+1 .. _produced
+        self._in_flight = 0  # events of _pending being written now
         self._written = 0
         self._produced = 0
-        self._wake = asyncio.Event()  # a batch is full, or the stream ended
-        self._flushed = asyncio.Event()
-        self._closing = False
-        self._failure: RedisError | OSError | None = None
+        self._progress = asyncio.Event()  # a write ended (well or not)
+        self.last_write = time.monotonic()
+        self._failure: RedisError | OSError | JournalLost | None = None
         self._first: FirstReader | None = None
 
     def __repr__(self) -> str:
-        return f"<JournalWriter {self._key} produced={self._produced} written={self._written}>"
+        return f"<JournalWriter {self.key} produced={self._produced} written={self._written}>"
+
+    async def claim(self, *, take_over: bool = False) -> bool:
+        """Mark this gateway as the stream's producer; taking over only succeeds while no
+        other gateway holds it (its ``:live`` expired)."""
+        redis = self._committer.redis
+        return bool(await redis.set(live_key(self.key), self._owner, px=LIVE_TTL_MS, nx=take_over))
+
+    def continue_after(self, number: int) -> None:
+        """A taken-over stream: its next event is ``number + 1``."""
+        if self._produced:
+            raise RuntimeError("continue_after before the producer starts")
+        self._written = self._produced = number
 
     def subscribe(self, catch_up: CatchUp, *, lag_max: int = 1024) -> FirstReader:
         """The first client's reader; call it before the producer starts, so it misses nothing."""
         if self._produced:
             raise RuntimeError("subscribe before the producer starts")
-        self._first = FirstReader(self._key, catch_up, lag_max)
+        self._first = FirstReader(self.key, catch_up, lag_max)
         return self._first
 
-    async def run(self, events: AsyncIterator[bytes], abandon: Callable[[], Awaitable[None]]) -> None:
-        """Journal every event; ``events`` ends with ``[DONE]``.
+    async def run(self, events: AsyncIterator[bytes], abandon: Callable[[], Awaitable[None]],
+                  state: Callable[[], bytes] = lambda: b"") -> None:
+        """Journal every event; ``events`` ends with ``[DONE]``. ``state()`` after each event
+        gives what a take-over needs of it (the token ids it carries, see takeover.py).
 
         ``abandon`` cleans up the generation if ``events`` never got to run (its own
         ``finally`` only runs once it has started); it must be idempotent.
         """
-        flusher = asyncio.create_task(self._flush_loop(), name="journal-flusher")
+        self._committer.follow(self)
         try:
             async for event in events:
                 self._produced += 1
-                if self._first is not None and not self._first.offer(self._produced, event):
-                    self._first = None
-                self._pending.append(event)
-                if len(self._pending) >= self._batch or event == DONE:
-                    self._wake.set()
+                self._pending.append((event, state()))
+                self._committer.schedule(self)
                 await self._hold_back()
         finally:
             await events.aclose()  # type: ignore[attr-defined]  # runs the generation's clean-up
             await abandon()
-            self._closing = True
-            self._wake.set()
-            await flusher  # writes what is left, then returns
-            with contextlib.suppress(RedisError, OSError):
-                await self._redis.delete(self._live)
+            await self._drain()
+            self._committer.unfollow(self)
+            if not isinstance(self._failure, JournalLost):
+                with contextlib.suppress(RedisError, OSError):
+                    await self._committer.redis.delete(live_key(self.key))
             if self._first is not None:
                 self._first.end()
 
     async def _hold_back(self) -> None:
         """Only when Redis lags far behind: wait for it, or give up if it keeps failing."""
-        while len(self._pending) >= self._max_pending:
+        while len(self._pending) >= self._max_pending or isinstance(self._failure, JournalLost):
             if self._failure is not None:
                 raise self._failure
-            self._flushed.clear()
-            self._wake.set()
-            await self._flushed.wait()
+            self._progress.clear()
+            await self._progress.wait()
 
-    async def _flush_loop(self) -> None:
-        """Write batches as they fill (or after ``flush_s``); keep ``:live`` fresh meanwhile."""
-        refreshed = 0.0
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._flush_s)
-            self._wake.clear()
-            closing = self._closing
-            try:
-                if self._pending:
-                    await self._flush()
-                    refreshed = time.monotonic()
-                elif not closing and time.monotonic() - refreshed >= _LIVE_REFRESH_S:
-                    await self._redis.set(self._live, b"1", px=LIVE_TTL_MS)
-                    refreshed = time.monotonic()
-                self._failure = None
-            except (RedisError, OSError) as exc:
-                self._failure = exc
-                log.warning("journal write failed for %s: %s", self._key, exc)
-            self._flushed.set()
-            if closing:
+    async def _drain(self, attempts: int = 3) -> None:
+        """Write what is left; after a few failed attempts the journal just ends early."""
+        for _ in range(attempts):
+            if not self._pending or isinstance(self._failure, JournalLost) or not self._committer.alive():
                 return
+            self._progress.clear()
+            self._committer.schedule(self)
+            await self._progress.wait()
 
-    async def _flush(self) -> None:
-        batch = self._pending[:]
-        pipe = self._redis.pipeline(transaction=False)
-        for number, event in enumerate(batch, start=self._written + 1):
-            pipe.xadd(self._stream, {"d": event}, id=f"0-{number}", maxlen=self._max, approximate=True)
-        pipe.pexpire(self._stream, self._ttl_ms)
-        pipe.set(self._live, b"1", px=LIVE_TTL_MS)
-        for result in await pipe.execute(raise_on_error=False):
-            # An entry that a failed earlier attempt did write is refused as "equal or smaller".
-            if isinstance(result, ResponseError) and "equal or smaller" not in str(result):
-                raise result
-        # Only once written: a failed write is retried with the same ids.
+    # The committer's side: take a batch, then report how its write went.
+
+    def batch(self) -> tuple[list[str], list[bytes | str | int]]:
+        """KEYS and ARGV of ``APPEND`` for everything pending (only ``:live`` when nothing is)."""
+        self._in_flight = len(self._pending)
+        args: list[bytes | str | int] = [self._owner, self._ttl_ms, LIVE_TTL_MS, self._max]
+        for number, (event, state) in enumerate(self._pending, start=self._written + 1):
+            args += [f"0-{number}", event, state]
+        return [stream_key(self.key), live_key(self.key)], args
+
+    def written(self, owned: bool) -> None:
+        self.last_write = time.monotonic()
+        if not owned:
+            self.failed(JournalLost(self.key))
+            return
+        batch, first = self._pending[:self._in_flight], self._written + 1
         self._written += len(batch)
-        del self._pending[:len(batch)]
+        del self._pending[:len(batch)]  # only once written: a failed write is retried with the same ids
+        self._failure = None
+        if self._first is not None:
+            for number, (event, _) in enumerate(batch, start=first):
+                if not self._first.offer(number, event):
+                    self._first = None
+                    break
+        self._progress.set()
+
+    def failed(self, exc: RedisError | OSError | JournalLost) -> None:
+        self._failure = exc
+        if isinstance(exc, JournalLost):
+            log.warning("journal %s was taken over by another gateway; this one stops producing it", self.key)
+            if self._first is not None:
+                self._first.hand_over()
+                self._first = None
+        else:
+            log.warning("journal write failed for %s: %s", self.key, exc)
+        self._progress.set()
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self._pending)
+
+
+class JournalCommitter:
+    """Writes the journals of every stream this gateway process produces, one pipeline per
+    round: all pending events of all streams (one ``APPEND`` per stream), plus a ``:live``
+    refresh for streams silent for a while (a migration in progress). A round starts as
+    soon as the last one returned, so writes batch by themselves under load.
+
+    >>> committer = JournalCommitter(redis)   # one per process
+    >>> writer = JournalWriter(committer, scope, ttl_s=3600, owner=token)
+    >>> await committer.close()
+    """
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self._script = redis.register_script(APPEND)
+        self._followed: set[JournalWriter] = set()
+        self._due: dict[JournalWriter, None] = {}  # insertion-ordered set
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.rounds = 0
+
+    def __repr__(self) -> str:
+        return f"<JournalCommitter streams={len(self._followed)} rounds={self.rounds}>"
+
+    def follow(self, writer: JournalWriter) -> None:
+        self._followed.add(writer)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="journal-committer")
+
+    def unfollow(self, writer: JournalWriter) -> None:
+        self._followed.discard(writer)
+        self._due.pop(writer, None)
+
+    def schedule(self, writer: JournalWriter) -> None:
+        self._due[writer] = None
+        self._wake.set()
+
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        try:
+            await self._rounds()
+        except Exception:  # a bug must not leave every producer waiting forever
+            log.exception("the journal committer failed; its streams end here")
+            for writer in list(self._followed):
+                writer.failed(RedisError("the journal committer failed"))
+            raise
+
+    async def _rounds(self) -> None:
+        while self._followed or self._due:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), _LIVE_REFRESH_S / 2)
+            self._wake.clear()
+            stale = time.monotonic() - _LIVE_REFRESH_S
+            for writer in self._followed:
+                if writer.last_write < stale:
+                    self._due[writer] = None
+            writers = [w for w in self._due if w.dirty or w in self._followed]
+            self._due.clear()
+            if writers:
+                await self._round(writers)
+
+    async def _round(self, writers: list[JournalWriter]) -> None:
+        self.rounds += 1
+        batches = [writer.batch() for writer in writers]
+        try:
+            results = await self._append_all(batches)
+        except (RedisError, OSError) as exc:
+            for writer in writers:
+                writer.failed(exc)
+            await asyncio.sleep(0.05)  # Redis is down or far: do not spin
+            return
+        for writer, result in zip(writers, results, strict=True):
+            if isinstance(result, NoScriptError):  # Redis restarted or failed over
+                await self.redis.script_load(APPEND)
+                self.schedule(writer)
+            elif isinstance(result, (RedisError, OSError)):
+                writer.failed(result)
+            else:
+                writer.written(bool(result))
+
+    async def _append_all(self, batches: list[tuple[list[str], list[bytes | str | int]]]) -> list[Any]:
+        """One ``APPEND`` per batch: one pipeline on a single server; on a Cluster (whose
+        pipelines refuse scripts) concurrent calls, each to its stream's node."""
+        if isinstance(self.redis, RedisCluster):
+            return await asyncio.gather(
+                *(self._script(keys=keys_, args=args) for keys_, args in batches), return_exceptions=True
+            )
+        pipe = self.redis.pipeline(transaction=False)
+        for keys_, args in batches:
+            pipe.evalsha(self._script.sha, len(keys_), *keys_, *args)
+        return list(await pipe.execute(raise_on_error=False))
 
 
 def last_event_id(header: str | None) -> int:
@@ -236,9 +396,10 @@ def last_event_id(header: str | None) -> int:
 
 
 async def start_producer(
-    writer: JournalWriter, events: AsyncIterator[bytes], abandon: Callable[[], Awaitable[None]]
+    writer: JournalWriter, events: AsyncIterator[bytes], abandon: Callable[[], Awaitable[None]],
+    state: Callable[[], bytes] = lambda: b"",
 ) -> asyncio.Task[None]:
-    task = asyncio.create_task(writer.run(events, abandon), name="journal-producer")
+    task = asyncio.create_task(writer.run(events, abandon, state), name="journal-producer")
     task.add_done_callback(_log_failure)
     return task
 

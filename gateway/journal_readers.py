@@ -13,8 +13,10 @@ out to per-reader queues: a gateway's Redis connections no longer depend on its 
 - backpressure: a reader with more than ``max_queued`` events waiting is not polled
   until its client has drained them;
 - a reader that got nothing for ``idle_s`` has the stream's ``:live`` marker checked;
-  if the producer is gone and a further read still finds nothing, it gets the in-band
-  error, then ``[DONE]``.
+  if the producer is gone and a further read still finds nothing, this gateway takes
+  the stream over (``adopt``, gateway/takeover.py) and the readers go on with what it
+  produces; only a stream that cannot be continued ends with the in-band error, then
+  ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
@@ -64,6 +66,9 @@ class JournalReaders:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._polls = 0
+        #: Continues a stream whose producer is gone; True while some gateway produces it.
+        self.adopt: Callable[[str], Awaitable[bool]] | None = None
+        self._adopting: dict[str, asyncio.Task[bool]] = {}
 
     def __repr__(self) -> str:
         return f"<JournalReaders readers={len(self._readers)} polls={self._polls}>"
@@ -83,6 +88,8 @@ class JournalReaders:
             self._readers.discard(reader)
 
     async def close(self) -> None:
+        for task in list(self._adopting.values()):
+            task.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -143,13 +150,34 @@ class JournalReaders:
         return more
 
     def _quiet(self, key: str, readers: list[_Reader], live: dict[str, bool], now: float) -> None:
-        """Nothing new: end the readers that already missed ``:live``, note it for the others."""
+        """Nothing new: readers that already missed ``:live`` have their stream taken over
+        (or end, if it cannot be); note ``:live`` for the others."""
         for reader in readers:
             if reader.doomed:
-                self._end(reader, producer_gone())
+                if self.adopt is None:
+                    self._end(reader, producer_gone())
+                elif key not in self._adopting:
+                    task = asyncio.create_task(self._take_over(key), name="journal-take-over")
+                    self._adopting[key] = task
             elif key in live:
                 reader.quiet_since = now
                 reader.doomed = not live[key]
+
+    async def _take_over(self, key: str) -> bool:
+        assert self.adopt is not None
+        try:
+            produced = await self.adopt(key)
+        except Exception:  # a take-over that fails must still end its readers
+            log.exception("taking over the stream %s failed", key)
+            produced = False
+        finally:
+            del self._adopting[key]
+        for reader in [r for r in self._readers if r.key == key]:
+            if produced:
+                reader.doomed, reader.quiet_since = False, time.monotonic()
+            else:
+                self._end(reader, producer_gone())
+        return produced
 
     def _deliver(self, readers: list[_Reader], entries: list[tuple[bytes, dict[bytes, bytes]]], now: float) -> None:
         frames: list[bytes] = []

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.config import GatewaySettings
@@ -22,21 +23,38 @@ from sluice.errors import DeadlineExceeded, SluiceError, UpstreamFailed
 log = logging.getLogger("sluice.gateway")
 
 
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """What a choice's client already has: the token ids and the characters of their text."""
+
+    ids: tuple[int, ...]
+    chars: int
+
+
 class Migrator:
     def __init__(self, settings: GatewaySettings, dispatcher: Dispatcher) -> None:
         self._settings = settings
         self._dispatcher = dispatcher
 
     def lines(
-        self, model: str, upstreams: list[Upstream], payloads: list[dict[str, Any]], ctx: RequestContext,
+        self, model: str, upstreams: list[Upstream | None], payloads: list[dict[str, Any]], ctx: RequestContext,
+        progress: Mapping[int, Progress] | None = None,
     ) -> AsyncIterator[tuple[int, Line]]:
         """Every choice's lines as (choice index, line), in arrival order. ``upstreams[i]``
-        is replaced when choice ``i`` migrates, so the caller closes the current ones."""
-        streams = [self._follow(model, i, upstreams, payloads[i], ctx) for i in range(len(upstreams))]
+        is replaced when choice ``i`` migrates, so the caller closes the current ones.
+
+        A stream taken over from a dead gateway (gateway/takeover.py) passes each unfinished
+        choice's ``progress`` and no upstreams: those choices start by migrating."""
+        indexes = range(len(upstreams)) if progress is None else sorted(progress)
+        streams = [
+            self._follow(model, i, upstreams, payloads[i], ctx, None if progress is None else progress[i])
+            for i in indexes
+        ]
         return streams[0] if len(streams) == 1 else _merge(streams)
 
     async def _follow(
-        self, model: str, index: int, upstreams: list[Upstream], payload: dict[str, Any], ctx: RequestContext,
+        self, model: str, index: int, upstreams: list[Upstream | None], payload: dict[str, Any],
+        ctx: RequestContext, progress: Progress | None,
     ) -> AsyncIterator[tuple[int, Line]]:
         """One choice's lines; if its worker breaks off mid-stream, migrate and go on.
 
@@ -44,30 +62,32 @@ class Migrator:
         (``resume_token_ids``) with the remaining ``max_tokens``, so the client's
         stream has no gap and no repeated token.
         """
-        sent: list[int] = []
-        chars = 0
+        sent: list[int] = list(progress.ids) if progress else []
+        chars = progress.chars if progress else 0
         failed: list[str] = []
         while True:
             upstream = upstreams[index]
             resumed = len(payload.get("resume_token_ids", ()))
-            try:
-                async for line in upstream.lines(self._settings.stall_timeout_s, ctx.deadline):
-                    sent.extend(line.get("ids", ()))
-                    chars += len(line.get("text", ""))
-                    if resumed and line.get("usage"):
-                        # The worker counted the resumed ids as prompt; the client's prompt is shorter.
-                        line["usage"] = {**line["usage"], "prompt_tokens": line["usage"]["prompt_tokens"] - resumed}
-                    yield index, line
-                return
-            except (UpstreamFailed, DeadlineExceeded) as exc:
-                if exc.code == "worker_lost" and not ctx.lost_a_worker():
-                    raise query_of_death() from None
-                if not self._may_migrate(exc, len(failed), ctx):
-                    raise
-                failed.append(upstream.worker_id)
-                log.warning("request %s: worker %s broke off after %d tokens (%s); migrating",
-                            ctx.request_id, upstream.worker_id, len(sent), exc.message)
-                await upstream.aclose()
+            if upstream is not None:
+                try:
+                    async for line in upstream.lines(self._settings.stall_timeout_s, ctx.deadline):
+                        sent.extend(line.get("ids", ()))
+                        chars += len(line.get("text", ""))
+                        if resumed and line.get("usage"):
+                            # The worker counted the resumed ids as prompt; the client's prompt is shorter.
+                            usage = line["usage"]
+                            line["usage"] = {**usage, "prompt_tokens": usage["prompt_tokens"] - resumed}
+                        yield index, line
+                    return
+                except (UpstreamFailed, DeadlineExceeded) as exc:
+                    if exc.code == "worker_lost" and not ctx.lost_a_worker():
+                        raise query_of_death() from None
+                    if not self._may_migrate(exc, len(failed), ctx):
+                        raise
+                    failed.append(upstream.worker_id)
+                    log.warning("request %s: worker %s broke off after %d tokens (%s); migrating",
+                                ctx.request_id, upstream.worker_id, len(sent), exc.message)
+                    await upstream.aclose()
             limit = payload.get("max_tokens")
             payload = {**payload, "request_id": f"{ctx.internal_id}-{index}-m{len(failed)}",
                        "resume_token_ids": list(sent), "resume_text_chars": chars,
@@ -77,8 +97,9 @@ class Migrator:
             if payload["max_tokens"] is not None and payload["max_tokens"] <= 0:
                 yield index, {"ids": [], "text": "", "finish_reason": "length"}
                 return
-            upstreams[index] = await self._dispatcher.open(model, payload, ctx, exclude=failed, boost=True)
-            ctx.record.migrated(upstreams[index].worker_id)
+            opened = await self._dispatcher.open(model, payload, ctx, exclude=failed, boost=True)
+            upstreams[index] = opened
+            ctx.record.migrated(opened.worker_id)
 
     def _may_migrate(self, exc: SluiceError, migrations: int, ctx: RequestContext) -> bool:
         if exc.code == "request_timeout" or ctx.remaining_s() <= 0:

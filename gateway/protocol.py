@@ -165,10 +165,11 @@ class ChunkWriter:
     b'data: '
     """
 
-    def __init__(self, kind: Literal["chat", "text"], model: str) -> None:
+    def __init__(self, kind: Literal["chat", "text"], model: str, *, id: str | None = None,
+                 created: int | None = None) -> None:
         self.kind = kind
-        self.id = new_id(kind)
-        self.created = int(time.time())
+        self.id = id or new_id(kind)  # a stream taken over by another gateway keeps its id
+        self.created = int(time.time()) if created is None else created
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         self._head = (
             b'data: {"id":"' + self.id.encode() + b'","object":"' + obj.encode()

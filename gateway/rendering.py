@@ -38,12 +38,16 @@ Kind = Literal["chat", "text"]
 async def sse_events(
     kind: Kind, req: ChatCompletionRequest | CompletionRequest, lines: AsyncIterator[tuple[int, Line]],
     record: RequestRecord, end: Callable[[str | SluiceError, bool], Awaitable[None]],
+    writer: ChunkWriter | None = None, offsets: dict[int, int] | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE bytes of a streamed completion, ending with ``[DONE]`` whatever happens;
-    ``end(outcome, completed)`` runs once, shielded, when the lines stop."""
-    writer = ChunkWriter(kind, req.model)
+    ``end(outcome, completed)`` runs once, shielded, when the lines stop.
+
+    A stream taken over from another gateway passes its ``writer`` (same id) and the
+    characters each choice already sent (``offsets``: no second role chunk)."""
+    writer = writer or ChunkWriter(kind, req.model)
     completed = False
-    offsets: dict[int, int] = {}
+    offsets = dict(offsets or {})
     outcome: str | SluiceError = "ok"
     try:
         async for index, line in lines:

@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
+from opentelemetry.context import Context
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from sse_starlette import EventSourceResponse
@@ -17,18 +20,28 @@ from gateway.admission import ClientGone
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
 from gateway.idempotency import Idempotency
-from gateway.journal import JournalWriter, start_producer, stream_key
+from gateway.journal import (
+    JournalCommitter,
+    JournalWriter,
+    live_key,
+    start_producer,
+    stream_key,
+)
 from gateway.journal_readers import JournalReaders
+from gateway.metrics import GatewayMetrics
 from gateway.migration import Migrator
 from gateway.protocol import (
     ChatCompletionRequest,
+    ChunkWriter,
     CompletionRequest,
     worker_payloads,
 )
 from gateway.record import RequestRecord
 from gateway.rendering import GuardedSSE, Kind, json_response, sse_events
+from gateway.takeover import LineTap, Plan, recover, save_plan
 from gateway.tenancy import Tenancy
-from gateway.upstream import Dispatcher, Upstream
+from gateway.upstream import Dispatcher, Line, Upstream
+from sluice import keys
 from sluice.errors import (
     Conflict,
     RouteNotFound,
@@ -42,8 +55,10 @@ log = logging.getLogger("sluice.gateway")
 class Serving:
     def __init__(
         self, settings: GatewaySettings, dispatcher: Dispatcher, idempotency: Idempotency, redis: Redis,
-        tenancy: Tenancy, readers: JournalReaders,
+        tenancy: Tenancy, readers: JournalReaders, metrics: GatewayMetrics,
     ) -> None:
+        self._metrics = metrics
+        self._committer = JournalCommitter(redis)  # writes every journal this process produces
         self._settings = settings
         self._tenancy = tenancy
         self._readers = readers
@@ -52,6 +67,9 @@ class Serving:
         self._idempotency = idempotency
         self._redis = redis
         self._producers: set[asyncio.Task[None]] = set()
+
+    async def close(self) -> None:
+        await self._committer.close()
 
     async def serve(self, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext) -> Response:
         """A chat or text completion, as one JSON body or an SSE stream."""
@@ -84,7 +102,8 @@ class Serving:
                         return await self.reattach(key, ctx.last_event_id)
                     return replay
                 owned = True
-                await self._redis.delete(stream_key(key))  # an earlier failed attempt's journal
+                # An earlier failed attempt's journal and plan.
+                await self._redis.delete(stream_key(key), keys.journal_plan(key))
             return await self._generate(kind, req, ctx)
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -99,7 +118,7 @@ class Serving:
         record = ctx.record
         headers = {"x-request-id": ctx.request_id, **ctx.headers}
         payloads = worker_payloads(req, ctx.internal_id)
-        upstreams = await self._open_all(req, payloads, ctx)
+        upstreams: list[Upstream | None] = list(await self._open_all(req, payloads, ctx))
         headers["x-sluice-queue-ms"] = str(round(record.queue_wait_s * 1000))
         lines = self._migrator.lines(req.model, upstreams, payloads, ctx)
 
@@ -111,18 +130,9 @@ class Serving:
             async def end(outcome: str | SluiceError, completed: bool) -> None:
                 await self._end_stream(upstreams, record, ctx, outcome, completed)
 
-            events = sse_events(kind, req, lines, record, end)
             if ctx.idempotency_key is not None:
-                # Resumable: the generation feeds the journal, independent of this client
-                # (a migration must not give up because the first reader left), and this
-                # client is its first reader.
-                ctx.detach_from_client()
-                writer = JournalWriter(self._redis, ctx.idempotency_key, ttl_s=self._settings.idempotency_ttl_s)
-                first = writer.subscribe(self._readers.tail)  # events as produced, not as flushed
-                task = await start_producer(writer, events, abandon)
-                self._producers.add(task)
-                task.add_done_callback(self._producers.discard)
-                return GuardedSSE(first.events(), first.close, ping=self._settings.sse_ping_s, headers=headers)
+                return await self._produce(kind, req, ctx, upstreams, lines, end, abandon, headers)
+            events = sse_events(kind, req, lines, record, end)
             return GuardedSSE(events, abandon, ping=self._settings.sse_ping_s, headers=headers)
         try:
             response = await json_response(kind, req, lines, record, headers, ctx.disconnected, len(upstreams),
@@ -134,6 +144,86 @@ class Serving:
         if ctx.idempotency_key is not None:
             await self._idempotency.complete(ctx.idempotency_key, ctx.fingerprint, False, bytes(response.body))
         return response
+
+    async def _produce(
+        self, kind: Kind, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext,
+        upstreams: list[Upstream | None], lines: AsyncIterator[tuple[int, Line]],
+        end: Callable[[str | SluiceError, bool], Awaitable[None]], abandon: Callable[[], Awaitable[None]],
+        headers: dict[str, str],
+    ) -> Response:
+        """A resumable stream: the generation feeds the journal, independent of this client
+        (a migration must not give up because the first reader left), and this client is
+        its first reader. The plan lets another gateway continue it if this one dies."""
+        assert ctx.idempotency_key is not None
+        ctx.detach_from_client()
+        chunks = ChunkWriter(kind, req.model)
+        plan = Plan(
+            kind=kind, body=ctx.body.decode(), internal_id=ctx.internal_id, request_id=ctx.request_id,
+            chunk_id=chunks.id, created=chunks.created, priority=ctx.priority, tenant=ctx.tenant, cost=ctx.cost,
+            deadline_unix=time.time() + ctx.remaining_s(), fingerprint=ctx.fingerprint, choices=len(upstreams),
+        )
+        writer = JournalWriter(self._committer, ctx.idempotency_key, ttl_s=self._settings.idempotency_ttl_s,
+                               owner=ctx.internal_id)
+        try:
+            await save_plan(self._redis, ctx.idempotency_key, plan, self._settings.idempotency_ttl_s)
+            await writer.claim()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await abandon()
+            raise
+        first = writer.subscribe(self._readers.tail)
+        tap = LineTap(lines)
+        events = sse_events(kind, req, tap.lines(), ctx.record, end, chunks)
+        self._keep(await start_producer(writer, events, abandon, tap.take))
+        return GuardedSSE(first.events(), first.close, ping=self._settings.sse_ping_s, headers=headers)
+
+    def _keep(self, producer: asyncio.Task[None]) -> None:
+        self._producers.add(producer)
+        producer.add_done_callback(self._producers.discard)
+
+    async def take_over(self, key: str) -> bool:
+        """Continue the resumable stream ``key`` whose producer is gone (gateway/takeover.py).
+        True while some gateway produces it (this one now, or another that was faster);
+        False when it cannot be continued."""
+        owner = uuid.uuid4().hex
+        writer = JournalWriter(self._committer, key, ttl_s=self._settings.idempotency_ttl_s, owner=owner)
+        if not await writer.claim(take_over=True):
+            return True
+        found = await recover(self._redis, key)
+        if found is None or found[1].done:
+            await self._redis.delete(live_key(key))
+            return found is not None
+        plan, state = found
+        model = ChatCompletionRequest if plan.kind == "chat" else CompletionRequest
+        req = model.model_validate_json(plan.body)
+        kind: Kind = "chat" if plan.kind == "chat" else "text"
+        record = RequestRecord.begin(plan.request_id, self._metrics, Context(), "takeover")
+        record.describe(req.model, req.n, plan.priority, None if plan.tenant == "-" else plan.tenant)
+        record.known_model()  # admitted once already
+        record.completion_tokens, record.prompt_tokens = state.completion_tokens, state.prompt_tokens
+        ctx = RequestContext(
+            request_id=plan.request_id, priority=plan.priority, idempotency_key=key,
+            deadline=time.monotonic() + max(0.0, plan.deadline_unix - time.time()),
+            fingerprint=plan.fingerprint, tenant=plan.tenant, cost=plan.cost,
+            internal_id=f"{plan.internal_id}-t{owner[:6]}", record=record,
+        )
+        log.info("request %s: taking over its resumable stream after event %d (%d choice(s) to continue)",
+                 plan.request_id, state.last, len(state.progress))
+        payloads = worker_payloads(req, ctx.internal_id)
+        upstreams: list[Upstream | None] = [None] * len(payloads)
+        tap = LineTap(self._migrator.lines(req.model, upstreams, payloads, ctx, state.progress))
+
+        async def end(outcome: str | SluiceError, completed: bool) -> None:
+            await self._end_stream(upstreams, record, ctx, outcome, completed)
+
+        async def abandon() -> None:
+            await end(ClientGone("the take-over ended before it began"), False)
+
+        chunks = ChunkWriter(kind, req.model, id=plan.chunk_id, created=plan.created)
+        events = sse_events(kind, req, tap.lines(), record, end, chunks, state.offsets)
+        writer.continue_after(state.last)
+        self._keep(await start_producer(writer, events, abandon, tap.take))
+        return True
 
     async def _open_all(
         self, req: ChatCompletionRequest | CompletionRequest, payloads: list[dict[str, Any]],
@@ -180,12 +270,11 @@ class Serving:
         )
 
     async def _end_stream(
-        self, upstreams: list[Upstream], record: RequestRecord, ctx: RequestContext,
+        self, upstreams: list[Upstream | None], record: RequestRecord, ctx: RequestContext,
         outcome: str | SluiceError, completed: bool,
     ) -> None:
         """Close upstreams, finish the record, settle key and charge. Safe to call twice."""
-        for upstream in upstreams:
-            await upstream.aclose()
+        await _close(upstreams)
         record.finish(outcome)
         if not ctx.stream_settled:
             ctx.stream_settled = True
@@ -213,9 +302,15 @@ class Serving:
         except (RedisError, OSError) as exc:
             log.warning("could not settle Idempotency-Key %s: %s", ctx.idempotency_key, exc)
 
-    async def _end_json(self, upstreams: list[Upstream], ctx: RequestContext) -> None:
+    async def _end_json(self, upstreams: list[Upstream | None], ctx: RequestContext) -> None:
         """A JSON answer's clean-up: close upstreams, finish the record, settle the charge."""
-        for upstream in upstreams:
-            await upstream.aclose()
+        await _close(upstreams)
         ctx.record.finish()
         await self._settle_usage(ctx, ctx.record.prompt_tokens + ctx.record.completion_tokens)
+
+
+async def _close(upstreams: list[Upstream | None]) -> None:
+    """Close every upstream opened so far (a take-over's choice may have none yet)."""
+    for upstream in upstreams:
+        if upstream is not None:
+            await upstream.aclose()

@@ -30,7 +30,8 @@ carry their own hash tag for the same reason.
     sl:rl:{prefix}:streams         zset: the key's running generations -> expiry (ms)
     sl:idem:{scope}                an Idempotency-Key's record
     sl:journal:{scope}             stream: a resumable stream's SSE events
-    sl:journal:{scope}:live        exists while a gateway still produces that stream
+    sl:journal:{scope}:live        the producing gateway's token, while it produces that stream
+    sl:journal:{scope}:plan        what another gateway needs to take that stream over
 """
 
 from __future__ import annotations
@@ -140,3 +141,7 @@ def journal(scope: str) -> str:
 
 def journal_live(scope: str) -> str:
     return journal(scope) + ":live"
+
+
+def journal_plan(scope: str) -> str:
+    return journal(scope) + ":plan"

@@ -69,10 +69,3 @@ def completion_budget(request: GenerateRequest, prompt_len: int, context_len: in
             param="max_tokens", code="context_length_exceeded",
         )
     return request.max_tokens or room
-
-
-def held_back_text(tokenizer: Any, request: GenerateRequest) -> str:
-    """Text of the resumed ids that the previous worker had not sent yet."""
-    if not request.resume_token_ids or request.resume_text_chars is None:
-        return ""
-    return str(tokenizer.decode(request.resume_token_ids))[request.resume_text_chars:]

@@ -29,11 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from engine_worker.engines.base import EngineStats
-from engine_worker.engines.prompts import (
-    completion_budget,
-    held_back_text,
-    prompt_token_ids,
-)
+from engine_worker.engines.prompts import completion_budget, prompt_token_ids
+from engine_worker.engines.resume import ResumedText
 from engine_worker.protocol import Delta, GenerateRequest, Usage
 from sluice.errors import InvalidRequest
 
@@ -123,7 +120,7 @@ class TrtllmEngine:
             fields["top_k"] = request.top_k
         if request.seed is not None:
             fields["seed"] = request.seed
-        if request.stop:
+        if request.stop and not request.resume_token_ids:  # a resumed one checks them itself
             fields["stop"] = list(request.stop)
         return SamplingParams(**fields)
 
@@ -136,31 +133,34 @@ class TrtllmEngine:
         )
         seen_ids = 0
         seen_text = 0
-        pending = held_back_text(self._tokenizer, request)
-        finished = False
+        resumed_text = ResumedText.start(self._tokenizer, request)  # see engines/resume.py
+        engine_done = False
+        completion = 0
         try:
             async for step in result:
                 out = step.outputs[0]
                 ids = list(out.token_ids[seen_ids:])
                 text = out.text[seen_text:]
                 seen_ids, seen_text = len(out.token_ids), len(out.text)
-                finish = None
+                engine_done = out.finish_reason is not None
+                finish = FINISH_REASONS.get(str(out.finish_reason), str(out.finish_reason)) if engine_done else None
+                if resumed_text is not None:
+                    ids, text, stopped = resumed_text.step(ids, engine_done)
+                    finish = "stop" if stopped else finish
+                completion += len(ids)
                 usage = None
-                if out.finish_reason is not None:
-                    finished = True
-                    finish = FINISH_REASONS.get(str(out.finish_reason), str(out.finish_reason))
+                if finish is not None:
                     usage = Usage(
                         prompt_tokens=len(full),
-                        completion_tokens=seen_ids,
+                        completion_tokens=completion,
                         cached_tokens=int(getattr(step, "cached_tokens", 0) or 0),
                     )
                 if ids or text or finish:
-                    yield Delta(ids, pending + text, finish, usage)
-                    pending = ""
-                if finished:
+                    yield Delta(ids, text, finish, usage)
+                if finish is not None:
                     return
         finally:
-            if not finished:
+            if not engine_done:
                 self.aborted += 1
                 result.abort()
 

@@ -15,16 +15,13 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 from engine_worker.engines.base import EngineStats
-from engine_worker.engines.prompts import (
-    completion_budget,
-    held_back_text,
-    prompt_token_ids,
-)
+from engine_worker.engines.prompts import completion_budget, prompt_token_ids
+from engine_worker.engines.resume import ResumedText
 from engine_worker.protocol import Delta, GenerateRequest, Usage
 
 log = logging.getLogger("sluice.worker.vllm")
@@ -135,7 +132,8 @@ class VllmEngine:
         fields: dict[str, Any] = {
             "max_tokens": completion_budget(request, prompt_len, self.max_model_len),
             "output_kind": RequestOutputKind.DELTA,
-            "stop": request.stop or None,
+            # A resumed generation checks its stop strings itself (engines/resume.py).
+            "stop": None if request.resume_token_ids else request.stop or None,
             "seed": request.seed,
             "ignore_eos": request.ignore_eos,
             "min_tokens": request.min_tokens,
@@ -168,9 +166,10 @@ class VllmEngine:
         prompt = prompt_token_ids(self._tokenizer, request)
         resumed = list(request.resume_token_ids)
         params = self.sampling_params(request, len(prompt) + len(resumed))
+        # A resumed generation's text and stop strings are ours (see engines/resume.py).
+        text = ResumedText.start(self._tokenizer, request)
         request_id = f"{request.request_id}-{uuid.uuid4().hex[:8]}"
-        pending = held_back_text(self._tokenizer, request)
-        finished = False
+        engine_done = False
         completion = 0
         stream = self._engine.generate(
             self._engine_input(TokensPrompt(prompt_token_ids=prompt + resumed)),
@@ -182,12 +181,15 @@ class VllmEngine:
         try:
             async for out in stream:
                 choice = out.outputs[0]
-                completion += len(choice.token_ids)
-                finish = None
+                engine_done = choice.finish_reason is not None
+                ids, piece = list(choice.token_ids), choice.text
+                finish = FINISH_REASONS.get(choice.finish_reason, choice.finish_reason) if engine_done else None
+                if text is not None:
+                    ids, piece, stopped = text.step(ids, engine_done)
+                    finish = "stop" if stopped else finish
+                completion += len(ids)
                 usage = None
-                if choice.finish_reason is not None:
-                    finished = True
-                    finish = FINISH_REASONS.get(choice.finish_reason, choice.finish_reason)
+                if finish is not None:
                     usage = Usage(
                         prompt_tokens=len(prompt) + len(resumed),
                         completion_tokens=completion,
@@ -195,13 +197,13 @@ class VllmEngine:
                     )
                 lps = None
                 if request.logprobs is not None and choice.logprobs is not None:
-                    lps = logprob_entries(choice.token_ids, choice.logprobs, request.logprobs)
-                yield Delta(list(choice.token_ids), pending + choice.text, finish, usage, lps)
-                pending = ""
-                if finished:
+                    label = None if text is None else text.token_label
+                    lps = logprob_entries(ids, choice.logprobs, request.logprobs, label, completion - len(ids))
+                yield Delta(ids, piece, finish, usage, lps)
+                if finish is not None:
                     return
         finally:
-            if not finished:
+            if not engine_done:
                 self.aborted += 1
                 await stream.aclose()
                 await self._engine.abort(request_id)
@@ -211,16 +213,24 @@ def _finite(logprob: float) -> float:
     return max(float(logprob), -9999.0)  # JSON has no -inf
 
 
-def logprob_entries(ids: Any, per_token: Any, top: int) -> list[list[Any]]:
-    """vLLM's ``{token_id: Logprob}`` per position, as [text, logprob, [[alt, logprob], ...]]."""
+def logprob_entries(
+    ids: Any, per_token: Any, top: int, label: Callable[[int, int, str], str] | None = None, first: int = 0,
+) -> list[list[Any]]:
+    """vLLM's ``{token_id: Logprob}`` per position, as [text, logprob, [[alt, logprob], ...]].
+
+    ``label(position, token_id, text)`` corrects the texts of a resumed generation's
+    first tokens (``ResumedText.token_label``); ``first`` is the position of ``ids[0]``."""
+    def text(position: int, token_id: int, option: Any) -> str:
+        decoded = option.decoded_token or ""
+        return decoded if label is None else label(position, token_id, decoded)
+
     entries = []
-    for token_id, options in zip(ids, per_token, strict=False):
-        sampled = options[token_id]
-        ranked = sorted(options.values(), key=lambda o: -o.logprob)[:top]
+    for position, (token_id, options) in enumerate(zip(ids, per_token, strict=False), start=first):
+        ranked = sorted(options.items(), key=lambda o: -o[1].logprob)[:top]
         entries.append([
-            sampled.decoded_token or "",
-            _finite(sampled.logprob),
-            [[o.decoded_token or "", _finite(o.logprob)] for o in ranked],
+            text(position, token_id, options[token_id]),
+            _finite(options[token_id].logprob),
+            [[text(position, alt, o), _finite(o.logprob)] for alt, o in ranked],
         ])
     return entries
 

@@ -213,6 +213,10 @@ def main(args: argparse.Namespace) -> int:
         from sluice.commands.bench_flood import main as flood_main
 
         return flood_main(args)
+    if args.scenario == "resilience":
+        from sluice.commands.bench_resilience import main as resilience_main
+
+        return resilience_main(args)
     args.requests = args.requests or 32
 
     options = UpOptions(engine=args.engine, workers=1, port=args.port, model=args.model,
@@ -238,10 +242,12 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scenario", choices=["overhead", "priority", "flood"], default="overhead",
+    p.add_argument("--scenario", choices=["overhead", "priority", "flood", "resilience"], default="overhead",
                    help="overhead: gateway vs direct worker (default); priority: per-class TTFT and "
                         "shedding at 0.5x and 2x capacity (sim engine); flood: 10k streams over three "
-                        "gateways, a gateway kill, a Redis Cluster, fairness between tenants (sim engine)")
+                        "gateways, a gateway kill, a Redis Cluster, fairness between tenants (sim engine); "
+                        "resilience: journal cost, worker SIGKILLs under load, a gateway SIGKILL under "
+                        "resumable streams (sim engine)")
     p.add_argument("--duration-s", type=float, default=20.0, help="priority: seconds per phase")
     p.add_argument("--queue-timeout-s", type=float, default=2.0, help="priority: gateway queue timeout")
     p.add_argument("--sim-max-seqs", type=int, default=8, help="priority: sim worker slots")
@@ -277,3 +283,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flood.add_argument("--fair-queue-timeout-s", type=float, default=10.0, help="fairness runs' queue timeout")
     flood.add_argument("--plot", default="loadtest/flood.png", help="chart path")
     flood.add_argument("--json", default="loadtest/flood.json", help="JSON summary path")
+    from sluice.commands.bench_resilience import add_arguments as resilience_arguments
+
+    resilience_arguments(p)

@@ -39,6 +39,8 @@ class StackShape:
     gateway_env: dict[str, str] = field(default_factory=dict)
     #: Extra flags every sim worker gets.
     worker_args: list[str] = field(default_factory=list)
+    #: Log level of every child (INFO: gateways write their access log).
+    log_level: str = "WARNING"
 
 
 class LoggedChild(Child):
@@ -97,13 +99,9 @@ class Stack:
     def start(self, timeout_s: float = 60.0) -> Self:
         s = self.shape
         self.redis = (EmbeddedCluster() if s.redis == "cluster" else EmbeddedRedis()).start()
-        base = [sys.executable, "-m", "sluice", "--log-level", "WARNING"]
-        for i in range(s.workers):
-            port = free_port()
-            argv = [*base, "worker", "--engine", "sim", "--port", str(port), "--redis-url", self.redis_url,
-                    "--served-model-name", MODEL, "--worker-id", f"w{i}-{port}", *s.worker_args]
-            self.workers.append(self._spawn(f"worker-{i}", argv, {}))
-            self.worker_urls.append(f"http://127.0.0.1:{port}")
+        base = [sys.executable, "-m", "sluice", "--log-level", s.log_level]
+        for _ in range(s.workers):
+            self._spawn_worker()
         self._wait_workers(time.monotonic() + timeout_s)
         for i in range(s.gateways):
             port = free_port()
@@ -113,6 +111,28 @@ class Stack:
         for child, url in zip(self.gateways, self.gateway_urls, strict=True):
             self._wait_http(child, url + "/ready", time.monotonic() + timeout_s)
         return self
+
+    def _spawn_worker(self) -> None:
+        port = free_port()
+        name = f"w{len(self.worker_urls)}-{port}"
+        argv = [sys.executable, "-m", "sluice", "--log-level", self.shape.log_level, "worker", "--engine", "sim",
+                "--port", str(port), "--redis-url", self.redis_url, "--served-model-name", MODEL,
+                "--worker-id", name, *self.shape.worker_args]
+        self.workers.append(self._spawn(f"worker-{name}", argv, {}))
+        self.worker_urls.append(f"http://127.0.0.1:{port}")
+
+    def add_worker(self, timeout_s: float = 60.0) -> None:
+        """Start one more sim worker and wait until it is registered."""
+        self._spawn_worker()
+        self._wait_http(self.workers[-1], self.worker_urls[-1] + "/health", time.monotonic() + timeout_s)
+
+    def kill_worker(self, index: int) -> None:
+        """SIGKILL one worker, as a crash would; it leaves the stack's list of workers."""
+        child = self.workers.pop(index)
+        self.worker_urls.pop(index)
+        child.kill_group()
+        assert child.process is not None
+        child.process.wait()
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> LoggedChild:
         child = LoggedChild(name, argv, _child_env(env), self.logs_dir / f"{self.label}-{name}.log")

@@ -121,7 +121,7 @@ def test_logprobs_and_n(client) -> None:
 
 @pytest.mark.timeout(360)  # starts two vLLM workers of its own (20-60 s each on 2 busy cores)
 def test_migration_after_worker_kill_is_byte_identical(start_worker, start_gateway) -> None:
-    """Two vLLM workers; the one streaming is SIGKILLed mid-answer; the other finishes it.
+    """Two vLLM workers; one streaming is SIGKILLed mid-answer; the other finishes it.
 
     float32: in bf16 the resumed worker's prefill of prompt + sent tokens and the
     first worker's step-by-step decode round differently enough to flip a near-tie
@@ -135,20 +135,26 @@ def test_migration_after_worker_kill_is_byte_identical(start_worker, start_gatew
         for i in range(2)
     ]
     gateway = start_gateway()
-    args = {"model": model, "temperature": 0, "max_tokens": 80,
+    # n=2 with logprobs: each choice migrates on its own, logprob labels continue exactly.
+    args = {"model": model, "temperature": 0, "max_tokens": 80, "n": 2, "logprobs": True, "top_logprobs": 1,
             "messages": [{"role": "user", "content": "Describe how a canal lock lifts a boat."}]}
     with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
-        reference = client.chat.completions.create(**args).choices[0].message.content
+        whole = client.chat.completions.create(**args).choices
+        reference = [c.message.content for c in whole]
+        reference_tokens = [[t.token for t in c.logprobs.content] for c in whole]
         stream = client.chat.completions.create(**args, stream=True)
-        pieces: list[str] = []
+        pieces: list[list[str]] = [[], []]
+        tokens: list[list[str]] = [[], []]
         killed = False
         for chunk in stream:
-            if chunk.choices:
-                pieces.append(chunk.choices[0].delta.content or "")
-            if not killed and len(pieces) == 15:
-                busy = [w for w in workers if running(w) == 1]
-                assert len(busy) == 1
+            for choice in chunk.choices:
+                pieces[choice.index].append(choice.delta.content or "")
+                tokens[choice.index] += [t.token for t in (choice.logprobs.content or [])] if choice.logprobs else []
+            if not killed and len(pieces[0]) >= 15:
+                busy = [w for w in workers if running(w) >= 1]
+                assert busy
                 busy[0].kill()
                 killed = True
     assert killed
-    assert "".join(pieces) == reference
+    assert ["".join(p) for p in pieces] == reference
+    assert tokens == reference_tokens

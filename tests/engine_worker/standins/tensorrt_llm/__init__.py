@@ -33,6 +33,10 @@ class _HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return [len(w) for w in text.split()]
 
+    def decode(self, ids: list[int], skip_special_tokens: bool = False,
+               clean_up_tokenization_spaces: bool | None = None) -> str:
+        return "".join(" " + "x" * i for i in ids)  # encode's inverse, up to the letters
+
     def apply_chat_template(self, messages: list[dict[str, str]], **kwargs: Any) -> list[int]:
         return [1] + [len(m["content"]) for m in messages] + [2]
 
