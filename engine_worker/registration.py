@@ -51,6 +51,7 @@ class Registration:
         capacity: int,
         heartbeat_ms: int,
         stats: Callable[[], dict[str, float]],
+        healthy: Callable[[], bool] = lambda: True,
     ) -> None:
         self._redis = redis
         self.model = model
@@ -61,6 +62,7 @@ class Registration:
         self._period_s = heartbeat_ms / 1000
         self._ttl_ms = heartbeat_ms * keys.HEARTBEAT_MISSES
         self._stats = stats
+        self._healthy = healthy
         self._task: asyncio.Task[None] | None = None
         self._registered = False
         self._beat = redis.register_script(_BEAT)
@@ -79,8 +81,15 @@ class Registration:
         log.info("registered worker %s for model %r", self.worker_id, self.model)
 
     async def _loop(self) -> None:
+        beating = True
         while True:
             await asyncio.sleep(self._period_s)
+            if self._healthy() != beating:
+                beating = not beating
+                log.warning("engine %s: heartbeat %s", "healthy again" if beating else "unhealthy",
+                            "resumed" if beating else "paused (gateways stop routing here)")
+            if not beating:
+                continue
             try:
                 await self.beat()
             except (RedisError, OSError) as exc:

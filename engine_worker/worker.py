@@ -200,6 +200,7 @@ class Worker:
                 capacity=self.engine.capacity,
                 heartbeat_ms=s.heartbeat_ms,
                 stats=lambda: self.engine.stats().as_dict(),
+                healthy=lambda: self.engine.healthy,
             )
             await self._registration.start()
             reporting = asyncio.create_task(self._report_kv_events(PrefixIndex(redis)), name="kv-events")

@@ -37,6 +37,9 @@ class Engine(Protocol):
     name: str
     #: Sequences the engine runs at once; the worker advertises it as its capacity.
     capacity: int
+    #: False while the engine cannot serve (an upstream server failing its health check):
+    #: the worker stops heartbeating, so gateways stop routing to it until it recovers.
+    healthy: bool
 
     async def start(self) -> None: ...
 

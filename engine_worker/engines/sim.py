@@ -116,6 +116,7 @@ class _Seq:
 
 class SimEngine:
     name = "sim"
+    healthy = True
 
     def __init__(
         self, *, ttft_ms: float = 20.0, token_ms: float = 5.0, max_seqs: int = 64, fail_first: int = 0,

@@ -41,6 +41,7 @@ FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "tim
 
 class TrtllmEngine:
     name = "trtllm"
+    healthy = True
 
     def __init__(
         self,

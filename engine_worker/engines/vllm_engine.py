@@ -41,6 +41,7 @@ FINISH_REASONS = {"stop": "stop", "length": "length"}
 
 class VllmEngine:
     name = "vllm"
+    healthy = True
 
     def __init__(
         self,

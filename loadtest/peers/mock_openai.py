@@ -12,7 +12,8 @@ a token whose hash falls in 1/64 of the range ends the sequence (unless ``ignore
 
 ``--vllm`` makes it look like vLLM where Sluice looks: ``/version``, ``/metrics`` with
 vLLM's names, ``return_token_ids``, token-id prompts, ``/tokenize`` and ``/detokenize``.
-``GET /mock/requests`` lists the request bodies received (tests read what was passed on);
+``GET /mock/requests`` lists the request bodies received (tests read what was passed on),
+``POST /health {"ok": false}`` makes it fail its health check until ``{"ok": true}``;
 a body whose prompt contains ``MOCK_FAIL_MIDWAY`` breaks its stream after 3 tokens.
 """
 
@@ -78,6 +79,7 @@ class _Stream:
 class MockEngine:
     def __init__(self, ttft_ms: float, token_ms: float, vllm: bool, eos: bool = True) -> None:
         self.eos = eos
+        self.healthy = True
         self.ttft_s = ttft_ms / 1000
         self.token_s = token_ms / 1000
         self.vllm = vllm
@@ -193,7 +195,9 @@ def create_app(engine: MockEngine) -> Starlette:
         return json({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "mock"}]})
 
     async def health(request: Request) -> Response:
-        return Response(b"", status_code=200)
+        if request.method == "POST":  # tests turn the server's health off and on
+            engine.healthy = bool(orjson.loads(await request.body())["ok"])
+        return Response(b"", status_code=200 if engine.healthy else 503)
 
     async def version(request: Request) -> Response:
         return json({"version": "0.0.0-mock"}) if engine.vllm else error("not found", 404)
@@ -225,7 +229,7 @@ def create_app(engine: MockEngine) -> Starlette:
     return Starlette(routes=[
         Route("/v1/completions", generate, methods=["POST"]),
         Route("/v1/chat/completions", generate, methods=["POST"]),
-        Route("/v1/models", models), Route("/health", health), Route("/version", version),
+        Route("/v1/models", models), Route("/health", health, methods=["GET", "POST"]), Route("/version", version),
         Route("/metrics", metrics), Route("/tokenize", tokenize_route, methods=["POST"]),
         Route("/detokenize", detokenize_route, methods=["POST"]), Route("/mock/requests", received),
     ])

@@ -12,8 +12,9 @@ import pytest
 
 from engine_worker.engines.openai_upstream import parse_metrics, upstream_error
 from loadtest.peers.mock_openai import chat_template, detokenize, next_token, tokenize
+from sluice import keys
 from sluice.embedded_redis import free_port
-from tests.conftest import ROOT, Proc, wait_for
+from tests.conftest import ROOT, Proc, wait_for, worker_alive
 
 MOCK = ROOT / "loadtest" / "peers" / "mock_openai.py"
 
@@ -146,6 +147,19 @@ def test_client_disconnect_cancels_the_upstream_stream(gateway, mocks) -> None:
             pass
         assert streams_at_mocks() == 1
     wait_for(lambda: streams_at_mocks() == 0, 10, "the upstream stream to be closed")
+
+
+def test_an_unhealthy_server_takes_its_worker_out_of_routing(gateway, mocks, redis_client) -> None:
+    generic = mocks["generic"]
+    worker_id = next(w.decode() for w in redis_client.hkeys(keys.workers("mockg")))
+    httpx.post(generic.url + "/health", json={"ok": False})
+    try:
+        wait_for(lambda: not worker_alive(redis_client, "mockg", worker_id), 10, "the heartbeat to stop")
+    finally:
+        httpx.post(generic.url + "/health", json={"ok": True})
+    wait_for(lambda: worker_alive(redis_client, "mockg", worker_id), 10, "the heartbeat to resume")
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=30) as client:
+        assert client.completions.create(model="mockg", prompt="back again", max_tokens=2).choices[0].text
 
 
 def test_vllm_metrics_become_engine_stats() -> None:
