@@ -313,6 +313,16 @@ class Admission:
         depths.update({k.decode(): max(0, int(v)) for k, v in raw.items()})
         return depths
 
+    async def unreachable(self, lease: Lease) -> None:
+        """Nothing answers at a worker's address (it crashed): stop granting its slots now, for
+        every gateway, instead of when its heartbeat lapses (a few seconds in which every
+        retry could land on it). A worker that is alive after all puts itself back with its
+        next heartbeat."""
+        try:
+            await self._redis.hdel(keys.alive(lease.model), lease.worker_id)
+        except (RedisError, OSError) as exc:
+            log.warning("could not mark worker %s unreachable: %s", lease.worker_id, exc)
+
     async def live_workers(self, model: str) -> int:
         return int(await self._live(keys=[keys.workers(model), keys.alive(model)]))
 

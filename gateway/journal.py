@@ -182,11 +182,15 @@ class JournalWriter:
     def __repr__(self) -> str:
         return f"<JournalWriter {self.key} produced={self._produced} written={self._written}>"
 
-    async def claim(self, *, take_over: bool = False) -> bool:
-        """Mark this gateway as the stream's producer; taking over only succeeds while no
-        other gateway holds it (its ``:live`` expired)."""
-        redis = self._committer.redis
-        return bool(await redis.set(live_key(self.key), self._owner, px=LIVE_TTL_MS, nx=take_over))
+    async def claim(self, *, take_over: bool = False, plan: bytes | None = None) -> bool:
+        """Mark this gateway as the stream's producer, and store its ``plan`` (gateway/takeover.py)
+        in the same round trip; taking over only succeeds while no other gateway holds it
+        (its ``:live`` expired)."""
+        pipe = self._committer.redis.pipeline(transaction=False)
+        if plan is not None:
+            pipe.set(keys.journal_plan(self.key), plan, px=self._ttl_ms)
+        pipe.set(live_key(self.key), self._owner, px=LIVE_TTL_MS, nx=take_over)
+        return bool((await pipe.execute())[-1])
 
     def continue_after(self, number: int) -> None:
         """A taken-over stream: its next event is ``number + 1``."""

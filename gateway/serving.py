@@ -39,7 +39,7 @@ from gateway.protocol import (
 from gateway.record import RequestRecord
 from gateway.rendering import GuardedSSE, Kind, json_response, sse_events
 from gateway.responses import ResponseShape
-from gateway.takeover import LineTap, Plan, recover, save_plan
+from gateway.takeover import LineTap, Plan, recover
 from gateway.tenancy import Tenancy
 from gateway.upstream import Dispatcher, Line, Upstream
 from sluice import keys
@@ -172,8 +172,7 @@ class Serving:
         writer = JournalWriter(self._committer, ctx.idempotency_key, ttl_s=self._settings.idempotency_ttl_s,
                                owner=ctx.internal_id)
         try:
-            await save_plan(self._redis, ctx.idempotency_key, plan, self._settings.idempotency_ttl_s)
-            await writer.claim()
+            await writer.claim(plan=plan.dumps())
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await abandon()

@@ -94,10 +94,6 @@ class LineTap:
         return orjson.dumps(state)
 
 
-async def save_plan(redis: Redis, scope: str, plan: Plan, ttl_s: float) -> None:
-    await redis.set(keys.journal_plan(scope), plan.dumps(), px=int(ttl_s * 1000))
-
-
 async def recover(redis: Redis, scope: str) -> tuple[Plan, Recovered] | None:
     """The plan and the journal's state; None when the stream has no plan (it cannot be
     continued)."""

@@ -318,6 +318,8 @@ class Dispatcher:
             raise _Retryable(f"no first token within {ttft_s:g}s") from None
         except httpx.TransportError as exc:
             await _close(upstream, lease, self._admission, span)
+            if isinstance(exc, httpx.ConnectError):
+                await self._admission.unreachable(lease)
             raise _Retryable(f"{type(exc).__name__} talking to the worker",
                              lost=not isinstance(exc, httpx.ConnectError)) from None
         except BaseException:

@@ -26,7 +26,6 @@ import difflib
 import itertools
 import random
 import re
-import statistics
 import tempfile
 import threading
 import time
@@ -185,8 +184,10 @@ def gap_phase(args: argparse.Namespace, logs: Path) -> bool:
 
 # --- chaos -----------------------------------------------------------------------------------
 
-def _migrations(log: str) -> dict[str, int]:
-    return {m.group(1): int(m.group(2)) for m in re.finditer(r"request_id=(\S+) .*? migrations=(\d+)", log)}
+def _access(log: str) -> dict[str, tuple[float, int]]:
+    """Per request id, from the gateway's access log: (total seconds, migrations)."""
+    pattern = r"access request_id=(\S+) .*? total_ms=([\d.]+) .*? migrations=(\d+)"
+    return {m.group(1): (float(m.group(2)) / 1000, int(m.group(3))) for m in re.finditer(pattern, log)}
 
 
 def chaos_phase(args: argparse.Namespace, logs: Path) -> bool:
@@ -226,21 +227,24 @@ def chaos_phase(args: argparse.Namespace, logs: Path) -> bool:
             stop.set()
             thread.join(60)
         wall = time.monotonic() - started
-        migrated = _migrations(stack.gateways[0].log_path.read_text(errors="replace"))
+        access = _access(stack.gateways[0].log_path.read_text(errors="replace"))
     errors = TokenErrors()
     completed = [s for s in results if s.ok]
     for s in completed:
         errors.add(reference_words(_body(s.index, 0)["messages"], s.index, 40 + (s.index * 37) % 80), s.words)  # type: ignore[arg-type]
-    plain = [s.ended - s.started for s in completed if not migrated.get(f"res-{s.index}")]
-    moved = [s.ended - s.started for s in completed if migrated.get(f"res-{s.index}")]
-    extra_p99 = _q(moved, 0.99) - statistics.median(plain) if moved and plain else float("nan")
+    # Durations as the gateway saw them (its access log): the load generator shares the
+    # machine's 2 cores, so its own clock would add its CPU queueing to every figure.
+    plain = [total for total, moves in access.values() if not moves]
+    moved = [total for total, moves in access.values() if moves]
+    extra_p99 = _q(moved, 0.99) - _q(plain, 0.99) if moved and plain else float("nan")
     share = len(completed) / len(results)
     print(f"\n== chaos: {len(results)} streams over {args.chaos_workers} sim workers, {kills} worker SIGKILLs "
           f"in {wall:.0f} s")
     print(f"  completed {len(completed)}/{len(results)} ({share:.2%})  lost={errors.lost} "
           f"skipped={errors.skipped} duplicated={errors.duplicated} tokens")
-    print(f"  migrated streams={len(moved)} migrations={sum(migrated.values())}  p99 extra latency of migrated "
-          f"streams={extra_p99 * 1000:.0f} ms (over the median of the others, {statistics.median(plain) * 1000:.0f} ms)")
+    print(f"  migrated streams={len(moved)} migrations={sum(m for _, m in access.values())}  duration p50/p99 "
+          f"(gateway's access log): migrated {_q(moved, 0.5) * 1000:.0f}/{_q(moved, 0.99) * 1000:.0f} ms, others "
+          f"{_q(plain, 0.5) * 1000:.0f}/{_q(plain, 0.99) * 1000:.0f} ms: p99 extra latency {extra_p99 * 1000:+.0f} ms")
     return errors.total == 0 and share >= 0.99 and kills >= args.chaos_min_kills
 
 
@@ -350,7 +354,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chaos-concurrency", type=int, default=64, help="chaos: streams at once")
     g.add_argument("--chaos-workers", type=int, default=4, help="chaos: sim workers")
     g.add_argument("--chaos-token-ms", type=float, default=8.0, help="chaos: sim decode step")
-    g.add_argument("--chaos-kill-every-s", type=float, default=1.0, help="chaos: mean seconds between SIGKILLs")
+    g.add_argument("--chaos-kill-every-s", type=float, default=0.8, help="chaos: mean seconds between SIGKILLs")
     g.add_argument("--chaos-min-kills", type=int, default=25, help="chaos: goal's minimum number of kills")
     g.add_argument("--kill-streams", type=int, default=200, help="gateway-kill: resumable streams")
     g.add_argument("--kill-tokens", type=int, default=400, help="gateway-kill: tokens per stream")

@@ -65,3 +65,20 @@ def test_a_request_that_kills_workers_is_not_handed_to_a_third(start_worker, sta
     while httpx.post(gateway.url + "/v1/completions", timeout=30,
                      json={"model": model, "prompt": "a harmless prompt", "max_tokens": 3}).status_code != 200:
         assert time.monotonic() < deadline, "the surviving worker does not serve"
+
+
+def test_a_worker_nobody_answers_for_stops_getting_slots_at_once(start_worker, start_gateway, redis_client) -> None:
+    """Regression (chaos bench): a SIGKILLed worker kept its slots until its heartbeat
+    lapsed, and with workers dying every second, some requests spent all their attempts
+    on dead ones (503). The first refused connection takes it out for every gateway."""
+    model = "unreachable"
+    doomed = start_worker(model, heartbeat_ms=10_000)  # its heartbeat would stay alive 30 s
+    survivor = start_worker(model)
+    gateway = start_gateway()
+    doomed.kill()
+    assert worker_alive(redis_client, model, doomed.name)
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0) as client:
+        for i in range(6):  # least-loaded routing: one of these lands on the dead worker
+            assert client.completions.create(model=model, prompt=f"p{i}", max_tokens=2).choices
+    assert not worker_alive(redis_client, model, doomed.name)
+    assert worker_alive(redis_client, model, survivor.name)
