@@ -10,6 +10,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conftest import wait_for
+
 
 def _spans(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -94,10 +96,13 @@ def test_rejection_is_counted_and_logged(traced, start_worker) -> None:
         waiting = threading.Thread(target=httpx.post, args=(gateway.url + "/v1/completions",),
                                    kwargs={"json": {"model": "rej", "prompt": "w", "max_tokens": 2, "priority": 5}})
         waiting.start()
-        time.sleep(0.1)
-        depth = [s.value for s in _families(gateway.url)["sluice_gateway_queue_depth"].samples
-                 if s.labels == {"model": "rej", "priority_class": "low"}]
-        assert depth == [1.0]
+
+        def depth() -> list[float]:
+            return [s.value for s in _families(gateway.url)["sluice_gateway_queue_depth"].samples
+                    if s.labels == {"model": "rej", "priority_class": "low"}]
+
+        # Polled, not slept on: on a busy machine the request may take a while to arrive.
+        wait_for(lambda: depth() == [1.0], 5, "the waiting request in the low-priority queue")
         waiting.join(5)
         resp = httpx.post(gateway.url + "/v1/completions", headers={"x-request-id": "rejected-1"},
                           json={"model": "rej", "prompt": "late", "max_tokens": 2})
