@@ -24,6 +24,9 @@ from tests.conftest import Proc
 
 pytestmark = [
     pytest.mark.real_model,
+    # The first test also starts this module's engines: minutes on a fresh virtualenv, whose
+    # first import of vLLM's server compiles its bytecode.
+    pytest.mark.timeout(900),
     pytest.mark.skipif(not is_prepared(default_model_dir()), reason="run 'sluice model prepare' first"),
 ]
 
