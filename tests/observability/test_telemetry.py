@@ -34,7 +34,9 @@ def traced(start_worker, start_gateway, tmp_path_factory):
     worker_file, gateway_file = folder / "worker.jsonl", folder / "gateway.jsonl"
     worker = start_worker("traced", sim_token_ms=2, env={"SLUICE_TRACE_FILE": str(worker_file)})
     gateway = start_gateway(env={"SLUICE_TRACE_FILE": str(gateway_file),
-                                 "SLUICE_GATEWAY_QUEUE_TIMEOUT_S": "0.3"})
+                                 # Long enough for /metrics polls to see a queued request: in the full
+                                 # suite a poll walks every model in the shared Redis.
+                                 "SLUICE_GATEWAY_QUEUE_TIMEOUT_S": "3"})
     return worker, gateway, worker_file, gateway_file
 
 
@@ -92,7 +94,7 @@ def test_rejection_is_counted_and_logged(traced, start_worker) -> None:
     blocker = {"model": "rej", "prompt": "b", "max_tokens": 3000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", gateway.url + "/v1/completions", json=blocker, timeout=30) as held:
         lines = held.iter_lines()
-        next(lines)  # the only slot is taken; the next request waits 0.3 s and is turned away
+        next(lines)  # the only slot is taken; the next request waits 3 s and is turned away
         waiting = threading.Thread(target=httpx.post, args=(gateway.url + "/v1/completions",),
                                    kwargs={"json": {"model": "rej", "prompt": "w", "max_tokens": 2, "priority": 5}})
         waiting.start()
@@ -103,7 +105,7 @@ def test_rejection_is_counted_and_logged(traced, start_worker) -> None:
 
         # Polled, not slept on: on a busy machine the request may take a while to arrive.
         wait_for(lambda: depth() == [1.0], 5, "the waiting request in the low-priority queue")
-        waiting.join(5)
+        waiting.join(10)
         resp = httpx.post(gateway.url + "/v1/completions", headers={"x-request-id": "rejected-1"},
                           json={"model": "rej", "prompt": "late", "max_tokens": 2})
         assert resp.status_code == 429
