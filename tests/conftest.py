@@ -42,10 +42,15 @@ def running(worker: Proc) -> int:
 
 
 class Proc:
-    """A sluice child process with its log file; ``stop()`` sends SIGTERM and waits."""
+    """A sluice child process with its log file; ``stop()`` sends SIGTERM and waits.
+
+    It is stopped when the test that started it ends, or the module whose fixture started
+    it; ``shared`` ones (session fixtures) live until the session ends.
+    """
 
     def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str]) -> None:
         self.name = name
+        self.shared = False
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         # Own process group, so kill() also takes vLLM's engine processes with it.
@@ -75,6 +80,10 @@ class Proc:
         self._kill_group()
         self.process.wait()
         self._log.close()
+
+    def terminate(self) -> None:
+        if self.alive():
+            self.process.terminate()
 
     def stop(self, timeout_s: float = 15) -> int:
         if self.alive():
@@ -155,12 +164,43 @@ StartWorker = Callable[..., Proc]
 StartGateway = Callable[..., Proc]
 
 
+def stop_all(procs: list[Proc], timeout_s: float = 15) -> None:
+    """SIGTERM every one first, then wait: they stop in the time of the slowest."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.stop(timeout_s)
+
+
 @pytest.fixture(scope="session")
 def procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Proc]]:
     started: list[Proc] = []
     yield started
-    for proc in started:
-        proc.stop(timeout_s=5)
+    stop_all(started, timeout_s=5)
+
+
+def _stop_started_since(procs: list[Proc], before: int) -> None:
+    stop_all([p for p in procs[before:] if not p.shared])
+    procs[before:] = [p for p in procs[before:] if p.shared]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_processes_stop_with_it(procs: list[Proc]) -> Iterator[None]:
+    """What a module's fixtures started stops when the module ends. (Left running, a
+    whole suite's idle workers and gateways heartbeating against Redis servers that had
+    stopped took most of both cores by its last third.)"""
+    before = len(procs)
+    yield
+    _stop_started_since(procs, before)
+
+
+@pytest.fixture(autouse=True)
+def _test_processes_stop_with_it(procs: list[Proc]) -> Iterator[None]:
+    """What a test started itself stops when it ends (its module's fixtures are set up
+    before this one, so they are not counted)."""
+    before = len(procs)
+    yield
+    _stop_started_since(procs, before)
 
 
 @pytest.fixture(scope="session")
@@ -228,9 +268,10 @@ def start_gateway(
 @pytest.fixture(scope="session")
 def stack(start_worker: StartWorker, start_gateway: StartGateway) -> Proc:
     """A gateway and two sim workers serving model ``sim``; shared, never killed by tests."""
-    start_worker("sim")
-    start_worker("sim")
-    return start_gateway()
+    started = [start_worker("sim"), start_worker("sim"), start_gateway()]
+    for proc in started:
+        proc.shared = True
+    return started[-1]
 
 
 @pytest.fixture(scope="session")

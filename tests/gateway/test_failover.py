@@ -72,13 +72,17 @@ def test_a_worker_nobody_answers_for_stops_getting_slots_at_once(start_worker, s
     lapsed, and with workers dying every second, some requests spent all their attempts
     on dead ones (503). The first refused connection takes it out for every gateway."""
     model = "unreachable"
-    doomed = start_worker(model, heartbeat_ms=10_000)  # its heartbeat would stay alive 30 s
-    survivor = start_worker(model)
+    survivor = start_worker(model, sim_token_ms=50, sim_ttft_ms=0)
     gateway = start_gateway()
-    doomed.kill()
-    assert worker_alive(redis_client, model, doomed.name)
     with openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0) as client:
-        for i in range(6):  # least-loaded routing: one of these lands on the dead worker
-            assert client.completions.create(model=model, prompt=f"p{i}", max_tokens=2).choices
+        # A long stream holds one of the survivor's slots, so least-loaded routing sends
+        # the next request to the idle (dead) worker: no reliance on how ties break.
+        busy = client.completions.create(model=model, prompt="busy", max_tokens=200, stream=True)
+        assert next(iter(busy)).choices
+        doomed = start_worker(model, heartbeat_ms=10_000)  # its heartbeat would stay alive 30 s
+        doomed.kill()
+        assert worker_alive(redis_client, model, doomed.name)
+        assert client.completions.create(model=model, prompt="next", max_tokens=2).choices
+        busy.close()
     assert not worker_alive(redis_client, model, doomed.name)
     assert worker_alive(redis_client, model, survivor.name)

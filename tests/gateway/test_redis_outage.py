@@ -12,6 +12,7 @@ import redis
 
 from sluice import keys
 from sluice.embedded_redis import EmbeddedRedis
+from tests.conftest import wait_for, worker_alive
 
 
 @pytest.fixture
@@ -63,6 +64,8 @@ def test_redis_outage_and_recovery(private_redis, start_worker, start_gateway) -
         while httpx.get(gateway.url + "/ready").status_code != 200:
             assert time.monotonic() < deadline, "gateway did not recover"
             time.sleep(0.1)
+        # The restarted Redis is empty: the worker is back once its next heartbeat registers it.
+        wait_for(lambda: worker_alive(client, model, worker.name), 10, "the worker to register again")
         ok = httpx.post(gateway.url + "/v1/completions",
                         json={"model": model, "prompt": "back", "max_tokens": 3}, timeout=10)
         assert ok.status_code == 200

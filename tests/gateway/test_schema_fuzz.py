@@ -13,6 +13,25 @@ from hypothesis import HealthCheck, given, settings
 EXAMPLES_PER_OPERATION = 80
 
 
+def _load_schemathesis_now() -> None:
+    """Import what schemathesis loads lazily, at collection, from a shallow stack.
+
+    pytest rewrites schemathesis' modules on first import (it is a registered plugin). On a
+    fresh virtualenv (nothing cached) that import, deep inside a running test's stack, made
+    CPython 3.11 raise "SystemError: AST constructor recursion depth mismatch", a
+    RecursionError in disguise.
+    """
+    spec = {"openapi": "3.0.0", "info": {"title": "warm-up", "version": "1"},
+            "paths": {"/a": {"post": {"responses": {"200": {"description": "ok"}},
+                                      "requestBody": {"content": {"application/json": {"schema": {
+                                          "type": "object", "properties": {"x": {"type": "integer"}}}}}}}}}}
+    for result in schemathesis.openapi.from_dict(spec).get_all_operations():
+        result.ok().as_strategy()
+
+
+_load_schemathesis_now()
+
+
 def _check(response) -> None:
     assert response.status_code < 500 or response.status_code == 503, response.text[:300]
     if response.status_code >= 400:

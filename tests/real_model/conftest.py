@@ -1,19 +1,33 @@
-"""Real-model modules each start their own vLLM processes (a worker holds about 3 GB:
-engine core, model runner, KV cache). Stopped when their module ends, not with the
-session, so the suite never holds more than one module's engines on a 24 GB machine."""
+"""The real default model through vLLM on CPU.
+
+One vLLM worker and its gateway serve every module here: a worker holds about 3 GB and
+takes one to four minutes to start on 2 busy cores, so starting one per module cost the
+suite several minutes. Modules that need engines of their own (vLLM's server as an
+upstream, a second worker to kill) start them, and those stop with their module.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
-from tests.conftest import Proc
+from tests.conftest import Proc, StartGateway, StartWorker
+
+#: The shared worker's served name (distinct from the upstream module's, which registers
+#: vLLM servers of its own in the same Redis).
+MODEL = "smol-shared"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _engines_stop_with_their_module(procs: list[Proc]) -> Iterator[None]:
-    before = len(procs)
-    yield
-    for proc in procs[before:]:
-        proc.stop(timeout_s=15)
+@pytest.fixture(scope="session")
+def vllm_worker(start_worker: StartWorker) -> Proc:
+    # A tool-call parser for tool_choice "auto"; float32 is the CPU default (engines/vllm_engine.py).
+    worker = start_worker(MODEL, engine="vllm", vllm_max_num_seqs=8, tool_call_parser="hermes",
+                          env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
+    worker.shared = True
+    return worker
+
+
+@pytest.fixture(scope="session")
+def vllm_gateway(vllm_worker: Proc, start_gateway: StartGateway) -> Proc:
+    gateway = start_gateway()
+    gateway.shared = True
+    return gateway

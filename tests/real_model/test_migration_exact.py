@@ -18,13 +18,13 @@ import orjson
 import pytest
 
 from sluice.models import default_model_dir, is_prepared
+from tests.real_model.conftest import MODEL
 
 pytestmark = [
     pytest.mark.real_model,
     pytest.mark.skipif(not is_prepared(default_model_dir()), reason="run 'sluice model prepare' first"),
 ]
 
-MODEL = "smol-exact"
 EMOJI_CJK = {"prompt": "😀 你好 🚢 世界 😀 你好 🚢 世界 😀 你好 🚢 世界 😀 你好", "max_tokens": 40}
 WITH_STOP = {
     "messages": [{"role": "user", "content": "Translate to Chinese and add an emoji: Hello world, the boat is in the lock."}],
@@ -32,9 +32,9 @@ WITH_STOP = {
 }
 
 
-@pytest.fixture(scope="module")
-def worker(start_worker):
-    return start_worker(MODEL, engine="vllm", vllm_max_num_seqs=8)
+@pytest.fixture
+def worker(vllm_worker):
+    return vllm_worker
 
 
 def generate(worker, body: dict[str, Any]) -> list[dict[str, Any]]:

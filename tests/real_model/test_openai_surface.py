@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from sluice.models import default_model_dir, is_prepared
 from tests.openai_tools import WEATHER
+from tests.real_model.conftest import MODEL
 
 pytestmark = [
     pytest.mark.real_model,
@@ -20,21 +21,13 @@ pytestmark = [
     pytest.mark.timeout(600),
 ]
 
-MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def gateway(start_worker, start_gateway):
-    # One vLLM worker for the whole module, with a tool-call parser for tool_choice "auto".
-    start_worker(MODEL, engine="vllm", vllm_max_num_seqs=4, tool_call_parser="hermes")
-    return start_gateway()
-
-
 @pytest.fixture
-def client(gateway):
-    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=300) as c:
+def client(vllm_gateway):
+    with openai.OpenAI(base_url=vllm_gateway.url + "/v1", api_key="x", max_retries=0, timeout=300) as c:
         yield c
 
 

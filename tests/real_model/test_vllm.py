@@ -14,6 +14,7 @@ import pytest
 
 from sluice.models import default_model_dir, is_prepared
 from tests.conftest import running, wait_for
+from tests.real_model.conftest import MODEL
 
 pytestmark = [
     pytest.mark.real_model,
@@ -23,7 +24,6 @@ pytestmark = [
     pytest.mark.skipif(not is_prepared(default_model_dir()), reason="run 'sluice model prepare' first"),
 ]
 
-MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 LONG_SYSTEM = (
     "You are a meticulous assistant for a canal authority. You answer questions about locks, "
@@ -31,19 +31,9 @@ LONG_SYSTEM = (
 ) * 12
 
 
-@pytest.fixture(scope="module")
-def vllm_worker(start_worker):
-    return start_worker(MODEL, engine="vllm", vllm_max_num_seqs=8)
-
-
-@pytest.fixture(scope="module")
-def gateway(vllm_worker, start_gateway):
-    return start_gateway()
-
-
 @pytest.fixture
-def client(gateway):
-    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
+def client(vllm_gateway):
+    with openai.OpenAI(base_url=vllm_gateway.url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
         yield c
 
 
@@ -79,9 +69,9 @@ def test_stop_length_and_usage(client) -> None:
     assert text.choices[0].finish_reason == "length" and text.usage.completion_tokens == 4
 
 
-async def test_shared_prefix_is_cached(gateway) -> None:
+async def test_shared_prefix_is_cached(vllm_gateway) -> None:
     messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "Hi"}]
-    async with openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
+    async with openai.AsyncOpenAI(base_url=vllm_gateway.url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
         first = await c.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=2)
         rest = await asyncio.gather(*(
             c.chat.completions.create(
@@ -95,10 +85,10 @@ async def test_shared_prefix_is_cached(gateway) -> None:
     assert all(c > 0 for c in cached), cached
 
 
-def test_disconnect_frees_the_engine(gateway, vllm_worker) -> None:
+def test_disconnect_frees_the_engine(vllm_gateway, vllm_worker) -> None:
     body = {"model": MODEL, "prompt": "Tell a very long story about rivers.", "max_tokens": 400,
             "ignore_eos": True, "stream": True, "temperature": 0}
-    with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=60) as resp:
+    with httpx.stream("POST", vllm_gateway.url + "/v1/completions", json=body, timeout=60) as resp:
         lines = resp.iter_lines()
         assert next(lines).startswith("data: ")
         assert running(vllm_worker) == 1
@@ -122,22 +112,22 @@ def test_logprobs_and_n(client) -> None:
     assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
 
 
-@pytest.mark.timeout(360)  # starts two vLLM workers of its own (20-60 s each on 2 busy cores)
-def test_migration_after_worker_kill_is_byte_identical(start_worker, start_gateway) -> None:
+@pytest.mark.timeout(900)  # starts a second vLLM worker (minutes on 2 busy cores or a fresh CI machine)
+def test_migration_after_worker_kill_is_byte_identical(vllm_worker, vllm_gateway, start_worker) -> None:
     """Two vLLM workers; one streaming is SIGKILLed mid-answer; the other finishes it.
+
+    The shared worker is one of the two and may be the one killed: this is the last test
+    of the last module that uses it.
 
     float32: in bf16 the resumed worker's prefill of prompt + sent tokens and the
     first worker's step-by-step decode round differently enough to flip a near-tie
     a few dozen tokens later (seen here); the join itself was exact either way.
     """
-    model = "smol-migrate"
-    engine_args = '{"dtype": "float32"}'
-    workers = [
-        start_worker(model, engine="vllm", vllm_max_num_seqs=4,
-                     env={"VLLM_CPU_OMP_THREADS_BIND": str(i), "SLUICE_WORKER_VLLM_ENGINE_ARGS": engine_args})
-        for i in range(2)
-    ]
-    gateway = start_gateway()
+    model = MODEL
+    second = start_worker(MODEL, engine="vllm", vllm_max_num_seqs=8, tool_call_parser="hermes",
+                          env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
+    workers = [vllm_worker, second]
+    gateway = vllm_gateway
     # n=2 with logprobs: each choice migrates on its own, logprob labels continue exactly.
     args = {"model": model, "temperature": 0, "max_tokens": 80, "n": 2, "logprobs": True, "top_logprobs": 1,
             "messages": [{"role": "user", "content": "Describe how a canal lock lifts a boat."}]}
