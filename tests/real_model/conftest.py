@@ -8,6 +8,9 @@ upstream, a second worker to kill) start them, and those stop with their module.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import openai
 import pytest
 
 from tests.conftest import Proc, StartGateway, StartWorker
@@ -31,3 +34,10 @@ def vllm_gateway(vllm_worker: Proc, start_gateway: StartGateway) -> Proc:
     gateway = start_gateway()
     gateway.shared = True
     return gateway
+
+
+@pytest.fixture
+def client(vllm_gateway: Proc) -> Iterator[openai.OpenAI]:
+    """The official SDK on the shared gateway (no retries: a failure shows as it is)."""
+    with openai.OpenAI(base_url=vllm_gateway.url + "/v1", api_key="x", max_retries=0, timeout=300) as sdk:
+        yield sdk

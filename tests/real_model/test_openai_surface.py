@@ -25,12 +25,6 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture
-def client(vllm_gateway):
-    with openai.OpenAI(base_url=vllm_gateway.url + "/v1", api_key="x", max_retries=0, timeout=300) as c:
-        yield c
-
-
 class Country(BaseModel):
     name: str
     capital: str

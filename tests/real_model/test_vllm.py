@@ -31,12 +31,6 @@ LONG_SYSTEM = (
 ) * 12
 
 
-@pytest.fixture
-def client(vllm_gateway):
-    with openai.OpenAI(base_url=vllm_gateway.url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
-        yield c
-
-
 def test_greedy_answer_mentions_paris(client) -> None:
     resp = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=30)
     assert "Paris" in resp.choices[0].message.content
