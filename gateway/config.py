@@ -51,6 +51,9 @@ class GatewaySettings(RedisSettings):
     #: Cache routing: one request in flight on a worker weighs as much as prefilling this
     #: many prompt blocks (of 64 tokens).
     route_load_blocks: float = Field(default=2.0, ge=0)
+    #: Cache routing: weight of one block of prefill a worker already owes (the uncached
+    #: prompt blocks of the requests it holds) against one block this request would prefill.
+    route_prefill_weight: float = Field(default=1.0, ge=0)
     #: Cache routing, hot-spot guard: a worker this share of its slots busier than the
     #: least-loaded one gets no credit for its cached prefix.
     route_hot_share: float = Field(default=0.75, ge=0, le=1)
