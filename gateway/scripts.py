@@ -48,12 +48,12 @@ another, so with ``prefill`` = 1 the first two terms are the blocks it must pref
 before this request's first token: a worker holding the prefix wins until the backlog
 of prefill queued on it outweighs the blocks it saves, and a popular prefix spills to
 a second worker from there. A grant adds its uncached blocks to its worker's count
-(``prefill`` hash) and records them with the lease (``lease_prefill``); release and
-the reaper take them off, and the reaper's recount rebuilds the counts from the leases.
-Hot-spot guard: a worker whose share of
-slots in use exceeds the least-loaded candidate's by more than ``hot`` gets no credit for
-its cached blocks, so one popular prefix spreads to a second worker instead of queueing
-on one, and a cold (new, empty) worker gets traffic as soon as the others fill up.
+(``prefill`` hash) and records them with the lease (``lease_prefill``); the request's
+first token (PREFILLED, batched per gateway off the request's path), its release or the
+reaper takes them off, and the reaper's recount rebuilds the counts from the leases.
+Hot-spot guard: a worker whose share of slots in use exceeds the least-loaded
+candidate's by more than ``hot`` gets no credit for its cached blocks, so one popular
+prefix spreads to a second worker instead of queueing on one, and a cold (new, empty) worker gets traffic as soon as the others fill up.
 The same choice serves a request granted from the queue by a release, so queued
 requests keep their affinity. A granted request's blocks are marked held by its worker
 in the index, in the same script: routing costs no extra Redis call.
@@ -233,9 +233,10 @@ local function publish(meta, req, status, leases)
 end
 
 -- Lease `need` slots to req (lease ids req#0, req#1, ...): count, lease, describe
--- ([lease, worker, url, blocks the index expected cached there]). With cache routing,
--- the prompt's blocks are now held by each picked worker (it is about to prefill them),
--- and the blocks it has to prefill count in its pending prefill until the lease ends.
+-- ([lease, worker, url, blocks the index expected cached there, blocks to prefill]).
+-- With cache routing, the prompt's blocks are now held by each picked worker (it is about
+-- to prefill them), and the blocks it has to prefill count in its pending prefill until
+-- its first token (PREFILLED) or the end of its lease, whichever comes first.
 -- A lease handed to the caller lives a full TTL; one published to a waiting gateway
 -- must be claimed (renewed) within the gateway liveness TTL, so a grant sent to a
 -- gateway that has just died idles its slot for seconds, not a whole lease TTL.
@@ -253,7 +254,7 @@ local function lease_all(picks, req, ttl, meta)
       redis.call('HINCRBY', K_PREFILL, w.id, adds)
       redis.call('HSET', K_LEASE_PREFILL, lease, adds)
     end
-    out[#out + 1] = {lease, w.id, w.url, picks.matched[w.id] or 0}
+    out[#out + 1] = {lease, w.id, w.url, picks.matched[w.id] or 0, adds}
     if #blocks > 0 and not marked[w.id] then
       marked[w.id] = true
       holders_add(K_PREFIX, K_PREFIX_LRU, blocks, w.id, now, picks.matched[w.id] or 0)
@@ -372,16 +373,22 @@ local function pump(ws, direct, direct_blocks)
   return result
 end
 
--- Give a lease's slot (and its share of its worker's pending prefill) back.
--- Returns 1 if the lease existed.
-local function free_lease(lease)
-  redis.call('ZREM', K_LEASES, lease)
-  local w = redis.call('HGET', K_OWNER, lease)
+-- A lease's prompt is prefilled (or its lease is over): its blocks leave its worker's
+-- pending prefill.
+local function prefill_done(lease, w)
   local adds = tonumber(redis.call('HGET', K_LEASE_PREFILL, lease) or '0')
   if adds > 0 then
     redis.call('HDEL', K_LEASE_PREFILL, lease)
     if w and redis.call('HINCRBY', K_PREFILL, w, -adds) <= 0 then redis.call('HDEL', K_PREFILL, w) end
   end
+end
+
+-- Give a lease's slot (and what is left of its pending prefill) back.
+-- Returns 1 if the lease existed.
+local function free_lease(lease)
+  redis.call('ZREM', K_LEASES, lease)
+  local w = redis.call('HGET', K_OWNER, lease)
+  prefill_done(lease, w)
   if not w then return 0 end
   redis.call('HDEL', K_OWNER, lease)
   if tonumber(redis.call('HGET', K_INFLIGHT, w) or '0') > 0 then
@@ -399,7 +406,8 @@ end
 #: 12 excluded worker ids (JSON list), 13 boosted (1: a retry or migration), 14 tenant, 15 cost,
 #: 16 prompt block hashes (JSON list), 17 routing (least | rr | cache), 18 load (blocks per
 #: request in flight), 19 hot-spot guard (share of slots), 20 weight of a pending prefill block.
-#: Returns {'granted', leases JSON [[lease, worker, url, matched blocks], ...]} | {'queued', position}
+#: Returns {'granted', leases JSON [[lease, worker, url, matched blocks, prefill blocks], ...]}
+#: | {'queued', position}
 #: | {'full', length} | {'none'} | {'too_big', usable slots}.
 ACQUIRE = _PRELUDE + r"""
 local req, priority, need = ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9])
@@ -565,6 +573,13 @@ for i = 7, #ARGV do
   end
 end
 return lost
+"""
+
+#: ARGV 7.. lease ids whose first token arrived: their prompts are prefilled, so their
+#: uncached blocks leave their workers' pending prefill. Returns how many leases.
+PREFILLED = _PRELUDE + r"""
+for i = 7, #ARGV do prefill_done(ARGV[i], redis.call('HGET', K_OWNER, ARGV[i])) end
+return #ARGV - 6
 """
 
 #: ARGV 7 queue position. Returns seconds until that many requests have drained at the

@@ -200,6 +200,8 @@ async def run_arm(arm: Arm, args: argparse.Namespace, logs: Path) -> dict[str, A
         env["SLUICE_GATEWAY_ROUTE_HOT_SHARE"] = str(args.route_hot_share)
     if args.route_load_blocks is not None:
         env["SLUICE_GATEWAY_ROUTE_LOAD_BLOCKS"] = str(args.route_load_blocks)
+    if args.route_prefill_weight is not None:
+        env["SLUICE_GATEWAY_ROUTE_PREFILL_WEIGHT"] = str(args.route_prefill_weight)
     shape = StackShape(gateways=arm.gateways, workers=WORKERS, gateway_env=env, worker_args=worker_args)
     with Stack(shape, logs, label=arm.name.replace(" ", "-")) as stack:
         redis = sync_client(stack.redis_url)
@@ -313,6 +315,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--replicas", type=int, default=3, help="gateways of the extra cache arms (1: none)")
     g.add_argument("--route-hot-share", type=float, help="cache arms: SLUICE_GATEWAY_ROUTE_HOT_SHARE")
     g.add_argument("--route-load-blocks", type=float, help="cache arms: SLUICE_GATEWAY_ROUTE_LOAD_BLOCKS")
+    g.add_argument("--route-prefill-weight", type=float, help="cache arms: SLUICE_GATEWAY_ROUTE_PREFILL_WEIGHT")
     g.add_argument("--prefix-prefill-ms", type=float, default=0.2, help="sim prefill cost per uncached token")
     g.add_argument("--prefix-token-ms", type=float, default=10.0, help="sim decode step")
     g.add_argument("--prefix-max-tokens", type=int, default=32, help="output tokens per request")

@@ -211,14 +211,17 @@ async def test_least_and_round_robin_count_no_prefill(fleet: Fleet) -> None:
 async def test_the_reaper_gives_back_a_dead_gateways_prefill_and_recounts(fleet: Fleet) -> None:
     await fleet.worker(capacity=8, worker_id="a")
     await fleet.worker(capacity=8, worker_id="b")
-    dying = await fleet.gateway(routing="cache", lease_ttl_s=0.3)
+    dying = await fleet.gateway(routing="cache", lease_ttl_s=0.5)
     (orphan,) = await dying.acquire(fleet.ask(blocks=_unique_blocks("x")))
+    assert await _prefill(fleet) == {orphan.worker_id: 22}
     await dying.close()  # stops renewing: its lease expires
-    gw = await fleet.gateway(routing="cache")
-    (kept,) = await gw.acquire(fleet.ask(blocks=_unique_blocks("y")))
-    assert await _prefill(fleet) == {orphan.worker_id: 22, kept.worker_id: 22}
-    await asyncio.sleep(0.5)
-    assert await gw.reap_once(reconcile=False) == 1
+    gw = await fleet.gateway(routing="cache", reap_interval_s=3600)  # reaps when told only
+    (kept,) = await gw.acquire(fleet.ask(blocks=_unique_blocks("y"), exclude=(orphan.worker_id,)))
+    for _ in range(100):  # until the orphan's lease has expired and is reaped
+        await gw.reap_once(reconcile=False)
+        if not await fleet.redis.zscore(keys.leases(fleet.model), orphan.lease_id):  # type: ignore[attr-defined]
+            break
+        await asyncio.sleep(0.05)
     assert await _prefill(fleet) == {kept.worker_id: 22}
     # Counts that drifted (a lost write, a hand edit) are rebuilt from the leases.
     await fleet.redis.hset(keys.prefill(fleet.model), mapping={"a": 99, "b": 7})  # type: ignore[attr-defined]
@@ -227,4 +230,25 @@ async def test_the_reaper_gives_back_a_dead_gateways_prefill_and_recounts(fleet:
     assert await _prefill(fleet) == {kept.worker_id: 22}
     assert not await fleet.redis.hexists(keys.admission(fleet.model).lease_prefill, "no-such-lease")  # type: ignore[attr-defined]
     await gw.release(kept)
+    assert await _prefill(fleet) == {}
+
+
+async def test_a_first_token_takes_its_prefill_off_once(fleet: Fleet) -> None:
+    """The engine has prefilled a request once its first token is out: its blocks leave
+    the worker's backlog then, not when its lease ends; the release does not take them
+    off a second time."""
+    await fleet.worker(capacity=8, worker_id="a")
+    gw = await fleet.gateway(routing="cache")
+    first, second = [(await gw.acquire(fleet.ask(blocks=_unique_blocks(t))))[0] for t in "xy"]
+    assert (first.prefill_blocks, second.prefill_blocks) == (22, 22)
+    assert await _prefill(fleet) == {"a": 44}
+    gw.prefilled(first)
+    for _ in range(200):
+        if await _prefill(fleet) == {"a": 22}:
+            break
+        await asyncio.sleep(0.01)
+    assert await _prefill(fleet) == {"a": 22}
+    await gw.release(first)
+    assert await _prefill(fleet) == {"a": 22}  # the second one's, still owed
+    await gw.release(second)
     assert await _prefill(fleet) == {}
