@@ -38,25 +38,30 @@ stopped beating (it died) are dropped instead of granted.
 Routing: which live worker with a free slot gets a request. ``least``: the lowest share
 of slots in use. ``rr``: round robin. ``cache`` (prefix affinity, see
 :mod:`sluice.prefix_index`): each worker costs the prompt blocks it would have to
-prefill, plus the prefill it already owes (``prefill`` per pending block: the uncached
-blocks of the requests it holds), plus ``load`` blocks per request it runs,
+prefill, plus the prefill it still owes (``prefill`` per pending block: the uncached
+blocks of its requests not yet past their first token), plus ``load`` blocks per
+request it runs,
 
     cost(w) = (blocks - cached_blocks(w)) + prefill * pending_blocks(w) + load * in_flight(w)
 
 the lowest cost wins (ties: the least loaded). The engine prefills one request after
-another, so with ``prefill`` = 1 the first two terms are the blocks it must prefill
-before this request's first token: a worker holding the prefix wins until the backlog
-of prefill queued on it outweighs the blocks it saves, and a popular prefix spills to
-a second worker from there. A grant adds its uncached blocks to its worker's count
+another, so the first two terms are the wait for this request's first token, with the
+backlog discounted (``prefill`` < 1): a worker holding the prefix keeps it until its
+backlog exceeds another's by 1/``prefill`` times the blocks it saves, and then the
+prefix spills to a second worker. Not at once (``prefill`` = 1, the greedy choice for
+this one request): a spill makes the fleet prefill the prefix again and takes room in
+a second cache, and under prefill-bound overload greedy spills fed the overload
+(loadtest/README.md). A grant adds its uncached blocks to its worker's count
 (``prefill`` hash) and records them with the lease (``lease_prefill``); the request's
 first token (PREFILLED, batched per gateway off the request's path), its release or the
 reaper takes them off, and the reaper's recount rebuilds the counts from the leases.
 Hot-spot guard: a worker whose share of slots in use exceeds the least-loaded
 candidate's by more than ``hot`` gets no credit for its cached blocks, so one popular
-prefix spreads to a second worker instead of queueing on one, and a cold (new, empty) worker gets traffic as soon as the others fill up.
-The same choice serves a request granted from the queue by a release, so queued
-requests keep their affinity. A granted request's blocks are marked held by its worker
-in the index, in the same script: routing costs no extra Redis call.
+prefix spreads to a second worker instead of queueing on one, and a cold (new, empty)
+worker gets traffic as soon as the others fill up or owe enough prefill. The same
+choice serves a request granted from the queue by a release, so queued requests keep
+their affinity. A granted request's blocks are marked held by its worker in the index,
+in the same script: routing costs no Redis call on the request's path beyond ACQUIRE.
 """
 
 from __future__ import annotations

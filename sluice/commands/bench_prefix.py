@@ -18,8 +18,10 @@ takes ``--prefix-token-ms``; outputs are shorter than the peers' (``--prefix-max
 Printed per arm: TTFT p50/p90/p99, output tokens/s, the engines' cache hit rate
 (``cached_tokens / prompt_tokens`` from every response's usage), routing accuracy
 (1 - |expected - reported cached tokens| / prompt tokens, from the gateways' /metrics),
-the ACQUIRE script's time in Redis (p99, from SLOWLOG) and Redis calls per request
-(INFO commandstats, heartbeats included). Then the issue's ratios, a JSON summary and a chart.
+the ACQUIRE script's time in Redis (p99, from SLOWLOG), Redis calls per request
+(INFO commandstats, heartbeats included) and the busiest worker's share of all prompt
+blocks (``busiest_pct``: 25 is an even spread over 4 workers; a hot spot shows above it).
+Then the issue's ratios, a JSON summary and a chart.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import httpx
 import orjson
 
 from gateway import scripts
+from sluice import keys
 from sluice.commands.bench_report import quantile, table
 from sluice.commands.bench_stack import MODEL, Stack, StackShape, sync_client
 
@@ -191,6 +194,13 @@ def _redis_figures(client: Any, requests: int) -> tuple[float, float]:
     return quantile(acquire_us, 0.99) / 1000, calls / max(requests, 1)
 
 
+def _busiest_share(client: Any) -> float:
+    """The share of all prompt blocks that went to the busiest worker (0.25 of 4 is even),
+    from the engines' own counts in their heartbeats."""
+    queried = [float(orjson.loads(v).get("prefix_queries", 0)) for v in client.hvals(keys.stats(MODEL))]
+    return max(queried) / sum(queried) if queried and sum(queried) else float("nan")
+
+
 async def run_arm(arm: Arm, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     worker_args = [f"--sim-max-seqs={SLOTS}", f"--sim-token-ms={args.prefix_token_ms}", "--sim-ttft-ms=0",
                    f"--sim-prefill-ms-per-token={args.prefix_prefill_ms}", f"--sim-cache-blocks={CACHE_BLOCKS}"]
@@ -216,13 +226,16 @@ async def run_arm(arm: Arm, args: argparse.Namespace, logs: Path) -> dict[str, A
             wall = time.perf_counter() - started
             counters = await _gateway_counters(http, stack.gateway_urls)
         acquire_ms, calls = _redis_figures(redis, len(client.tally.ttfts) + client.tally.errors)
+        await asyncio.sleep(1.5)  # every worker's next heartbeat carries its final counts
+        busiest = _busiest_share(redis)
         redis.close()
     t = client.tally
     return {
         "arm": arm.name, "requests": len(t.ttfts), "errors": t.errors,
         "ttft_p50_ms": quantile(t.ttfts, 0.5) * 1000, "ttft_p90_ms": quantile(t.ttfts, 0.9) * 1000,
         "ttft_p99_ms": quantile(t.ttfts, 0.99) * 1000, "out_tok_s": t.completion / wall,
-        "hit_rate": t.cached / max(t.prompt, 1),
+        "hit_rate": t.cached / max(t.prompt, 1), "hit_pct": 100 * t.cached / max(t.prompt, 1),
+        "busiest_pct": 100 * busiest,
         # Only cache routing expects anything; the other arms are not checked.
         "accuracy": 1 - counters["error"] / counters["prompt"]
         if counters["prompt"] and arm.routing == "cache" else float("nan"),

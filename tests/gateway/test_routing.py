@@ -161,24 +161,25 @@ def _unique_blocks(tag: str) -> tuple[str, ...]:
 
 async def test_a_holder_with_a_prefill_backlog_loses_to_an_idle_worker(fleet: Fleet) -> None:
     """Regression for affinity under overload: the worker holding a prefix got every
-    request of its group however much prefill it already owed. Its backlog (44 uncached
-    blocks of two other requests) now outweighs the 20 blocks it would save."""
+    request of its group however much prefill it already owed. Its backlog (88 uncached
+    blocks of four other requests, at a quarter block each, plus their slots) now
+    outweighs the 20 blocks it would save."""
     await fleet.worker(capacity=8, worker_id="a")
     await fleet.worker(capacity=8, worker_id="b")
     index = PrefixIndex(fleet.redis)
     await index.report(fleet.model, "a", [{"type": "stored", "block_hashes": list(_blocks("q")[:20])}])
     gw = await fleet.gateway(routing="cache")
-    backlog = [(await gw.acquire(fleet.ask(blocks=_unique_blocks(t), exclude=("b",))))[0] for t in "xy"]
-    assert await _prefill(fleet) == {"a": 44}
+    backlog = [(await gw.acquire(fleet.ask(blocks=_unique_blocks(t), exclude=("b",))))[0] for t in "wxyz"]
+    assert await _prefill(fleet) == {"a": 88}
     # A gateway that ignores the backlog keeps the request on the holder.
     blind = await fleet.gateway(routing="cache", route_prefill_weight=0)
     (stays,) = await blind.acquire(fleet.ask(blocks=_blocks("r")))
     assert stays.worker_id == "a" and stays.matched_blocks == 20
-    assert await _prefill(fleet) == {"a": 46}
+    assert await _prefill(fleet) == {"a": 90}
     await blind.release(stays)
     (lease,) = await gw.acquire(fleet.ask(blocks=_blocks("q")))
     assert lease.worker_id == "b" and lease.matched_blocks == 0
-    assert await _prefill(fleet) == {"a": 44, "b": 22}
+    assert await _prefill(fleet) == {"a": 88, "b": 22}
     for held in [*backlog, lease]:
         await gw.release(held)
     assert await _prefill(fleet) == {}
