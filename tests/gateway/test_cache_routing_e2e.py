@@ -5,7 +5,6 @@ what the engines report (accuracy), and it all shows in /metrics and the access 
 from __future__ import annotations
 
 import re
-
 import time
 
 import httpx
