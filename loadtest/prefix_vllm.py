@@ -7,7 +7,7 @@ from every response's usage). The groups' prefixes together overflow one worker'
 cache but fit the two: routing by prefix keeps each group on one worker, least loaded
 spreads every group over both and each worker's cache churns.
 
-    flock /tmp/sluice-heavy.lock .venv/bin/python loadtest/prefix_vllm.py     # ~6 min on 2 cores
+    flock /tmp/sluice-heavy.lock .venv/bin/python loadtest/prefix_vllm.py --prefix-words 800 --kv-cache-gib 0.25
 
 Each vLLM worker takes about a minute to start and ~3 GB of memory.
 """
