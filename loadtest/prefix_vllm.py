@@ -7,7 +7,7 @@ from every response's usage). The groups' prefixes together overflow one worker'
 cache but fit the two: routing by prefix keeps each group on one worker, least loaded
 spreads every group over both and each worker's cache churns.
 
-    flock /tmp/sluice-heavy.lock .venv/bin/python loadtest/prefix_vllm.py --prefix-words 800 --kv-cache-gib 0.25
+    flock /tmp/sluice-heavy.lock .venv/bin/python loadtest/prefix_vllm.py     # ~6 min on 2 cores
 
 Each vLLM worker takes about a minute to start and ~3 GB of memory.
 """
@@ -95,9 +95,9 @@ def main() -> int:
     p.add_argument("--routings", default="least,cache")
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--prefix-words", type=int, default=400, help="words of each group's system prompt")
-    p.add_argument("--kv-cache-gib", type=float, default=0.1,
-                   help="each worker's KV cache (float32 SmolLM2-135M: ~45 KB per token, 0.1 GiB ~ 2,300 tokens)")
+    p.add_argument("--prefix-words", type=int, default=800, help="words of each group's system prompt")
+    p.add_argument("--kv-cache-gib", type=float, default=0.25,
+                   help="each worker's KV cache (float32 SmolLM2-135M: ~45 KB per token, 0.25 GiB ~ 5,800 tokens)")
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=8)
