@@ -53,6 +53,9 @@ _BEAT_S = 1.0
 _RECONCILE_EVERY = 10
 
 
+#: First tokens are reported to Redis in batches at most this often (cache routing).
+_PREFILLED_BATCH_S = 0.02
+
 #: Times a request asks again after a grant it could not claim in time.
 _CLAIM_RETRIES = 2
 
@@ -98,6 +101,9 @@ class Lease:
     url: str
     #: Leading prompt blocks the prefix index expected this worker to hold (cache routing).
     matched_blocks: int = 0
+    #: Blocks this lease added to its worker's pending prefill (cache routing), until its
+    #: first token (:meth:`Admission.prefilled`) or its release.
+    prefill_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,10 +145,13 @@ class Admission:
         self._reap = redis.register_script(scripts.REAP)
         self._renew = redis.register_script(scripts.RENEW)
         self._retry_after = redis.register_script(scripts.RETRY_AFTER)
+        self._prefilled_script = redis.register_script(scripts.PREFILLED)
         self._live = redis.register_script(scripts.LIVE)
         self.grants = GrantListener(redis, self.gateway_id)
         self._active: dict[str, str] = {}  # lease id -> model, renewed in the background
         self._queued: dict[str, int] = {}  # model -> requests of this process waiting in it
+        self._prefilled: dict[str, list[str]] = {}  # model -> leases past their first token, not yet told
+        self._prefilled_due = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._reaps = 0
 
@@ -153,6 +162,7 @@ class Admission:
         self._tasks = [
             asyncio.create_task(self._beat_loop(), name="admission-beat"),
             asyncio.create_task(self._reap_loop(), name="lease-reaper"),
+            asyncio.create_task(self._prefilled_loop(), name="prefilled-reporter"),
         ]
 
     async def close(self) -> None:
@@ -192,7 +202,7 @@ class Admission:
                                 self._s.max_queue, orjson.dumps(list(ask.exclude)).decode(),
                                 int(ask.boost), _tenant_name(ask.tenant), ask.cost,
                                 orjson.dumps(ask.blocks).decode(), self._s.routing, self._s.route_load_blocks,
-                                self._s.route_hot_share),
+                                self._s.route_hot_share, self._s.route_prefill_weight),
             )
             status = result[0].decode()
             if status == "granted":
@@ -278,8 +288,9 @@ class Admission:
     def _granted(self, model: str, slots: bytes | tuple[tuple[Any, ...], ...]) -> list[Lease]:
         parsed = orjson.loads(slots) if isinstance(slots, bytes) else slots
         leases = [Lease(model=model, lease_id=lease_id, worker_id=worker, url=url,
-                        matched_blocks=int(matched[0]) if matched else 0)
-                  for lease_id, worker, url, *matched in parsed]
+                        matched_blocks=int(route[0]) if route else 0,
+                        prefill_blocks=int(route[1]) if len(route) > 1 else 0)
+                  for lease_id, worker, url, *route in parsed]
         for lease in leases:
             self._active[lease.lease_id] = model
         return leases
@@ -298,6 +309,27 @@ class Admission:
             await self._release(keys=keys.admission(lease.model), args=self._args(lease.lease_id))
         except (RedisError, OSError) as exc:
             log.warning("could not release lease %s (%s); it will expire", lease.lease_id, exc)
+
+    def prefilled(self, lease: Lease) -> None:
+        """The lease's first token arrived: its prompt is prefilled, so its blocks leave its
+        worker's pending prefill (cache routing). Batched off the request's path: one Redis
+        call per model every :data:`_PREFILLED_BATCH_S` at most, whatever the request rate."""
+        if lease.prefill_blocks > 0:
+            self._prefilled.setdefault(lease.model, []).append(lease.lease_id)
+            self._prefilled_due.set()
+
+    async def _prefilled_loop(self) -> None:
+        while True:
+            await self._prefilled_due.wait()
+            await asyncio.sleep(_PREFILLED_BATCH_S)
+            self._prefilled_due.clear()
+            batch, self._prefilled = self._prefilled, {}
+            for model, lease_ids in batch.items():
+                try:
+                    await self._prefilled_script(keys=keys.admission(model), args=self._args(*lease_ids))
+                except (RedisError, OSError) as exc:
+                    # Not lost: the lease's release takes the blocks off instead.
+                    log.warning("could not report %d prefilled lease(s): %s", len(lease_ids), exc)
 
     async def retry_after_s(self, model: str, position: int) -> float:
         """Seconds until ``position`` requests ahead have drained at the recent service rate."""

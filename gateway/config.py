@@ -51,6 +51,12 @@ class GatewaySettings(RedisSettings):
     #: Cache routing: one request in flight on a worker weighs as much as prefilling this
     #: many prompt blocks (of 64 tokens).
     route_load_blocks: float = Field(default=2.0, ge=0)
+    #: Cache routing: weight of one block of prefill a worker still owes (uncached prompt
+    #: blocks of its requests not past their first token) against one block this request
+    #: would prefill. Below 1 on purpose: a spill costs the fleet the prefix's prefill again
+    #: and a second cache's room; at 1 a prefill-bound fleet spilled its way into overload
+    #: (loadtest/README.md, "Cache-aware routing").
+    route_prefill_weight: float = Field(default=0.25, ge=0)
     #: Cache routing, hot-spot guard: a worker this share of its slots busier than the
     #: least-loaded one gets no credit for its cached prefix.
     route_hot_share: float = Field(default=0.75, ge=0, le=1)

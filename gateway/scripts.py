@@ -38,17 +38,30 @@ stopped beating (it died) are dropped instead of granted.
 Routing: which live worker with a free slot gets a request. ``least``: the lowest share
 of slots in use. ``rr``: round robin. ``cache`` (prefix affinity, see
 :mod:`sluice.prefix_index`): each worker costs the prompt blocks it would have to
-prefill plus ``load`` blocks per request it already runs,
+prefill, plus the prefill it still owes (``prefill`` per pending block: the uncached
+blocks of its requests not yet past their first token), plus ``load`` blocks per
+request it runs,
 
-    cost(w) = (blocks - cached_blocks(w)) + load * in_flight(w)
+    cost(w) = (blocks - cached_blocks(w)) + prefill * pending_blocks(w) + load * in_flight(w)
 
-the lowest cost wins (ties: the least loaded). Hot-spot guard: a worker whose share of
-slots in use exceeds the least-loaded candidate's by more than ``hot`` gets no credit for
-its cached blocks, so one popular prefix spreads to a second worker instead of queueing
-on one, and a cold (new, empty) worker gets traffic as soon as the others fill up.
-The same choice serves a request granted from the queue by a release, so queued
-requests keep their affinity. A granted request's blocks are marked held by its worker
-in the index, in the same script: routing costs no extra Redis call.
+the lowest cost wins (ties: the least loaded). The engine prefills one request after
+another, so the first two terms are the wait for this request's first token, with the
+backlog discounted (``prefill`` < 1): a worker holding the prefix keeps it until its
+backlog exceeds another's by 1/``prefill`` times the blocks it saves, and then the
+prefix spills to a second worker. Not at once (``prefill`` = 1, the greedy choice for
+this one request): a spill makes the fleet prefill the prefix again and takes room in
+a second cache, and under prefill-bound overload greedy spills fed the overload
+(loadtest/README.md). A grant adds its uncached blocks to its worker's count
+(``prefill`` hash) and records them with the lease (``lease_prefill``); the request's
+first token (PREFILLED, batched per gateway off the request's path), its release or the
+reaper takes them off, and the reaper's recount rebuilds the counts from the leases.
+Hot-spot guard: a worker whose share of slots in use exceeds the least-loaded
+candidate's by more than ``hot`` gets no credit for its cached blocks, so one popular
+prefix spreads to a second worker instead of queueing on one, and a cold (new, empty)
+worker gets traffic as soon as the others fill up or owe enough prefill. The same
+choice serves a request granted from the queue by a release, so queued requests keep
+their affinity. A granted request's blocks are marked held by its worker in the index,
+in the same script: routing costs no Redis call on the request's path beyond ACQUIRE.
 """
 
 from __future__ import annotations
@@ -59,7 +72,7 @@ _PRELUDE = f"local GRANTS_KEPT = {keys.GRANTS_KEPT}\n" + prefix_index.FUNCTIONS 
 local K_WORKERS, K_ALIVE, K_INFLIGHT, K_LEASES, K_OWNER = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local K_QURGENT, K_QNORMAL, K_META, K_DEPTH, K_GRANTS = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local K_GATEWAYS, K_FAIR, K_DONE, K_URGENT_SEEN, K_HEADS = KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15]
-local K_PREFIX, K_PREFIX_LRU = KEYS[16], KEYS[17]
+local K_PREFIX, K_PREFIX_LRU, K_PREFILL, K_LEASE_PREFILL = KEYS[16], KEYS[17], KEYS[18], KEYS[19]
 local gateway = ARGV[1]
 local lease_ttl, gw_ttl = tonumber(ARGV[2]), tonumber(ARGV[3])
 local reserve, urgent_max, step = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -69,16 +82,21 @@ local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 -- The calling gateway is alive (it is running this script).
 redis.call('HSET', K_GATEWAYS, gateway, now + gw_ttl)
 
--- Live workers (heartbeat not expired) with their capacity and slots in use.
+-- Live workers (heartbeat not expired) with their capacity, slots in use and pending
+-- prefill (uncached prompt blocks of the requests they hold, counted by cache routing).
 local function live_workers()
   local entries = redis.call('HGETALL', K_WORKERS)
+  local prefill = {}
+  local counted = redis.call('HGETALL', K_PREFILL)
+  for i = 1, #counted, 2 do prefill[counted[i]] = tonumber(counted[i + 1]) end
   local out = {}
   for i = 1, #entries, 2 do
     local id, rec = entries[i], entries[i + 1]
     if tonumber(redis.call('HGET', K_ALIVE, id) or '0') >= now then
       local r = cjson.decode(rec)
       out[#out + 1] = {id = id, url = r.url, cap = math.max(tonumber(r.capacity) or 1, 1),
-                       used = tonumber(redis.call('HGET', K_INFLIGHT, id) or '0')}
+                       used = tonumber(redis.call('HGET', K_INFLIGHT, id) or '0'),
+                       prefill = math.max(prefill[id] or 0, 0)}
     else
       redis.call('HDEL', K_WORKERS, id)
       redis.call('HDEL', K_ALIVE, id)
@@ -134,7 +152,7 @@ local function best_pick(ws, excluded, priority, route, matched)
       if cache then
         local m = matched[w.id] or 0
         if w.used / w.cap - coolest > route.hot then m = 0 end
-        cost = (n - m) + route.load * w.used
+        cost = (n - m) + route.prefill * w.prefill + route.load * w.used
       end
       if best == nil or cost < best_cost or (cost == best_cost and w.used / w.cap < best.used / best.cap) then
         best, best_cost = w, cost
@@ -145,30 +163,42 @@ local function best_pick(ws, excluded, priority, route, matched)
 end
 
 -- `need` slots for one request (the same worker may give several), chosen by `route`
--- ({mode, blocks, load, hot}), or nil (and nothing taken) if they are not all there.
--- picks.matched: worker id -> leading blocks of the prompt the index says it holds.
+-- ({mode, blocks, load, prefill, hot}), or nil (and nothing taken) if they are not all there.
+-- picks.matched: worker id -> leading blocks of the prompt the index says it holds;
+-- picks.prefill[i]: the blocks pick i adds to its worker's pending prefill (cache routing:
+-- the uncached blocks, once per worker -- its other generations reuse the first's prefill).
 local function choose(ws, excluded, priority, need, route)
   local matched = {}
-  if route.mode == 'cache' and #(route.blocks or {}) > 0 then matched = prefix_matches(K_PREFIX, route.blocks) end
-  local picks = {}
+  local n = 0
+  if route.mode == 'cache' then n = #(route.blocks or {}) end
+  if n > 0 then matched = prefix_matches(K_PREFIX, route.blocks) end
+  local picks, prefill, seen = {}, {}, {}
   for _ = 1, need do
     local best
     if route.mode == 'rr' then best = rr_pick(ws, excluded, priority)
     else best = best_pick(ws, excluded, priority, route, matched) end
     if best == nil then
-      for _, p in ipairs(picks) do p.used = p.used - 1 end
+      for i, p in ipairs(picks) do
+        p.used = p.used - 1
+        p.prefill = p.prefill - prefill[i]
+      end
       return nil
     end
+    local adds = 0
+    if not seen[best.id] then adds = n - (matched[best.id] or 0) end
+    seen[best.id] = true
     best.used = best.used + 1
+    best.prefill = best.prefill + adds
     picks[#picks + 1] = best
+    prefill[#prefill + 1] = adds
   end
-  picks.matched = matched
+  picks.matched, picks.prefill = matched, prefill
   return picks
 end
 
 local function route_of(meta)
   return {mode = meta.mode or 'least', blocks = meta.blocks, load = tonumber(meta.load) or 0,
-          hot = tonumber(meta.hot) or 1}
+          prefill = tonumber(meta.prefill) or 0, hot = tonumber(meta.hot) or 1}
 end
 
 local function serviceable(ws, excluded)
@@ -208,8 +238,10 @@ local function publish(meta, req, status, leases)
 end
 
 -- Lease `need` slots to req (lease ids req#0, req#1, ...): count, lease, describe
--- ([lease, worker, url, blocks the index expected cached there]). With cache routing,
--- the prompt's blocks are now held by each picked worker (it is about to prefill them).
+-- ([lease, worker, url, blocks the index expected cached there, blocks to prefill]).
+-- With cache routing, the prompt's blocks are now held by each picked worker (it is about
+-- to prefill them), and the blocks it has to prefill count in its pending prefill until
+-- its first token (PREFILLED) or the end of its lease, whichever comes first.
 -- A lease handed to the caller lives a full TTL; one published to a waiting gateway
 -- must be claimed (renewed) within the gateway liveness TTL, so a grant sent to a
 -- gateway that has just died idles its slot for seconds, not a whole lease TTL.
@@ -222,7 +254,12 @@ local function lease_all(picks, req, ttl, meta)
     redis.call('HINCRBY', K_INFLIGHT, w.id, 1)
     redis.call('ZADD', K_LEASES, now + ttl, lease)
     redis.call('HSET', K_OWNER, lease, w.id)
-    out[#out + 1] = {lease, w.id, w.url, picks.matched[w.id] or 0}
+    local adds = picks.prefill[i] or 0
+    if adds > 0 then
+      redis.call('HINCRBY', K_PREFILL, w.id, adds)
+      redis.call('HSET', K_LEASE_PREFILL, lease, adds)
+    end
+    out[#out + 1] = {lease, w.id, w.url, picks.matched[w.id] or 0, adds}
     if #blocks > 0 and not marked[w.id] then
       marked[w.id] = true
       holders_add(K_PREFIX, K_PREFIX_LRU, blocks, w.id, now, picks.matched[w.id] or 0)
@@ -341,10 +378,22 @@ local function pump(ws, direct, direct_blocks)
   return result
 end
 
--- Give a lease's slot back. Returns 1 if the lease existed.
+-- A lease's prompt is prefilled (or its lease is over): its blocks leave its worker's
+-- pending prefill.
+local function prefill_done(lease, w)
+  local adds = tonumber(redis.call('HGET', K_LEASE_PREFILL, lease) or '0')
+  if adds > 0 then
+    redis.call('HDEL', K_LEASE_PREFILL, lease)
+    if w and redis.call('HINCRBY', K_PREFILL, w, -adds) <= 0 then redis.call('HDEL', K_PREFILL, w) end
+  end
+end
+
+-- Give a lease's slot (and what is left of its pending prefill) back.
+-- Returns 1 if the lease existed.
 local function free_lease(lease)
   redis.call('ZREM', K_LEASES, lease)
   local w = redis.call('HGET', K_OWNER, lease)
+  prefill_done(lease, w)
   if not w then return 0 end
   redis.call('HDEL', K_OWNER, lease)
   if tonumber(redis.call('HGET', K_INFLIGHT, w) or '0') > 0 then
@@ -361,8 +410,9 @@ end
 #: ARGV 7 request id, 8 priority, 9 slots needed, 10 queue timeout (ms), 11 max queue length,
 #: 12 excluded worker ids (JSON list), 13 boosted (1: a retry or migration), 14 tenant, 15 cost,
 #: 16 prompt block hashes (JSON list), 17 routing (least | rr | cache), 18 load (blocks per
-#: request in flight), 19 hot-spot guard (share of slots).
-#: Returns {'granted', leases JSON [[lease, worker, url, matched blocks], ...]} | {'queued', position}
+#: request in flight), 19 hot-spot guard (share of slots), 20 weight of a pending prefill block.
+#: Returns {'granted', leases JSON [[lease, worker, url, matched blocks, prefill blocks], ...]}
+#: | {'queued', position}
 #: | {'full', length} | {'none'} | {'too_big', usable slots}.
 ACQUIRE = _PRELUDE + r"""
 local req, priority, need = ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9])
@@ -387,7 +437,8 @@ local length = queue_length()
 if not boost and length >= tonumber(ARGV[11]) then return {'full', length} end
 
 local meta = {deadline = now + tonumber(ARGV[10]), exclude = exclude, priority = priority, need = need,
-              gw = gateway, mode = ARGV[17], load = tonumber(ARGV[18]), hot = tonumber(ARGV[19])}
+              gw = gateway, mode = ARGV[17], load = tonumber(ARGV[18]), hot = tonumber(ARGV[19]),
+              prefill = tonumber(ARGV[20])}
 -- The caller's blocks stay out of its stored meta unless it has to wait (no JSON round trip
 -- for a request granted at once).
 local direct_blocks = ARGV[17] == 'cache' and cjson.decode(ARGV[16]) or nil
@@ -462,9 +513,9 @@ if #out == 0 then return {'gone'} end
 return {'granted', cjson.encode(out)}
 """
 
-#: ARGV 7 1 to recount ``inflight`` from the leases. Reclaims leases whose holder
-#: stopped renewing them (a dead gateway), forgets long-dead gateways, then pumps.
-#: Returns {leases reclaimed, inflight corrections}.
+#: ARGV 7 1 to recount ``inflight`` and the pending prefill from the leases. Reclaims
+#: leases whose holder stopped renewing them (a dead gateway), forgets long-dead gateways,
+#: then pumps. Returns {leases reclaimed, counter corrections}.
 REAP = _PRELUDE + r"""
 local expired = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, 256)
 for _, lease in ipairs(expired) do free_lease(lease) end
@@ -472,22 +523,44 @@ local gws = redis.call('HGETALL', K_GATEWAYS)
 for i = 1, #gws, 2 do
   if tonumber(gws[i + 1]) < now - 60000 then redis.call('HDEL', K_GATEWAYS, gws[i]) end
 end
-local corrections = 0
-if ARGV[7] == '1' then
-  local counts = {}
-  local owners = redis.call('HGETALL', K_OWNER)
-  for i = 1, #owners, 2 do counts[owners[i + 1]] = (counts[owners[i + 1]] or 0) + 1 end
-  local recorded = redis.call('HGETALL', K_INFLIGHT)
+
+-- Set the per-worker counter hash `key` to `counts`; returns how many entries were wrong.
+local function recount(key, counts)
+  local wrong = 0
+  local recorded = redis.call('HGETALL', key)
   for i = 1, #recorded, 2 do
     local id, n = recorded[i], tonumber(recorded[i + 1])
-    if (counts[id] or 0) ~= n then corrections = corrections + 1 end
-    if counts[id] then redis.call('HSET', K_INFLIGHT, id, counts[id]) else redis.call('HDEL', K_INFLIGHT, id) end
+    if (counts[id] or 0) ~= n then wrong = wrong + 1 end
+    if counts[id] then redis.call('HSET', key, id, counts[id]) else redis.call('HDEL', key, id) end
     counts[id] = nil
   end
   for id, n in pairs(counts) do
-    redis.call('HSET', K_INFLIGHT, id, n)
-    corrections = corrections + 1
+    redis.call('HSET', key, id, n)
+    wrong = wrong + 1
   end
+  return wrong
+end
+
+local corrections = 0
+if ARGV[7] == '1' then
+  local slots, owner_of = {}, {}
+  local owners = redis.call('HGETALL', K_OWNER)
+  for i = 1, #owners, 2 do
+    owner_of[owners[i]] = owners[i + 1]
+    slots[owners[i + 1]] = (slots[owners[i + 1]] or 0) + 1
+  end
+  local prefill = {}
+  local adds = redis.call('HGETALL', K_LEASE_PREFILL)
+  for i = 1, #adds, 2 do
+    local w = owner_of[adds[i]]
+    if w then
+      prefill[w] = (prefill[w] or 0) + tonumber(adds[i + 1])
+    else
+      redis.call('HDEL', K_LEASE_PREFILL, adds[i])  -- its lease is gone
+      corrections = corrections + 1
+    end
+  end
+  corrections = corrections + recount(K_INFLIGHT, slots) + recount(K_PREFILL, prefill)
 end
 pump(live_workers(), nil)
 return {#expired, corrections}
@@ -505,6 +578,13 @@ for i = 7, #ARGV do
   end
 end
 return lost
+"""
+
+#: ARGV 7.. lease ids whose first token arrived: their prompts are prefilled, so their
+#: uncached blocks leave their workers' pending prefill. Returns how many leases.
+PREFILLED = _PRELUDE + r"""
+for i = 7, #ARGV do prefill_done(ARGV[i], redis.call('HGET', K_OWNER, ARGV[i])) end
+return #ARGV - 6
 """
 
 #: ARGV 7 queue position. Returns seconds until that many requests have drained at the

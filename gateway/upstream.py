@@ -262,6 +262,7 @@ class Dispatcher:
                                                  "sluice.route.prompt_blocks": len(prefix.blocks)})
             try:
                 upstream = await self._attempt(lease, body, ctx.deadline, span, route)
+                self._admission.prefilled(lease)
                 record.admitted(attempt, lease.worker_id, lease.matched_blocks, len(prefix.blocks))
                 return upstream
             except _Retryable as exc:

@@ -25,6 +25,8 @@ carry their own hash tag for the same reason.
     sl:{m}:urgent_seen             exists for a minute after an urgent request: slot headroom is on
     sl:{m}:prefix                  hash prefix block hash -> ids of workers holding it (space-separated)
     sl:{m}:prefix:lru              zset prefix block hash -> last use (ms); the oldest go past the cap
+    sl:{m}:prefill                 hash worker id -> uncached prompt blocks of its leases (cache routing)
+    sl:{m}:lease_prefill           hash lease id -> uncached prompt blocks it added to its worker's count
 
     sl:apikeys                     set of API key prefixes
     sl:apikey:{prefix}             hash: one API key's record
@@ -80,6 +82,10 @@ def leases(model: str) -> str:
     return _tag(model) + ":leases"
 
 
+def prefill(model: str) -> str:
+    return _tag(model) + ":prefill"
+
+
 def queues(model: str) -> tuple[str, str]:
     """The model's two queues: (urgent, normal)."""
     return _tag(model) + ":q:urgent", _tag(model) + ":q:normal"
@@ -113,6 +119,8 @@ class AdmissionKeys(NamedTuple):
     heads: str
     prefix: str
     prefix_lru: str
+    prefill: str
+    lease_prefill: str
 
 
 def admission(model: str) -> AdmissionKeys:
@@ -124,6 +132,7 @@ def admission(model: str) -> AdmissionKeys:
         depth=t + ":depth", grants=grants(model), gateways=t + ":gateways", fair=t + ":fair",
         done=done(model), urgent_seen=t + ":urgent_seen", heads=normal + ":heads",
         prefix=prefix_index(model)[0], prefix_lru=prefix_index(model)[1],
+        prefill=prefill(model), lease_prefill=t + ":lease_prefill",
     )
 
 

@@ -18,8 +18,10 @@ takes ``--prefix-token-ms``; outputs are shorter than the peers' (``--prefix-max
 Printed per arm: TTFT p50/p90/p99, output tokens/s, the engines' cache hit rate
 (``cached_tokens / prompt_tokens`` from every response's usage), routing accuracy
 (1 - |expected - reported cached tokens| / prompt tokens, from the gateways' /metrics),
-the ACQUIRE script's time in Redis (p99, from SLOWLOG) and Redis calls per request
-(INFO commandstats, heartbeats included). Then the issue's ratios, a JSON summary and a chart.
+the ACQUIRE script's time in Redis (p99, from SLOWLOG), Redis calls per request
+(INFO commandstats, heartbeats included) and the busiest worker's share of all prompt
+blocks (``busiest_pct``: 25 is an even spread over 4 workers; a hot spot shows above it).
+Then the issue's ratios, a JSON summary and a chart.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import httpx
 import orjson
 
 from gateway import scripts
+from sluice import keys
 from sluice.commands.bench_report import quantile, table
 from sluice.commands.bench_stack import MODEL, Stack, StackShape, sync_client
 
@@ -191,6 +194,13 @@ def _redis_figures(client: Any, requests: int) -> tuple[float, float]:
     return quantile(acquire_us, 0.99) / 1000, calls / max(requests, 1)
 
 
+def _busiest_share(client: Any) -> float:
+    """The share of all prompt blocks that went to the busiest worker (0.25 of 4 is even),
+    from the engines' own counts in their heartbeats."""
+    queried = [float(orjson.loads(v).get("prefix_queries", 0)) for v in client.hvals(keys.stats(MODEL))]
+    return max(queried) / sum(queried) if queried and sum(queried) else float("nan")
+
+
 async def run_arm(arm: Arm, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     worker_args = [f"--sim-max-seqs={SLOTS}", f"--sim-token-ms={args.prefix_token_ms}", "--sim-ttft-ms=0",
                    f"--sim-prefill-ms-per-token={args.prefix_prefill_ms}", f"--sim-cache-blocks={CACHE_BLOCKS}"]
@@ -200,6 +210,8 @@ async def run_arm(arm: Arm, args: argparse.Namespace, logs: Path) -> dict[str, A
         env["SLUICE_GATEWAY_ROUTE_HOT_SHARE"] = str(args.route_hot_share)
     if args.route_load_blocks is not None:
         env["SLUICE_GATEWAY_ROUTE_LOAD_BLOCKS"] = str(args.route_load_blocks)
+    if args.route_prefill_weight is not None:
+        env["SLUICE_GATEWAY_ROUTE_PREFILL_WEIGHT"] = str(args.route_prefill_weight)
     shape = StackShape(gateways=arm.gateways, workers=WORKERS, gateway_env=env, worker_args=worker_args)
     with Stack(shape, logs, label=arm.name.replace(" ", "-")) as stack:
         redis = sync_client(stack.redis_url)
@@ -214,13 +226,16 @@ async def run_arm(arm: Arm, args: argparse.Namespace, logs: Path) -> dict[str, A
             wall = time.perf_counter() - started
             counters = await _gateway_counters(http, stack.gateway_urls)
         acquire_ms, calls = _redis_figures(redis, len(client.tally.ttfts) + client.tally.errors)
+        await asyncio.sleep(1.5)  # every worker's next heartbeat carries its final counts
+        busiest = _busiest_share(redis)
         redis.close()
     t = client.tally
     return {
         "arm": arm.name, "requests": len(t.ttfts), "errors": t.errors,
         "ttft_p50_ms": quantile(t.ttfts, 0.5) * 1000, "ttft_p90_ms": quantile(t.ttfts, 0.9) * 1000,
         "ttft_p99_ms": quantile(t.ttfts, 0.99) * 1000, "out_tok_s": t.completion / wall,
-        "hit_rate": t.cached / max(t.prompt, 1),
+        "hit_rate": t.cached / max(t.prompt, 1), "hit_pct": 100 * t.cached / max(t.prompt, 1),
+        "busiest_pct": 100 * busiest,
         # Only cache routing expects anything; the other arms are not checked.
         "accuracy": 1 - counters["error"] / counters["prompt"]
         if counters["prompt"] and arm.routing == "cache" else float("nan"),
@@ -313,6 +328,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--replicas", type=int, default=3, help="gateways of the extra cache arms (1: none)")
     g.add_argument("--route-hot-share", type=float, help="cache arms: SLUICE_GATEWAY_ROUTE_HOT_SHARE")
     g.add_argument("--route-load-blocks", type=float, help="cache arms: SLUICE_GATEWAY_ROUTE_LOAD_BLOCKS")
+    g.add_argument("--route-prefill-weight", type=float, help="cache arms: SLUICE_GATEWAY_ROUTE_PREFILL_WEIGHT")
     g.add_argument("--prefix-prefill-ms", type=float, default=0.2, help="sim prefill cost per uncached token")
     g.add_argument("--prefix-token-ms", type=float, default=10.0, help="sim decode step")
     g.add_argument("--prefix-max-tokens", type=int, default=32, help="output tokens per request")

@@ -5,10 +5,13 @@ what the engines report (accuracy), and it all shows in /metrics and the access 
 from __future__ import annotations
 
 import re
+import time
 
 import httpx
 import openai
+import redis
 
+from sluice import keys
 from sluice.prefix import BLOCK_TOKENS
 
 
@@ -17,7 +20,9 @@ def _metric(text: str, name: str, model: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def test_shared_system_prompts_hit_the_cache_and_the_router_knew(start_worker, start_gateway) -> None:
+def test_shared_system_prompts_hit_the_cache_and_the_router_knew(
+    start_worker, start_gateway, redis_client: redis.Redis,
+) -> None:
     model = "prefix-e2e"
     for _ in range(3):
         start_worker(model, sim_prefill_ms_per_token=0.01)
@@ -41,3 +46,10 @@ def test_shared_system_prompts_hit_the_cache_and_the_router_knew(start_worker, s
     assert _metric(metrics, "sluice_gateway_cached_tokens_total", model) == 9 * 3 * BLOCK_TOKENS
     log = gateway.log_tail(400)
     assert f"route_matched_blocks=3 route_prompt_blocks=3 route_expected_cached={3 * BLOCK_TOKENS}" in log
+    # Every request's pending prefill was given back (at its first token or its release).
+    for _ in range(100):
+        if not redis_client.hgetall(keys.prefill(model)):
+            break
+        time.sleep(0.05)
+    assert redis_client.hgetall(keys.prefill(model)) == {}
+    assert redis_client.hgetall(keys.admission(model).lease_prefill) == {}

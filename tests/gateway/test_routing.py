@@ -28,7 +28,9 @@ async def test_a_shared_prefix_goes_back_to_the_worker_that_holds_it(fleet: Flee
     gw = await fleet.gateway(routing="cache")
     (first,) = await gw.acquire(fleet.ask(blocks=_blocks("q")))
     assert first.matched_blocks == 0
-    # The holder already runs a request; its 20 cached blocks still outweigh that load.
+    await gw.release(first)
+    # The second request runs on the holder as the third arrives: the 20 cached blocks
+    # still outweigh that load (and its 2 blocks of prefill).
     for question in ("r", "s"):
         (lease,) = await gw.acquire(fleet.ask(blocks=_blocks(question)))
         assert lease.worker_id == first.worker_id
@@ -44,8 +46,10 @@ async def test_hot_spot_guard_spills_a_popular_prefix_to_a_cold_worker(fleet: Fl
     await fleet.worker(capacity=4, worker_id="a")
     await fleet.worker(capacity=4, worker_id="b")
     gw = await fleet.gateway(routing="cache", route_hot_share=0.5)
+    (warm,) = await gw.acquire(fleet.ask(blocks=_blocks("w")))
+    await gw.release(warm)
     leases = [(await gw.acquire(fleet.ask(blocks=_blocks(f"q{i}"))))[0] for i in range(4)]
-    holder = leases[0].worker_id
+    holder = warm.worker_id
     assert [x.worker_id == holder for x in leases] == [True, True, True, False]
     assert leases[3].matched_blocks == 0
     # The cold worker now holds the prefix too: both are credited from here on.
@@ -143,3 +147,109 @@ def test_a_resumed_payload_routes_on_the_same_prefix() -> None:
     first = PromptPrefix.of({"messages": messages})
     resumed = PromptPrefix.of({"messages": messages, "resume_token_ids": [1, 2, 3]})
     assert first == resumed and len(first.blocks) == 20
+
+
+async def _prefill(fleet: Fleet) -> dict[str, int]:
+    """Each worker's pending prefill, in blocks, as the admission scripts count it."""
+    raw = await fleet.redis.hgetall(keys.prefill(fleet.model))  # type: ignore[attr-defined]
+    return {k.decode(): int(v) for k, v in raw.items()}
+
+
+def _unique_blocks(tag: str) -> tuple[str, ...]:
+    return tuple(block_hashes(" ".join(f"{tag}{i}" for i in range(22 * BLOCK_TOKENS))))
+
+
+async def test_a_holder_with_a_prefill_backlog_loses_to_an_idle_worker(fleet: Fleet) -> None:
+    """Regression for affinity under overload: the worker holding a prefix got every
+    request of its group however much prefill it already owed. Its backlog (88 uncached
+    blocks of four other requests, at a quarter block each, plus their slots) now
+    outweighs the 20 blocks it would save."""
+    await fleet.worker(capacity=8, worker_id="a")
+    await fleet.worker(capacity=8, worker_id="b")
+    index = PrefixIndex(fleet.redis)
+    await index.report(fleet.model, "a", [{"type": "stored", "block_hashes": list(_blocks("q")[:20])}])
+    gw = await fleet.gateway(routing="cache")
+    backlog = [(await gw.acquire(fleet.ask(blocks=_unique_blocks(t), exclude=("b",))))[0] for t in "wxyz"]
+    assert await _prefill(fleet) == {"a": 88}
+    # A gateway that ignores the backlog keeps the request on the holder.
+    blind = await fleet.gateway(routing="cache", route_prefill_weight=0)
+    (stays,) = await blind.acquire(fleet.ask(blocks=_blocks("r")))
+    assert stays.worker_id == "a" and stays.matched_blocks == 20
+    assert await _prefill(fleet) == {"a": 90}
+    await blind.release(stays)
+    (lease,) = await gw.acquire(fleet.ask(blocks=_blocks("q")))
+    assert lease.worker_id == "b" and lease.matched_blocks == 0
+    assert await _prefill(fleet) == {"a": 88, "b": 22}
+    for held in [*backlog, lease]:
+        await gw.release(held)
+    assert await _prefill(fleet) == {}
+    # Backlog gone: affinity again (both workers hold the prefix by now).
+    (back,) = await gw.acquire(fleet.ask(blocks=_blocks("s")))
+    assert back.matched_blocks == 20
+    await gw.release(back)
+
+
+async def test_generations_on_one_worker_count_their_prefill_once(fleet: Fleet) -> None:
+    await fleet.worker(capacity=4, worker_id="a")
+    gw = await fleet.gateway(routing="cache")
+    leases = await gw.acquire(fleet.ask(blocks=_blocks("q"), need=3))
+    assert {x.worker_id for x in leases} == {"a"}
+    assert await _prefill(fleet) == {"a": 22}
+    for lease in leases:
+        await gw.release(lease)
+    assert await _prefill(fleet) == {}
+
+
+async def test_least_and_round_robin_count_no_prefill(fleet: Fleet) -> None:
+    await fleet.worker(capacity=4, worker_id="a")
+    for routing in ("least", "rr"):
+        gw = await fleet.gateway(routing=routing)
+        (lease,) = await gw.acquire(fleet.ask(blocks=_blocks("q")))
+        assert await _prefill(fleet) == {}
+        await gw.release(lease)
+
+
+async def test_the_reaper_gives_back_a_dead_gateways_prefill_and_recounts(fleet: Fleet) -> None:
+    await fleet.worker(capacity=8, worker_id="a")
+    await fleet.worker(capacity=8, worker_id="b")
+    dying = await fleet.gateway(routing="cache", lease_ttl_s=0.5)
+    (orphan,) = await dying.acquire(fleet.ask(blocks=_unique_blocks("x")))
+    assert await _prefill(fleet) == {orphan.worker_id: 22}
+    await dying.close()  # stops renewing: its lease expires
+    gw = await fleet.gateway(routing="cache", reap_interval_s=3600)  # reaps when told only
+    (kept,) = await gw.acquire(fleet.ask(blocks=_unique_blocks("y"), exclude=(orphan.worker_id,)))
+    for _ in range(100):  # until the orphan's lease has expired and is reaped
+        await gw.reap_once(reconcile=False)
+        if not await fleet.redis.zscore(keys.leases(fleet.model), orphan.lease_id):  # type: ignore[attr-defined]
+            break
+        await asyncio.sleep(0.05)
+    assert await _prefill(fleet) == {kept.worker_id: 22}
+    # Counts that drifted (a lost write, a hand edit) are rebuilt from the leases.
+    await fleet.redis.hset(keys.prefill(fleet.model), mapping={"a": 99, "b": 7})  # type: ignore[attr-defined]
+    await fleet.redis.hset(keys.admission(fleet.model).lease_prefill, "no-such-lease", 5)  # type: ignore[attr-defined]
+    await gw.reap_once(reconcile=True)
+    assert await _prefill(fleet) == {kept.worker_id: 22}
+    assert not await fleet.redis.hexists(keys.admission(fleet.model).lease_prefill, "no-such-lease")  # type: ignore[attr-defined]
+    await gw.release(kept)
+    assert await _prefill(fleet) == {}
+
+
+async def test_a_first_token_takes_its_prefill_off_once(fleet: Fleet) -> None:
+    """The engine has prefilled a request once its first token is out: its blocks leave
+    the worker's backlog then, not when its lease ends; the release does not take them
+    off a second time."""
+    await fleet.worker(capacity=8, worker_id="a")
+    gw = await fleet.gateway(routing="cache")
+    first, second = [(await gw.acquire(fleet.ask(blocks=_unique_blocks(t))))[0] for t in "xy"]
+    assert (first.prefill_blocks, second.prefill_blocks) == (22, 22)
+    assert await _prefill(fleet) == {"a": 44}
+    gw.prefilled(first)
+    for _ in range(200):
+        if await _prefill(fleet) == {"a": 22}:
+            break
+        await asyncio.sleep(0.01)
+    assert await _prefill(fleet) == {"a": 22}
+    await gw.release(first)
+    assert await _prefill(fleet) == {"a": 22}  # the second one's, still owed
+    await gw.release(second)
+    assert await _prefill(fleet) == {}
