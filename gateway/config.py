@@ -44,10 +44,11 @@ class GatewaySettings(RedisSettings):
     #: Aging within a queue: one priority level is worth this many tokens of others'
     #: service (so a lower level waits longer but never forever); 0 = strict levels.
     priority_step_tokens: int = Field(default=2048, ge=0)
-    #: Which worker gets a request: "least" (least loaded), "cache" (prefix affinity
-    #: balanced against load, see gateway/scripts.py), "rr" (round robin). "least" stays
-    #: the default until "cache" holds up under prefill-bound overload (loadtest/README.md).
-    routing: Literal["cache", "least", "rr"] = "least"
+    #: Which worker gets a request: "cache" (prefix affinity balanced against load and
+    #: prefill backlog, see gateway/scripts.py), "least" (least loaded), "rr" (round robin).
+    #: "cache" is the default: it beat or tied "least" on every workload of the prefix
+    #: bench, the no-shared-prefix control included (loadtest/README.md).
+    routing: Literal["cache", "least", "rr"] = "cache"
     #: Cache routing: one request in flight on a worker weighs as much as prefilling this
     #: many prompt blocks (of 64 tokens).
     route_load_blocks: float = Field(default=2.0, ge=0)
