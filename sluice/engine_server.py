@@ -203,12 +203,16 @@ class EngineServer:
             path, body = "/v1/chat/completions", {**self._sampling(request, chat=True), "messages": request.messages}
         else:
             path, body = "/v1/completions", {**self._sampling(request, chat=False), "prompt": request.prompt or ""}
-        async for delta in self._stream(path, body, chat=path.endswith("chat/completions")):
-            if held:
-                delta.text, held = held + delta.text, ""
-            yield delta
-            if delta.finish_reason is not None:
-                return
+        stream = self._stream(path, body, chat=path.endswith("chat/completions"))
+        try:
+            async for delta in stream:
+                if held:
+                    delta.text, held = held + delta.text, ""
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]  # closed early: the connection closes now
         raise UpstreamFailed("the upstream server ended the stream before it finished", code="worker_lost")
 
     async def _send(self, path: str, body: dict[str, Any]) -> Http1Response | httpx.Response:
