@@ -203,8 +203,8 @@ def summarize(win: Window, measure_s: float, cpu_s: dict[str, float]) -> dict[st
 
 
 def table(results: dict[str, dict[str, dict[str, object]]], levels: list[int]) -> str:
-    lines = ["| path | streams | chunks/s | × direct | TTFT p50 ms | +p50 over direct | TTFT p99 ms | errors "
-             "| gateway CPU µs/chunk | openai worker CPU µs/chunk |",
+    lines = [("| path | streams | chunks/s | × direct | TTFT p50 ms | +p50 over direct | TTFT p99 ms | errors "
+              "| gateway CPU µs/chunk | openai worker CPU µs/chunk |"),
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for level in levels:
         direct = results["direct"][str(level)]

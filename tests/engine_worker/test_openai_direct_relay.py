@@ -7,15 +7,17 @@ was out of the stream's path."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import httpx
-import openai
 import pytest
 
 from loadtest.peers.mock_openai import MODEL, chat_template, tokenize
 from sluice import keys
 from sluice.engine_server import parse_relay_url, relay_url
-from tests.engine_worker.test_openai_upstream import *  # noqa: F403  (the same tests, direct relay)
+from tests.engine_worker.test_openai_upstream import *  # the same tests, direct relay
 from tests.engine_worker.test_openai_upstream import received, reference
 
 
@@ -67,10 +69,12 @@ def test_relay_url_round_trip() -> None:
     assert parse_relay_url(url) == ("http://10.0.0.7:8000", "HuggingFaceTB/SmolLM2 135M?&", True)
 
 
-def test_direct_relay_needs_the_openai_engine() -> None:
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-m", "sluice", "worker", "--engine", "sim", "--relay", "direct",
-                           "--port", "1"], capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0 and "--relay direct is for --engine openai" in done.stderr
+@pytest.mark.parametrize(("argv", "env", "message"), [
+    (["--engine", "sim"], {}, "--relay direct is for --engine openai"),
+    (["--engine", "openai", "--upstream-url", "http://127.0.0.1:9"], {"SLUICE_WORKER_UPSTREAM_API_KEY": "k"},
+     "cannot use an upstream API key"),
+])
+def test_direct_relay_refusals(argv: list[str], env: dict[str, str], message: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "sluice", "worker", *argv, "--relay", "direct", "--port", "1"],
+                          capture_output=True, text=True, timeout=60, check=False, env={**os.environ, **env})
+    assert done.returncode != 0 and message in done.stderr
