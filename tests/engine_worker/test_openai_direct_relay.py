@@ -30,7 +30,7 @@ def workers(mocks, start_worker):
     return started
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module")  # type: ignore[no-redef]  # this module's workers
 def gateway(workers, start_gateway):
     return start_gateway()
 
