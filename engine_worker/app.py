@@ -10,7 +10,6 @@ from fastapi import FastAPI, Request
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
 from starlette.responses import Response
 
 from engine_worker.metrics import metrics_text
@@ -18,7 +17,6 @@ from engine_worker.protocol import GenerateRequest
 from engine_worker.stream import NDJSONStream
 from sluice.errors import (
     AuthenticationFailed,
-    InvalidRequest,
     ModelNotFound,
     SluiceError,
     Unavailable,
@@ -54,14 +52,7 @@ def create_app(worker: Worker) -> FastAPI:
         check_caller(request)
         if worker.draining:
             raise Unavailable("worker is draining", retry_after_s=1)
-        try:
-            body = GenerateRequest.model_validate_json(await request.body())
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            raise InvalidRequest(
-                f"invalid generate request: {first['msg']}",
-                param=".".join(str(p) for p in first["loc"]),
-            ) from None
+        body = GenerateRequest.parse(await request.body())
         if body.model != worker.model:
             raise ModelNotFound(f"this worker serves {worker.model!r}")
         span = tracer.start_span("worker.generate", context=extract(request.headers), kind=SpanKind.SERVER,

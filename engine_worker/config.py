@@ -86,6 +86,10 @@ class WorkerSettings(RedisSettings):
     upstream_poll_ms: int = Field(default=1000, ge=50)
     #: openai: how long to wait at start for the server to list its model.
     upstream_start_timeout_s: float = Field(default=600.0, gt=0)
+    #: openai: who streams from the server. ``worker``: this worker relays (gateway → worker →
+    #: server). ``direct``: the worker registers the server itself (keeping its capacity, health
+    #: and load) and gateways call it, translating in-process (sluice/engine_server.py).
+    relay: Literal["worker", "direct"] = "worker"
 
     def url(self) -> str:
         """Where gateways reach this worker: the advertised URL, else this host's address."""

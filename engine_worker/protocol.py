@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypedDict
 
 import orjson
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
+
+from sluice.errors import InvalidRequest
 
 
 class GenerateRequest(BaseModel):
@@ -61,6 +63,16 @@ class GenerateRequest(BaseModel):
     #: back (a possible stop string, a partial UTF-8 character) while sending the ids;
     #: the resuming worker emits that held-back text first.
     resume_text_chars: int | None = Field(default=None, ge=0)
+
+    @classmethod
+    def parse(cls, body: bytes) -> GenerateRequest:
+        """The request from its JSON; a bad one is an :class:`InvalidRequest` naming the field."""
+        try:
+            return cls.model_validate_json(body)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise InvalidRequest(f"invalid generate request: {first['msg']}",
+                                 param=".".join(str(p) for p in first["loc"])) from None
 
 
 class KVEvent(TypedDict):

@@ -38,6 +38,8 @@ def served_name(settings: WorkerSettings) -> str:
 
 def build_engine(settings: WorkerSettings) -> Engine:
     """The engine the settings ask for; raises :class:`ModelError` for a bad model path."""
+    if settings.relay == "direct" and settings.engine != "openai":
+        raise ModelError("--relay direct is for --engine openai (a server gateways can call)")
     if settings.engine == "sim":
         from engine_worker.engines.sim import SimEngine
 
@@ -56,6 +58,9 @@ def build_engine(settings: WorkerSettings) -> Engine:
 
         if not settings.upstream_url:
             raise ModelError("--engine openai needs --upstream-url (the server to front)")
+        if settings.relay == "direct" and settings.upstream_api_key:
+            raise ModelError("--relay direct cannot use an upstream API key: gateways would need it, and the "
+                             "registry is no place for it")
         return OpenAIUpstreamEngine(
             settings.upstream_url,
             model=settings.upstream_model,
@@ -174,6 +179,16 @@ class Worker:
         setup_tracing("sluice-worker")
         run_async(self.async_run())
 
+    def _registry_url(self) -> str:
+        """Where gateways send this worker's requests: the worker, or under ``--relay direct``
+        the server it fronts (gateway/direct.py)."""
+        if self.settings.relay == "direct":
+            from engine_worker.engines.openai_upstream import OpenAIUpstreamEngine
+
+            assert isinstance(self.engine, OpenAIUpstreamEngine)
+            return self.engine.relay_url()
+        return self.settings.url()
+
     async def async_run(self) -> None:
         from engine_worker.app import create_app
 
@@ -195,7 +210,7 @@ class Worker:
                 redis,
                 model=self.model,
                 worker_id=s.worker_id,
-                url=s.url(),
+                url=self._registry_url(),
                 engine=self.engine.name,
                 capacity=self.engine.capacity,
                 heartbeat_ms=s.heartbeat_ms,
@@ -204,7 +219,8 @@ class Worker:
             )
             await self._registration.start()
             reporting = asyncio.create_task(self._report_kv_events(PrefixIndex(redis)), name="kv-events")
-            log.info("worker %s serving %r at %s", s.worker_id, self.model, s.url())
+            log.info("worker %s serving %r at %s (gateways call %s)", s.worker_id, self.model, s.url(),
+                     self._registry_url())
             try:
                 await serving
             finally:

@@ -29,8 +29,10 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from gateway.admission import Admission, Ask, Lease
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
+from gateway.direct import DeltaLines, DirectRelay
 from gateway.record import RequestRecord
 from gateway.routing import IndexCorrections, PromptPrefix, RouteCheck
+from sluice.engine_server import RELAY_SCHEME
 from sluice.errors import (
     DeadlineExceeded,
     ModelNotFound,
@@ -76,7 +78,7 @@ class Upstream:
     """One open stream from a worker, holding its lease until closed."""
 
     def __init__(
-        self, admission: Admission, lease: Lease, response: Http1Response | httpx.Response,
+        self, admission: Admission, lease: Lease, response: Http1Response | httpx.Response | DeltaLines,
         span: Span | None = None, route: RouteFacts | None = None,
     ) -> None:
         self.lease = lease
@@ -183,6 +185,8 @@ class Dispatcher:
         self._admission = admission
         self._http = http
         self._workers = workers
+        #: Engine servers registered by ``--relay direct`` workers, called from here.
+        self._direct = DirectRelay(http, workers)
         self._auth = {"authorization": f"Bearer {settings.internal_token}"} if settings.internal_token else {}
 
     async def release(self, lease: Lease) -> None:
@@ -295,7 +299,11 @@ class Dispatcher:
         upstream: Upstream | None = None
         try:
             async with asyncio.timeout(ttft_s):
-                response = await self._send(lease.url, body, headers)
+                response: Http1Response | httpx.Response | DeltaLines
+                if lease.url.startswith(RELAY_SCHEME):
+                    response = await self._open_direct(lease.url, body)
+                else:
+                    response = await self._send(lease.url, body, headers)
                 upstream = Upstream(self._admission, lease, response, span, route)
                 if response.status_code != 200:
                     detail = await response.aread()
@@ -327,6 +335,15 @@ class Dispatcher:
             await _close(upstream, lease, self._admission, span)
             raise
 
+
+    async def _open_direct(self, relay: str, body: bytes) -> DeltaLines:
+        """An engine server called from here: its refusals map as a worker's status would."""
+        try:
+            return await self._direct.open(relay, body)
+        except SluiceError as exc:
+            if exc.status >= 500 or exc.status == 404:
+                raise _Retryable(f"engine server: {exc.message}", lost=exc.code == "worker_lost") from None
+            raise
 
     async def _send(self, url: str, body: bytes, headers: dict[str, str]) -> Http1Response | httpx.Response:
         """Plain-HTTP workers through the lean HTTP/1.1 client (sluice/http1.py); a worker behind TLS

@@ -1,6 +1,7 @@
 """Sluice beside its peers, one run on one machine: the same load generator against an
 OpenAI-compatible mock engine read directly, and through vllm-router, LiteLLM's proxy and
-Sluice (fronting the mock with ``--engine openai``, and fronting its own simulator with
+Sluice (fronting the mock with ``--engine openai``, relayed by the worker or, with
+``--relay direct``, streamed by the gateway itself; and fronting its own simulator with
 the same timing).
 
     loadtest/peers/setup.sh                      # the peers' venvs, once
@@ -49,11 +50,14 @@ class Procs:
     def __init__(self, logs: Path) -> None:
         self.logs = logs
         self.started: list[subprocess.Popen[bytes]] = []
+        #: Process group (= the child's pid, it leads its session) by name.
+        self.groups: dict[str, int] = {}
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the child
         self.started.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                              env={**os.environ, **(env or {})}, start_new_session=True))
+        self.groups[name] = self.started[-1].pid
 
     def stop(self) -> None:
         for proc in reversed(self.started):
@@ -66,6 +70,27 @@ class Procs:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+def group_cpu_s(pgid: int) -> float:
+    """User + system CPU seconds of the live processes in a process group (from /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # after the name: state, ppid, pgrp, ..., utime (11), stime (12)
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+#: The Sluice processes whose CPU per streamed chunk is reported, by the name they were started under.
+CPU_GROUPS = {"gateway": "sluice-gateway", "openai worker": "sluice-worker-openai"}
 
 
 def wait_ready(url: str, timeout_s: float = 120, json_body: dict[str, object] | None = None) -> None:
@@ -115,10 +140,15 @@ def start_sluice(procs: Procs, base: int, redis_url: str, upstream: str, model: 
                                           "--served-model-name", "sim", "--port", str(base + 4), "--redis-url",
                                           redis_url, "--sim-ttft-ms", str(sim[0]), "--sim-token-ms", str(sim[1]),
                                           "--sim-max-seqs", "256"], env=env)
+    # The same server registered by a worker that only advertises it: gateways stream from it.
+    procs.start("sluice-worker-direct", [py, "-m", "sluice", "--log-level", "WARNING", "worker", "--engine", "openai",
+                                         "--upstream-url", upstream, "--served-model-name", f"{model}-direct",
+                                         "--port", str(base + 6), "--redis-url", redis_url, "--upstream-capacity",
+                                         "256", "--relay", "direct"], env=env)
     procs.start("sluice-gateway", [py, "-m", "sluice", "--log-level", "WARNING", "gateway", "--port", str(base + 5),
                                    "--redis-url", redis_url, "--procs", "1"], env=env)
     gateway = f"http://127.0.0.1:{base + 5}"
-    paths = [Path_("sluice (openai worker)", gateway, model)]
+    paths = [Path_("sluice (openai worker)", gateway, model), Path_("sluice (direct relay)", gateway, f"{model}-direct")]
     if sim is not None:
         paths.append(Path_("sluice (sim worker)", gateway, "sim"))
     probe = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
@@ -159,8 +189,10 @@ def start_all(procs: Procs, base: int, ttft_ms: float, token_ms: float, redis_ur
     return paths
 
 
-def summarize(win: Window, measure_s: float) -> dict[str, object]:
+def summarize(win: Window, measure_s: float, cpu_s: dict[str, float]) -> dict[str, object]:
     return {
+        # CPU µs per streamed chunk of each Sluice process in the window (whatever path ran).
+        "cpu_us_per_chunk": {k: (1e6 * v / win.chunks if win.chunks else None) for k, v in cpu_s.items()},
         "chunks_per_s": win.chunks / measure_s,
         "ttft_p50_ms": None if not win.ttfts else 1000 * (percentile(win.ttfts, 0.5) or 0),
         "ttft_p99_ms": None if not win.ttfts else 1000 * (percentile(win.ttfts, 0.99) or 0),
@@ -171,8 +203,9 @@ def summarize(win: Window, measure_s: float) -> dict[str, object]:
 
 
 def table(results: dict[str, dict[str, dict[str, object]]], levels: list[int]) -> str:
-    lines = ["| path | streams | chunks/s | × direct | TTFT p50 ms | +p50 over direct | TTFT p99 ms | errors |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [("| path | streams | chunks/s | × direct | TTFT p50 ms | +p50 over direct | TTFT p99 ms | errors "
+              "| gateway CPU µs/chunk | openai worker CPU µs/chunk |"),
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for level in levels:
         direct = results["direct"][str(level)]
         for name, by_level in results.items():
@@ -181,8 +214,12 @@ def table(results: dict[str, dict[str, dict[str, object]]], levels: list[int]) -
             added = (None if r["ttft_p50_ms"] is None or direct["ttft_p50_ms"] is None
                      else r["ttft_p50_ms"] - direct["ttft_p50_ms"])
             fmt = lambda v: "-" if v is None else f"{v:,.1f}"
+            cpu = r.get("cpu_us_per_chunk") or {}
+            gw = cpu.get("gateway") if name.startswith("sluice") else None
+            wk = cpu.get("openai worker") if name.startswith("sluice (openai") else None
             lines.append(f"| {name} | {level} | {r['chunks_per_s']:,.0f} | {ratio:.2f} | {fmt(r['ttft_p50_ms'])} | "
-                         f"{'-' if added is None else f'{added:+.1f}'} | {fmt(r['ttft_p99_ms'])} | {r['errors']} |")
+                         f"{'-' if added is None else f'{added:+.1f}'} | {fmt(r['ttft_p99_ms'])} | {r['errors']} "
+                         f"| {'-' if gw is None else f'{gw:.0f}'} | {'-' if wk is None else f'{wk:.0f}'} |")
     return "\n".join(lines)
 
 
@@ -214,13 +251,22 @@ def draw(results: dict[str, dict[str, dict[str, object]]], levels: list[int], ou
     plt.close(fig)
 
 
+async def window_cpu(groups: dict[str, int], warmup_s: float, measure_s: float) -> dict[str, float]:
+    """CPU seconds each group spends in the measured window (it starts after the warm-up)."""
+    await asyncio.sleep(warmup_s)
+    before = {k: group_cpu_s(g) for k, g in groups.items()}
+    await asyncio.sleep(measure_s)
+    return {k: group_cpu_s(g) - before[k] for k, g in groups.items()}
+
+
 async def measure(paths: list[Path_], levels: list[int], warmup_s: float, measure_s: float,
-                  max_tokens: int) -> dict[str, dict[str, dict[str, object]]]:
+                  max_tokens: int, groups: dict[str, int]) -> dict[str, dict[str, dict[str, object]]]:
     results: dict[str, dict[str, dict[str, object]]] = {p.name: {} for p in paths}
     for level in levels:
         for p in paths:
-            win = await run(p.url, p.model, level, warmup_s, measure_s, max_tokens)
-            results[p.name][str(level)] = summarize(win, measure_s)
+            win, cpu = await asyncio.gather(run(p.url, p.model, level, warmup_s, measure_s, max_tokens),
+                                            window_cpu(groups, warmup_s, measure_s))
+            results[p.name][str(level)] = summarize(win, measure_s, cpu)
             r = results[p.name][str(level)]
             print(f"  {p.name:24s} {level:4d} streams: {r['chunks_per_s']:8,.0f} chunks/s  TTFT p50 "
                   f"{r['ttft_p50_ms'] or 0:7.1f} ms  p99 {r['ttft_p99_ms'] or 0:7.1f} ms  errors {r['errors']}",
@@ -260,7 +306,8 @@ def main() -> None:
                 keep = set(args.only.split(","))
                 paths = [p for p in paths if p.name in keep or p.name == "direct"]
             print(f"logs in {logs}; {len(paths)} paths x {levels} streams, {args.measure_s:g} s each", flush=True)
-            results = asyncio.run(measure(paths, levels, args.warmup_s, args.measure_s, args.max_tokens))
+            groups = {k: procs.groups[name] for k, name in CPU_GROUPS.items() if name in procs.groups}
+            results = asyncio.run(measure(paths, levels, args.warmup_s, args.measure_s, args.max_tokens, groups))
     finally:
         procs.stop()
     print(table(results, levels))

@@ -105,6 +105,9 @@ def _build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--upstream-token-ids", choices=["auto", "on", "off"],
                     help="openai: the server returns token ids and takes token prompts, for token-exact "
                     "migration (default auto: yes for vLLM)")
+    wk.add_argument("--relay", choices=["worker", "direct"],
+                    help="openai: who streams from the server: this worker (default), or gateways directly "
+                         "(the worker then only registers it: capacity, health, load)")
     wk.add_argument("--upstream-poll-ms", type=int, help="openai: /health and /metrics period (default 1000)")
     _add_redis(wk)
 
@@ -163,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
                 "sim_prefill_chunk", "sim_cache_blocks", "redis_url", "vllm_max_model_len",
                 "vllm_max_num_seqs", "vllm_kv_cache_gib", "vllm_tensor_parallel_size", "vllm_enforce_eager",
                 "vllm_trtllm_kernels", "tool_call_parser", "upstream_url", "upstream_model", "upstream_capacity",
-                "upstream_token_ids", "upstream_poll_ms",
+                "upstream_token_ids", "upstream_poll_ms", "relay",
             )
             from sluice.models import ModelError
             from sluice.settings import is_loopback

@@ -1,0 +1,94 @@
+"""Calling an engine server directly: the gateway side of ``sluice worker --engine openai
+--relay direct``.
+
+Such a worker registers the OpenAI-compatible server it fronts (``vllm serve``,
+``trtllm-serve``, ...) under a relay URL (sluice/engine_server.py: ``openai+http://...``)
+and keeps its capacity, health and load in the registry; a lease on it reaches here
+instead of ``POST /internal/generate``. The internal request the worker would have
+received becomes the server's request in this process, and the server's chunks become
+the same NDJSON lines a worker sends, so everything downstream of
+:class:`gateway.upstream.Upstream` (deadlines, retries, migration by token ids, the
+journal, usage) is unchanged. Closing the stream closes the connection to the server,
+which aborts the request there.
+
+What it costs and buys: one process and one HTTP hop fewer per streamed chunk (the
+worker's parsing, re-encoding and sending), for the translation work in the gateway.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import httpx
+import orjson
+
+from engine_worker.protocol import Delta, GenerateRequest
+from sluice.engine_server import EngineServer, parse_relay_url
+from sluice.errors import SluiceError
+from sluice.http1 import Http1Pool
+
+log = logging.getLogger("sluice.gateway")
+
+
+class DeltaLines:
+    """A server's deltas as a worker's NDJSON response (``status_code``, ``aiter_raw``,
+    ``aread``, ``aclose``): the first delta already read, a failure after it one error line."""
+
+    status_code = 200
+
+    def __init__(self, first: Delta, deltas: AsyncIterator[Delta]) -> None:
+        self._first = first
+        self._deltas = deltas
+        self._lines = self._encode()
+
+    async def _encode(self) -> AsyncIterator[bytes]:
+        yield self._first.encode()
+        if self._first.finish_reason is not None:
+            return
+        try:
+            async for delta in self._deltas:
+                yield delta.encode()
+        except SluiceError as exc:
+            yield orjson.dumps(exc.body()) + b"\n"
+        except Exception as exc:  # like a worker: a failure mid-stream reaches the reader as a line
+            log.exception("engine server stream failed")
+            yield orjson.dumps(SluiceError(f"engine error: {type(exc).__name__}").body()) + b"\n"
+
+    def aiter_raw(self) -> AsyncIterator[bytes]:
+        return self._lines
+
+    async def aread(self) -> bytes:
+        return b""
+
+    async def aclose(self) -> None:
+        await self._lines.aclose()  # type: ignore[attr-defined]
+        await self._deltas.aclose()  # type: ignore[attr-defined]  # closes the server's connection
+
+
+class DirectRelay:
+    """The engine servers this gateway calls, one :class:`EngineServer` per relay URL."""
+
+    def __init__(self, http: httpx.AsyncClient, streams: Http1Pool) -> None:
+        self._http = http
+        self._streams = streams
+        self._servers: dict[str, EngineServer] = {}
+
+    def server(self, relay: str) -> EngineServer:
+        server = self._servers.get(relay)
+        if server is None:
+            url, model, token_ids = parse_relay_url(relay)
+            server = self._servers[relay] = EngineServer(url, model, token_ids=token_ids, http=self._http,
+                                                         streams=self._streams)
+        return server
+
+    async def open(self, relay: str, body: bytes) -> DeltaLines:
+        """Start the generation and read its first delta; raises the server's refusal (a
+        :class:`SluiceError`) before it, like a worker's HTTP error status."""
+        deltas = self.server(relay).generate(GenerateRequest.parse(body))
+        try:
+            first = await anext(deltas)
+        except BaseException:
+            await deltas.aclose()  # type: ignore[attr-defined]
+            raise
+        return DeltaLines(first, deltas)

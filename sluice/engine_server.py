@@ -1,0 +1,284 @@
+"""Generating on an OpenAI-compatible engine server (``vllm serve``, ``trtllm-serve``,
+SGLang, TGI): a :class:`GenerateRequest` becomes the server's request, its server-sent
+chunks become :class:`Delta` s. One way to do it, used from two places:
+
+- the ``openai`` worker (engine_worker/engines/openai_upstream.py) relays for gateways;
+- a gateway calls the server itself when that worker registered with ``--relay direct``
+  (gateway/direct.py): the worker's record then carries a relay URL (:func:`relay_url`)
+  instead of its own, and the translation runs in the gateway, one process fewer per chunk.
+
+A server that returns token ids (vLLM) gets ``return_token_ids`` and resumes a migrated
+stream token-exactly: prompt ids from its own ``/tokenize`` + the ids already sent, as a
+token prompt to ``/v1/completions``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import parse_qs, quote, urlsplit
+
+import httpx
+import orjson
+
+from engine_worker.protocol import Delta, GenerateRequest, Usage
+from sluice.errors import (
+    Conflict,
+    InvalidRequest,
+    ModelNotFound,
+    SluiceError,
+    Unavailable,
+    UpstreamFailed,
+)
+from sluice.http1 import Http1Pool, Http1Response
+
+log = logging.getLogger("sluice.engine_server")
+
+#: A worker record's URL with this prefix names an engine server that gateways call directly.
+RELAY_SCHEME = "openai+"
+
+
+def relay_url(url: str, model: str, token_ids: bool) -> str:
+    """The registry URL of ``--relay direct``: ``openai+http://host:port?model=NAME&ids=1``."""
+    return f"{RELAY_SCHEME}{url.rstrip('/')}?model={quote(model, safe='')}&ids={int(token_ids)}"
+
+
+def parse_relay_url(url: str) -> tuple[str, str, bool]:
+    """(server URL, its model name, whether it returns token ids) from :func:`relay_url`'s form."""
+    parts = urlsplit(url.removeprefix(RELAY_SCHEME))
+    query = parse_qs(parts.query)
+    return parts._replace(query="").geturl(), query["model"][0], query.get("ids", ["0"])[0] == "1"
+
+
+def upstream_error(status: int, body: bytes) -> SluiceError:
+    """The server's refusal in Sluice's error tree: its 4xx are the client's (not retried on
+    other workers), its 5xx and 429 are this worker's (the gateway tries another)."""
+    try:
+        err = orjson.loads(body)
+        err = err.get("error", err) if isinstance(err, dict) else {}
+        message = str(err.get("message") or err.get("detail") or "")[:500] if isinstance(err, dict) else ""
+    except orjson.JSONDecodeError:
+        message = ""
+    message = message or f"upstream server answered {status}"
+    if status == 404:
+        return ModelNotFound(f"upstream server: {message}")
+    if status in (400, 422):
+        code = "context_length_exceeded" if "context length" in message.lower() else None
+        return InvalidRequest(f"upstream server: {message}", code=code)
+    if status == 429 or status >= 500:
+        return Unavailable(f"upstream server answered {status}: {message}", retry_after_s=1)
+    return UpstreamFailed(f"upstream server answered {status}: {message}")
+
+
+def _chat_logprobs(logprobs: Any) -> list[list[Any]] | None:
+    if not isinstance(logprobs, dict) or not logprobs.get("content"):
+        return None
+    return [
+        [e.get("token", ""), e.get("logprob", 0.0),
+         [[t.get("token", ""), t.get("logprob", 0.0)] for t in e.get("top_logprobs") or ()]]
+        for e in logprobs["content"]
+    ]
+
+
+def _text_logprobs(logprobs: Any) -> list[list[Any]] | None:
+    if not isinstance(logprobs, dict) or not logprobs.get("tokens"):
+        return None
+    tops = logprobs.get("top_logprobs") or [None] * len(logprobs["tokens"])
+    return [
+        [token, lp if lp is not None else 0.0, sorted(([t, v] for t, v in (top or {}).items()), key=lambda x: -x[1])]
+        for token, lp, top in zip(logprobs["tokens"], logprobs.get("token_logprobs") or (), tops, strict=False)
+    ]
+
+
+def _delta(choice: dict[str, Any], chat: bool) -> Delta:
+    if chat:
+        text = (choice.get("delta") or {}).get("content") or ""
+        logprobs = _chat_logprobs(choice.get("logprobs"))
+    else:
+        text = choice.get("text") or ""
+        logprobs = _text_logprobs(choice.get("logprobs"))
+    ids = choice.get("token_ids") or []
+    return Delta(ids, text, choice.get("finish_reason"), None, logprobs)
+
+
+async def _drain(raw: AsyncIterator[bytes]) -> None:
+    """Read what is left of a finished body (its terminating chunk), briefly, so that the
+    connection goes back to the pool instead of being closed."""
+    with contextlib.suppress(TimeoutError, httpx.HTTPError):
+        async with asyncio.timeout(0.05):
+            async for _ in raw:
+                pass
+
+
+class EngineServer:
+    """One OpenAI-compatible server: generations as deltas.
+
+    ``http`` serves the small JSON calls (``/tokenize``, ``/detokenize``) and ``https://``
+    streams; ``streams`` (the lean client) the plain-HTTP streams, where every token crosses it.
+    """
+
+    def __init__(
+        self, url: str, model: str, *, token_ids: bool, http: httpx.AsyncClient, streams: Http1Pool,
+        api_key: str | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.model = model
+        #: Whether the server returns token ids and takes token prompts (vLLM).
+        self.token_ids = token_ids
+        #: Whether ``priority`` is passed on; cleared when the server refuses it.
+        self.priority = True
+        self._http = http
+        self._streams = streams if self.url.startswith("http://") else None
+        self._headers = {"content-type": "application/json",
+                         **({"authorization": f"Bearer {api_key}"} if api_key else {})}
+
+    def _sampling(self, request: GenerateRequest, chat: bool) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model, "stream": True, "stream_options": {"include_usage": True},
+                                "max_tokens": request.max_tokens}
+        for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty"):
+            value = getattr(request, name)
+            if value is not None:
+                body[name] = value
+        if request.stop:
+            body["stop"] = request.stop
+        if request.logprobs is not None:
+            if chat:
+                body["logprobs"] = True
+                body["top_logprobs"] = request.logprobs
+            else:
+                body["logprobs"] = request.logprobs
+        # Extensions most servers share (vLLM, SGLang, trtllm-serve); sent only when used.
+        if request.top_k is not None:
+            body["top_k"] = request.top_k
+        if request.repetition_penalty is not None:
+            body["repetition_penalty"] = request.repetition_penalty
+        if request.ignore_eos:
+            body["ignore_eos"] = True
+        if request.min_tokens:
+            body["min_tokens"] = request.min_tokens
+        if self.token_ids:
+            body["return_token_ids"] = True
+        if self.priority and request.priority:
+            body["priority"] = request.priority
+        return body
+
+    async def _post_json(self, path: str, body: dict[str, Any]) -> Any:
+        try:
+            response = await self._http.post(self.url + path, content=orjson.dumps(body), headers=self._headers)
+        except httpx.HTTPError as exc:
+            raise Unavailable(f"upstream server unreachable: {type(exc).__name__}", retry_after_s=1) from None
+        if response.status_code != 200:
+            raise upstream_error(response.status_code, response.content)
+        return orjson.loads(response.content)
+
+    async def _resume_body(self, request: GenerateRequest) -> tuple[str, dict[str, Any], str]:
+        """A migrated stream: the server's own prompt ids + the ids already sent, as a token
+        prompt, and the text the previous worker held back."""
+        if not self.token_ids:
+            raise Conflict("this worker's upstream server does not return token ids, so a stream cannot "
+                           "continue on it exactly", code="resume_unsupported")
+        if request.messages is not None:
+            tokenized = await self._post_json("/tokenize", {"model": self.model, "messages": request.messages,
+                                                            "add_generation_prompt": True})
+        else:
+            tokenized = await self._post_json("/tokenize", {"model": self.model, "prompt": request.prompt or ""})
+        body = self._sampling(request, chat=False)
+        body["prompt"] = [int(i) for i in tokenized["tokens"]] + list(request.resume_token_ids)
+        held = ""
+        if request.resume_token_ids and request.resume_text_chars is not None:
+            text = await self._post_json("/detokenize", {"model": self.model, "tokens": request.resume_token_ids})
+            held = str(text.get("prompt", ""))[request.resume_text_chars:]
+        return "/v1/completions", body, held
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
+        """Deltas until the finishing one (which carries usage); closing the iterator early
+        closes the connection, which aborts the request on the server."""
+        held = ""
+        if request.resume_token_ids or request.resume_text_chars:
+            path, body, held = await self._resume_body(request)
+        elif request.messages is not None:
+            path, body = "/v1/chat/completions", {**self._sampling(request, chat=True), "messages": request.messages}
+        else:
+            path, body = "/v1/completions", {**self._sampling(request, chat=False), "prompt": request.prompt or ""}
+        stream = self._stream(path, body, chat=path.endswith("chat/completions"))
+        try:
+            async for delta in stream:
+                if held:
+                    delta.text, held = held + delta.text, ""
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]  # closed early: the connection closes now
+        raise UpstreamFailed("the upstream server ended the stream before it finished", code="worker_lost")
+
+    async def _send(self, path: str, body: dict[str, Any]) -> Http1Response | httpx.Response:
+        if self._streams is not None:
+            return await self._streams.post(self.url, path, orjson.dumps(body), self._headers)
+        request = self._http.build_request("POST", self.url + path, content=orjson.dumps(body),
+                                           headers=self._headers)
+        return await self._http.send(request, stream=True)
+
+    async def _open(self, path: str, body: dict[str, Any]) -> Http1Response | httpx.Response:
+        """Send the request; a server that refuses ``priority`` is asked once more without it."""
+        while True:
+            try:
+                response = await self._send(path, body)
+            except httpx.HTTPError as exc:
+                raise Unavailable(f"upstream server unreachable: {type(exc).__name__}", retry_after_s=1) from None
+            if response.status_code == 200:
+                return response
+            detail = await response.aread()
+            await response.aclose()
+            if response.status_code == 400 and "priority" in body and b"priority" in detail:
+                log.warning("upstream %s refuses 'priority' (start vLLM with --scheduling-policy priority); "
+                            "no longer passed on", self.url)
+                self.priority = False
+                body = {k: v for k, v in body.items() if k != "priority"}
+                continue
+            raise upstream_error(response.status_code, detail)
+
+    async def _stream(self, path: str, body: dict[str, Any], *, chat: bool) -> AsyncIterator[Delta]:
+        """Server-sent chunks as deltas; the finishing delta waits for the usage chunk."""
+        response = await self._open(path, body)
+        finish: Delta | None = None
+        try:
+            buffer = b""
+            chunks = response.aiter_raw()
+            async for raw in chunks:
+                buffer += raw
+                *events, buffer = buffer.split(b"\n")
+                for event in events:
+                    if not event.startswith(b"data:"):
+                        continue
+                    data = event[5:].strip()
+                    if data == b"[DONE]":
+                        await _drain(chunks)  # the body's end: the connection can be reused
+                        if finish is not None:
+                            yield finish
+                        return
+                    chunk = orjson.loads(data)
+                    if "error" in chunk:
+                        err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk["error"]}
+                        raise UpstreamFailed(f"upstream server: {str(err.get('message'))[:500]}")
+                    usage = chunk.get("usage")
+                    if usage and finish is not None:
+                        details = usage.get("prompt_tokens_details") or {}
+                        finish.usage = Usage(int(usage.get("prompt_tokens", 0)),
+                                             int(usage.get("completion_tokens", 0)),
+                                             int(details.get("cached_tokens") or 0))
+                    for choice in chunk.get("choices") or ():
+                        delta = _delta(choice, chat)
+                        if delta.finish_reason is not None:
+                            finish = delta
+                        elif delta.text or delta.token_ids:
+                            yield delta
+            if finish is not None:
+                yield finish
+        except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
+            raise UpstreamFailed(f"the upstream stream broke: {type(exc).__name__}", code="worker_lost") from None
+        finally:
+            await response.aclose()
