@@ -41,6 +41,12 @@ def running(worker: Proc) -> int:
     return int(httpx.get(worker.url + "/health").json()["worker"]["stats"]["running"])
 
 
+def streaming(worker: Proc) -> int:
+    """Streams the worker has open to gateways, from its /health (exact at once, where the
+    engine's ``running`` comes from its periodic scheduler stats)."""
+    return int(httpx.get(worker.url + "/health").json()["worker"]["in_flight"])
+
+
 class Proc:
     """A sluice child process with its log file; ``stop()`` sends SIGTERM and waits.
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from sluice.models import default_model_dir, is_prepared
-from tests.conftest import running, wait_for
+from tests.conftest import running, streaming, wait_for
 from tests.real_model.conftest import MODEL
 
 pytestmark = [
@@ -123,7 +123,7 @@ def test_migration_after_worker_kill_is_byte_identical(vllm_worker, vllm_gateway
     workers = [vllm_worker, second]
     gateway = vllm_gateway
     # n=2 with logprobs: each choice migrates on its own, logprob labels continue exactly.
-    args = {"model": model, "temperature": 0, "max_tokens": 80, "n": 2, "logprobs": True, "top_logprobs": 1,
+    args = {"model": model, "temperature": 0, "max_tokens": 120, "n": 2, "logprobs": True, "top_logprobs": 1,
             "messages": [{"role": "user", "content": "Describe how a canal lock lifts a boat."}]}
     with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
         whole = client.chat.completions.create(**args).choices
@@ -137,8 +137,8 @@ def test_migration_after_worker_kill_is_byte_identical(vllm_worker, vllm_gateway
             for choice in chunk.choices:
                 pieces[choice.index].append(choice.delta.content or "")
                 tokens[choice.index] += [t.token for t in (choice.logprobs.content or [])] if choice.logprobs else []
-            if not killed and len(pieces[0]) >= 15:
-                busy = [w for w in workers if running(w) >= 1]
+            if not killed and len(pieces[0]) >= 5:
+                busy = [w for w in workers if streaming(w) >= 1]
                 assert busy
                 busy[0].kill()
                 killed = True
