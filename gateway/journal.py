@@ -159,7 +159,7 @@ class JournalWriter:
     >>> await writer.claim()                    # this gateway produces the stream now
     >>> first = writer.subscribe(readers.tail)  # before the producer starts
     >>> producer = await start_producer(writer, events, abandon, tap.take)
-    >>> response = GuardedSSE(first.events(), first.close)  # the first client reads this
+    >>> response = SSEResponse(first.events(), keepalive, first.close)  # the first client reads this
     """
 
     def __init__(self, committer: JournalCommitter, key: str, *, ttl_s: float, owner: str,

@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, Literal
 
 import anyio
-from sse_starlette import EventSourceResponse
 from starlette.responses import Response
 
 from gateway.admission import ClientGone, as_sluice_error
@@ -139,31 +138,6 @@ async def json_response(
     ]
     body = completion_body("text" if kind == "text" else "chat", req.model, rendered, record.usage())
     return Response(body, media_type="application/json", headers=headers)
-
-
-class GuardedSSE(EventSourceResponse):
-    """An SSE response whose clean-up runs however the response ends, even if its
-    generator never started (sse-starlette closes only generators that ran)."""
-
-    def __init__(self, content: AsyncIterator[bytes], cleanup: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self._cleanup = cleanup
-
-    async def _send_with_timeout(self, send: Any, message: Any) -> None:
-        # Per chunk: without a send timeout (ours never sets one) the base class still opens
-        # and closes a cancel scope around every send; the profile of a saturated gateway put
-        # that at ~5% of its CPU. Stalled clients are bounded by the stall/request deadlines.
-        if self.send_timeout is None:
-            await send(message)
-        else:
-            await super()._send_with_timeout(send, message)
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._cleanup()
 
 
 async def _unless_disconnected(

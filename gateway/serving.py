@@ -13,7 +13,6 @@ import anyio
 from opentelemetry.context import Context
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
-from sse_starlette import EventSourceResponse
 from starlette.responses import Response
 
 from gateway.admission import ClientGone
@@ -37,8 +36,9 @@ from gateway.protocol import (
     worker_payloads,
 )
 from gateway.record import RequestRecord
-from gateway.rendering import GuardedSSE, Kind, json_response, sse_events
+from gateway.rendering import Kind, json_response, sse_events
 from gateway.responses import ResponseShape
+from gateway.sse import Keepalive, SSEResponse
 from gateway.takeover import LineTap, Plan, recover
 from gateway.tenancy import Tenancy
 from gateway.upstream import Dispatcher, Line, Upstream
@@ -68,8 +68,10 @@ class Serving:
         self._idempotency = idempotency
         self._redis = redis
         self._producers: set[asyncio.Task[None]] = set()
+        self._keepalive = Keepalive(settings.sse_ping_s)
 
     async def close(self) -> None:
+        await self._keepalive.close()
         await self._committer.close()
 
     async def serve(
@@ -140,7 +142,7 @@ class Serving:
             if ctx.idempotency_key is not None:
                 return await self._produce(kind, req, ctx, upstreams, lines, end, abandon, headers, shape)
             events = sse_events(kind, req, lines, record, end, shape=shape)
-            return GuardedSSE(events, abandon, ping=self._settings.sse_ping_s, headers=headers)
+            return SSEResponse(events, self._keepalive, abandon, headers)
         try:
             response = await json_response(kind, req, lines, record, headers, ctx.disconnected, len(upstreams),
                                            lambda: self._end_json(upstreams, ctx), shape)
@@ -181,7 +183,7 @@ class Serving:
         tap = LineTap(lines)
         events = sse_events(kind, req, tap.lines(), ctx.record, end, chunks, shape=shape)
         self._keep(await start_producer(writer, events, abandon, tap.take))
-        return GuardedSSE(first.events(), first.close, ping=self._settings.sse_ping_s, headers=headers)
+        return SSEResponse(first.events(), self._keepalive, first.close, headers)
 
     def _keep(self, producer: asyncio.Task[None]) -> None:
         self._producers.add(producer)
@@ -277,9 +279,7 @@ class Serving:
             if record.get("state") == "done" or time.monotonic() > deadline:
                 raise RouteNotFound(f"the stream for Idempotency-Key {key!r} is no longer kept")
             await asyncio.sleep(0.05)  # its first request is still being admitted
-        return EventSourceResponse(
-            self._readers.tail(key, after), ping=self._settings.sse_ping_s
-        )
+        return SSEResponse(self._readers.tail(key, after), self._keepalive)
 
     async def _end_stream(
         self, upstreams: list[Upstream | None], record: RequestRecord, ctx: RequestContext,

@@ -30,3 +30,22 @@ def test_raw_sse_lines(stack) -> None:
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_quiet_stream_gets_keepalive_comments_and_still_ends_whole(start_worker, start_gateway) -> None:
+    """A stream that sends nothing for a while gets `: ping` comments (proxies close idle
+    connections); the events around them are untouched."""
+    start_worker("slow-sse", sim_ttft_ms=0, sim_token_ms=800)
+    gateway = start_gateway(env={"SLUICE_GATEWAY_SSE_PING_S": "0.2"})
+    body = {"model": "slow-sse", "stream": True, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=20) as resp:
+        assert resp.status_code == 200
+        raw = resp.read().decode()
+    events = [e for e in raw.split("\n\n") if e.strip()]
+    pings = [e for e in events if e.startswith(":")]
+    data = [e.removeprefix("data: ") for e in events if e.startswith("data: ")]
+    assert len(pings) + len(data) == len(events)
+    # 1.6 s between the first token and the last, a ping at most every 0.2-0.4 s.
+    assert len(pings) >= 3, raw
+    assert data[-1] == "[DONE]"
+    assert [orjson.loads(d)["choices"][0]["finish_reason"] for d in data[:-1]][-1] == "length"
