@@ -113,6 +113,10 @@ class Delta:
     echo: str | None = None
 
     def encode(self) -> bytes:
+        return orjson.dumps(self.line()) + b"\n"
+
+    def line(self) -> dict[str, Any]:
+        """The NDJSON line a worker sends for this delta, as a dict."""
         line: dict[str, Any] = {"ids": self.token_ids, "text": self.text}
         if self.tool_calls:
             line["tc"] = self.tool_calls
@@ -124,4 +128,4 @@ class Delta:
             line["finish_reason"] = self.finish_reason
         if self.usage is not None:
             line["usage"] = self.usage.as_dict()
-        return orjson.dumps(line) + b"\n"
+        return line

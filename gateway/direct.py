@@ -6,7 +6,7 @@ Such a worker registers the OpenAI-compatible server it fronts (``vllm serve``,
 and keeps its capacity, health and load in the registry; a lease on it reaches here
 instead of ``POST /internal/generate``. The internal request the worker would have
 received becomes the server's request in this process, and the server's chunks become
-the same NDJSON lines a worker sends, so everything downstream of
+the same lines a worker sends (as dicts: nothing is encoded to be parsed again), so everything downstream of
 :class:`gateway.upstream.Upstream` (deadlines, retries, migration by token ids, the
 journal, usage) is unchanged. Closing the stream closes the connection to the server,
 which aborts the request there.
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
-import orjson
 
 from engine_worker.protocol import Delta, GenerateRequest
 from sluice.engine_server import EngineServer, parse_relay_url
@@ -32,34 +32,29 @@ log = logging.getLogger("sluice.gateway")
 
 
 class DeltaLines:
-    """A server's deltas as a worker's NDJSON response (``status_code``, ``aiter_raw``,
-    ``aread``, ``aclose``): the first delta already read, a failure after it one error line."""
-
-    status_code = 200
+    """A server's deltas as the lines a worker would send (dicts, never encoded): the first
+    delta already read, a failure after it one error line."""
 
     def __init__(self, first: Delta, deltas: AsyncIterator[Delta]) -> None:
         self._first = first
         self._deltas = deltas
-        self._lines = self._encode()
+        self._lines = self._convert()
 
-    async def _encode(self) -> AsyncIterator[bytes]:
-        yield self._first.encode()
+    async def _convert(self) -> AsyncIterator[dict[str, Any]]:
+        yield self._first.line()
         if self._first.finish_reason is not None:
             return
         try:
             async for delta in self._deltas:
-                yield delta.encode()
+                yield delta.line()
         except SluiceError as exc:
-            yield orjson.dumps(exc.body()) + b"\n"
+            yield exc.body()
         except Exception as exc:  # like a worker: a failure mid-stream reaches the reader as a line
             log.exception("engine server stream failed")
-            yield orjson.dumps(SluiceError(f"engine error: {type(exc).__name__}").body()) + b"\n"
+            yield SluiceError(f"engine error: {type(exc).__name__}").body()
 
-    def aiter_raw(self) -> AsyncIterator[bytes]:
+    def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
         return self._lines
-
-    async def aread(self) -> bytes:
-        return b""
 
     async def aclose(self) -> None:
         await self._lines.aclose()  # type: ignore[attr-defined]

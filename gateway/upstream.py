@@ -74,38 +74,114 @@ class RouteFacts:
     corrections: IndexCorrections
 
 
+class WorkerLines:
+    """A worker's NDJSON response as parsed lines."""
+
+    def __init__(self, response: Http1Response | httpx.Response) -> None:
+        self._response = response
+        self._raw = response.aiter_raw()
+        self._lines = self._parse()
+
+    async def _parse(self) -> AsyncIterator[Line]:
+        buffer = b""
+        async for chunk in self._raw:
+            buffer += chunk
+            if b"\n" not in buffer:
+                continue
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                if line:
+                    yield orjson.loads(line)
+
+    def __aiter__(self) -> AsyncIterator[Line]:
+        return self._lines
+
+    async def aclose(self, finished: bool = False) -> None:
+        """``finished``: the finishing line arrived and the body's end follows at once;
+        reading it lets the connection be reused instead of closed."""
+        try:
+            if finished:
+                with contextlib.suppress(TimeoutError, httpx.HTTPError):
+                    async with asyncio.timeout(0.05):
+                        async for _ in self._raw:
+                            pass
+        finally:
+            await self._lines.aclose()  # type: ignore[attr-defined]
+            await self._response.aclose()
+
+
+class _StallWatch:
+    """Deadlines for the reads of one stream without a timer per read: one timer, moved
+    only when it fires. Per line a read costs two attribute writes; ``asyncio.timeout``
+    around every read was a tenth of a relaying gateway's CPU.
+
+    When a read has waited ``stall_s``, or the request's ``deadline`` passes during one,
+    the reading task is cancelled and :meth:`expired` says why."""
+
+    __slots__ = ("_deadline", "_handle", "_loop", "_reading", "_since", "_stall_s", "_task", "why")
+
+    def __init__(self, stall_s: float, deadline: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._stall_s = stall_s
+        self._deadline = deadline - time.monotonic() + self._loop.time()  # on the loop's clock
+        self._handle: asyncio.TimerHandle | None = None
+        self._reading = False
+        self._since = 0.0
+        self.why: str | None = None
+
+    def reading(self) -> None:
+        self._since = self._loop.time()
+        self._reading = True
+        if self._handle is None:
+            self._handle = self._loop.call_at(min(self._since + self._stall_s, self._deadline), self._fire)
+
+    def done_reading(self) -> None:
+        self._reading = False
+
+    def _fire(self) -> None:
+        self._handle = None
+        if not self._reading or self._task is None:
+            return  # armed again by the next read
+        limit = min(self._since + self._stall_s, self._deadline)
+        if self._loop.time() < limit:
+            self._handle = self._loop.call_at(limit, self._fire)
+            return
+        self.why = "deadline" if limit >= self._deadline else "stall"
+        self._task.cancel()
+
+    def expired(self) -> bool:
+        """After a CancelledError: True when it was this watch's (then it is absorbed)."""
+        return self.why is not None and self._task is not None and self._task.uncancel() == 0
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
 class Upstream:
     """One open stream from a worker, holding its lease until closed."""
 
     def __init__(
-        self, admission: Admission, lease: Lease, response: Http1Response | httpx.Response | DeltaLines,
+        self, admission: Admission, lease: Lease, lines: WorkerLines | DeltaLines,
         span: Span | None = None, route: RouteFacts | None = None,
     ) -> None:
         self.lease = lease
         self._route = route
         self._admission = admission
         self._span = span
-        self._response = response
-        self._raw = response.aiter_raw()
-        self._buffer = b""
-        self._pending: list[bytes] = []
+        self._source = lines
+        self._lines = aiter(lines)
         self._closed = False
         #: The finishing line arrived: the body's end follows at once, and reading it lets
         #: the connection be reused for the next request instead of closed.
         self._finished = False
         self.first: Line | None = None
 
-    async def _read_line(self, timeout_s: float) -> Line | None:
-        while not self._pending:
-            async with asyncio.timeout(timeout_s):
-                chunk = await anext(self._raw, None)
-            if chunk is None:
-                return None
-            self._buffer += chunk
-            *lines, self._buffer = self._buffer.split(b"\n")
-            self._pending.extend(line for line in lines if line)
-        line: Line = orjson.loads(self._pending.pop(0))
-        return line
+    async def read_first(self) -> Line | None:
+        self.first = await anext(self._lines, None)
+        return self.first
 
     async def lines(self, stall_timeout_s: float, deadline: float) -> AsyncIterator[Line]:
         """Yield lines, the first one included, until the finishing line.
@@ -115,28 +191,36 @@ class Upstream:
         ``deadline`` (``time.monotonic()``) passes.
         """
         line = self.first
-        while True:
-            if line is None:
-                raise UpstreamFailed("the worker closed the stream before it finished", code="worker_lost")
-            if "error" in line:
-                raise _error_line(line)
-            if "usage" in line:
-                self._check_route(line["usage"])
-            yield line
-            if line.get("finish_reason") is not None:
-                self._finished = True
-                return
-            left = deadline - time.monotonic()
-            try:
-                line = await self._read_line(min(stall_timeout_s, max(left, 0.0)))
-            except TimeoutError:
-                if left <= stall_timeout_s:
-                    raise DeadlineExceeded("the request ran past its deadline", code="request_timeout") from None
-                raise DeadlineExceeded(
-                    f"no token for {stall_timeout_s:g}s from the worker", code="stall_timeout"
-                ) from None
-            except (httpx.TransportError, orjson.JSONDecodeError) as exc:
-                raise UpstreamFailed(f"the worker stream broke: {type(exc).__name__}", code="worker_lost") from None
+        watch = _StallWatch(stall_timeout_s, deadline)
+        try:
+            while True:
+                if line is None:
+                    raise UpstreamFailed("the worker closed the stream before it finished", code="worker_lost")
+                if "error" in line:
+                    raise _error_line(line)
+                if "usage" in line:
+                    self._check_route(line["usage"])
+                yield line
+                if line.get("finish_reason") is not None:
+                    self._finished = True
+                    return
+                watch.reading()
+                try:
+                    line = await anext(self._lines, None)
+                except asyncio.CancelledError:
+                    if not watch.expired():
+                        raise
+                    if watch.why == "deadline":
+                        raise DeadlineExceeded("the request ran past its deadline", code="request_timeout") from None
+                    raise DeadlineExceeded(
+                        f"no token for {stall_timeout_s:g}s from the worker", code="stall_timeout"
+                    ) from None
+                except (httpx.TransportError, orjson.JSONDecodeError) as exc:
+                    raise UpstreamFailed(f"the worker stream broke: {type(exc).__name__}", code="worker_lost") from None
+                finally:
+                    watch.done_reading()
+        finally:
+            watch.stop()
 
     def _check_route(self, usage: dict[str, Any]) -> None:
         """The engine's cached tokens against the router's guess: the accuracy metric, and
@@ -154,12 +238,10 @@ class Upstream:
             return
         self._closed = True
         try:
-            if self._finished:
-                with contextlib.suppress(TimeoutError, httpx.HTTPError):
-                    async with asyncio.timeout(0.05):
-                        async for _ in self._raw:
-                            pass
-            await self._response.aclose()
+            if isinstance(self._source, WorkerLines):
+                await self._source.aclose(self._finished)
+            else:
+                await self._source.aclose()
         finally:
             if self._span is not None:
                 self._span.end()
@@ -299,21 +381,22 @@ class Dispatcher:
         upstream: Upstream | None = None
         try:
             async with asyncio.timeout(ttft_s):
-                response: Http1Response | httpx.Response | DeltaLines
                 if lease.url.startswith(RELAY_SCHEME):
-                    response = await self._open_direct(lease.url, body)
+                    upstream = Upstream(self._admission, lease, await self._open_direct(lease.url, body), span,
+                                        route)
                 else:
                     response = await self._send(lease.url, body, headers)
-                upstream = Upstream(self._admission, lease, response, span, route)
-                if response.status_code != 200:
-                    detail = await response.aread()
-                    if response.status_code in (401, 403):
-                        log.error("worker %s refused this gateway: SLUICE_INTERNAL_TOKEN differs", lease.worker_id)
-                        raise _Retryable("the worker refused this gateway's internal token")
-                    if response.status_code >= 500 or response.status_code == 404:
-                        raise _Retryable(f"worker answered {response.status_code}")
-                    raise from_body(response.status_code, detail)
-                upstream.first = await upstream._read_line(ttft_s)
+                    upstream = Upstream(self._admission, lease, WorkerLines(response), span, route)
+                    if response.status_code != 200:
+                        detail = await response.aread()
+                        if response.status_code in (401, 403):
+                            log.error("worker %s refused this gateway: SLUICE_INTERNAL_TOKEN differs",
+                                      lease.worker_id)
+                            raise _Retryable("the worker refused this gateway's internal token")
+                        if response.status_code >= 500 or response.status_code == 404:
+                            raise _Retryable(f"worker answered {response.status_code}")
+                        raise from_body(response.status_code, detail)
+                await upstream.read_first()
             if upstream.first is None:
                 raise _Retryable("worker closed the stream before the first token", lost=True)
             if "error" in upstream.first:
