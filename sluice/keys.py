@@ -40,6 +40,8 @@ carry their own hash tag for the same reason.
 
 from __future__ import annotations
 
+import functools
+
 from typing import NamedTuple
 
 MODELS = "sl:models"
@@ -123,7 +125,9 @@ class AdmissionKeys(NamedTuple):
     lease_prefill: str
 
 
+@functools.lru_cache(maxsize=4096)
 def admission(model: str) -> AdmissionKeys:
+    """Built once per model: every admission script call passes them."""
     t = _tag(model)
     urgent, normal = queues(model)
     return AdmissionKeys(
