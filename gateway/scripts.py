@@ -26,6 +26,9 @@ fixes tags at arrival and refunds unserved ones. Priorities within a class add
 ``priority * step`` to the tag: a level is worth ``step`` tokens of others' service,
 so lower priorities age instead of starving.
 
+A request that finds nobody waiting is granted in ACQUIRE itself, charged to its tenant
+as the queue would have charged it, without passing through the queue's keys.
+
 A request needs ``need`` slots (its ``n`` times its prompts) and gets all of them in
 one grant or none. The scan stops at the first entry that lacks slots (later ones
 would otherwise take them forever); entries blocked only by their excluded workers
@@ -442,6 +445,29 @@ local meta = {deadline = now + tonumber(ARGV[10]), exclude = exclude, priority =
 -- The caller's blocks stay out of its stored meta unless it has to wait (no JSON round trip
 -- for a request granted at once).
 local direct_blocks = ARGV[17] == 'cache' and cjson.decode(ARGV[16]) or nil
+
+-- Nobody waits: the queue's pump would take this request first and alone. Grant it here,
+-- with the same fair-queuing charge as a grant from the queue, and skip the queue's
+-- writes and reads (about half of this script's work for a request granted at once).
+if length == 0 then
+  meta.blocks = direct_blocks
+  local picks = choose(ws, excluded, priority, need, route_of(meta))
+  if picks ~= nil then
+    if boost then
+      -- retries and migrations are charged nothing
+    elseif is_urgent(priority) then
+      local v = tonumber(redis.call('HGET', K_FAIR, 'V:1') or '0')
+      local tag = math.max(v, tonumber(redis.call('HGET', K_FAIR, 'F:1:' .. tenant) or '0'))
+      redis.call('HSET', K_FAIR, 'F:1:' .. tenant, tag + cost)
+      if tag > v then redis.call('HSET', K_FAIR, 'V:1', tag) end
+    else
+      local tag = start_tag(tenant)
+      redis.call('HSET', K_FAIR, 'V:2', tag, 'F:2:' .. tenant, tag + cost)
+    end
+    return {'granted', lease_all(picks, req, lease_ttl, meta)}
+  end
+  meta.blocks = nil
+end
 if boost then
   redis.call('ZADD', K_QURGENT, -4e15 + now, req)
 elseif is_urgent(priority) then

@@ -314,3 +314,28 @@ async def test_requests_that_time_out_are_not_charged_to_their_tenant(fleet: Fle
     # A already had one request served (the held slot); after that the two alternate. Charged
     # for its timed-out requests, A would wait until all of B's had gone first.
     assert "A" in order[:3] and order.count("A") == 4, order
+
+
+async def test_a_tenant_served_at_once_is_charged_like_one_served_from_the_queue(fleet: Fleet) -> None:
+    """Requests granted without waiting (the script's empty-queue path) count toward their
+    tenant's share: A's five immediate grants put A behind B once both have to wait."""
+    await fleet.worker(capacity=5)
+    gw = await fleet.gateway(queue_timeout_s=60, max_queue=1000)
+    held = [(await gw.acquire(fleet.ask(tenant="A", cost=100)))[0] for _ in range(5)]
+    assert not any([int(await fleet.redis.zcard(q)) for q in keys.queues(fleet.model)])  # type: ignore[attr-defined]
+    tenant_of: dict[asyncio.Task[list[Lease]], str] = {}
+    for tenant in ("A", "A", "B", "B"):
+        tenant_of[asyncio.create_task(gw.acquire(fleet.ask(tenant=tenant, cost=100)))] = tenant
+        await _queued(fleet, len(tenant_of))
+    order: list[str] = []
+    for lease in held[:4]:
+        await gw.release(lease)
+        done, _ = await asyncio.wait(list(tenant_of), timeout=5, return_when=asyncio.FIRST_COMPLETED)
+        (task,) = done
+        order.append(tenant_of.pop(task))
+        await gw.release(task.result()[0])
+    # A's five grants advanced its finish tag past the virtual time: B's head starts
+    # earlier, so B goes first though A asked first; then they alternate (start-time fair
+    # queuing gives no credit for idle time). Uncharged, A would have gone first.
+    assert order == ["B", "A", "B", "A"], order
+    await gw.release(held[4])
