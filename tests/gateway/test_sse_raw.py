@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import httpx
 import orjson
 
@@ -49,3 +51,21 @@ def test_quiet_stream_gets_keepalive_comments_and_still_ends_whole(start_worker,
     assert len(pings) >= 3, raw
     assert data[-1] == "[DONE]"
     assert [orjson.loads(d)["choices"][0]["finish_reason"] for d in data[:-1]][-1] == "length"
+
+
+def test_a_gateway_stopped_with_sigterm_finishes_its_open_streams(start_worker, start_gateway) -> None:
+    """SIGTERM: uvicorn stops taking requests and waits (``shutdown_grace_s``) for the open
+    streams, which end whole, not cut off."""
+    start_worker("sigterm-sse", sim_ttft_ms=0, sim_token_ms=50)
+    gateway = start_gateway()
+    body = {"model": "sigterm-sse", "prompt": "x", "max_tokens": 30, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=20) as resp:
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data: ")
+        gateway.process.send_signal(signal.SIGTERM)
+        rest = list(lines)
+    data = [line.removeprefix("data: ") for line in rest if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    assert orjson.loads(data[-2])["choices"][0]["finish_reason"] == "length"
+    assert len(data) - 1 == 29  # every token after the first one
+    assert gateway.process.wait(10) == 0
