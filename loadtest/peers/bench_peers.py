@@ -53,9 +53,9 @@ class Procs:
         #: Process group (= the child's pid, it leads its session) by name.
         self.groups: dict[str, int] = {}
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT) -> None:
         log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the child
-        self.started.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+        self.started.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
                                              env={**os.environ, **(env or {})}, start_new_session=True))
         self.groups[name] = self.started[-1].pid
 
@@ -73,9 +73,10 @@ class Procs:
 
 
 def group_cpu_s(pgid: int) -> float:
-    """User + system CPU seconds of the live processes in a process group (from /proc)."""
+    """User + system CPU seconds of the live processes in a process group, and of their
+    children in sessions of their own (a gateway's --procs children), from /proc."""
     tick = os.sysconf("SC_CLK_TCK")
-    total = 0
+    procs: dict[int, tuple[int, int, int]] = {}  # pid -> (ppid, pgrp, cpu ticks)
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -84,13 +85,20 @@ def group_cpu_s(pgid: int) -> float:
                 fields = f.read().rsplit(b")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) == pgid:  # after the name: state, ppid, pgrp, ..., utime (11), stime (12)
-            total += int(fields[11]) + int(fields[12])
-    return total / tick
+        # after the name: state, ppid, pgrp, ..., utime (11), stime (12)
+        procs[int(entry.name)] = (int(fields[1]), int(fields[2]), int(fields[11]) + int(fields[12]))
+    inside = {pid for pid, (_, pgrp, _) in procs.items() if pgrp == pgid}
+    grown = True
+    while grown:
+        more = {pid for pid, (ppid, _, _) in procs.items() if ppid in inside} - inside
+        inside |= more
+        grown = bool(more)
+    return sum(procs[pid][2] for pid in inside) / tick
 
 
 #: The Sluice processes whose CPU per streamed chunk is reported, by the name they were started under.
-CPU_GROUPS = {"gateway": "sluice-gateway", "openai worker": "sluice-worker-openai"}
+CPU_GROUPS = {"gateway": "sluice-gateway", "gateway x2": "sluice-gateway-2", "gateway baseline": "sluice-gateway-baseline",
+              "openai worker": "sluice-worker-openai"}
 
 
 def wait_ready(url: str, timeout_s: float = 120, json_body: dict[str, object] | None = None) -> None:
@@ -125,8 +133,13 @@ def start_vllm(procs: Procs, base: int, redis_url: str) -> list[Path_]:
     return [Path_("direct", server, name)] + start_sluice(procs, base, redis_url, server, name, sim=None)
 
 
+def _commit(root: Path) -> str:
+    return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, check=False,
+                          text=True).stdout.strip() or root.name
+
+
 def start_sluice(procs: Procs, base: int, redis_url: str, upstream: str, model: str,
-                 sim: tuple[float, float] | None) -> list[Path_]:
+                 sim: tuple[float, float] | None, baseline: Path | None = None) -> list[Path_]:
     """A gateway, an openai worker fronting ``upstream``, and a sim worker when ``sim``
     gives its (ttft_ms, token_ms)."""
     py = sys.executable
@@ -148,7 +161,19 @@ def start_sluice(procs: Procs, base: int, redis_url: str, upstream: str, model: 
     procs.start("sluice-gateway", [py, "-m", "sluice", "--log-level", "WARNING", "gateway", "--port", str(base + 5),
                                    "--redis-url", redis_url, "--procs", "1"], env=env)
     gateway = f"http://127.0.0.1:{base + 5}"
-    paths = [Path_("sluice (openai worker)", gateway, model), Path_("sluice (direct relay)", gateway, f"{model}-direct")]
+    # The same, from two gateway processes on one port (SO_REUSEPORT): what --procs buys here.
+    procs.start("sluice-gateway-2", [py, "-m", "sluice", "--log-level", "WARNING", "gateway", "--port",
+                                     str(base + 7), "--redis-url", redis_url, "--procs", "2"], env=env)
+    paths = [Path_("sluice (openai worker)", gateway, model), Path_("sluice (direct relay)", gateway, f"{model}-direct"),
+             Path_("sluice (direct relay, 2 gateway procs)", f"http://127.0.0.1:{base + 7}", f"{model}-direct")]
+    if baseline is not None:
+        # Another checkout's gateway (an older commit) on the same registry: before and after
+        # measured in one run. The registry and the scripts' keys are the same across versions.
+        procs.start("sluice-gateway-baseline", [py, "-m", "sluice", "--log-level", "WARNING", "gateway", "--port",
+                                                str(base + 8), "--redis-url", redis_url, "--procs", "1"],
+                    env={**env, "PYTHONPATH": str(baseline)}, cwd=baseline)
+        paths.insert(2, Path_(f"sluice (direct relay) at {_commit(baseline)}", f"http://127.0.0.1:{base + 8}",
+                              f"{model}-direct"))
     if sim is not None:
         paths.append(Path_("sluice (sim worker)", gateway, "sim"))
     probe = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
@@ -157,7 +182,8 @@ def start_sluice(procs: Procs, base: int, redis_url: str, upstream: str, model: 
     return paths
 
 
-def start_all(procs: Procs, base: int, ttft_ms: float, token_ms: float, redis_url: str) -> list[Path_]:
+def start_all(procs: Procs, base: int, ttft_ms: float, token_ms: float, redis_url: str,
+              baseline: Path | None = None) -> list[Path_]:
     py = sys.executable
     mock_port = base
     procs.start("mock", [py, str(HERE / "mock_openai.py"), "--port", str(mock_port), "--vllm", "--no-eos",
@@ -182,7 +208,7 @@ def start_all(procs: Procs, base: int, ttft_ms: float, token_ms: float, redis_ur
                 env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"})
     paths.append(Path_("litellm", f"http://127.0.0.1:{base + 2}", "mock"))
 
-    paths += start_sluice(procs, base, redis_url, mock, "mock", sim=(ttft_ms, token_ms))
+    paths += start_sluice(procs, base, redis_url, mock, "mock", sim=(ttft_ms, token_ms), baseline=baseline)
     probe = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
     for p in paths[:3]:
         wait_ready(p.url + "/v1/chat/completions", 180, {**probe, "model": p.model})
@@ -215,7 +241,8 @@ def table(results: dict[str, dict[str, dict[str, object]]], levels: list[int]) -
                      else r["ttft_p50_ms"] - direct["ttft_p50_ms"])
             fmt = lambda v: "-" if v is None else f"{v:,.1f}"
             cpu = r.get("cpu_us_per_chunk") or {}
-            gw = cpu.get("gateway") if name.startswith("sluice") else None
+            group = "gateway x2" if "2 gateway procs" in name else "gateway baseline" if " at " in name else "gateway"
+            gw = cpu.get(group) if name.startswith("sluice") else None
             wk = cpu.get("openai worker") if name.startswith("sluice (openai") else None
             lines.append(f"| {name} | {level} | {r['chunks_per_s']:,.0f} | {ratio:.2f} | {fmt(r['ttft_p50_ms'])} | "
                          f"{'-' if added is None else f'{added:+.1f}'} | {fmt(r['ttft_p99_ms'])} | {r['errors']} "
@@ -289,6 +316,9 @@ def main() -> None:
                         help="the engine server: the mock (all peers), or vLLM's own server on CPU with the "
                         "default model (direct and Sluice only)")
     parser.add_argument("--out", default=str(HERE / "peers"), help="output prefix (.json, .png)")
+    parser.add_argument("--baseline", type=Path,
+                        help="another checkout of Sluice (e.g. a git worktree of an older commit): its gateway, "
+                        "on the same registry, is measured beside this one's as 'sluice (direct relay) at <commit>'")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
 
@@ -301,7 +331,7 @@ def main() -> None:
             if args.server == "vllm":
                 paths = start_vllm(procs, args.base_port, redis.url)
             else:
-                paths = start_all(procs, args.base_port, args.ttft_ms, args.token_ms, redis.url)
+                paths = start_all(procs, args.base_port, args.ttft_ms, args.token_ms, redis.url, args.baseline)
             if args.only:
                 keep = set(args.only.split(","))
                 paths = [p for p in paths if p.name in keep or p.name == "direct"]
