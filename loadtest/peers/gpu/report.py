@@ -85,8 +85,8 @@ def summary(rows: list[dict]) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
-    head = ("| path | streams | loads | tok/s (mean) | × direct (mean; each run) | TTFT p50 ms | TTFT p99 ms "
-            "| added TTFT p50 ms (mean; each run) | errors | gateway cores (busiest process) | gateway µs/token "
+    head = ("| path | streams | loads | tok/s (mean) | × direct (mean; each load) | TTFT p50 ms | TTFT p99 ms "
+            "| added TTFT p50 ms (mean; each load) | errors | gateway cores (busiest process) | gateway µs/token "
             "| worker cores |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for s in rows:
