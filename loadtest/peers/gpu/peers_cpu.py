@@ -6,7 +6,9 @@ diff: adds to the load generator's JSON line, per name, the CPU seconds spent be
 snapshots, cores busy on average (cpu_s / wall_s), the busiest single process's cores, and
 microseconds per streamed chunk.
 """
-import json, os, sys
+import json
+import os
+import sys
 
 TCK = os.sysconf("SC_CLK_TCK")
 
@@ -17,7 +19,8 @@ def procs():
         if not p.isdigit():
             continue
         try:
-            s = open(f"/proc/{p}/stat").read()
+            with open(f"/proc/{p}/stat") as f:
+                s = f.read()
         except OSError:
             continue
         f = s[s.rindex(")") + 2:].split()  # fields from state on: ppid is [1], utime [11], stime [12]

@@ -63,7 +63,9 @@ def summary(rows: list[dict]) -> list[dict]:
         groups[r["kind"], r["procs"], r["load"]].append(r)
     out = []
     for (kind, procs, load), rs in groups.items():
-        cpu = lambda part, key: mean(r[part][key] for r in rs) if all(r[part] for r in rs) else None  # noqa: E731
+        def cpu(part: str, key: str, rs: list[dict] = rs) -> float | None:
+            return mean(r[part][key] for r in rs) if all(r[part] for r in rs) else None
+
         out.append({
             "path": KINDS[kind] + (f", gateway --procs {procs}" if procs else ""), "kind": kind, "procs": procs,
             "load": load, "loads": len(rs), "runs": sorted({r["run"] for r in rs}),
@@ -84,7 +86,9 @@ def summary(rows: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
+    def f(v: float | None, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
     head = ("| path | streams | loads | tok/s (mean) | × direct (mean; each load) | TTFT p50 ms | TTFT p99 ms "
             "| added TTFT p50 ms (mean; each load) | errors | gateway cores (busiest process) | gateway µs/token "
             "| worker cores |")
