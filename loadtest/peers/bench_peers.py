@@ -165,7 +165,7 @@ def start_sluice(procs: Procs, base: int, redis_url: str, upstream: str, model: 
     procs.start("sluice-gateway-2", [py, "-m", "sluice", "--log-level", "WARNING", "gateway", "--port",
                                      str(base + 7), "--redis-url", redis_url, "--procs", "2"], env=env)
     paths = [Path_("sluice (openai worker)", gateway, model), Path_("sluice (direct relay)", gateway, f"{model}-direct"),
-             Path_("sluice (direct relay, 2 gateway procs)", f"http://127.0.0.1:{base + 7}", f"{model}-direct")]
+             Path_("sluice (direct relay) on 2 gateway procs", f"http://127.0.0.1:{base + 7}", f"{model}-direct")]
     if baseline is not None:
         # Another checkout's gateway (an older commit) on the same registry: before and after
         # measured in one run. The registry and the scripts' keys are the same across versions.
