@@ -1,0 +1,116 @@
+"""Where a relaying gateway spends its time: the mock, a direct-relay worker registration and
+one gateway process, a closed-loop load at each concurrency first straight at the mock and
+then through the gateway, with the gateway's CPU per chunk and per request, py-spy's
+profile of the gateway (optional), and Redis's time per admission script.
+
+    flock /tmp/sluice-heavy.lock .venv/bin/python loadtest/peers/profile_gateway.py --levels 16,64
+    ... --max-tokens 1             # request-bound: what one request costs
+    ... --py-spy /tmp/gw           # also /tmp/gw-<level>.txt, py-spy's collapsed stacks (needs py-spy)
+
+Timing model of the mock as in bench_peers.py (first token 20 ms, one token per 5 ms).
+The figures are for finding the next hot spot, not for comparing with peers: py-spy
+sampling costs the gateway a little.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent.parent), str(HERE)]
+
+import bench_peers as bp
+import load
+import redis
+
+from gateway import scripts
+from sluice.embedded_redis import EmbeddedRedis
+
+
+def script_names() -> dict[bytes, str]:
+    """Admission script SHA1 prefixes by their names in gateway/scripts.py."""
+    return {hashlib.sha1(value.encode()).hexdigest()[:8].encode(): name
+            for name, value in vars(scripts).items() if isinstance(value, str) and "redis.call" in value}
+
+
+def script_times(client: redis.Redis) -> dict[str, list[int]]:
+    """µs per EVALSHA by script, from the slow log (every command is logged: threshold 0)."""
+    names = script_names()
+    times: dict[str, list[int]] = defaultdict(list)
+    for entry in client.slowlog_get(100_000):
+        words = entry["command"].split()
+        if words and words[0].upper() == b"EVALSHA":
+            times[names.get(words[1][:8], words[1][:8].decode())].append(entry["duration"])
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--levels", default="16", help="concurrent streams, comma-separated")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--measure-s", type=float, default=10.0)
+    parser.add_argument("--base-port", type=int, default=18620)
+    parser.add_argument("--py-spy", help="output prefix for py-spy's collapsed stacks of the gateway")
+    args = parser.parse_args()
+    base, py = args.base_port, sys.executable
+    procs = bp.Procs(Path(tempfile.mkdtemp(prefix="sluice-profile-")))
+    try:
+        with EmbeddedRedis() as embedded:
+            procs.start("mock", [py, str(HERE / "mock_openai.py"), "--port", str(base), "--vllm", "--no-eos"])
+            mock = f"http://127.0.0.1:{base}"
+            bp.wait_ready(mock + "/health")
+            env = {"PYTHONPATH": str(bp.ROOT), "SLUICE_LOG_FORMAT": "json"}
+            common = ["--log-level", "WARNING"]
+            procs.start("worker", [py, "-m", "sluice", *common, "worker", "--engine", "openai", "--upstream-url", mock,
+                                   "--served-model-name", "m", "--port", str(base + 1), "--redis-url", embedded.url,
+                                   "--upstream-capacity", "256", "--relay", "direct"], env=env)
+            procs.start("gateway", [py, "-m", "sluice", *common, "gateway", "--port", str(base + 2), "--redis-url",
+                                    embedded.url, "--procs", "1"], env=env)
+            gateway = f"http://127.0.0.1:{base + 2}"
+            probe = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+            bp.wait_ready(gateway + "/v1/chat/completions", 120, probe)
+            client = redis.Redis.from_url(embedded.url)
+            client.config_set("slowlog-log-slower-than", 0)
+            client.config_set("slowlog-max-len", 100_000)
+            pid = procs.groups["gateway"]
+            for level in [int(x) for x in args.levels.split(",")]:
+                for name, url, model in (("direct", mock, "mock"), ("gateway", gateway, "m")):
+                    spy = None
+                    if args.py_spy and name == "gateway":
+                        spy = subprocess.Popen(["py-spy", "record", "-r", "200", "-d", str(int(args.measure_s)), "-f",
+                                                "raw", "-o", f"{args.py_spy}-{level}.txt", "-p", str(pid),
+                                                "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    client.slowlog_reset()
+
+                    async def measure(url: str = url, model: str = model, level: int = level) -> tuple[load.Window, float]:
+                        win, cpu = await asyncio.gather(load.run(url, model, level, 2.0, args.measure_s, args.max_tokens),
+                                                        bp.window_cpu({"gateway": pid}, 2.0, args.measure_s))
+                        return win, cpu["gateway"]
+
+                    win, cpu = asyncio.run(measure())
+                    p50, p99 = load.percentile(win.ttfts, 0.5), load.percentile(win.ttfts, 0.99)
+                    served = max(1, win.chunks)
+                    print(f"{name:8s} {level:4d} streams: {win.chunks / args.measure_s:8,.0f} chunks/s  "
+                          f"{win.requests / args.measure_s:6,.0f} req/s  TTFT p50 {1000 * (p50 or 0):6.1f} "
+                          f"p99 {1000 * (p99 or 0):6.1f} ms  errors {win.errors}  gateway CPU {cpu:5.2f} s "
+                          f"({1e6 * cpu / served:,.0f} µs/chunk, {1e3 * cpu / max(1, win.requests):.2f} ms/request)",
+                          flush=True)
+                    if spy is not None:
+                        spy.wait()
+                for script, times in sorted(script_times(client).items()):
+                    times.sort()
+                    print(f"  redis {script:10s} {len(times):6d} calls  p50 {times[len(times) // 2]} µs  "
+                          f"mean {sum(times) / len(times):.0f} µs")
+    finally:
+        procs.stop()
+
+
+if __name__ == "__main__":
+    main()
