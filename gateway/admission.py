@@ -42,6 +42,7 @@ from sluice.errors import (
     SluiceError,
     Unavailable,
 )
+from sluice.script_channel import ScriptChannel, script_runner
 
 log = logging.getLogger("sluice.admission")
 
@@ -139,14 +140,17 @@ class Admission:
         self._s = settings
         #: This process's identity in the queue: grants are addressed to it.
         self.gateway_id = uuid.uuid4().hex[:16]
-        self._acquire = redis.register_script(scripts.ACQUIRE)
-        self._release = redis.register_script(scripts.RELEASE)
-        self._cancel = redis.register_script(scripts.CANCEL)
-        self._reap = redis.register_script(scripts.REAP)
-        self._renew = redis.register_script(scripts.RENEW)
-        self._retry_after = redis.register_script(scripts.RETRY_AFTER)
-        self._prefilled_script = redis.register_script(scripts.PREFILLED)
-        self._live = redis.register_script(scripts.LIVE)
+        # Two of these scripts run per request: one pipelined connection where Redis is one
+        # plain server (sluice/script_channel.py), redis-py's scripts otherwise.
+        self._runner = script_runner(redis)
+        self._acquire = self._runner.register_script(scripts.ACQUIRE)
+        self._release = self._runner.register_script(scripts.RELEASE)
+        self._cancel = self._runner.register_script(scripts.CANCEL)
+        self._reap = self._runner.register_script(scripts.REAP)
+        self._renew = self._runner.register_script(scripts.RENEW)
+        self._retry_after = self._runner.register_script(scripts.RETRY_AFTER)
+        self._prefilled_script = self._runner.register_script(scripts.PREFILLED)
+        self._live = self._runner.register_script(scripts.LIVE)
         self.grants = GrantListener(redis, self.gateway_id)
         self._active: dict[str, str] = {}  # lease id -> model, renewed in the background
         self._queued: dict[str, int] = {}  # model -> requests of this process waiting in it
@@ -168,6 +172,8 @@ class Admission:
     async def close(self) -> None:
         await stop_tasks(self._tasks)
         await self.grants.close()
+        if isinstance(self._runner, ScriptChannel):
+            await self._runner.aclose()
 
     def _args(self, *extra: object) -> list[object]:
         s = self._s

@@ -1,0 +1,103 @@
+"""sluice/script_channel.py against a real redis-server: order under concurrency, a script
+Redis no longer has, a password and a database, a Redis that restarts or stops answering."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+import redis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from sluice.embedded_redis import EmbeddedRedis, free_port
+from sluice.redis_pool import create_pool
+from sluice.script_channel import ScriptChannel, script_runner
+
+ECHO = "redis.call('INCR', KEYS[1]) return {ARGV[1], ARGV[2], redis.call('GET', KEYS[1])}"
+
+
+async def test_concurrent_calls_get_their_own_replies(redis_url: str) -> None:
+    client = await create_pool(redis_url)
+    channel = script_runner(client)
+    assert isinstance(channel, ScriptChannel)
+    echo = channel.register_script(ECHO)
+    try:
+        replies = await asyncio.gather(*(echo(keys=["chan:count"], args=[f"call-{i}", i * 0.5]) for i in range(500)))
+        assert [r[:2] for r in replies] == [[f"call-{i}".encode(), repr(i * 0.5).encode()] for i in range(500)]
+        # Each ran once: the counter saw every call.
+        assert sorted(int(r[2]) for r in replies) == list(range(1, 501))
+    finally:
+        await channel.aclose()
+        await client.aclose()
+
+
+async def test_a_flushed_script_is_sent_again_and_errors_are_redis_errors(redis_url: str) -> None:
+    client = await create_pool(redis_url)
+    channel = script_runner(client)
+    assert isinstance(channel, ScriptChannel)
+    echo = channel.register_script(ECHO)
+    broken = channel.register_script("return redis.call('NOSUCHCOMMAND')")
+    try:
+        await echo(keys=["chan:flush"], args=["a", "b"])
+        await channel.request(b"*2\r\n$6\r\nSCRIPT\r\n$5\r\nFLUSH\r\n")
+        assert (await echo(keys=["chan:flush"], args=["a", "b"]))[2] == b"2"
+        with pytest.raises(ResponseError):
+            await broken()
+        assert (await echo(keys=["chan:flush"], args=["c", "d"]))[:2] == [b"c", b"d"]  # still in step
+    finally:
+        await channel.aclose()
+        await client.aclose()
+
+
+async def test_password_and_database_come_from_the_clients_url() -> None:
+    with EmbeddedRedis() as server:
+        redis.Redis(port=server.port).config_set("requirepass", "s3cret")
+        url = f"redis://:s3cret@127.0.0.1:{server.port}/3"
+        client = await create_pool(url)
+        channel = script_runner(client)
+        assert isinstance(channel, ScriptChannel)
+        try:
+            await channel.register_script("return redis.call('SET', KEYS[1], 'x')")(keys=["chan:db"])
+            assert await client.get("chan:db") == b"x"  # in database 3, where the client looks
+            wrong = ScriptChannel("127.0.0.1", server.port, password="nope")
+            with pytest.raises(RedisConnectionError):
+                await wrong.register_script("return 1")()
+            await wrong.aclose()
+        finally:
+            await channel.aclose()
+            await client.aclose()
+
+
+async def test_a_restarted_redis_is_reached_again_and_a_silent_one_times_out() -> None:
+    port = free_port()
+    channel = ScriptChannel("127.0.0.1", port, timeout_s=0.5)
+    one = channel.register_script("return 1")
+    try:
+        with EmbeddedRedis(port):
+            assert await one() == 1
+        with pytest.raises(RedisConnectionError):
+            await one()  # gone: a Redis error, not a hang
+        with EmbeddedRedis(port) as server:
+            assert await one() == 1
+            os.kill(server.process.pid, signal.SIGSTOP)  # connected, silent
+            try:
+                with pytest.raises(RedisTimeoutError):
+                    await one()
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+            assert await one() == 1  # a new connection
+    finally:
+        await channel.aclose()
+
+
+async def test_a_cluster_keeps_redis_pys_scripts(redis_cluster_url: str) -> None:
+    client = await create_pool(redis_cluster_url)
+    try:
+        assert isinstance(script_runner(client), RedisCluster)
+    finally:
+        await client.aclose()
