@@ -328,14 +328,15 @@ async def test_a_tenant_served_at_once_is_charged_like_one_served_from_the_queue
         tenant_of[asyncio.create_task(gw.acquire(fleet.ask(tenant=tenant, cost=100)))] = tenant
         await _queued(fleet, len(tenant_of))
     order: list[str] = []
-    for lease in held[:4]:
+    for lease in held[:4]:  # each release hands its slot to exactly one waiter
         await gw.release(lease)
         done, _ = await asyncio.wait(list(tenant_of), timeout=5, return_when=asyncio.FIRST_COMPLETED)
         (task,) = done
         order.append(tenant_of.pop(task))
-        await gw.release(task.result()[0])
+        held.append(task.result()[0])
+    for lease in held[4:]:
+        await gw.release(lease)
     # A's five grants advanced its finish tag past the virtual time: B's head starts
     # earlier, so B goes first though A asked first; then they alternate (start-time fair
     # queuing gives no credit for idle time). Uncharged, A would have gone first.
     assert order == ["B", "A", "B", "A"], order
-    await gw.release(held[4])
