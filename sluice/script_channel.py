@@ -126,6 +126,7 @@ class ScriptChannel:
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._pending: collections.deque[asyncio.Future[Any]] = collections.deque()
+        self._outbox: list[bytes] = []
         self._connecting: asyncio.Lock | None = None
 
     def register_script(self, script: str) -> ChannelScript:
@@ -135,10 +136,19 @@ class ScriptChannel:
         """Send one packed command; its reply (a ``hiredis.ReplyError`` for an error reply)."""
         writer = self._writer
         if writer is None or writer.is_closing():
-            writer = await self._connect()
+            if writer is not None:  # closed under us: fail what it owed before anything new is sent
+                self._drop(RedisConnectionError("connection to Redis lost"))
+            await self._connect()
+            if self._writer is None:  # connected, and lost again at once
+                raise RedisConnectionError("connection to Redis lost")
+        # Invariant: the bytes in the outbox and on the wire belong, in order, to the futures
+        # in ``_pending``, all on the current connection (``_drop`` clears all three).
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending.append(future)
-        writer.write(packed)
+        # Calls made in one turn of the event loop leave in one write (one system call).
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outbox.append(packed)
         try:
             async with asyncio.timeout(self._timeout_s):
                 # A caller cancelled meanwhile cancels only its own future: the reader skips it.
@@ -149,12 +159,17 @@ class ScriptChannel:
             self._drop(RedisTimeoutError(f"no reply from Redis within {self._timeout_s:g}s"))
             raise RedisTimeoutError(f"no reply from Redis within {self._timeout_s:g}s") from None
 
-    async def _connect(self) -> asyncio.StreamWriter:
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        if outbox and self._writer is not None:
+            self._writer.write(b"".join(outbox))
+
+    async def _connect(self) -> None:
         if self._connecting is None:
             self._connecting = asyncio.Lock()
         async with self._connecting:
             if self._writer is not None and not self._writer.is_closing():
-                return self._writer
+                return
             writer = None
             try:
                 async with asyncio.timeout(SOCKET_CONNECT_TIMEOUT_S):
@@ -174,7 +189,6 @@ class ScriptChannel:
             self._writer = writer
             self._reader_task = asyncio.get_running_loop().create_task(self._read(reader, writer),
                                                                        name="script-channel")
-            return writer
 
     async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         parser = hiredis.Reader()
@@ -194,6 +208,7 @@ class ScriptChannel:
                 self._drop(RedisConnectionError(f"connection to Redis lost: {type(exc).__name__}"))
 
     def _drop(self, error: Exception) -> None:
+        self._outbox = []  # unsent: their calls fail below
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()
