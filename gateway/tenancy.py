@@ -22,6 +22,7 @@ from gateway.config import GatewaySettings
 from sluice import keys
 from sluice.apikeys import ApiKey, KeyStore
 from sluice.errors import AuthenticationFailed, InvalidRequest, RateLimited
+from sluice.script_channel import ScriptChannel, script_runner
 from sluice.settings import is_loopback
 
 log = logging.getLogger("sluice.tenancy")
@@ -123,9 +124,11 @@ class Tenancy:
         self._redis = redis
         self._s = settings
         self.keys = KeyStore(redis)
-        self._admit = redis.register_script(_ADMIT)
-        self._settle = redis.register_script(_SETTLE)
-        self._renew = redis.register_script(_RENEW)
+        # Two of these run per request with keys on: see Admission's runner.
+        self._runner = script_runner(redis)
+        self._admit = self._runner.register_script(_ADMIT)
+        self._settle = self._runner.register_script(_SETTLE)
+        self._renew = self._runner.register_script(_RENEW)
         self._keys_seen = (0.0, False)
         #: Charges running on this gateway, by key prefix: renewed until settled.
         self._running: dict[str, dict[str, int]] = {}
@@ -139,6 +142,8 @@ class Tenancy:
         if self._task is not None:
             self._task.cancel()
             await asyncio.wait([self._task], timeout=2.0)
+        if isinstance(self._runner, ScriptChannel):
+            await self._runner.aclose()
 
     async def _renew_loop(self) -> None:
         """Keep this gateway's generations counted; a dead gateway's stop counting within a lease TTL."""
