@@ -88,6 +88,7 @@ def main() -> None:
                                                 "raw", "-o", f"{args.py_spy}-{level}.txt", "-p", str(pid),
                                                 "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                     client.slowlog_reset()
+                    opened = client.info("stats")["total_connections_received"]
 
                     async def measure(url: str = url, model: str = model, level: int = level) -> tuple[load.Window, float]:
                         win, cpu = await asyncio.gather(load.run(url, model, level, 2.0, args.measure_s, args.max_tokens),
@@ -102,6 +103,8 @@ def main() -> None:
                           f"p99 {1000 * (p99 or 0):6.1f} ms  errors {win.errors}  gateway CPU {cpu:5.2f} s "
                           f"({1e6 * cpu / served:,.0f} µs/chunk, {1e3 * cpu / max(1, win.requests):.2f} ms/request)",
                           flush=True)
+                    print(f"  redis connections opened meanwhile: "
+                          f"{client.info('stats')['total_connections_received'] - opened - 1}", flush=True)
                     if spy is not None:
                         spy.wait()
                 for script, times in sorted(script_times(client).items()):
