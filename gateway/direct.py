@@ -56,7 +56,8 @@ class DeltaLines:
     def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
         return self._lines
 
-    async def aclose(self) -> None:
+    async def aclose(self, finished: bool = False) -> None:
+        """``finished`` changes nothing here: the server's stream reads its body's end itself."""
         await self._lines.aclose()  # type: ignore[attr-defined]
         await self._deltas.aclose()  # type: ignore[attr-defined]  # closes the server's connection
 

@@ -238,10 +238,7 @@ class Upstream:
             return
         self._closed = True
         try:
-            if isinstance(self._source, WorkerLines):
-                await self._source.aclose(self._finished)
-            else:
-                await self._source.aclose()
+            await self._source.aclose(self._finished)
         finally:
             if self._span is not None:
                 self._span.end()

@@ -41,7 +41,6 @@ carry their own hash tag for the same reason.
 from __future__ import annotations
 
 import functools
-
 from typing import NamedTuple
 
 MODELS = "sl:models"

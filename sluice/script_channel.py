@@ -1,4 +1,5 @@
-"""Admission's Lua scripts over one pipelined connection per process.
+"""The per-request Lua scripts (admission's, rate limits') over one pipelined connection
+per process for each of the two.
 
 Every request runs two scripts (ACQUIRE, RELEASE). Through redis-py each call checks a
 connection out of the pool, packs its 26-40 arguments one by one, runs retry and

@@ -32,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT))
 
+from loadtest.peers import proc_cpu
 from loadtest.peers.load import Window, percentile, run
 
 VENVS = Path(os.environ.get("VENVS", "/work/venvs"))
@@ -73,27 +74,10 @@ class Procs:
 
 
 def group_cpu_s(pgid: int) -> float:
-    """User + system CPU seconds of the live processes in a process group, and of their
-    children in sessions of their own (a gateway's --procs children), from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    procs: dict[int, tuple[int, int, int]] = {}  # pid -> (ppid, pgrp, cpu ticks)
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        # after the name: state, ppid, pgrp, ..., utime (11), stime (12)
-        procs[int(entry.name)] = (int(fields[1]), int(fields[2]), int(fields[11]) + int(fields[12]))
-    inside = {pid for pid, (_, pgrp, _) in procs.items() if pgrp == pgid}
-    grown = True
-    while grown:
-        more = {pid for pid, (ppid, _, _) in procs.items() if ppid in inside} - inside
-        inside |= more
-        grown = bool(more)
-    return sum(procs[pid][2] for pid in inside) / tick
+    """CPU seconds of a process group's live processes and of everything under them."""
+    table = proc_cpu.process_table()
+    inside = proc_cpu.tree({pid for pid, (_, pgrp, _) in table.items() if pgrp == pgid}, table)
+    return sum(table[pid][2] for pid in inside)
 
 
 #: The Sluice processes whose CPU per streamed chunk is reported, by the name they were started under.

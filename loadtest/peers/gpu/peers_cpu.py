@@ -10,40 +10,18 @@ import json
 import os
 import sys
 
-TCK = os.sysconf("SC_CLK_TCK")
-
-
-def procs():
-    out = {}
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                s = f.read()
-        except OSError:
-            continue
-        f = s[s.rindex(")") + 2:].split()  # fields from state on: ppid is [1], utime [11], stime [12]
-        out[int(p)] = (int(f[1]), (int(f[11]) + int(f[12])) / TCK)
-    return out
+sys.path.insert(0, os.getcwd())  # the kit runs it from the repository's root
+from loadtest.peers import proc_cpu
 
 
 def snap(pairs):
-    ps = procs()
-    kids = {}
-    for pid, (ppid, _) in ps.items():
-        kids.setdefault(ppid, []).append(pid)
+    table = proc_cpu.process_table()
     res = {}
     for pair in pairs:
         name, root = pair.split("=")
-        if not root or int(root) not in ps:
+        if not root or int(root) not in table:
             continue
-        todo, tree = [int(root)], {}
-        while todo:
-            pid = todo.pop()
-            tree[str(pid)] = ps[pid][1]
-            todo += kids.get(pid, [])
-        res[name] = tree
+        res[name] = {str(pid): table[pid][2] for pid in proc_cpu.tree({int(root)}, table)}
     return res
 
 
