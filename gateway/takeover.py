@@ -67,7 +67,15 @@ class Recovered:
     progress: dict[int, Progress] = field(default_factory=dict)  # unfinished choices
     offsets: dict[int, int] = field(default_factory=dict)  # characters sent, per started choice
     completion_tokens: int = 0
-    prompt_tokens: int = 0  # of the choices that finished
+    #: The prompt tokens each finished choice's usage reported (the worker counts the prompt
+    #: for every choice it generates).
+    prompts: dict[int, int] = field(default_factory=dict)
+
+    def prompt_tokens(self, n: int) -> int:
+        """The prompt tokens the client is billed for so far: once per prompt, so only the
+        first choice of each prompt's ``n`` counts (as in gateway/record.py); a prompt whose
+        first choice is still to be continued is counted when that choice finishes."""
+        return sum(tokens for index, tokens in self.prompts.items() if index % n == 0)
 
 
 class LineTap:
@@ -113,7 +121,8 @@ async def recover(redis: Redis, scope: str) -> tuple[Plan, Recovered] | None:
         state.done |= fields.get(b"d") == DONE
         for index, ids, chars, finish, prompt in orjson.loads(fields[b"s"]) if fields.get(b"s") else ():
             sent[index].extend(ids)
-            state.prompt_tokens += prompt
+            if finish is not None:
+                state.prompts[index] = prompt
             state.offsets[index] = state.offsets.get(index, 0) + chars
             state.completion_tokens += len(ids)
             if finish is not None:

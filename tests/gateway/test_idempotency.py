@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import uuid
 
 import httpx
 import openai
 import pytest
+
+from tests.conftest import streaming, wait_for
+from tests.gateway.test_resumable import _events
 
 
 def _served(worker) -> int:
@@ -59,3 +64,38 @@ def test_failed_generation_frees_the_key(idem) -> None:
     good = httpx.post(gateway.url + "/v1/completions", headers=key,
                       json={"model": "no-such-model", "prompt": "x"})
     assert good.status_code == 404
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_key_whose_gateway_died_before_the_first_token_runs_again_at_once(
+    start_worker, start_gateway, stream: bool
+) -> None:
+    """Regression: the pending record outlived the gateway that claimed it by ~10 minutes:
+    a streaming retry on another gateway waited 90 s for a stream that never began, then
+    got 404, and a non-streaming one waited out its whole deadline. The claim now lives on
+    ``:live``, which only a live owner renews."""
+    worker = start_worker("idem-dies", sim_ttft_ms=3000, sim_token_ms=5)
+    dying, other = start_gateway(), start_gateway()
+    key = uuid.uuid4().hex
+    body = {"model": "idem-dies", "prompt": "the first token never came", "max_tokens": 5, "ignore_eos": True,
+            "stream": stream}
+
+    def first_attempt() -> None:
+        with contextlib.suppress(httpx.HTTPError):  # its gateway is killed under it
+            httpx.post(dying.url + "/v1/completions", json=body, headers={"Idempotency-Key": key}, timeout=30)
+
+    attempt = threading.Thread(target=first_attempt)
+    attempt.start()
+    wait_for(lambda: streaming(worker) == 1, 10, "the first attempt to reach the worker")
+    dying.kill()
+    attempt.join()
+    if stream:  # nothing began: said at once, not after 90 s
+        assert httpx.get(other.url + f"/v1/streams/{key}", timeout=20).status_code == 404
+    retry = httpx.post(other.url + "/v1/completions", json=body, headers={"Idempotency-Key": key}, timeout=20)
+    assert retry.status_code == 200, retry.text
+    if stream:
+        events = _events(retry.text.splitlines())
+        assert events[-1][1] == "[DONE]" and not any('"error"' in d for _, d in events), events
+        assert len([i for i, _ in events if i]) == 5
+    else:
+        assert retry.json()["usage"]["completion_tokens"] == 5
