@@ -137,7 +137,7 @@ class Idempotency:
         self._settle = redis.register_script(SETTLE)
         self._take = redis.register_script(TAKE)
         self._release = redis.register_script(RELEASE)
-        self._held: dict[str, str] = {}  # pending claims of this process: key -> owner
+        self._held: set[tuple[str, str]] = set()  # pending claims of this process: (key, owner)
         self._renewing: asyncio.Task[None] | None = None
 
     def __repr__(self) -> str:
@@ -182,7 +182,7 @@ class Idempotency:
         the journal may, and the journal's producer renews ``:live`` from here on. False if
         ``owner`` lost the key meanwhile (it stalled past ``:live``'s TTL and a retry claimed
         it): then it must not touch the journal."""
-        self._held.pop(key, None)
+        self._held.discard((key, owner))
         ttl_ms = self._ttl_ms + int(max(0.0, remaining_s) * 1000)
         names = [keys.idempotency(key), keys.journal_live(key)]
         return bool(await self._settle(keys=names, args=[owner, "streaming", ttl_ms, ""]))
@@ -190,7 +190,7 @@ class Idempotency:
     async def settle(self, key: str, owner: str, completed: bool, body: bytes | None = None) -> None:
         """The owner's decision: ``done`` (a retry replays it) or, after a failure, forgotten
         (a retry runs again). Nothing changes if ``owner`` no longer owns the key."""
-        self._held.pop(key, None)
+        self._held.discard((key, owner))
         try:
             settled = await self._settle(
                 keys=[keys.idempotency(key), keys.journal_live(key)],
@@ -230,7 +230,7 @@ class Idempotency:
                 await self._renewing
 
     def _hold(self, key: str, owner: str) -> None:
-        self._held[key] = owner
+        self._held.add((key, owner))
         if self._renewing is None or self._renewing.done():
             self._renewing = asyncio.create_task(self._renew(), name="idempotency-renewal")
 
@@ -242,7 +242,7 @@ class Idempotency:
         that was just deleted, is harmless: its owner renews it anyway.)"""
         while self._held:
             await asyncio.sleep(LIVE_TTL_MS / 1000 / 3)
-            held = list(self._held.items())
+            held = list(self._held)
             pipe = self._redis.pipeline(transaction=False)
             for key, _ in held:
                 pipe.get(keys.journal_live(key))
@@ -256,10 +256,10 @@ class Idempotency:
             for (key, owner), found in zip(held, results[::2], strict=True):
                 if found is None:
                     missing.append((key, owner))  # Redis lost it: missing is not taken
-                elif _text(found) != owner and self._held.get(key) == owner:
+                elif _text(found) != owner and (key, owner) in self._held:
                     log.warning("Idempotency-Key %s: this gateway lost its claim (it stalled past its TTL)", key)
-                    del self._held[key]
+                    self._held.discard((key, owner))
             with contextlib.suppress(RedisError, OSError):
                 for key, owner in missing:
-                    if self._held.get(key) == owner:  # not settled meanwhile
+                    if (key, owner) in self._held:  # not settled meanwhile
                         await self._redis.set(keys.journal_live(key), owner, nx=True, px=LIVE_TTL_MS)

@@ -7,7 +7,9 @@ tokens], ...]`` (prompt tokens once the choice's usage is known, else 0).
 With the stream's :class:`Plan` (the request, its ids and deadline, written when it
 started), any gateway can continue it once its producer's ``:live`` expired:
 
-1. claim ``:live`` (``SET NX``): one gateway wins, the others' readers wait for it;
+1. claim ``:live`` (``SET NX``): one gateway wins, the others' readers wait for it; the
+   same script makes it the Idempotency-Key's owner (gateway/idempotency.py), so the
+   gateway it took the stream from, if it was only stalled, can no longer settle the key;
 2. read plan and journal: per choice, the ids and characters its clients have, and
    whether it finished;
 3. migrate each unfinished choice to a worker with ``resume_token_ids`` (as for a worker
