@@ -9,7 +9,6 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
 
 import httpx
 import orjson
@@ -49,7 +48,7 @@ def test_a_stream_whose_gateway_was_killed_is_continued_by_another(two_gateways,
     with httpx.stream("POST", dying.url + "/v1/chat/completions", json=body,
                       headers={"Idempotency-Key": key}, timeout=60) as r:
         lines = r.iter_lines()  # keep a reference: a dropped iterator closes the stream
-        seen = _read(lines, lambda events: len(events) >= 40)
+        seen = _events(lines, lambda events: len(events) >= 40)
         dying.kill()  # SIGKILL mid-stream: no clean-up, its journal just stops
     last = max(i for i, _ in seen if i is not None)
     started = time.monotonic()
@@ -73,22 +72,6 @@ def test_a_stream_whose_gateway_was_killed_is_continued_by_another(two_gateways,
 
 
 Events = list[tuple[int | None, str]]
-
-
-def _read(lines: Iterator[str], enough: Callable[[Events], bool], out: Events | None = None) -> Events:
-    """(id, data) per SSE event, appended to ``out`` as they arrive, until ``enough(out)``
-    or the stream ends."""
-    out = [] if out is None else out
-    ident = None
-    for line in lines:
-        if line.startswith("id: "):
-            ident = int(line[4:])
-        elif line.startswith("data: "):
-            out.append((ident, line[6:]))
-            ident = None
-            if enough(out):
-                break
-    return out
 
 
 def _seed_with_lengths(prompt: str, first_at_least: int, second_at_most: int) -> int:
@@ -120,7 +103,7 @@ def test_n_choices_take_over_counts_the_prompt_once(two_gateways, start_gateway)
     with httpx.stream("POST", dying.url + "/v1/completions", json=body, headers={"Idempotency-Key": key},
                       timeout=60) as r:
         lines = r.iter_lines()  # keep a reference: a dropped iterator closes the stream
-        seen = _read(lines, lambda events: after_a_finish(events) >= 3)
+        seen = _events(lines, lambda events: after_a_finish(events) >= 3)
         dying.kill()
     assert after_a_finish(seen) == 3 and '"index":1' in next(d for _, d in seen if '"finish_reason":"' in d), \
         "choice 1 should have finished before choice 0"
@@ -153,7 +136,7 @@ def test_a_gateway_that_lost_its_stream_to_a_take_over_leaves_the_key_alone(two_
     with httpx.stream("POST", stalled.url + "/v1/chat/completions", json=body,
                       headers={"Idempotency-Key": key}, timeout=60) as r:
         lines = r.iter_lines()  # keep a reference: a dropped iterator closes the stream
-        seen = _read(lines, lambda events: len(events) >= 20)
+        seen = _events(lines, lambda events: len(events) >= 20)
         os.kill(stalled.pid, signal.SIGSTOP)
     last = max(i for i, _ in seen if i is not None)
     rest: Events = []
@@ -161,7 +144,7 @@ def test_a_gateway_that_lost_its_stream_to_a_take_over_leaves_the_key_alone(two_
     def follow() -> None:
         with httpx.stream("GET", other.url + f"/v1/streams/{key}", headers={"Last-Event-ID": str(last)},
                           timeout=60) as r:
-            _read(r.iter_lines(), lambda events: False, rest)
+            _events(r.iter_lines(), out=rest)
 
     reader = threading.Thread(target=follow)
     try:
