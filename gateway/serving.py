@@ -162,8 +162,7 @@ class Serving:
         """A resumable stream: the generation feeds the journal, independent of this client
         (a migration must not give up because the first reader left), and this client is
         its first reader. The plan lets another gateway continue it if this one dies."""
-        key, owner = ctx.idempotency_key, ctx.internal_id
-        assert key is not None
+        assert ctx.idempotency_key is not None
         ctx.detach_from_client()
         chunks = ChunkWriter("text" if kind == "text" else "chat", req.model)
         plan = Plan(
@@ -171,13 +170,15 @@ class Serving:
             chunk_id=chunks.id, created=chunks.created, priority=ctx.priority, tenant=ctx.tenant, cost=ctx.cost,
             deadline_unix=time.time() + ctx.remaining_s(), fingerprint=ctx.fingerprint, choices=len(upstreams),
         )
-        writer = JournalWriter(self._committer, key, ttl_s=self._settings.idempotency_ttl_s, owner=owner)
+        writer = JournalWriter(self._committer, ctx.idempotency_key, ttl_s=self._settings.idempotency_ttl_s,
+                               owner=ctx.internal_id)
+        key, owner = ctx.idempotency_key, ctx.internal_id
         try:
             if not await self._idempotency.promote(key, owner, ctx.remaining_s()):
                 # This gateway stalled past its claim's TTL and a retry claimed the key: that
                 # one generates it. This client follows it rather than a second generation.
                 log.warning("request %s: lost its Idempotency-Key to a retry; following that one", ctx.request_id)
-                await abandon()
+                await self._end_stream(upstreams, ctx.record, ctx, "ok")  # served, by the retry's stream
                 return await self.reattach(key, 0)
             await writer.claim(plan=plan.dumps())
         except BaseException:
