@@ -244,7 +244,8 @@ class Serving:
         record = RequestRecord.begin(plan.request_id, self._metrics, Context(), "takeover")
         record.describe(req.model, req.n, plan.priority, None if plan.tenant == "-" else plan.tenant)
         record.known_model()  # admitted once already
-        record.completion_tokens, record.prompt_tokens = state.completion_tokens, state.prompt_tokens(req.n)
+        record.completion_tokens = state.completion_tokens
+        record.prompt_tokens, record.cached_tokens = state.prompt_usage(req.n)
         ctx = RequestContext(
             request_id=plan.request_id, priority=plan.priority, idempotency_key=key,
             deadline=time.monotonic() + max(0.0, plan.deadline_unix - time.time()),
@@ -358,7 +359,14 @@ class _Ending:
 
 
 async def _close(upstreams: list[Upstream | None]) -> None:
-    """Close every upstream opened so far (a take-over's choice may have none yet)."""
+    """Close every upstream opened so far (a take-over's choice may have none yet). One
+    that fails to close does not keep the others, and their slots, open."""
+    failure: Exception | None = None
     for upstream in upstreams:
         if upstream is not None:
-            await upstream.aclose()
+            try:
+                await upstream.aclose()
+            except Exception as exc:  # re-raised once every upstream had its turn
+                failure = failure or exc
+    if failure is not None:
+        raise failure
