@@ -3,11 +3,14 @@
 A resumable stream (``Idempotency-Key``) is journaled event by event, each event
 before its client sees it (gateway/journal.py). Next to the SSE bytes, every event
 that carries tokens records them: ``[[choice, [token ids], characters, finish, prompt
-tokens], ...]`` (prompt tokens once the choice's usage is known, else 0).
+tokens, cached tokens], ...]`` (the last two once the choice's usage is known, else 0;
+entries journaled before cached tokens were recorded have five fields).
 With the stream's :class:`Plan` (the request, its ids and deadline, written when it
 started), any gateway can continue it once its producer's ``:live`` expired:
 
-1. claim ``:live`` (``SET NX``): one gateway wins, the others' readers wait for it;
+1. claim ``:live`` (``SET NX``): one gateway wins, the others' readers wait for it; the
+   same script makes it the Idempotency-Key's owner (gateway/idempotency.py), so the
+   gateway it took the stream from, if it was only stalled, can no longer settle the key;
 2. read plan and journal: per choice, the ids and characters its clients have, and
    whether it finished;
 3. migrate each unfinished choice to a worker with ``resume_token_ids`` (as for a worker
@@ -67,7 +70,16 @@ class Recovered:
     progress: dict[int, Progress] = field(default_factory=dict)  # unfinished choices
     offsets: dict[int, int] = field(default_factory=dict)  # characters sent, per started choice
     completion_tokens: int = 0
-    prompt_tokens: int = 0  # of the choices that finished
+    #: (prompt, cached) tokens each finished choice's usage reported (the worker counts the
+    #: prompt for every choice it generates).
+    prompts: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def prompt_usage(self, n: int) -> tuple[int, int]:
+        """The (prompt, cached) tokens the client is billed for so far: once per prompt, so
+        only the first choice of each prompt's ``n`` counts (as in gateway/record.py); a
+        prompt whose first choice is still to be continued counts when that choice finishes."""
+        firsts = [tokens for index, tokens in self.prompts.items() if index % n == 0]
+        return sum(p for p, _ in firsts), sum(c for _, c in firsts)
 
 
 class LineTap:
@@ -88,7 +100,8 @@ class LineTap:
         if not self._seen:
             return b""
         state = [[i, line.get("ids", []), len(line.get("text", "")), line.get("finish_reason"),
-                  int((line.get("usage") or {}).get("prompt_tokens", 0))]
+                  int((line.get("usage") or {}).get("prompt_tokens", 0)),
+                  int((line.get("usage") or {}).get("cached_tokens", 0))]
                  for i, line in self._seen]
         self._seen.clear()
         return orjson.dumps(state)
@@ -111,9 +124,10 @@ async def recover(redis: Redis, scope: str) -> tuple[Plan, Recovered] | None:
         ident = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
         state.last = int(ident.split("-", 1)[1])
         state.done |= fields.get(b"d") == DONE
-        for index, ids, chars, finish, prompt in orjson.loads(fields[b"s"]) if fields.get(b"s") else ():
+        for index, ids, chars, finish, prompt, *cached in orjson.loads(fields[b"s"]) if fields.get(b"s") else ():
             sent[index].extend(ids)
-            state.prompt_tokens += prompt
+            if finish is not None:
+                state.prompts[index] = (prompt, cached[0] if cached else 0)
             state.offsets[index] = state.offsets.get(index, 0) + chars
             state.completion_tokens += len(ids)
             if finish is not None:

@@ -32,9 +32,10 @@ carry their own hash tag for the same reason.
     sl:apikey:{prefix}             hash: one API key's record
     sl:rl:{prefix}                 hash: the key's token buckets
     sl:rl:{prefix}:streams         zset: the key's running generations -> expiry (ms)
-    sl:idem:{scope}                an Idempotency-Key's record
+    sl:idem:{scope}                hash: an Idempotency-Key's record (state, body hash, owner token, ...)
     sl:journal:{scope}             stream: a resumable stream's SSE events
-    sl:journal:{scope}:live        the producing gateway's token, while it produces that stream
+    sl:journal:{scope}:live        the token of the key's live owner: the gateway producing its stream, or
+                                   holding its pending claim (3 s TTL, renewed while it lives)
     sl:journal:{scope}:plan        what another gateway needs to take that stream over
 """
 
@@ -160,7 +161,8 @@ def rate_limits(prefix: str) -> list[str]:
 
 
 def idempotency(scope: str) -> str:
-    return "sl:idem:" + scope
+    # The journal's hash tag: scripts check the record and the journal's keys together.
+    return "sl:idem:{" + scope + "}"
 
 
 def journal(scope: str) -> str:
