@@ -69,10 +69,11 @@ class Registration:
         self._beat = redis.register_script(_BEAT)
         self._leave = redis.register_script(_LEAVE)
         self._directory = Directory(redis)
+        self._epoch: str | None = None
 
     async def beat(self) -> None:
         # The directory and the epoch live in other slots: separate, idempotent writes.
-        await self._directory.register(self.model)
+        self._epoch = (await self._directory.register(self.model, self._epoch)).id
         await self._beat(keys=keys.worker_keys(self.model),
                          args=[self.worker_id, self._record, orjson.dumps(self._stats()), self._ttl_ms])
 

@@ -39,7 +39,7 @@ from gateway.config import GatewaySettings
 from gateway.grants import GrantListener, GrantMessage
 from gateway.reaper import Reaper
 from sluice import keys
-from sluice.directory import Directory
+from sluice.directory import Directory, Epoch
 from sluice.errors import (
     InvalidRequest,
     ModelNotFound,
@@ -188,7 +188,7 @@ class Admission:
 
     async def start(self) -> None:
         with contextlib.suppress(RedisError, OSError):  # Redis down: the first beat learns it
-            self._epoch = (await self._directory.epoch()).id
+            self._epoch = (await self._directory.epoch(None)).id
         self._tasks = [
             asyncio.create_task(self._beat_loop(), name="admission-beat"),
             asyncio.create_task(self.reaper.run(), name="lease-reaper"),
@@ -329,7 +329,7 @@ class Admission:
                 continue
             async with waiter.lock:
                 remaining = waiter.deadline - time.monotonic()
-                if waiter.left or waiter.future.done() or remaining <= 0:
+                if not waiter.lost or waiter.left or waiter.future.done() or remaining <= 0:
                     continue
                 result = await self._ask(waiter.ask, remaining)
                 if result[0] == b"granted":
@@ -339,10 +339,10 @@ class Admission:
                     waiter.lost = False
                     self.grants.listen(waiter.ask.model, result[2])
 
-    async def _watch_epoch(self) -> None:
-        """A new registry epoch: Redis lost its data, and with it this process's queue
-        entries (sluice/directory.py)."""
-        epoch = await self._directory.epoch()
+    async def _watch_epoch(self) -> Epoch:
+        """The registry's epoch. A new one means Redis lost its data, and with it this
+        process's queue entries (sluice/directory.py): they are queued again."""
+        epoch = await self._directory.epoch(self._epoch)
         if self._epoch is not None and epoch.id != self._epoch:
             log.warning("Redis lost its data (new registry epoch); queueing %d waiting request(s) again",
                         len(self._waiters))
@@ -351,6 +351,7 @@ class Admission:
         self._epoch = epoch.id
         if any(waiter.lost for waiter in self._waiters.values()):
             await self._requeue()
+        return epoch
 
     async def _claim(self, leases: list[Lease]) -> None:
         """Renew a published grant's leases now: unclaimed, they expire within seconds.
@@ -408,7 +409,7 @@ class Admission:
         lost its data and workers have not all beaten since). SDKs retry a 503, not a 404."""
         seen = self._known.get(model)
         if (seen is not None and time.monotonic() - seen < keys.MODEL_FORGET_S) \
-                or await self._directory.listed(model) or (await self._directory.epoch()).rebuilding:
+                or await self._directory.listed(model) or (await self._watch_epoch()).rebuilding:
             return Unavailable(f"model '{model}' has no live worker", retry_after_s=2)
         return ModelNotFound(f"The model '{model}' does not exist", param="model")
 

@@ -8,13 +8,15 @@ over it, follows the models really served, not every name ever registered.
 The epoch (``sl:epoch``) is one id created with the registry, by whichever worker beat or
 gateway comes first, on Redis's clock. Redis that loses its data (a restart without
 persistence, a failover to a replica that had not synced, ``FLUSHALL``) loses the epoch
-too; the next beat creates a new id. A gateway that sees the id change knows its queued
-requests are no longer in Redis (it queues them again), and a registry younger than
-:data:`~sluice.keys.REGISTRY_REBUILD_S` may still miss workers that have not beaten since:
-a model unknown to it is a 503 to retry, not a 404.
+too; the next beat creates a new id. A process that knew the previous id (a worker, a
+gateway) marks the new epoch as following a loss: a gateway then queues its waiting
+requests again, and for :data:`~sluice.keys.REGISTRY_REBUILD_S` a model unknown to the
+registry is a 503 to retry (its workers may not have beaten since), not a 404. A fresh
+registry (nobody knew an earlier epoch) is not marked: a typo there is a 404 at once.
 
->>> epoch = await Directory(redis).epoch()
->>> epoch.id, epoch.age_s
+>>> directory = Directory(redis)
+>>> epoch = await directory.epoch(seen=None)
+>>> epoch.id, epoch.age_s, epoch.rebuilding
 """
 
 from __future__ import annotations
@@ -25,16 +27,21 @@ from typing import Any
 
 from sluice import keys
 
-# KEYS epoch. ARGV a new id, used if there is no epoch yet. Returns {id, age (ms)}.
+# KEYS epoch. ARGV 1 a new id, used if there is no epoch yet; 2 the id the caller knew ('':
+# none). Returns {id, age (ms), 1 if it follows a loss}.
 _EPOCH = r"""
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local got = redis.call('HMGET', KEYS[1], 'id', 'at')
+local got = redis.call('HMGET', KEYS[1], 'id', 'at', 'lost')
 if not got[1] then
+  got = {ARGV[1], now, false}
   redis.call('HSET', KEYS[1], 'id', ARGV[1], 'at', now)
-  return {ARGV[1], 0}
 end
-return {got[1], now - tonumber(got[2] or now)}
+if ARGV[2] ~= '' and ARGV[2] ~= got[1] and not got[3] then
+  redis.call('HSET', KEYS[1], 'lost', 1)
+  got[3] = '1'
+end
+return {got[1], now - tonumber(got[2]), got[3] and 1 or 0}
 """
 
 
@@ -42,11 +49,13 @@ return {got[1], now - tonumber(got[2] or now)}
 class Epoch:
     id: str
     age_s: float
+    #: Someone knew an earlier epoch: Redis lost its data (rather than starting empty).
+    after_loss: bool
 
     @property
     def rebuilding(self) -> bool:
-        """Workers may still be missing from a registry this young."""
-        return self.age_s < keys.REGISTRY_REBUILD_S
+        """Workers may still be missing from this registry: they have not beaten since the loss."""
+        return self.after_loss and self.age_s < keys.REGISTRY_REBUILD_S
 
 
 class Directory:
@@ -54,15 +63,17 @@ class Directory:
         self._redis = redis
         self._epoch = redis.register_script(_EPOCH)
 
-    async def epoch(self) -> Epoch:
-        """The registry's epoch, created now if Redis has none."""
-        epoch_id, age_ms = await self._epoch(keys=[keys.EPOCH], args=[uuid.uuid4().hex])
-        return Epoch(epoch_id.decode() if isinstance(epoch_id, bytes) else str(epoch_id), int(age_ms) / 1000)
+    async def epoch(self, seen: str | None) -> Epoch:
+        """The registry's epoch, created now if Redis has none; ``seen``: the id the caller
+        knew before (None: none), which marks a new epoch as following a loss."""
+        epoch_id, age_ms, lost = await self._epoch(keys=[keys.EPOCH], args=[uuid.uuid4().hex, seen or ""])
+        return Epoch(epoch_id.decode() if isinstance(epoch_id, bytes) else str(epoch_id), int(age_ms) / 1000,
+                     bool(lost))
 
-    async def register(self, model: str) -> None:
+    async def register(self, model: str, seen: str | None) -> Epoch:
         """A worker of ``model`` is alive: list the model, and make sure the epoch exists."""
         await self._redis.sadd(keys.MODELS, model)
-        await self.epoch()
+        return await self.epoch(seen)
 
     async def models(self) -> list[str]:
         return sorted(m.decode() for m in await self._redis.smembers(keys.MODELS))

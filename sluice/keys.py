@@ -7,8 +7,8 @@ carry their own hash tag for the same reason.
 
     sl:models                      set of models with workers (directory); a model leaves it once its
                                    last worker has been gone for MODEL_FORGET_S (with its keys)
-    sl:epoch                       hash {id, at}: this Redis's registry generation; a new id means
-                                   Redis lost its data (gateways re-queue their waiting requests)
+    sl:epoch                       hash {id, at, lost}: this Redis's registry generation; a new id
+                                   means Redis lost its data (gateways re-queue their waiters)
     sl:reaper                      held for one reap period by the gateway process that reaps
 
     sl:{m}:workers                 hash worker id -> JSON {id, url, engine, capacity}
@@ -63,9 +63,9 @@ MODEL_NAME_MAX_CHARS = 256
 _MODEL_NAME = re.compile(r"[A-Za-z0-9._:/@+=-]+")
 #: A model whose last worker has been gone this long leaves the directory, and its keys go.
 MODEL_FORGET_S = 600.0
-#: A registry younger than this may still be missing workers that have not beaten since
-#: Redis lost its data: an unknown model is "retry soon" (503), not "does not exist" (404).
-REGISTRY_REBUILD_S = 10.0
+#: For this long after Redis lost its data, the registry may still miss workers that have
+#: not beaten since: an unknown model is "retry soon" (503), not "does not exist" (404).
+REGISTRY_REBUILD_S = 30.0
 
 #: A worker that misses this many heartbeats in a row stops getting traffic.
 HEARTBEAT_MISSES = 3
