@@ -62,6 +62,9 @@ _PREFILLED_BATCH_S = 0.02
 #: Times a request asks again after a grant it could not claim in time.
 _CLAIM_RETRIES = 2
 
+#: The code of a 503 for a model the registry does not know while it is being rebuilt.
+REGISTRY_REBUILDING = "registry_rebuilding"
+
 #: Models this process was granted slots of lately, remembered (bounded) so that a model whose
 #: workers Redis forgot is a 503 to retry rather than a 404.
 _KNOWN_MODELS = 256
@@ -171,8 +174,9 @@ class Admission:
         self._retry_after = self._runner.register_script(scripts.RETRY_AFTER)
         self._prefilled_script = self._runner.register_script(scripts.PREFILLED)
         self._live = self._runner.register_script(scripts.LIVE)
+        self._reclaim = self._runner.register_script(scripts.RECLAIM)
         self.grants = GrantListener(redis, self.gateway_id)
-        self._active: dict[str, str] = {}  # lease id -> model, renewed in the background
+        self._active: dict[str, Lease] = {}  # lease id -> lease, renewed in the background
         self._queued: dict[str, int] = {}  # model -> requests of this process waiting in it
         self._prefilled: dict[str, list[str]] = {}  # model -> leases past their first token, not yet told
         self._prefilled_due = asyncio.Event()
@@ -320,6 +324,15 @@ class Admission:
             waiter.left = True
             return await self._leave(waiter.ask)
 
+    async def _lease_again(self) -> None:
+        """The streams this process runs hold their slots again: Redis forgot their leases,
+        and without them their workers would look free and be given more than they hold."""
+        by_model: dict[str, list[str]] = {}
+        for lease in self._active.values():
+            by_model.setdefault(lease.model, []).extend((lease.lease_id, lease.worker_id))
+        for model, pairs in by_model.items():
+            await self._reclaim(keys=keys.admission(model), args=self._args(*pairs))
+
     async def _requeue(self) -> None:
         """Queue again, in their arrival order and with their priority and what is left of
         their timeouts, this process's waiters that Redis lost with its data. One whose
@@ -344,10 +357,11 @@ class Admission:
         process's queue entries (sluice/directory.py): they are queued again."""
         epoch = await self._directory.epoch(self._epoch)
         if self._epoch is not None and epoch.id != self._epoch:
-            log.warning("Redis lost its data (new registry epoch); queueing %d waiting request(s) again",
-                        len(self._waiters))
+            log.warning("Redis lost its data (new registry epoch); leasing the slots of %d running stream(s) "
+                        "and queueing %d waiting request(s) again", len(self._active), len(self._waiters))
             for waiter in self._waiters.values():
                 waiter.lost = True
+            await self._lease_again()
         self._epoch = epoch.id
         if any(waiter.lost for waiter in self._waiters.values()):
             await self._requeue()
@@ -391,7 +405,7 @@ class Admission:
                         prefill_blocks=int(route[1]) if len(route) > 1 else 0)
                   for lease_id, worker, url, *route in parsed]
         for lease in leases:
-            self._active[lease.lease_id] = model
+            self._active[lease.lease_id] = lease
         self._known[model] = time.monotonic()
         self._known.move_to_end(model)
         if len(self._known) > _KNOWN_MODELS:
@@ -408,9 +422,12 @@ class Admission:
         when it is listed, this process served it lately, or the registry is young (Redis
         lost its data and workers have not all beaten since). SDKs retry a 503, not a 404."""
         seen = self._known.get(model)
-        if (seen is not None and time.monotonic() - seen < keys.MODEL_FORGET_S) \
-                or await self._directory.listed(model) or (await self._watch_epoch()).rebuilding:
+        if (seen is not None and time.monotonic() - seen < keys.MODEL_FORGET_S) or await self._directory.listed(model):
             return Unavailable(f"model '{model}' has no live worker", retry_after_s=2)
+        if (await self._watch_epoch()).rebuilding:
+            # Maybe a model, maybe a typo: the code says so (no metrics series for the name).
+            return Unavailable(f"model '{model}' is not registered (yet): Redis lost its data moments ago and "
+                               "workers are registering again", retry_after_s=2, code=REGISTRY_REBUILDING)
         return ModelNotFound(f"The model '{model}' does not exist", param="model")
 
     async def release(self, lease: Lease) -> None:
@@ -484,8 +501,8 @@ class Admission:
                 last_renewal = time.monotonic()
             by_model: dict[str, list[str]] = {m: [] for m, n in self._queued.items() if n > 0}
             if due:
-                for lease_id, model in list(self._active.items()):
-                    by_model.setdefault(model, []).append(lease_id)
+                for lease_id, lease in list(self._active.items()):
+                    by_model.setdefault(lease.model, []).append(lease_id)
             try:
                 await self._watch_epoch()
             except (RedisError, OSError) as exc:

@@ -611,6 +611,22 @@ end
 return lost
 """
 
+#: ARGV 7.. pairs of lease id and worker id: leases of running streams that Redis lost with
+#: its data. Each one missing is leased again on its worker (the stream holds that slot).
+#: Returns how many were missing.
+RECLAIM = _PRELUDE + r"""
+local missing = 0
+for i = 7, #ARGV - 1, 2 do
+  if not redis.call('ZSCORE', K_LEASES, ARGV[i]) then
+    redis.call('ZADD', K_LEASES, now + lease_ttl, ARGV[i])
+    redis.call('HSET', K_OWNER, ARGV[i], ARGV[i + 1])
+    redis.call('HINCRBY', K_INFLIGHT, ARGV[i + 1], 1)
+    missing = missing + 1
+  end
+end
+return missing
+"""
+
 #: ARGV 7.. lease ids whose first token arrived: their prompts are prefilled, so their
 #: uncached blocks leave their workers' pending prefill. Returns how many leases.
 PREFILLED = _PRELUDE + r"""

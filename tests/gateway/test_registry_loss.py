@@ -54,7 +54,7 @@ def test_requests_queued_when_redis_loses_its_data_are_queued_again(
         body = {"model": model, "prompt": name, "max_tokens": tokens, "ignore_eos": True}
         results[name] = httpx.post(gateway.url + "/v1/completions", json=body, timeout=60)
 
-    blocker = threading.Thread(target=post, args=("blocker", 200))  # ~2 s on the only slot
+    blocker = threading.Thread(target=post, args=("blocker", 500))  # ~5 s on the only slot
     blocker.start()
     wait_for(lambda: _inflight(client, model) == 1, 10, "the blocker to hold the slot")
     waiter = threading.Thread(target=post, args=("waiter", 3))
@@ -62,12 +62,16 @@ def test_requests_queued_when_redis_loses_its_data_are_queued_again(
     wait_for(lambda: _queued(client, model) == 1, 10, "the waiter to queue")
 
     client.flushall()
+    # The running stream holds its slot again, and the waiter waits behind it, queued again.
+    wait_for(lambda: _inflight(client, model) == 1 and _queued(client, model) == 1, 10,
+             "the blocker's slot leased again and the waiter queued again")
 
     waiter.join(40)
     blocker.join(40)
     assert results["blocker"].status_code == 200
     assert results["waiter"].status_code == 200, results["waiter"].text  # was 429 after 30 s
     assert "queueing 1 waiting request(s) again" in gateway.log_tail(200)
+    assert _inflight(client, model) == 0 and client.zcard(keys.leases(model)) == 0
 
 
 def test_a_model_unknown_just_after_redis_lost_its_data_is_503_not_404(
@@ -93,6 +97,7 @@ def test_a_model_unknown_just_after_redis_lost_its_data_is_503_not_404(
         fresh = start_gateway(redis_at=private_redis.url)  # never served it: the epoch is new
         resp = httpx.post(fresh.url + "/v1/completions", json=body, timeout=10)
         assert resp.status_code == 503, resp.text
+        assert resp.json()["error"]["code"] == "registry_rebuilding"
         resp = httpx.get(fresh.url + "/v1/models/" + model, timeout=10)
         assert resp.status_code == 503, resp.text
     finally:
