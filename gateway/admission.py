@@ -347,7 +347,11 @@ class Admission:
                 result = await self._ask(waiter.ask, remaining)
                 if result[0] == b"granted":
                     waiter.lost = False
-                    waiter.future.set_result(GrantMessage.parse(b"ok", result[1]))
+                    if waiter.future.done():  # answered meanwhile after all: this grant is not needed
+                        for lease in self._granted(waiter.ask.model, result[1]):
+                            await self.release(lease)
+                    else:
+                        waiter.future.set_result(GrantMessage.parse(b"ok", result[1]))
                 elif result[0] == b"queued":
                     waiter.lost = False
                     self.grants.listen(waiter.ask.model, result[2])
