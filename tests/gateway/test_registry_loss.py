@@ -18,18 +18,35 @@ from sluice.embedded_redis import EmbeddedRedis
 from tests.conftest import wait_for, worker_alive
 
 
-@pytest.fixture
-def private_redis() -> Iterator[EmbeddedRedis]:
-    server = EmbeddedRedis().start()
-    yield server
-    server.stop()
+class PrivateRedis:
+    """A redis-server of the test's own, which it may restart empty on the same port."""
+
+    def __init__(self) -> None:
+        self.server = EmbeddedRedis().start()
+        self.url = self.server.url
+        self.client = redis.Redis.from_url(self.url)
+
+    def lose_data(self, how: str) -> None:
+        if how == "flushall":
+            self.client.flushall()
+            return
+        port = self.server.port
+        self.server.stop()  # no persistence: it comes back empty
+        self.server = EmbeddedRedis(port=port).start()
+        self.client.connection_pool.disconnect()
 
 
 @pytest.fixture
-def client(private_redis: EmbeddedRedis) -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(private_redis.url)
-    yield c
-    c.close()
+def private_redis() -> Iterator[PrivateRedis]:
+    r = PrivateRedis()
+    yield r
+    r.client.close()
+    r.server.stop()
+
+
+@pytest.fixture
+def client(private_redis: PrivateRedis) -> redis.Redis:
+    return private_redis.client
 
 
 def _queued(client: redis.Redis, model: str) -> int:
@@ -40,11 +57,13 @@ def _inflight(client: redis.Redis, model: str) -> int:
     return sum(int(v) for v in client.hvals(keys.inflight(model)))
 
 
+@pytest.mark.parametrize("loss", ["flushall", "restart"])
 def test_requests_queued_when_redis_loses_its_data_are_queued_again(
-    private_redis, client, start_worker, start_gateway,
+    private_redis, client, start_worker, start_gateway, loss,
 ) -> None:
-    """Regression: a request queued when Redis was flushed waited its whole queue timeout
-    and got 429, while requests arriving after the flush were served at once."""
+    """Regression: a request queued when Redis lost its data (a flush, a restart without
+    persistence) waited its whole queue timeout and got 429, while requests arriving after
+    the loss were served at once."""
     model = "requeue"
     start_worker(model, redis_at=private_redis.url, sim_max_seqs=1, sim_token_ms=10, sim_ttft_ms=0)
     gateway = start_gateway(env={"SLUICE_GATEWAY_QUEUE_TIMEOUT_S": "30"}, redis_at=private_redis.url)
@@ -61,7 +80,7 @@ def test_requests_queued_when_redis_loses_its_data_are_queued_again(
     waiter.start()
     wait_for(lambda: _queued(client, model) == 1, 10, "the waiter to queue")
 
-    client.flushall()
+    private_redis.lose_data(loss)
     # The running stream holds its slot again, and the waiter waits behind it, queued again.
     wait_for(lambda: _inflight(client, model) == 1 and _queued(client, model) == 1, 10,
              "the blocker's slot leased again and the waiter queued again")
