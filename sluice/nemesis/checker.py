@@ -99,8 +99,15 @@ def reason_of(error: ErrorSeen) -> str:
     return error.code or error.type or "unknown"
 
 
+#: A fault's aftermath: a request that starts this soon after a fault ended is still counted
+#: under it (workers re-register, gateways reconnect, keys come back).
+AFTERMATH_S = 2.0
+
+
 def overlapping(runs: list[FaultRun], start_s: float, end_s: float) -> list[str]:
-    return sorted({r.fault.kind for r in runs if r.started_s <= end_s and (r.ended_s or end_s) >= start_s})
+    """Kinds of the faults under way (or in their aftermath) during [start_s, end_s]."""
+    return sorted({r.fault.kind for r in runs
+                   if r.started_s <= end_s and (r.ended_s or end_s) + AFTERMATH_S >= start_s})
 
 
 def check(spec: RequestSpec, ref: Reference, hist: History, runs: list[FaultRun], ports: list[int]) -> Verdict:

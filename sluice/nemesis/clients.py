@@ -34,8 +34,9 @@ from sluice.nemesis.workload import RequestSpec
 GRACE_S = 20.0
 RESUMABLE_READ_S = 4.0
 PLAIN_READ_S = 30.0
-#: Longest wait for response headers (queue timeout 10 s, plus a stalled gateway's 7 s).
-HEADERS_S = 25.0
+#: Longest wait for response headers: past the gateway's own longest waits (a queue timeout of
+#: 10 s plus a stalled gateway's 7 s; a re-attach waits up to queue + TTFT timeouts, 25 s).
+HEADERS_S = 35.0
 MAX_ATTEMPTS = 16
 #: In-band errors after which a resumable client re-attaches (the stream may go on elsewhere).
 REATTACH_CODES = frozenset({"service_unavailable", "upstream_error"})

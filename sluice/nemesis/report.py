@@ -7,7 +7,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from sluice.nemesis.checker import Verdict
+from sluice.nemesis.checker import AFTERMATH_S, Verdict
 from sluice.nemesis.faults import FaultRun
 from sluice.nemesis.history import Attempt, History
 from sluice.nemesis.schedule import KINDS
@@ -62,7 +62,8 @@ def forbidden(specs: list[RequestSpec], histories: list[History], verdicts: list
     for spec, hist, v in zip(specs, histories, verdicts, strict=True):
         if v.outcome != "forbidden":
             continue
-        during = [r for r in runs if r.started_s <= hist.ended_s and (r.ended_s or hist.ended_s) >= hist.started_s]
+        during = [r for r in runs
+                  if r.started_s <= hist.ended_s and (r.ended_s or hist.ended_s) + AFTERMATH_S >= hist.started_s]
         out.append({
             "request": spec.request_id, "path": spec.path, "kinds": v.kinds, "detail": v.detail[:8],
             "spec": {"n": spec.n, "max_tokens": spec.max_tokens, "tenant": spec.tenant, "priority": spec.priority,

@@ -176,6 +176,10 @@ class System:
 
     async def start(self) -> None:
         await asyncio.to_thread(self.topology.start)
+        try:  # the processes read the same URL: fail here, clearly, if Sluice cannot
+            await (await create_pool(self.topology.url, retries=1)).aclose()
+        except ValueError as exc:
+            raise RuntimeError(f"this Sluice cannot use {self.topology.url} (sluice/redis_pool.py): {exc}") from None
         if isinstance(self.topology, SingleRedis):
             self.proxy = await LinkProxy(self.topology.port).start()
         await self._create_keys()

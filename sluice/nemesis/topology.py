@@ -209,13 +209,28 @@ class SentinelRedis:
                 raise RuntimeError(f"sentinel topology: replica never connected ({info})")
             time.sleep(0.1)
 
-    def master(self) -> Server:
-        client = self.sentinels[0].client()
-        try:
-            _, port = client.sentinel_get_master_addr_by_name(SENTINEL_SERVICE)
-        finally:
-            client.close()
-        return next(s for s in self.servers if s.port == int(port))
+    def master(self, timeout_s: float = 15.0) -> Server:
+        """The server the sentinels name as master, once it agrees (after a failover or a
+        restart the sentinels take a moment to reconfigure)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            client = self.sentinels[0].client()
+            try:
+                _, port = client.sentinel_get_master_addr_by_name(SENTINEL_SERVICE)
+            finally:
+                client.close()
+            server = next(s for s in self.servers if s.port == int(port))
+            probe = server.client()
+            try:
+                if probe.info("replication").get("role") == "master":
+                    return server
+            except redis.RedisError:
+                pass
+            finally:
+                probe.close()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no master agreed on by the sentinels in {timeout_s:g}s")
+            time.sleep(0.1)
 
     def stop(self) -> None:
         for server in [*self.sentinels, *self.servers]:
@@ -228,6 +243,7 @@ class SentinelRedis:
         master = self.master()
         master.shutdown(save=persist)
         time.sleep(down_s)
+        master.args = ()  # back as a master; the sentinels make it a replica if they failed over
         master.start()
 
     def flushall(self) -> None:
