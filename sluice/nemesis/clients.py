@@ -6,8 +6,8 @@
 - resumable stream (``Idempotency-Key``): a stream that breaks, stalls (no byte, not even
   a keep-alive ping, for ``RESUMABLE_READ_S``), ends with a retryable in-band error, or is
   left on purpose, is re-attached on another port with ``GET /v1/streams/{key}`` and
-  ``Last-Event-ID``; a 404 there is answered with the SDK's retry, the same POST with the
-  same key (and ``Last-Event-ID``).
+  ``Last-Event-ID``, or (``repost`` clients) with the SDK's retry: the same POST with the
+  same key and ``Last-Event-ID``; a 404 on a GET is answered with that retry too.
 - non-streaming: one POST (half of them with an ``Idempotency-Key``), retried on the other
   port after a connection failure, 429, 502 or 503.
 
@@ -163,9 +163,10 @@ class Clients:
             if self._past_deadline(spec, hist):
                 return
             port = (port + 1) % len(self.urls)
+            reattach = "repost" if spec.repost else "get"
             if att.left == "planned":
                 await asyncio.sleep(spec.away_s)
-                how = "get"
+                how = reattach
             elif att.status == 404 and how == "get":
                 how = "repost"  # nothing to attach to: the SDK retries the request itself
             elif att.status in (429, 503) or (att.status == 0 and not att.chunks and how != "get"):
@@ -176,7 +177,7 @@ class Clients:
             elif att.errors and att.errors[-1].code not in REATTACH_CODES:
                 return
             else:
-                how = "get"  # broke, stalled, cut, or a retryable in-band error: go on elsewhere
+                how = reattach  # broke, stalled, cut, or a retryable in-band error: go on elsewhere
                 await asyncio.sleep(0.1)
 
     # --- non-streaming ----------------------------------------------------------------

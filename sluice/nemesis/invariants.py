@@ -104,7 +104,8 @@ async def check_all(system: System, specs: list[RequestSpec], refs: list[Referen
                          <= redis_bound_mib, f"{redis_before_mib:.1f} MiB before, {used:.1f} MiB after",
                          {"before_mib": round(redis_before_mib, 1), "after_mib": round(used, 1)}))
     rss = {g.name: rss_mib(g.pid) for g in system.gateways}
-    out.append(Invariant(f"gateway RSS under {rss_bound_mib:g} MiB", all((r or 0) <= rss_bound_mib for r in rss.values()),
+    out.append(Invariant(f"gateway RSS under {rss_bound_mib:g} MiB",
+                         all((r or 0) <= rss_bound_mib for r in rss.values()),
                          ", ".join(f"{k}={v:.0f} MiB" for k, v in rss.items() if v is not None),
                          {k: None if v is None else round(v, 1) for k, v in rss.items()}))
     out.append(usage(system, specs, refs, histories, verdicts, runs))

@@ -83,7 +83,8 @@ class NemesisResult:
         lines.append(f"\nforbidden outcomes: {len(self.forbidden)}")
         for f in self.forbidden[:40]:
             faults = ", ".join(f"{x['kind']}@{x['target']}[{x['t_s'][0]:.1f}-{x['t_s'][1]:.1f}]" for x in f["faults"])
-            lines.append(f"- {f['request']} ({f['path']}) {f['kinds']}: {'; '.join(f['detail'][:3])} | faults: {faults}")
+            detail = "; ".join(f["detail"][:3])
+            lines.append(f"- {f['request']} ({f['path']}) {f['kinds']}: {detail} | faults: {faults}")
         return "\n".join(lines)
 
 

@@ -124,7 +124,34 @@ class Server(EmbeddedRedis):
             os.kill(self.pid, signal.SIGCONT)
 
 
-class SingleRedis:
+class _OneMaster:
+    """Faults of a topology with one master at a time (one server, or Sentinel's)."""
+
+    def master(self) -> Server:
+        raise NotImplementedError
+
+    def client(self) -> redis.Redis:
+        return self.master().client()
+
+    def restart(self, *, persist: bool, down_s: float) -> None:
+        master = self.master()
+        master.shutdown(save=persist)
+        time.sleep(down_s)
+        master.args = ()  # back as a master; Sentinel makes it a replica if it failed over meanwhile
+        master.start()
+
+    def flushall(self) -> None:
+        client = self.client()
+        try:
+            client.flushall()
+        finally:
+            client.close()
+
+    def stall(self, seconds: float) -> None:
+        self.master().stall(seconds)
+
+
+class SingleRedis(_OneMaster):
     name = "single"
 
     def __init__(self) -> None:
@@ -138,30 +165,15 @@ class SingleRedis:
     def port(self) -> int:
         return self.server.port
 
+    def master(self) -> Server:
+        return self.server
+
     def start(self) -> Self:
         self.server.start()
         return self
 
     def stop(self) -> None:
         self.server.stop()
-
-    def client(self) -> redis.Redis:
-        return self.server.client()
-
-    def restart(self, *, persist: bool, down_s: float) -> None:
-        self.server.shutdown(save=persist)
-        time.sleep(down_s)
-        self.server.start()
-
-    def flushall(self) -> None:
-        client = self.client()
-        try:
-            client.flushall()
-        finally:
-            client.close()
-
-    def stall(self, seconds: float) -> None:
-        self.server.stall(seconds)
 
     def failover(self) -> None:
         raise RuntimeError("a single Redis server has nothing to fail over to")
@@ -170,7 +182,7 @@ class SingleRedis:
         return [self.server.pid]
 
 
-class SentinelRedis:
+class SentinelRedis(_OneMaster):
     """One master, one replica, three sentinels, on loopback."""
 
     name = "sentinel"
@@ -235,26 +247,6 @@ class SentinelRedis:
     def stop(self) -> None:
         for server in [*self.sentinels, *self.servers]:
             server.stop()
-
-    def client(self) -> redis.Redis:
-        return self.master().client()
-
-    def restart(self, *, persist: bool, down_s: float) -> None:
-        master = self.master()
-        master.shutdown(save=persist)
-        time.sleep(down_s)
-        master.args = ()  # back as a master; the sentinels make it a replica if they failed over
-        master.start()
-
-    def flushall(self) -> None:
-        client = self.client()
-        try:
-            client.flushall()
-        finally:
-            client.close()
-
-    def stall(self, seconds: float) -> None:
-        self.master().stall(seconds)
 
     def failover(self) -> None:
         before = self.master().port

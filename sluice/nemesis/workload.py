@@ -40,6 +40,9 @@ class RequestSpec:
     #: After this many events the client leaves; a resumable one comes back ``away_s`` later.
     leave_after: int | None = None
     away_s: float = 0.0
+    #: A resumable client that re-attaches by sending its POST again (the SDK's retry, same
+    #: Idempotency-Key and Last-Event-ID) instead of ``GET /v1/streams/{key}``.
+    repost: bool = False
     #: Whole-request deadline sent as ``X-Sluice-Timeout-Ms``.
     deadline_s: float = 60.0
     #: Which gateway port the first attempt goes to.
@@ -97,6 +100,7 @@ class Mix:
     multi: float = 0.15  # n in 2..4
     slow: float = 0.1
     leave: float = 0.12
+    repost: float = 0.4  # of resumable clients: re-attach by re-sending the POST
     low: float = 0.2
     urgent: float = 0.1
     natural_end: float = 0.2  # no ignore_eos: the simulator's own end-of-sequence
@@ -129,7 +133,8 @@ def workload(seed: int, count: int, duration_s: float, ports: int, tenants: int,
 
 def _one(i: int, at: float, rng: random.Random, ports: int, tenants: int, mix: Mix) -> RequestSpec:
     roll = rng.random()
-    path: Path = "nonstream" if roll < mix.nonstream else "resumable" if roll < mix.nonstream + mix.resumable else "plain"
+    path: Path = ("nonstream" if roll < mix.nonstream
+                  else "resumable" if roll < mix.nonstream + mix.resumable else "plain")
     role = rng.random()
     tenant = rng.randrange(tenants - 1)
     priority = PRIORITIES["default"]
@@ -145,7 +150,7 @@ def _one(i: int, at: float, rng: random.Random, ports: int, tenants: int, mix: M
         index=i, path=path, at_s=at, tenant=tenant, priority=priority, n=n, max_tokens=max_tokens,
         ignore_eos=rng.random() >= mix.natural_end, seed=rng.randrange(1, 1 << 30), slow_s=slow,
         leave_after=leave, away_s=rng.uniform(0.3, 3.0) if leave is not None else 0.0,
-        port_index=rng.randrange(ports),
+        port_index=rng.randrange(ports), repost=path == "resumable" and rng.random() < mix.repost,
     )
 
 
