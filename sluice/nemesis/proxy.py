@@ -7,7 +7,10 @@ names the proxy's port; every connection it opens is piped to Redis. Faults:
   throttled: the reader keeps reading while earlier chunks wait);
 - ``cut(blackhole=False)``: open connections are reset and new ones reset at once, as when
   a route goes away; ``cut(blackhole=True)``: connections stay open but nothing passes, as
-  in a partition (the gateway notices only through its socket timeouts);
+  in a partition (the gateway notices only through its socket timeouts). Nothing is lost
+  inside a connection: what was sent meanwhile arrives after ``heal()``, in order, as TCP
+  retransmission delivers it (dropping bytes mid-stream would be no network's behaviour,
+  and would desynchronise any pipelined protocol);
 - ``heal()``: back to a plain pipe (reset connections stay closed: the client reconnects).
 
 >>> proxy = await LinkProxy(redis_port).start()
@@ -44,8 +47,7 @@ class _Link:
     async def _read(self, src: asyncio.StreamReader, queue: asyncio.Queue[tuple[float, bytes]]) -> None:
         try:
             while data := await src.read(_CHUNK):
-                if not self.proxy.blackhole:
-                    queue.put_nowait((time.monotonic() + self.proxy.delay_s, data))
+                queue.put_nowait((time.monotonic() + self.proxy.delay_s, data))
         except (ConnectionError, OSError):
             pass
         queue.put_nowait((0.0, b""))
@@ -56,6 +58,7 @@ class _Link:
                 due, data = await queue.get()
                 if not data:
                     break
+                await self.proxy.flowing.wait()  # a partition holds bytes back, it never drops them
                 wait = due - time.monotonic()
                 if wait > 0:
                     await asyncio.sleep(wait)
@@ -77,7 +80,9 @@ class LinkProxy:
         self.port = 0
         self.delay_s = 0.0
         self.refusing = False
-        self.blackhole = False
+        #: Cleared while a partition (``cut(blackhole=True)``) holds every byte back.
+        self.flowing = asyncio.Event()
+        self.flowing.set()
         self.links: set[_Link] = set()
         self._server: asyncio.Server | None = None
 
@@ -91,14 +96,15 @@ class LinkProxy:
 
     def cut(self, *, blackhole: bool = False) -> None:
         if blackhole:
-            self.blackhole = True
+            self.flowing.clear()
             return
         self.refusing = True
         for link in list(self.links):
             link.reset()
 
     def heal(self) -> None:
-        self.delay_s, self.refusing, self.blackhole = 0.0, False, False
+        self.delay_s, self.refusing = 0.0, False
+        self.flowing.set()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.refusing:

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -79,7 +78,7 @@ class NemesisResult:
         lines += [f"invariant {'ok  ' if i.ok else 'FAIL'} {i.name}: {i.detail}" for i in self.invariants]
         if s["fault_errors"]:
             lines.append(f"faults that could not be applied: {s['fault_errors']}")
-        lines.append(f"gateway tracebacks in logs: {s['tracebacks']}")
+        lines.append(f"gateway error log entries: {s['gateway_errors'] or 'none'}")
         lines.append(f"\nforbidden outcomes: {len(self.forbidden)}")
         for f in self.forbidden[:40]:
             faults = ", ".join(f"{x['kind']}@{x['target']}[{x['t_s'][0]:.1f}-{x['t_s'][1]:.1f}]" for x in f["faults"])
@@ -103,9 +102,21 @@ async def _self_check(system: System, specs: list[RequestSpec], refs: list[Refer
                 raise RuntimeError(f"the harness's reference differs from the worker's for request {spec.index}")
 
 
-def _tracebacks(system: System) -> dict[str, int]:
-    return {g.name: len(re.findall(r"^Traceback", g.log_path.read_text(errors="replace"), re.M))
-            for g in system.gateways}
+def _gateway_errors(system: System) -> dict[str, int]:
+    """Error-level log entries of every gateway, by message and exception (last line)."""
+    found: dict[str, int] = {}
+    for gateway in system.gateways:
+        for line in gateway.log_path.read_text(errors="replace").splitlines():
+            if '"level": "error"' not in line:
+                continue
+            try:
+                entry = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue
+            last = (entry.get("exc") or "").strip().splitlines()[-1:] or [""]
+            what = f"{entry.get('msg', '').strip()} | {last[0][:160]}"
+            found[what] = found.get(what, 0) + 1
+    return found
 
 
 async def run_nemesis(cfg: NemesisConfig) -> NemesisResult:
@@ -136,7 +147,7 @@ async def run_nemesis(cfg: NemesisConfig) -> NemesisResult:
         queue_order(specs, histories, verdicts, runs)
         invariants = await check_all(system, specs, refs, histories, verdicts, runs, redis_before,
                                      cfg.redis_bound_mib, cfg.rss_bound_mib)
-        tracebacks = _tracebacks(system)
+        errors = _gateway_errors(system)
     finally:
         if clients is not None:
             await clients.aclose()
@@ -161,7 +172,7 @@ async def run_nemesis(cfg: NemesisConfig) -> NemesisResult:
         "allowed_reasons": sorted(ALLOWED),
         "forbidden_kinds": _count(k for f in bad for k in f["kinds"]),
         "probes": {"sent": len(clients.probes), "served": len(served)},
-        "tracebacks": tracebacks,
+        "gateway_errors": errors,
         "invariants": [i.public() for i in invariants],
         "forbidden": bad,
         "runs": [r.public() for r in runs],
