@@ -22,7 +22,6 @@ Outcomes:
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -224,20 +223,17 @@ def _text(spec: RequestSpec, ref: Reference, attempts: list[Attempt], v: Verdict
 
 
 def _diagnose(want: list[str], got: list[str]) -> tuple[str, str]:
-    """What went wrong in ``got`` against ``want``: gap, duplicate or different text, and where."""
-    ops = [op for op in difflib.SequenceMatcher(a=want, b=got, autojunk=False).get_opcodes() if op[0] != "equal"]
-    for op, a0, a1, b0, b1 in ops:
-        if op == "insert" and _repeats(want, got[b0:b1]):
-            return "duplicate", f"tokens {b0}-{b1} repeat earlier ones"
-        if op == "delete" and a1 < len(want) and b0 < len(got):
-            return "gap", f"tokens {a0}-{a1} of the reference missing"
-    op, a0, a1, b0, b1 = ops[0]
-    return "different_text", f"from token {b0}: got {got[b0:b0 + 3]} expected {want[a0:a0 + 3]}"
-
-
-def _repeats(want: list[str], piece: list[str]) -> bool:
-    text = " " + " ".join(want) + " "
-    return (" " + " ".join(piece) + " ") in text
+    """What went wrong in ``got`` against ``want``, from the first token that differs: the
+    tokens after it repeat earlier ones (duplicate), skip some (gap), or are others."""
+    i = next((k for k, (w, g) in enumerate(zip(want, got, strict=False)) if w != g), min(len(want), len(got)))
+    probe = got[i:i + 3]
+    for j in range(i):
+        if want[j:j + len(probe)] == probe:
+            return "duplicate", f"from token {i}: the tokens from {j} on again"
+    for j in range(i + 1, len(want)):
+        if want[j:j + len(probe)] == probe:
+            return "gap", f"tokens {i}-{j - 1} of the reference missing"
+    return "different_text", f"from token {i}: got {probe} expected {want[i:i + 3]}"
 
 
 def _event_ids(attempts: list[Attempt], v: Verdict) -> None:
