@@ -143,15 +143,18 @@ def check(spec: RequestSpec, ref: Reference, hist: History, runs: list[FaultRun]
     elif spec.path == "plain" and any(a.left for a in attempts):
         v.outcome, v.reason = "left", next(a.left for a in attempts if a.left) or ""
     else:
-        _explicit(last, runs, ports, v)
+        _explicit(attempts, runs, ports, v)
     v.kinds = sorted(set(v.kinds))
     return v
 
 
-def _explicit(last: Attempt, runs: list[FaultRun], ports: list[int], v: Verdict) -> None:
-    if last.errors:
-        v.reason = reason_of(last.errors[-1])
-        v.detail.append(f"{last.how} {last.status}: {last.errors[-1].message}")
+def _explicit(attempts: list[Attempt], runs: list[FaultRun], ports: list[int], v: Verdict) -> None:
+    last = attempts[-1]
+    # A re-attach that only got the final [DONE] ends the stream an earlier attempt's error ended.
+    errors = last.errors or ([e for a in attempts for e in a.errors][-1:] if last.done and not last.chunks else [])
+    if errors:
+        v.reason = reason_of(errors[-1])
+        v.detail.append(f"{last.how} {last.status}: {errors[-1].message}")
     elif last.broke or last.stalled:
         v.reason = "connection_lost"
         v.detail.append(f"{last.how} {last.status}: {last.broke or 'stalled'}")

@@ -174,15 +174,27 @@ async def run_nemesis(cfg: NemesisConfig) -> NemesisResult:
         "probes": {"sent": len(clients.probes), "served": len(served)},
         "gateway_errors": errors,
         "invariants": [i.public() for i in invariants],
-        "forbidden": bad,
+        "forbidden": compact(bad),
         "runs": [r.public() for r in runs],
-        "verdicts": [[v.index, v.path, v.outcome, v.reason, v.kinds, v.faults] for v in verdicts],
+        "not_exact": [[v.index, v.path, v.outcome, v.reason, v.kinds] for v in verdicts if v.outcome != "exact"],
     }
     if cfg.json_path is not None:
         write_json(cfg.json_path, summary)
     if cfg.plot_path is not None:
         draw(cfg.plot_path, histories, verdicts, runs, specs)
     return NemesisResult(cfg, verdicts, runs, invariants, bad, summary)
+
+
+#: Forbidden outcomes written with every attempt; the rest with their verdict only (a
+#: full run's JSON stays small enough to keep beside its chart).
+DETAILED = 30
+
+
+def compact(bad: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    keep = ("request", "path", "kinds", "detail", "life_s")
+    return [f if i < DETAILED else {k: f[k] for k in keep if k in f}
+            | {"faults": sorted({x["kind"] if isinstance(x, dict) else x for x in f["faults"]})}
+            for i, f in enumerate(bad)]
 
 
 def _count(items: Any) -> dict[str, int]:
