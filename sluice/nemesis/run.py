@@ -191,8 +191,8 @@ DETAILED = 30
 
 
 def compact(bad: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    keep = ("request", "path", "kinds", "detail", "life_s")
-    return [f if i < DETAILED else {k: f[k] for k in keep if k in f}
+    keep = ("request", "path", "kinds", "life_s")
+    return [f if i < DETAILED else {k: f[k] for k in keep if k in f} | {"detail": f["detail"][-2:]}
             | {"faults": sorted({x["kind"] if isinstance(x, dict) else x for x in f["faults"]})}
             for i, f in enumerate(bad)]
 
