@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -114,7 +115,7 @@ def _gateway_errors(system: System) -> dict[str, int]:
             except orjson.JSONDecodeError:
                 continue
             last = (entry.get("exc") or "").strip().splitlines()[-1:] or [""]
-            what = f"{entry.get('msg', '').strip()} | {last[0][:160]}"
+            what = re.sub(r"\b[0-9a-f]{32,}\b", "<key>", f"{entry.get('msg', '').strip()} | {last[0][:160]}")
             found[what] = found.get(what, 0) + 1
     return found
 
