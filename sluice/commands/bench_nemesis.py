@@ -25,7 +25,8 @@ def main(args: argparse.Namespace) -> int:
     config = NemesisConfig(
         seed=args.seed, streams=args.requests or 5000, faults=args.nemesis_faults, duration_s=args.nemesis_duration_s,
         topology=args.topology, gateways=args.nemesis_gateways, workers=args.nemesis_workers, kinds=kinds,
-        huge=args.nemesis_huge, json_path=Path(args.nemesis_json), plot_path=Path(args.nemesis_plot),
+        huge=args.nemesis_huge, slots=args.nemesis_slots, json_path=Path(args.nemesis_json),
+        plot_path=Path(args.nemesis_plot),
     )
     print(f"sluice bench --scenario nemesis: seed {config.seed}, {config.streams} requests and {config.faults} "
           f"faults over {config.duration_s:.0f}s, {config.topology} Redis", flush=True)
@@ -47,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "topology supports): " + ", ".join(KINDS))
     g.add_argument("--nemesis-gateways", type=int, default=3, help="nemesis: gateway processes (on 2 ports)")
     g.add_argument("--nemesis-workers", type=int, default=3, help="nemesis: sim workers")
+    g.add_argument("--nemesis-slots", type=int, default=24,
+                   help="nemesis: slots per sim worker (fewer: requests queue under the faults)")
     g.add_argument("--nemesis-huge", type=int, default=2,
                    help="nemesis: huge resumable streams (n=16, past the journal's event cap)")
     g.add_argument("--nemesis-json", default="loadtest/nemesis.json", help="nemesis: JSON summary path")

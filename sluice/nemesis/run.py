@@ -40,6 +40,8 @@ class NemesisConfig:
     ports: int = 2
     workers: int = 3
     tenants: int = 3
+    #: Slots per sim worker (fewer: requests queue, and admission is tested under faults).
+    slots: int = 24
     #: Fault kinds to draw from (default: every kind the topology supports).
     kinds: list[str] | None = None
     #: Huge resumable streams (n=16, past the journal's 20,000-event cap).
@@ -127,7 +129,7 @@ async def run_nemesis(cfg: NemesisConfig) -> NemesisResult:
     refs = [reference(s) for s in specs]
     schedule = fault_schedule(cfg.seed, cfg.faults, cfg.duration_s, kinds, cfg.gateways, cfg.workers)
     system = System(SystemShape(topology=cfg.topology, gateways=cfg.gateways, ports=cfg.ports, workers=cfg.workers,
-                                tenants=cfg.tenants, gateway_env=cfg.gateway_env), logs)
+                                tenants=cfg.tenants, slots=cfg.slots, gateway_env=cfg.gateway_env), logs)
     clients: Clients | None = None
     try:
         await system.start()

@@ -56,8 +56,10 @@ class SystemShape:
     ports: int = 2
     workers: int = 3
     tenants: int = 3
+    #: Slots per sim worker: fewer make requests queue (admission under faults).
+    slots: int = 24
     worker_args: list[str] = field(default_factory=lambda: [
-        "--sim-token-ms=30", "--sim-ttft-ms=20", "--sim-max-seqs=24", "--heartbeat-ms=500"])
+        "--sim-token-ms=30", "--sim-ttft-ms=20", "--heartbeat-ms=500"])
     gateway_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -188,7 +190,7 @@ class System:
             port = free_port()
             argv = [*python, "--log-level", "WARNING", "worker", "--engine", "sim", "--port", str(port),
                     "--redis-url", self.topology.url, "--served-model-name", MODEL, "--worker-id", f"w{i}",
-                    *self.shape.worker_args]
+                    f"--sim-max-seqs={self.shape.slots}", *self.shape.worker_args]
             self.workers.append(Proc(f"worker-{i}", argv, _child_env({}), self.logs / f"worker-{i}.log", port))
         for i in range(self.shape.gateways):
             url = self.topology.url
