@@ -16,6 +16,7 @@ from pathlib import Path
 
 from sluice.nemesis.run import NemesisConfig, run_nemesis
 from sluice.nemesis.schedule import KINDS
+from sluice.nemesis.system import SystemShape
 
 
 def main(args: argparse.Namespace) -> int:
@@ -24,12 +25,12 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"sluice bench: unknown fault kind(s) {unknown}; known: {list(KINDS)}")
     config = NemesisConfig(
         seed=args.seed, streams=args.requests or 5000, faults=args.nemesis_faults, duration_s=args.nemesis_duration_s,
-        topology=args.topology, gateways=args.nemesis_gateways, workers=args.nemesis_workers, kinds=kinds,
-        huge=args.nemesis_huge, slots=args.nemesis_slots, json_path=Path(args.nemesis_json),
-        plot_path=Path(args.nemesis_plot),
+        shape=SystemShape(topology=args.topology, gateways=args.nemesis_gateways, workers=args.nemesis_workers,
+                          slots=args.nemesis_slots),
+        kinds=kinds, huge=args.nemesis_huge, json_path=Path(args.nemesis_json), plot_path=Path(args.nemesis_plot),
     )
     print(f"sluice bench --scenario nemesis: seed {config.seed}, {config.streams} requests and {config.faults} "
-          f"faults over {config.duration_s:.0f}s, {config.topology} Redis", flush=True)
+          f"faults over {config.duration_s:.0f}s, {config.shape.topology} Redis", flush=True)
     result = asyncio.run(run_nemesis(config))
     print(result.text(), flush=True)
     print(f"\nsummary: {config.json_path}; timeline: {config.plot_path}", flush=True)

@@ -35,13 +35,8 @@ class NemesisConfig:
     faults: int = 32
     #: Seconds over which requests arrive and faults are injected.
     duration_s: float = 120.0
-    topology: str = "single"
-    gateways: int = 3
-    ports: int = 2
-    workers: int = 3
-    tenants: int = 3
-    #: Slots per sim worker (fewer: requests queue, and admission is tested under faults).
-    slots: int = 24
+    #: The system: Redis topology, gateways, ports, workers and their slots, tenants.
+    shape: SystemShape = field(default_factory=SystemShape)
     #: Fault kinds to draw from (default: every kind the topology supports).
     kinds: list[str] | None = None
     #: Huge resumable streams (n=16, past the journal's 20,000-event cap).
@@ -51,7 +46,6 @@ class NemesisConfig:
     json_path: Path | None = None
     plot_path: Path | None = None
     logs: Path | None = None
-    gateway_env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -70,7 +64,7 @@ class NemesisResult:
     def text(self) -> str:
         s = self.summary
         lines = [
-            f"nemesis seed={self.config.seed} topology={self.config.topology}: {s['requests']} requests, "
+            f"nemesis seed={self.config.seed} topology={self.config.shape.topology}: {s['requests']} requests, "
             f"{s['faults']['applied']} faults of {len(s['faults']['kinds'])} kinds in {s['wall_s']:.0f}s "
             f"(logs: {s['logs']})",
             "outcomes per path: " + "; ".join(f"{p}: {c}" for p, c in s["totals"].items()),
@@ -124,12 +118,12 @@ def _gateway_errors(system: System) -> dict[str, int]:
 
 async def run_nemesis(cfg: NemesisConfig) -> NemesisResult:
     logs = cfg.logs or Path(tempfile.mkdtemp(prefix="sluice-nemesis-"))
-    kinds = cfg.kinds or kinds_for(cfg.topology)
-    specs = workload(cfg.seed, cfg.streams, cfg.duration_s, cfg.ports, cfg.tenants, Mix(huge=cfg.huge))
+    shape = cfg.shape
+    kinds = cfg.kinds or kinds_for(shape.topology)
+    specs = workload(cfg.seed, cfg.streams, cfg.duration_s, shape.ports, shape.tenants, Mix(huge=cfg.huge))
     refs = [reference(s) for s in specs]
-    schedule = fault_schedule(cfg.seed, cfg.faults, cfg.duration_s, kinds, cfg.gateways, cfg.workers)
-    system = System(SystemShape(topology=cfg.topology, gateways=cfg.gateways, ports=cfg.ports, workers=cfg.workers,
-                                tenants=cfg.tenants, slots=cfg.slots, gateway_env=cfg.gateway_env), logs)
+    schedule = fault_schedule(cfg.seed, cfg.faults, cfg.duration_s, kinds, shape.gateways, shape.workers)
+    system = System(shape, logs)
     clients: Clients | None = None
     try:
         await system.start()
@@ -145,7 +139,7 @@ async def run_nemesis(cfg: NemesisConfig) -> NemesisResult:
         runs = await faulting
         await probing
         wall = time.monotonic() - t0
-        ports = [system.port_of(i) for i in range(cfg.gateways)]
+        ports = [system.port_of(i) for i in range(shape.gateways)]
         verdicts = [check(s, r, h, runs, ports) for s, r, h in zip(specs, refs, histories, strict=True)]
         queue_order(specs, histories, verdicts, runs)
         invariants = await check_all(system, specs, refs, histories, verdicts, runs, redis_before,
@@ -164,7 +158,7 @@ async def run_nemesis(cfg: NemesisConfig) -> NemesisResult:
     resumable = [v for v in verdicts if v.path == "resumable"]
     summary: dict[str, Any] = {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
-        "gateway_env": {**GATEWAY_ENV, **cfg.gateway_env}, "logs": str(logs), "wall_s": round(wall, 1),
+        "gateway_env": {**GATEWAY_ENV, **shape.gateway_env}, "logs": str(logs), "wall_s": round(wall, 1),
         "requests": len(specs), "ports": system.ports,
         "faults": {"scheduled": len(schedule), "applied": len(applied),
                    "kinds": sorted({r.fault.kind for r in applied})},
