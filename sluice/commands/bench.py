@@ -223,6 +223,10 @@ def main(args: argparse.Namespace) -> int:
         from sluice.commands.bench_prefix import main as prefix_main
 
         return prefix_main(args)
+    if args.scenario == "nemesis":
+        from sluice.commands.bench_nemesis import main as nemesis_main
+
+        return nemesis_main(args)
     args.requests = args.requests or 32
 
     options = UpOptions(engine=args.engine, workers=1, port=args.port, model=args.model,
@@ -248,14 +252,15 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scenario", choices=["overhead", "priority", "flood", "resilience", "prefix"],
+    p.add_argument("--scenario", choices=["overhead", "priority", "flood", "resilience", "prefix", "nemesis"],
                    default="overhead",
                    help="overhead: gateway vs direct worker (default); priority: per-class TTFT and "
                         "shedding at 0.5x and 2x capacity (sim engine); flood: 10k streams over three "
                         "gateways, a gateway kill, a Redis Cluster, fairness between tenants (sim engine); "
                         "resilience: journal cost, worker SIGKILLs under load, a gateway SIGKILL under "
                         "resumable streams (sim engine); prefix: cache-aware vs least-loaded vs "
-                        "round-robin routing on shared-prefix workloads (sim engine)")
+                        "round-robin routing on shared-prefix workloads (sim engine); nemesis: random faults of every kind "
+                        "under load, every stream checked against its exact reference (sim engine)")
     p.add_argument("--duration-s", type=float, default=20.0, help="priority: seconds per phase")
     p.add_argument("--queue-timeout-s", type=float, default=2.0, help="priority: gateway queue timeout")
     p.add_argument("--sim-max-seqs", type=int, default=8, help="priority: sim worker slots")
@@ -295,3 +300,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     resilience_arguments(p)
     prefix_arguments(p)
+    from sluice.commands.bench_nemesis import add_arguments as nemesis_arguments
+
+    nemesis_arguments(p)

@@ -1,0 +1,122 @@
+"""Runs a fault schedule against the system, and records when each fault really ran.
+
+Each fault is a task that waits for its time, then for its target (one fault per target
+at a time: a restart still in progress delays the next fault on that process), applies
+the fault, holds it for its duration and undoes it. Blocking work (signals and waits,
+Redis shutdowns) runs in threads, so clients and the link proxy go on meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+from sluice.nemesis.clients import Cutter
+from sluice.nemesis.schedule import DATA_LOSS, Fault
+from sluice.nemesis.system import System
+
+log = logging.getLogger("sluice.nemesis")
+
+
+@dataclass
+class FaultRun:
+    fault: Fault
+    #: Seconds since the run's start: when the fault began, and when it was undone.
+    started_s: float = 0.0
+    ended_s: float = 0.0
+    #: Data-loss faults: when the API keys were written back.
+    restored_s: float | None = None
+    note: str = ""
+    error: str | None = None
+
+    def public(self) -> dict[str, object]:
+        out = asdict(self)
+        out["fault"] = self.fault.public()
+        return out
+
+
+class Nemesis:
+    def __init__(self, system: System, cutter: Cutter, t0: float) -> None:
+        self.system = system
+        self.cutter = cutter
+        self.t0 = t0
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.runs: list[FaultRun] = []
+
+    def now_s(self) -> float:
+        return time.monotonic() - self.t0
+
+    async def run(self, schedule: list[Fault]) -> list[FaultRun]:
+        self.runs = [FaultRun(f) for f in schedule]
+        await asyncio.gather(*(self._one(r) for r in self.runs))
+        return self.runs
+
+    async def _one(self, run: FaultRun) -> None:
+        await asyncio.sleep(max(0.0, run.fault.at_s - self.now_s()))
+        async with self._locks[run.fault.target]:
+            run.started_s = self.now_s()
+            try:
+                await self._apply(run)
+            except Exception as exc:  # a fault that could not be applied is reported, not fatal
+                run.error = f"{type(exc).__name__}: {exc}"
+                log.warning("fault %s failed: %s", run.fault, exc)
+            run.ended_s = self.now_s()
+
+    async def _apply(self, run: FaultRun) -> None:
+        f, s = run.fault, self.system
+        kind = f.kind
+        if kind in ("gateway_kill", "worker_kill", "gateway_stop", "worker_stop"):
+            family, index = f.target.split("-")
+            proc = (s.gateways if family == "gateway" else s.workers)[int(index)]
+            if kind.endswith("kill"):
+                await asyncio.to_thread(proc.kill)
+                await asyncio.sleep(f.duration_s)
+                tries = await proc.restart()
+                if tries > 1:
+                    run.note = f"started {tries} times (it exits when Redis is away at start)"
+            else:
+                proc.signal(signal.SIGSTOP)
+                try:
+                    await asyncio.sleep(f.duration_s)
+                finally:
+                    proc.signal(signal.SIGCONT)
+        elif kind in ("redis_restart", "redis_restart_lossy"):
+            await asyncio.to_thread(s.topology.restart, persist=kind == "redis_restart", down_s=f.duration_s)
+        elif kind == "flushall":
+            await asyncio.to_thread(s.topology.flushall)
+        elif kind == "redis_stop":
+            await asyncio.to_thread(s.topology.stall, f.duration_s)
+        elif kind in ("sentinel_failover", "cluster_failover"):
+            await asyncio.to_thread(s.topology.failover)
+        elif kind in ("link_delay", "link_cut"):
+            assert s.proxy is not None
+            if kind == "link_delay":
+                s.proxy.delay(f.param)
+            else:
+                s.proxy.cut(blackhole=f.index % 2 == 1)
+                run.note = "blackhole" if f.index % 2 else "reset"
+            try:
+                await asyncio.sleep(f.duration_s)
+            finally:
+                s.proxy.heal()
+        elif kind == "client_cut":
+            run.note = ",".join(str(i) for i in self.cutter.cut(int(f.param), f.index))
+        else:
+            raise ValueError(f"unknown fault kind {kind!r}")
+        if kind in DATA_LOSS:
+            await self._restore(run)
+
+    async def _restore(self, run: FaultRun) -> None:
+        """Write the API keys back (an operator's restore), retrying while Redis comes back."""
+        for _ in range(50):
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self.system.restore_keys)
+                run.restored_s = self.now_s()
+                return
+            await asyncio.sleep(0.2)
+        run.error = "could not restore the API keys"

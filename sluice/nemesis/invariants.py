@@ -1,0 +1,139 @@
+"""What must hold once the load and the faults are over.
+
+- no slot in flight, no lease, no queued request (after the leases' TTL and a reap);
+- no Redis key without a TTL other than the registry (``sl:models``, the registered model's
+  ``sl:{model}:*`` admission keys) and the API keys (``sl:apikeys``, ``sl:apikey:*``);
+- Redis memory within ``redis_bound_mib`` of what it used before the load;
+- every gateway process's RSS under ``rss_bound_mib``;
+- usage: every exact request was billed (the gateways' access logs, by request id) exactly
+  the completion tokens its client got, once; a request whose gateway was killed before it
+  could log is counted unbilled, and allowed only then. Per tenant: billed vs served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from sluice import keys
+from sluice.commands.bench_probe import rss_mib
+from sluice.commands.bench_stack import MODEL
+from sluice.nemesis.checker import Verdict, overlapping
+from sluice.nemesis.faults import FaultRun
+from sluice.nemesis.history import History
+from sluice.nemesis.system import System
+from sluice.nemesis.workload import Reference, RequestSpec
+
+_ACCESS = re.compile(r"access request_id=(\S+) .*?key_id=(\S+) .*?completion_tokens=(\d+)")
+_ALLOWED_NO_TTL = re.compile(r"^(sl:models|sl:apikeys|sl:apikey:.*|sl:\{" + re.escape(MODEL) + r"\}:.*)$")
+
+
+@dataclass(slots=True)
+class Invariant:
+    name: str
+    ok: bool
+    detail: str
+    value: Any = None
+
+    def public(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def redis_used_mib(system: System) -> float:
+    client = system.redis_client()
+    try:
+        info = client.info("memory")
+        if isinstance(info, dict) and "used_memory" not in info:  # a cluster: per node
+            return sum(float(node["used_memory"]) for node in info.values()) / 2**20
+        return float(info["used_memory"]) / 2**20
+    finally:
+        client.close()
+
+
+def _slots(system: System) -> tuple[int, int, int]:
+    client = system.redis_client()
+    try:
+        inflight = sum(int(v) for v in client.hvals(keys.inflight(MODEL)))
+        leases = int(client.zcard(keys.leases(MODEL)))
+        queued = sum(int(client.zcard(q)) for q in keys.queues(MODEL))
+        return inflight, leases, queued
+    finally:
+        client.close()
+
+
+def _keys_without_ttl(system: System) -> tuple[int, list[str]]:
+    client = system.redis_client()
+    try:
+        scanned, bad = 0, []
+        for raw in client.scan_iter(count=1000):
+            scanned += 1
+            name = raw.decode(errors="replace")
+            if not _ALLOWED_NO_TTL.match(name) and client.ttl(raw) == -1:
+                bad.append(name)
+        return scanned, bad
+    finally:
+        client.close()
+
+
+async def settle(system: System, timeout_s: float = 30.0) -> Invariant:
+    started = time.monotonic()
+    while True:
+        inflight, leases, queued = await asyncio.to_thread(_slots, system)
+        waited = time.monotonic() - started
+        if (inflight, leases, queued) == (0, 0, 0) or waited > timeout_s:
+            break
+        await asyncio.sleep(0.5)
+    return Invariant("slots, leases and queues empty", (inflight, leases, queued) == (0, 0, 0),
+                     f"inflight={inflight} leases={leases} queued={queued} after {waited:.1f}s",
+                     {"inflight": inflight, "leases": leases, "queued": queued, "waited_s": round(waited, 1)})
+
+
+async def check_all(system: System, specs: list[RequestSpec], refs: list[Reference], histories: list[History],
+                    verdicts: list[Verdict], runs: list[FaultRun], redis_before_mib: float,
+                    redis_bound_mib: float, rss_bound_mib: float) -> list[Invariant]:
+    out = [await settle(system)]
+    scanned, bad = await asyncio.to_thread(_keys_without_ttl, system)
+    out.append(Invariant("no key without TTL outside the registry and API keys", not bad,
+                         f"{len(bad)} of {scanned} keys: {bad[:10]}", {"scanned": scanned, "without_ttl": bad[:100]}))
+    used = await asyncio.to_thread(redis_used_mib, system)
+    out.append(Invariant(f"Redis memory within {redis_bound_mib:g} MiB of its start", used - redis_before_mib
+                         <= redis_bound_mib, f"{redis_before_mib:.1f} MiB before, {used:.1f} MiB after",
+                         {"before_mib": round(redis_before_mib, 1), "after_mib": round(used, 1)}))
+    rss = {g.name: rss_mib(g.pid) for g in system.gateways}
+    out.append(Invariant(f"gateway RSS under {rss_bound_mib:g} MiB",
+                         all((r or 0) <= rss_bound_mib for r in rss.values()),
+                         ", ".join(f"{k}={v:.0f} MiB" for k, v in rss.items() if v is not None),
+                         {k: None if v is None else round(v, 1) for k, v in rss.items()}))
+    out.append(usage(system, specs, refs, histories, verdicts, runs))
+    return out
+
+
+def usage(system: System, specs: list[RequestSpec], refs: list[Reference], histories: list[History],
+          verdicts: list[Verdict], runs: list[FaultRun]) -> Invariant:
+    billed: dict[str, int] = defaultdict(int)
+    lines: dict[str, int] = defaultdict(int)
+    for gateway in system.gateways:
+        for match in _ACCESS.finditer(gateway.log_path.read_text(errors="replace")):
+            billed[match.group(1)] += int(match.group(3))
+            lines[match.group(1)] += 1
+    wrong, unbilled = [], 0
+    tenants: dict[int, dict[str, int]] = defaultdict(lambda: {"served": 0, "billed": 0})
+    for spec, ref, hist, verdict in zip(specs, refs, histories, verdicts, strict=True):
+        if verdict.outcome != "exact":
+            continue
+        served, got = ref.completion_tokens, billed.get(spec.request_id, 0)
+        tenants[spec.tenant]["served"] += served
+        tenants[spec.tenant]["billed"] += got
+        if got == served:
+            continue
+        if not lines.get(spec.request_id) and "gateway_kill" in overlapping(runs, hist.started_s, hist.ended_s):
+            unbilled += 1
+            continue
+        wrong.append(f"{spec.request_id}: served {served}, billed {got} in {lines.get(spec.request_id, 0)} line(s)")
+    return Invariant("every exact request billed what it was served, once", not wrong,
+                     f"{len(wrong)} wrong, {unbilled} unbilled (their gateway was killed): {wrong[:10]}",
+                     {"wrong": wrong[:200], "unbilled_killed": unbilled, "tenants": dict(tenants)})
