@@ -49,8 +49,9 @@ class GatewaySettings(RedisSettings):
     #: "cache" is the default: it beat or tied "least" on every workload of the prefix
     #: bench, the no-shared-prefix control included (loadtest/README.md).
     routing: Literal["cache", "least", "rr"] = "cache"
-    #: Cache routing: one request in flight on a worker weighs as much as prefilling this
-    #: many prompt blocks (of 64 tokens).
+    #: Cache routing: one request in flight on a worker of the fleet's mean capacity weighs
+    #: as much as prefilling this many prompt blocks (of 64 tokens); on a worker half that
+    #: size, twice as much (load is a share of each worker's slots).
     route_load_blocks: float = Field(default=2.0, ge=0)
     #: Cache routing: weight of one block of prefill a worker still owes (uncached prompt
     #: blocks of its requests not past their first token) against one block this request

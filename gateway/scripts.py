@@ -42,16 +42,19 @@ Routing: which live worker with a free slot gets a request. ``least``: the lowes
 of slots in use. ``rr``: round robin. ``cache`` (prefix affinity, see
 :mod:`sluice.prefix_index`): each worker costs the prompt blocks it would have to
 prefill, plus the prefill it still owes (``prefill`` per pending block: the uncached
-blocks of its requests not yet past their first token), plus ``load`` blocks per
-request it runs,
+blocks of its requests not yet past their first token), plus its load: ``load`` blocks
+per request it runs, scaled by its capacity against the mean capacity of the live workers,
 
-    cost(w) = (blocks - cached_blocks(w)) + prefill * pending_blocks(w) + load * in_flight(w)
+    cost(w) = (blocks - cached_blocks(w)) + prefill * pending_blocks(w)
+              + load * in_flight(w) * mean_capacity / capacity(w)
 
-the lowest cost wins (ties: the least loaded). The engine prefills one request after
-another, so the first two terms are the wait for this request's first token, with the
-backlog discounted (``prefill`` < 1): a worker holding the prefix keeps it until its
-backlog exceeds another's by 1/``prefill`` times the blocks it saves, and then the
-prefix spills to a second worker. Not at once (``prefill`` = 1, the greedy choice for
+the lowest cost wins (ties: the least loaded). Load counts as a share of each worker's
+slots (counted in requests, a cap-8 worker filled to 100% beside a cap-64 one at 12%);
+in a fleet of equal workers the term is ``load * in_flight(w)``. The engine prefills one
+request after another, so the first two terms are the wait for this request's first
+token, with the backlog discounted (``prefill`` < 1): a worker holding the prefix keeps
+it until its backlog exceeds another's by 1/``prefill`` times the blocks it saves, and
+then the prefix spills to a second worker. Not at once (``prefill`` = 1, the greedy choice for
 this one request): a spill makes the fleet prefill the prefix again and takes room in
 a second cache, and under prefill-bound overload greedy spills fed the overload
 (loadtest/README.md). A grant adds its uncached blocks to its worker's count
@@ -140,9 +143,10 @@ end
 local function best_pick(ws, excluded, priority, route, matched)
   local cache = route.mode == 'cache'
   local n = #(route.blocks or {})
-  local coolest = nil
+  local coolest, total_cap = nil, 0
   if cache then
     for _, w in ipairs(ws) do
+      total_cap = total_cap + w.cap
       if eligible(w, excluded, priority) and (coolest == nil or w.used / w.cap < coolest) then
         coolest = w.used / w.cap
       end
@@ -155,7 +159,7 @@ local function best_pick(ws, excluded, priority, route, matched)
       if cache then
         local m = matched[w.id] or 0
         if w.used / w.cap - coolest > route.hot then m = 0 end
-        cost = (n - m) + route.prefill * w.prefill + route.load * w.used
+        cost = (n - m) + route.prefill * w.prefill + route.load * w.used * total_cap / (#ws * w.cap)
       end
       if best == nil or cost < best_cost or (cost == best_cost and w.used / w.cap < best.used / best.cap) then
         best, best_cost = w, cost
