@@ -34,6 +34,16 @@ one grant or none. The scan stops at the first entry that lacks slots (later one
 would otherwise take them forever); entries blocked only by their excluded workers
 are skipped.
 
+Urgent headroom: while urgent requests have been seen in the last minute, the other
+classes may fill only ``1 - reserve`` of each worker's slots (at least one), so an urgent
+arrival finds a slot under overload. The reserve delays requests, it never refuses one:
+a request that needs more slots than the unreserved share of its live workers may fill
+every slot, so it is granted once that many are free, and, as any head of the queue, it
+holds back the requests behind it only until then. (It was refused outright: a queued
+normal ``n=8`` on a cap-8 worker became ungrantable after one urgent request, and every
+tenant behind it got 429 with 8 of 8 slots free.) Whether ``need`` is valid (400
+``too_big``) depends on the live workers' capacity alone, never on traffic.
+
 Grants for waiting requests go to the model's grant stream, tagged with the waiting
 gateway process; its one listener hands them to local futures. Entries whose gateway
 stopped beating (it died) are dropped instead of granted.
@@ -114,47 +124,59 @@ end
 local urgent_recently = redis.call('EXISTS', K_URGENT_SEEN) == 1
 local function is_urgent(priority) return priority <= urgent_max end
 
--- Slots a request of this priority may fill on w: all of them for urgent requests,
--- the unreserved share for the rest (never less than one) -- but only while urgent
--- traffic is around; without it, the headroom would just be idle capacity.
-local function usable(w, priority)
-  if is_urgent(priority) or not urgent_recently then return w.cap end
+-- Urgent headroom (see the module docstring): the slots of w that the reserve leaves
+-- to requests that are not urgent, never less than one.
+local function unreserved(w)
   return math.max(1, w.cap - math.ceil(w.cap * reserve))
 end
 
-local function eligible(w, excluded, priority)
-  return w.used < usable(w, priority) and not excluded[w.id]
+-- Whether a request may fill every slot of its workers (`full`), or only their unreserved
+-- share: every slot for urgent requests, and for all while no urgent traffic is around
+-- (the headroom would just be idle capacity); and every slot for a request that needs
+-- more than the unreserved share of its workers holds, which the reserve would otherwise
+-- make ungrantable for as long as urgent traffic lasts.
+local function may_fill(ws, excluded, priority, need)
+  if is_urgent(priority) or not urgent_recently then return true end
+  local room = 0
+  for _, w in ipairs(ws) do
+    if not excluded[w.id] then room = room + unreserved(w) end
+  end
+  return need > room
+end
+
+local function eligible(w, excluded, full)
+  return w.used < (full and w.cap or unreserved(w)) and not excluded[w.id]
 end
 
 -- Round robin: live workers in id order, from a shared counter.
-local function rr_pick(ws, excluded, priority)
+local function rr_pick(ws, excluded, full)
   local sorted = {}
   for _, w in ipairs(ws) do sorted[#sorted + 1] = w end
   table.sort(sorted, function(a, b) return a.id < b.id end)
   local start = redis.call('HINCRBY', K_FAIR, 'rr', 1)
   for k = 0, #sorted - 1 do
     local w = sorted[(start + k) % #sorted + 1]
-    if eligible(w, excluded, priority) then return w end
+    if eligible(w, excluded, full) then return w end
   end
   return nil
 end
 
 -- The cheapest eligible worker (see the module docstring), least loaded on ties.
-local function best_pick(ws, excluded, priority, route, matched)
+local function best_pick(ws, excluded, full, route, matched)
   local cache = route.mode == 'cache'
   local n = #(route.blocks or {})
   local coolest, total_cap = nil, 0
   if cache then
     for _, w in ipairs(ws) do
       total_cap = total_cap + w.cap
-      if eligible(w, excluded, priority) and (coolest == nil or w.used / w.cap < coolest) then
+      if eligible(w, excluded, full) and (coolest == nil or w.used / w.cap < coolest) then
         coolest = w.used / w.cap
       end
     end
   end
   local best, best_cost = nil, nil
   for _, w in ipairs(ws) do
-    if eligible(w, excluded, priority) then
+    if eligible(w, excluded, full) then
       local cost = w.used / w.cap
       if cache then
         local m = matched[w.id] or 0
@@ -180,10 +202,11 @@ local function choose(ws, excluded, priority, need, route)
   if route.mode == 'cache' then n = #(route.blocks or {}) end
   if n > 0 then matched = prefix_matches(K_PREFIX, route.blocks) end
   local picks, prefill, seen = {}, {}, {}
+  local full = may_fill(ws, excluded, priority, need)
   for _ = 1, need do
     local best
-    if route.mode == 'rr' then best = rr_pick(ws, excluded, priority)
-    else best = best_pick(ws, excluded, priority, route, matched) end
+    if route.mode == 'rr' then best = rr_pick(ws, excluded, full)
+    else best = best_pick(ws, excluded, full, route, matched) end
     if best == nil then
       for i, p in ipairs(picks) do
         p.used = p.used - 1
@@ -420,7 +443,7 @@ end
 #: request in flight), 19 hot-spot guard (share of slots), 20 weight of a pending prefill block.
 #: Returns {'granted', leases JSON [[lease, worker, url, matched blocks, prefill blocks], ...]}
 #: | {'queued', position}
-#: | {'full', length} | {'none'} | {'too_big', usable slots}.
+#: | {'full', length} | {'none'} | {'too_big', slots of the live workers it may use}.
 ACQUIRE = _PRELUDE + r"""
 local req, priority, need = ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9])
 local boost, tenant, cost = ARGV[13] == '1', ARGV[14], tonumber(ARGV[15])
@@ -433,9 +456,11 @@ local ws = live_workers()
 if #ws == 0 then return {'none'} end
 local excluded = {}
 for _, id in ipairs(exclude) do excluded[id] = true end
+-- Capacity alone decides whether `need` is valid: never the urgent reserve, which other
+-- traffic switches on and off (the same n flipped between 400 and 200).
 local room = 0
 for _, w in ipairs(ws) do
-  if not excluded[w.id] then room = room + usable(w, priority) end
+  if not excluded[w.id] then room = room + w.cap end
 end
 if room == 0 then return {'none'} end
 if room < need then return {'too_big', room} end

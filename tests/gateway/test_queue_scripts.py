@@ -340,3 +340,43 @@ async def test_a_tenant_served_at_once_is_charged_like_one_served_from_the_queue
     # earlier, so B goes first though A asked first; then they alternate (start-time fair
     # queuing gives no credit for idle time). Uncharged, A would have gone first.
     assert order == ["B", "A", "B", "A"], order
+
+
+async def test_urgent_headroom_never_makes_a_queued_request_ungrantable(fleet: Fleet) -> None:
+    """Regression: a normal n=8 queued on a cap-8 worker became ungrantable once an urgent
+    request arrived (the reserve left 7 slots to it), and every tenant behind it waited
+    out its queue timeout with 8 of 8 slots free. It now gets the worker once all 8 are
+    free; the request behind it follows."""
+    await fleet.worker(capacity=8)
+    gw = await fleet.gateway(queue_timeout_s=30)
+    (held,) = await gw.acquire(fleet.ask(tenant="B", cost=1000))  # B's next request starts after A's
+    eight = asyncio.create_task(gw.acquire(fleet.ask(tenant="A", need=8)))
+    await _queued(fleet, 1)
+    (urgent,) = await gw.acquire(fleet.ask(tenant="U", priority=-5))  # the reserve is on from here
+    one = asyncio.create_task(gw.acquire(fleet.ask(tenant="B")))
+    await _queued(fleet, 2)
+    await gw.release(urgent)
+    await gw.release(held)
+    leases = await asyncio.wait_for(eight, 5)
+    assert len(leases) == 8 and not one.done()
+    for x in leases[:2]:  # one slot for B, one still kept for urgent requests
+        await gw.release(x)
+    (lease,) = await asyncio.wait_for(one, 5)
+    for x in [*leases[2:], lease]:
+        await gw.release(x)
+
+
+async def test_whether_n_fits_does_not_depend_on_urgent_traffic(fleet: Fleet) -> None:
+    """Regression: the same n=8 on a cap-8 worker was 200 before an urgent request and 400
+    (too_big) for a minute after it."""
+    await fleet.worker(capacity=8)
+    gw = await fleet.gateway(queue_timeout_s=5)
+    for _ in range(2):
+        leases = await gw.acquire(fleet.ask(need=8))
+        assert len(leases) == 8
+        for lease in leases:
+            await gw.release(lease)
+        (urgent,) = await gw.acquire(fleet.ask(priority=-5))
+        await gw.release(urgent)
+    with pytest.raises(InvalidRequest):
+        await gw.acquire(fleet.ask(need=9))
