@@ -23,7 +23,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -93,6 +93,24 @@ async def stop_tasks(tasks: list[asyncio.Task[None]], grace_s: float = 2.0) -> N
 
 
 @dataclass(frozen=True, slots=True)
+class QueueCharge:
+    """What one lease's grant charged to its tenant's fair share: ``tokens``, its part of
+    the request's estimated cost, in the urgent or the normal class. The lease's release
+    corrects it with the generation's real usage (a request of ``shares`` generations
+    counts a share of each one's prompt, so its prompt is counted once)."""
+
+    tenant: str
+    urgent: bool
+    tokens: int
+    shares: int = 1
+
+    def correction(self, usage: Mapping[str, Any]) -> int:
+        """Tokens really used minus tokens charged (negative: charged too much)."""
+        used = int(usage.get("completion_tokens", 0)) + int(usage.get("prompt_tokens", 0)) // self.shares
+        return used - self.tokens
+
+
+@dataclass(frozen=True, slots=True)
 class Lease:
     """A worker slot granted to one generation; hand it back with :meth:`Admission.release`."""
 
@@ -105,6 +123,9 @@ class Lease:
     #: Blocks this lease added to its worker's pending prefill (cache routing), until its
     #: first token (:meth:`Admission.prefilled`) or its release.
     prefill_blocks: int = 0
+    #: Its grant's charge to the tenant's fair share; None when the grant charged nothing
+    #: (a retry or a migration).
+    charge: QueueCharge | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +233,7 @@ class Admission:
             )
             status = result[0].decode()
             if status == "granted":
-                return self._granted(model, result[1])
+                return self._granted(ask, result[1])
             if status == "none":
                 raise await self._no_worker(model, bool(ask.exclude))
             if status == "too_big":
@@ -240,7 +261,7 @@ class Admission:
                     message = await asyncio.wait_for(asyncio.shield(future), min(remaining, 1.0))
                     if not message.ok:
                         raise await self._no_worker(ask.model, True)
-                    leases = self._granted(ask.model, message.slots)
+                    leases = self._granted(ask, message.slots)
                     await self._claim(leases)
                     return leases
                 if disconnected is not None and await disconnected():
@@ -288,15 +309,22 @@ class Admission:
         """Leave the queue; if a grant raced in, return it (the caller serves or releases it)."""
         result = await self._cancel(keys=keys.admission(ask.model), args=self._args(ask.request_id, ask.need))
         if result[0] == b"granted":
-            return self._granted(ask.model, result[1])
+            return self._granted(ask, result[1])
         return []
 
-    def _granted(self, model: str, slots: bytes | tuple[tuple[Any, ...], ...]) -> list[Lease]:
+    def _granted(self, ask: Ask, slots: bytes | tuple[tuple[Any, ...], ...]) -> list[Lease]:
+        model = ask.model
         parsed = orjson.loads(slots) if isinstance(slots, bytes) else slots
+        # The scripts charged ask.cost to the tenant (nothing for a boosted ask); each lease
+        # carries its part, to be corrected with its generation's usage at its release.
+        share, rest = divmod(ask.cost, len(parsed) or 1)
+        urgent = ask.priority <= self._s.urgent_priority_max
         leases = [Lease(model=model, lease_id=lease_id, worker_id=worker, url=url,
                         matched_blocks=int(route[0]) if route else 0,
-                        prefill_blocks=int(route[1]) if len(route) > 1 else 0)
-                  for lease_id, worker, url, *route in parsed]
+                        prefill_blocks=int(route[1]) if len(route) > 1 else 0,
+                        charge=None if ask.boost else QueueCharge(_tenant_name(ask.tenant), urgent,
+                                                                   share + (i < rest), len(parsed)))
+                  for i, (lease_id, worker, url, *route) in enumerate(parsed)]
         for lease in leases:
             self._active[lease.lease_id] = model
         return leases
@@ -308,11 +336,16 @@ class Admission:
             return Unavailable(f"model '{model}' has no live worker", retry_after_s=2)
         return Unavailable(f"every live worker for '{model}' failed this request", retry_after_s=1)
 
-    async def release(self, lease: Lease) -> None:
-        """Give the slot back; with Redis unreachable the lease simply expires and is reaped."""
+    async def release(self, lease: Lease, usage: Mapping[str, Any] | None = None) -> None:
+        """Give the slot back; with Redis unreachable the lease simply expires and is reaped.
+        ``usage``: its generation's real usage, which corrects what its grant charged to the
+        tenant's fair share, before the slot goes to the next request."""
         self._active.pop(lease.lease_id, None)
+        args = self._args(lease.lease_id)
+        if usage is not None and lease.charge is not None:
+            args += [lease.charge.tenant, 1 if lease.charge.urgent else 2, lease.charge.correction(usage)]
         try:
-            await self._release(keys=keys.admission(lease.model), args=self._args(lease.lease_id))
+            await self._release(keys=keys.admission(lease.model), args=args)
         except (RedisError, OSError) as exc:
             log.warning("could not release lease %s (%s); it will expire", lease.lease_id, exc)
 

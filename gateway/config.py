@@ -41,6 +41,11 @@ class GatewaySettings(RedisSettings):
     lease_ttl_s: float = Field(default=15.0, ge=0.3)
     #: How often this gateway reclaims leases of gateways that stopped renewing.
     reap_interval_s: float = Field(default=1.0, gt=0)
+    #: Fair queuing charges a request at its grant with its prompt estimate plus, per
+    #: generation, its max_tokens up to this many (an omitted max_tokens counts as this);
+    #: its release corrects the charge with the real usage. A declared limit is a bound,
+    #: not a forecast: above this, declaring one costs no more than omitting it.
+    fair_output_tokens: int = Field(default=256, ge=1)
     #: Aging within a queue: one priority level is worth this many tokens of others'
     #: service (so a lower level waits longer but never forever); 0 = strict levels.
     priority_step_tokens: int = Field(default=2048, ge=0)
@@ -62,7 +67,8 @@ class GatewaySettings(RedisSettings):
     #: Cache routing, hot-spot guard: a worker this share of its slots busier than the
     #: least-loaded one gets no credit for its cached prefix.
     route_hot_share: float = Field(default=0.75, ge=0, le=1)
-    #: Share of each worker's slots only urgent requests may fill (headroom under overload).
+    #: Share of each worker's slots only urgent requests may fill (headroom under overload;
+    #: a request that needs more than the rest may fill them all, see gateway/scripts.py).
     reserved_slots: float = Field(default=0.125, ge=0, lt=1)
     #: Priorities at or below this are urgent (service_tier "priority" maps to -10).
     urgent_priority_max: int = -1

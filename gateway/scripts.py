@@ -14,10 +14,12 @@ liveness all use one clock, whatever the replicas' clocks say.
 
 Queue order. Two queues per model: ``urgent`` (urgent priorities, and every retry or
 migration, which go first of all) is always served before ``normal``. Both order
-requests by start-time fair queuing over tenants (API keys), charged in tokens (prompt
-estimate + max_tokens, times its generations): a tenant's finish tag ``F`` advances by
-the cost of each request it is served, ``V`` is the start tag of the last request served,
-and a request starts at ``max(V, F[tenant])``. A tenant that floods the queue only pushes
+requests by start-time fair queuing over tenants (API keys), charged in tokens: at its
+grant an estimate (prompt estimate + output budget, times its generations), corrected
+with the real usage when each of its slots is released (before that slot is handed on);
+a tenant's finish tag ``F`` advances by the cost of each request it is served, ``V``
+is the start tag of the last request served, and a request starts at
+``max(V, F[tenant])``. A tenant that floods the queue only pushes
 its own requests back; each backlogged tenant gets slots in proportion to work. In the
 normal queue the start tag is taken when a request becomes its tenant's head (one
 lexicographic zset holds every tenant's entries in order, ``heads`` scores the tenants),
@@ -528,12 +530,24 @@ end
 return {'queued', queue_length() - 1}
 """
 
-#: ARGV 7 lease id. Frees the slot and hands it on to the queue. Returns 1 if the lease existed.
+#: ARGV 7 lease id; optionally 8 tenant, 9 the class its grant charged (1 urgent, 2 normal),
+#: 10 tokens its generation really used minus what its grant charged. Corrects the charge,
+#: frees the slot and hands it on to the queue. Returns 1 if the lease existed.
 RELEASE = _PRELUDE + r"""
 local freed = free_lease(ARGV[7])
 if freed == 1 then
   redis.call('LPUSH', K_DONE, now)
   redis.call('LTRIM', K_DONE, 0, 255)
+end
+-- Grants charge an estimate (gateway/caps.py: queue_cost); the real usage replaces it
+-- before the slot is handed on, so the next grant already sees the tenant's real service.
+-- F never falls below V: a tenant banks no credit for its overestimates.
+if ARGV[8] then
+  local fkey = 'F:' .. ARGV[9] .. ':' .. ARGV[8]
+  local v = tonumber(redis.call('HGET', K_FAIR, 'V:' .. ARGV[9]) or '0')
+  local f = tonumber(redis.call('HGET', K_FAIR, fkey) or '0')
+  redis.call('HSET', K_FAIR, fkey, math.max(v, f + tonumber(ARGV[10])))
+  if ARGV[9] == '2' then refresh_head(ARGV[8]) end
 end
 pump(live_workers(), nil)
 return freed

@@ -380,3 +380,30 @@ async def test_whether_n_fits_does_not_depend_on_urgent_traffic(fleet: Fleet) ->
         await gw.release(urgent)
     with pytest.raises(InvalidRequest):
         await gw.acquire(fleet.ask(need=9))
+
+
+async def test_fair_share_is_corrected_with_real_usage(fleet: Fleet) -> None:
+    """Regression: fair queuing charged each request its estimate and never corrected it:
+    for equal real work (20 tokens each), the tenant whose estimate was 250 got 1 of the
+    first 10 grants. Each release now puts the real usage in place of the estimate before
+    its slot is handed on, and the two tenants alternate."""
+    await fleet.worker(capacity=1)
+    gw = await fleet.gateway(queue_timeout_s=60, max_queue=1000)
+    (current,) = await gw.acquire(fleet.ask(tenant="C"))
+    tenant_of: dict[asyncio.Task[list[Lease]], str] = {}
+    for _ in range(6):
+        for tenant, cost in (("A", 20), ("B", 250)):
+            tenant_of[asyncio.create_task(gw.acquire(fleet.ask(tenant=tenant, cost=cost)))] = tenant
+    await _queued(fleet, 12)
+    order: list[str] = []
+    for _ in range(10):
+        await gw.release(current, {"prompt_tokens": 4, "completion_tokens": 16})
+        done, _ = await asyncio.wait(list(tenant_of), timeout=5, return_when=asyncio.FIRST_COMPLETED)
+        (task,) = done
+        order.append(tenant_of.pop(task))
+        (current,) = task.result()
+    assert order == ["A", "B"] * 5, order
+    for task in tenant_of:
+        task.cancel()
+    await asyncio.gather(*tenant_of, return_exceptions=True)
+    await gw.release(current)
