@@ -259,6 +259,9 @@ class Admission:
             while (remaining := deadline - time.monotonic()) > 0:
                 with contextlib.suppress(TimeoutError):
                     message = await asyncio.wait_for(asyncio.shield(future), min(remaining, 1.0))
+                    if not message.ok and ask.need > 1 and not ask.exclude:
+                        raise Unavailable(f"the live workers of '{ask.model}' no longer hold the {ask.need} "
+                                          "slots this request needs at once", retry_after_s=2)
                     if not message.ok:
                         raise await self._no_worker(ask.model, True)
                     leases = self._granted(ask, message.slots)

@@ -44,7 +44,9 @@ every slot, so it is granted once that many are free, and, as any head of the qu
 holds back the requests behind it only until then. (It was refused outright: a queued
 normal ``n=8`` on a cap-8 worker became ungrantable after one urgent request, and every
 tenant behind it got 429 with 8 of 8 slots free.) Whether ``need`` is valid (400
-``too_big``) depends on the live workers' capacity alone, never on traffic.
+``too_big``) depends on the live workers' capacity alone, never on traffic; and a waiting
+request that the live workers can no longer hold at all (workers left since it queued)
+is answered 503 at once instead of holding back the queue until its timeout.
 
 Grants for waiting requests go to the model's grant stream, tagged with the waiting
 gateway process; its one listener hands them to local futures. Entries whose gateway
@@ -233,11 +235,15 @@ local function route_of(meta)
           prefill = tonumber(meta.prefill) or 0, hot = tonumber(meta.hot) or 1}
 end
 
-local function serviceable(ws, excluded)
+-- Whether the live workers not excluded hold `need` slots in all: a waiting request that
+-- needs more (workers left since it queued) could never be granted, and as the head of
+-- its queue it would hold back every request behind it until its queue timeout.
+local function serviceable(ws, excluded, need)
+  local slots = 0
   for _, w in ipairs(ws) do
-    if not excluded[w.id] then return true end
+    if not excluded[w.id] then slots = slots + w.cap end
   end
-  return false
+  return slots > 0 and slots >= need
 end
 
 local function class_of(priority)
@@ -337,7 +343,7 @@ local function verdict(ws, meta)
   if (tonumber(meta.deadline) or 0) < now or not gateway_alive(meta.gw or '') then return 'drop' end
   local excluded = {}
   for _, id in ipairs(meta.exclude or {}) do excluded[id] = true end
-  if not serviceable(ws, excluded) then return 'none' end
+  if not serviceable(ws, excluded, tonumber(meta.need) or 1) then return 'none' end
   return choose(ws, excluded, tonumber(meta.priority) or 0, tonumber(meta.need) or 1, route_of(meta))
 end
 

@@ -15,7 +15,7 @@ from engine_worker.registration import Registration
 from gateway.admission import Admission, Ask, Lease
 from gateway.config import GatewaySettings
 from sluice import keys
-from sluice.errors import InvalidRequest, RateLimited
+from sluice.errors import InvalidRequest, RateLimited, Unavailable
 from sluice.redis_pool import create_pool
 
 
@@ -407,3 +407,25 @@ async def test_fair_share_is_corrected_with_real_usage(fleet: Fleet) -> None:
         task.cancel()
     await asyncio.gather(*tenant_of, return_exceptions=True)
     await gw.release(current)
+
+
+async def test_a_request_the_fleet_can_no_longer_hold_does_not_block_the_queue(fleet: Fleet) -> None:
+    """Regression (a sibling of the urgent-headroom one): an n=8 queued on two cap-4 workers
+    could never be granted once one of them left, and held back every request behind it
+    until its queue timeout. It now gets 503 at once and the next request is served."""
+    await fleet.worker(capacity=4, worker_id="a")
+    await fleet.worker(capacity=4, worker_id="b")
+    gw = await fleet.gateway(queue_timeout_s=30)
+    (held,) = await gw.acquire(fleet.ask(tenant="B", cost=1000))  # B's next request starts after A's
+    eight = asyncio.create_task(gw.acquire(fleet.ask(tenant="A", need=8)))
+    await _queued(fleet, 1)
+    one = asyncio.create_task(gw.acquire(fleet.ask(tenant="B")))
+    await _queued(fleet, 2)
+    # The held slot's worker leaves (its heartbeat ran out): 4 slots live, the n=8 needs 8.
+    await fleet.redis.hset(keys.alive(fleet.model), held.worker_id, 0)  # type: ignore[attr-defined]
+    await gw.release(held)
+    with pytest.raises(Unavailable):
+        await asyncio.wait_for(eight, 5)
+    (lease,) = await asyncio.wait_for(one, 5)
+    assert lease.worker_id != held.worker_id
+    await gw.release(lease)
