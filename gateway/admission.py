@@ -26,7 +26,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -102,6 +102,24 @@ async def stop_tasks(tasks: list[asyncio.Task[None]], grace_s: float = 2.0) -> N
 
 
 @dataclass(frozen=True, slots=True)
+class QueueCharge:
+    """What one lease's grant charged to its tenant's fair share: ``tokens``, its part of
+    the request's estimated cost, in the urgent or the normal class. The lease's release
+    corrects it with the generation's real usage (a request of ``shares`` generations
+    counts a share of each one's prompt, so its prompt is counted once)."""
+
+    tenant: str
+    urgent: bool
+    tokens: int
+    shares: int = 1
+
+    def correction(self, usage: Mapping[str, Any]) -> int:
+        """Tokens really used minus tokens charged (negative: charged too much)."""
+        used = int(usage.get("completion_tokens", 0)) + int(usage.get("prompt_tokens", 0)) // self.shares
+        return used - self.tokens
+
+
+@dataclass(frozen=True, slots=True)
 class Lease:
     """A worker slot granted to one generation; hand it back with :meth:`Admission.release`."""
 
@@ -114,6 +132,9 @@ class Lease:
     #: Blocks this lease added to its worker's pending prefill (cache routing), until its
     #: first token (:meth:`Admission.prefilled`) or its release.
     prefill_blocks: int = 0
+    #: Its grant's charge to the tenant's fair share; None when the grant charged nothing
+    #: (a retry or a migration).
+    charge: QueueCharge | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +256,7 @@ class Admission:
             result = await self._ask(ask, ask.timeout_s)
             status = result[0].decode()
             if status == "granted":
-                return self._granted(model, result[1])
+                return self._granted(ask, result[1])
             if status == "none":
                 raise await self._no_worker(model, bool(ask.exclude))
             if status == "too_big":
@@ -277,7 +298,7 @@ class Admission:
                 with contextlib.suppress(RedisError, OSError):
                     result = await call
                     if result[0] == b"granted":
-                        for lease in self._granted(ask.model, result[1]):
+                        for lease in self._granted(ask, result[1]):
                             await self.release(lease)
                     elif result[0] == b"queued":
                         await self._leave_and_release(ask)
@@ -290,9 +311,12 @@ class Admission:
             while (remaining := waiter.deadline - time.monotonic()) > 0:
                 with contextlib.suppress(TimeoutError):
                     message = await asyncio.wait_for(asyncio.shield(waiter.future), min(remaining, 1.0))
+                    if not message.ok and ask.need > 1 and not ask.exclude:
+                        raise Unavailable(f"the live workers of '{ask.model}' no longer hold the {ask.need} "
+                                          "slots this request needs at once", retry_after_s=2)
                     if not message.ok:
                         raise await self._no_worker(ask.model, True)
-                    leases = self._granted(ask.model, message.slots)
+                    leases = self._granted(ask, message.slots)
                     await self._claim(leases)
                     return leases
                 if disconnected is not None and await disconnected():
@@ -348,7 +372,7 @@ class Admission:
                 if result[0] == b"granted":
                     waiter.lost = False
                     if waiter.future.done():  # answered meanwhile after all: this grant is not needed
-                        for lease in self._granted(waiter.ask.model, result[1]):
+                        for lease in self._granted(waiter.ask, result[1]):
                             await self.release(lease)
                     else:
                         waiter.future.set_result(GrantMessage.parse(b"ok", result[1]))
@@ -399,15 +423,22 @@ class Admission:
         """Leave the queue; if a grant raced in, return it (the caller serves or releases it)."""
         result = await self._cancel(keys=keys.admission(ask.model), args=self._args(ask.request_id, ask.need))
         if result[0] == b"granted":
-            return self._granted(ask.model, result[1])
+            return self._granted(ask, result[1])
         return []
 
-    def _granted(self, model: str, slots: bytes | tuple[tuple[Any, ...], ...]) -> list[Lease]:
+    def _granted(self, ask: Ask, slots: bytes | tuple[tuple[Any, ...], ...]) -> list[Lease]:
+        model = ask.model
         parsed = orjson.loads(slots) if isinstance(slots, bytes) else slots
+        # The scripts charged ask.cost to the tenant (nothing for a boosted ask); each lease
+        # carries its part, to be corrected with its generation's usage at its release.
+        share, rest = divmod(ask.cost, len(parsed) or 1)
+        urgent = ask.priority <= self._s.urgent_priority_max
         leases = [Lease(model=model, lease_id=lease_id, worker_id=worker, url=url,
                         matched_blocks=int(route[0]) if route else 0,
-                        prefill_blocks=int(route[1]) if len(route) > 1 else 0)
-                  for lease_id, worker, url, *route in parsed]
+                        prefill_blocks=int(route[1]) if len(route) > 1 else 0,
+                        charge=None if ask.boost else QueueCharge(_tenant_name(ask.tenant), urgent,
+                                                                   share + (i < rest), len(parsed)))
+                  for i, (lease_id, worker, url, *route) in enumerate(parsed)]
         for lease in leases:
             self._active[lease.lease_id] = lease
         self._known[model] = time.monotonic()
@@ -434,11 +465,16 @@ class Admission:
                                "workers are registering again", retry_after_s=2, code=REGISTRY_REBUILDING)
         return ModelNotFound(f"The model '{model}' does not exist", param="model")
 
-    async def release(self, lease: Lease) -> None:
-        """Give the slot back; with Redis unreachable the lease simply expires and is reaped."""
+    async def release(self, lease: Lease, usage: Mapping[str, Any] | None = None) -> None:
+        """Give the slot back; with Redis unreachable the lease simply expires and is reaped.
+        ``usage``: its generation's real usage, which corrects what its grant charged to the
+        tenant's fair share, before the slot goes to the next request."""
         self._active.pop(lease.lease_id, None)
+        args = self._args(lease.lease_id)
+        if usage is not None and lease.charge is not None:
+            args += [lease.charge.tenant, 1 if lease.charge.urgent else 2, lease.charge.correction(usage)]
         try:
-            await self._release(keys=keys.admission(lease.model), args=self._args(lease.lease_id))
+            await self._release(keys=keys.admission(lease.model), args=args)
         except (RedisError, OSError) as exc:
             log.warning("could not release lease %s (%s); it will expire", lease.lease_id, exc)
 

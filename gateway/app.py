@@ -29,7 +29,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.admission import Admission, as_sluice_error
-from gateway.caps import check_caps, generations, token_estimate
+from gateway.caps import check_caps, generations, queue_cost, token_estimate
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext, resolve_deadline, resolve_priority
 from gateway.idempotency import Idempotency, fingerprint, scoped
@@ -154,7 +154,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         check_caps(req, settings)
         ctx = _context(request, req, body, settings, key, record)
         if key is not None:
-            ctx.charge = await s.tenancy.admit(key, ctx.cost, ctx.internal_id, generations(req))
+            ctx.charge = await s.tenancy.admit(key, token_estimate(req), ctx.internal_id, generations(req))
             ctx.headers.update(ctx.charge.headers)
         ctx.headers["x-sluice-priority"] = str(ctx.priority)
         record.describe(req.model, req.n, ctx.priority, key.prefix if key else None)
@@ -294,7 +294,7 @@ def _context(
         body=body if idem is not None else b"",
         last_event_id=last_event_id(request.headers.get("last-event-id")),
         tenant=owner,
-        cost=token_estimate(req),
+        cost=queue_cost(req, settings.fair_output_tokens),
         headers=headers,
         record=record,
     )

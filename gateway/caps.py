@@ -61,6 +61,13 @@ def generations(req: ChatCompletionRequest | CompletionRequest) -> int:
 
 
 def token_estimate(req: ChatCompletionRequest | CompletionRequest) -> int:
-    """Tokens charged against a key's TPM at admission (corrected by real usage at the end);
-    also the request's cost in the queue's fair share."""
+    """Tokens charged against a key's TPM at admission (corrected by real usage at the end)."""
     return prompt_chars(req) // 4 + 1 + generations(req) * (req.token_limit() or 256)
+
+
+def queue_cost(req: ChatCompletionRequest | CompletionRequest, output_tokens: int) -> int:
+    """The request's charge to its tenant's fair share of the queue, until its real usage
+    corrects it: each generation's output at its max_tokens, but at most ``output_tokens``.
+    (Charged at its declared max_tokens, a tenant sending 32768 got 1 of the first 10 grants
+    against one that omitted it, for equal real work.)"""
+    return prompt_chars(req) // 4 + 1 + generations(req) * min(req.token_limit() or output_tokens, output_tokens)

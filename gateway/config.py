@@ -44,6 +44,11 @@ class GatewaySettings(RedisSettings):
     reap_interval_s: float = Field(default=1.0, gt=0)
     #: A model with no worker, lease or waiter for this long leaves the directory (its keys go).
     model_forget_s: float = Field(default=keys.MODEL_FORGET_S, gt=0)
+    #: Fair queuing charges a request at its grant with its prompt estimate plus, per
+    #: generation, its max_tokens up to this many (an omitted max_tokens counts as this);
+    #: its release corrects the charge with the real usage. A declared limit is a bound,
+    #: not a forecast: above this, declaring one costs no more than omitting it.
+    fair_output_tokens: int = Field(default=256, ge=1)
     #: Aging within a queue: one priority level is worth this many tokens of others'
     #: service (so a lower level waits longer but never forever); 0 = strict levels.
     priority_step_tokens: int = Field(default=2048, ge=0)
@@ -52,8 +57,9 @@ class GatewaySettings(RedisSettings):
     #: "cache" is the default: it beat or tied "least" on every workload of the prefix
     #: bench, the no-shared-prefix control included (loadtest/README.md).
     routing: Literal["cache", "least", "rr"] = "cache"
-    #: Cache routing: one request in flight on a worker weighs as much as prefilling this
-    #: many prompt blocks (of 64 tokens).
+    #: Cache routing: one request in flight on a worker of the fleet's mean capacity weighs
+    #: as much as prefilling this many prompt blocks (of 64 tokens); on a worker half that
+    #: size, twice as much (load is a share of each worker's slots).
     route_load_blocks: float = Field(default=2.0, ge=0)
     #: Cache routing: weight of one block of prefill a worker still owes (uncached prompt
     #: blocks of its requests not past their first token) against one block this request
@@ -64,7 +70,8 @@ class GatewaySettings(RedisSettings):
     #: Cache routing, hot-spot guard: a worker this share of its slots busier than the
     #: least-loaded one gets no credit for its cached prefix.
     route_hot_share: float = Field(default=0.75, ge=0, le=1)
-    #: Share of each worker's slots only urgent requests may fill (headroom under overload).
+    #: Share of each worker's slots only urgent requests may fill (headroom under overload;
+    #: a request that needs more than the rest may fill them all, see gateway/scripts.py).
     reserved_slots: float = Field(default=0.125, ge=0, lt=1)
     #: Priorities at or below this are urgent (service_tier "priority" maps to -10).
     urgent_priority_max: int = -1

@@ -34,7 +34,8 @@ class RequestContext:
     #: Whose fair share of the queue this request draws on: the API key's id, or "-".
     tenant: str = "-"
     #: The request's work in tokens (prompt estimate + output budget, all generations):
-    #: what its admission charges to the tenant's fair share of the queue.
+    #: what its admission charges to the tenant's fair share of the queue, corrected with
+    #: its real usage when its slots are released (gateway/caps.py: queue_cost).
     cost: int = 1
     #: Server-made and unique: names leases and engine requests, so two clients sending
     #: the same X-Request-Id can never share a slot.

@@ -14,10 +14,12 @@ liveness all use one clock, whatever the replicas' clocks say.
 
 Queue order. Two queues per model: ``urgent`` (urgent priorities, and every retry or
 migration, which go first of all) is always served before ``normal``. Both order
-requests by start-time fair queuing over tenants (API keys), charged in tokens (prompt
-estimate + max_tokens, times its generations): a tenant's finish tag ``F`` advances by
-the cost of each request it is served, ``V`` is the start tag of the last request served,
-and a request starts at ``max(V, F[tenant])``. A tenant that floods the queue only pushes
+requests by start-time fair queuing over tenants (API keys), charged in tokens: at its
+grant an estimate (prompt estimate + output budget, times its generations), corrected
+with the real usage when each of its slots is released (before that slot is handed on);
+a tenant's finish tag ``F`` advances by the cost of each request it is served, ``V``
+is the start tag of the last request served, and a request starts at
+``max(V, F[tenant])``. A tenant that floods the queue only pushes
 its own requests back; each backlogged tenant gets slots in proportion to work. In the
 normal queue the start tag is taken when a request becomes its tenant's head (one
 lexicographic zset holds every tenant's entries in order, ``heads`` scores the tenants),
@@ -34,6 +36,18 @@ one grant or none. The scan stops at the first entry that lacks slots (later one
 would otherwise take them forever); entries blocked only by their excluded workers
 are skipped.
 
+Urgent headroom: while urgent requests have been seen in the last minute, the other
+classes may fill only ``1 - reserve`` of each worker's slots (at least one), so an urgent
+arrival finds a slot under overload. The reserve delays requests, it never refuses one:
+a request that needs more slots than the unreserved share of its live workers may fill
+every slot, so it is granted once that many are free, and, as any head of the queue, it
+holds back the requests behind it only until then. (It was refused outright: a queued
+normal ``n=8`` on a cap-8 worker became ungrantable after one urgent request, and every
+tenant behind it got 429 with 8 of 8 slots free.) Whether ``need`` is valid (400
+``too_big``) depends on the live workers' capacity alone, never on traffic; and a waiting
+request that the live workers can no longer hold at all (workers left since it queued)
+is answered 503 at once instead of holding back the queue until its timeout.
+
 Grants for waiting requests go to the model's grant stream, tagged with the waiting
 gateway process; its one listener hands them to local futures. Entries whose gateway
 stopped beating (it died) are dropped instead of granted.
@@ -42,16 +56,19 @@ Routing: which live worker with a free slot gets a request. ``least``: the lowes
 of slots in use. ``rr``: round robin. ``cache`` (prefix affinity, see
 :mod:`sluice.prefix_index`): each worker costs the prompt blocks it would have to
 prefill, plus the prefill it still owes (``prefill`` per pending block: the uncached
-blocks of its requests not yet past their first token), plus ``load`` blocks per
-request it runs,
+blocks of its requests not yet past their first token), plus its load: ``load`` blocks
+per request it runs, scaled by its capacity against the mean capacity of the live workers,
 
-    cost(w) = (blocks - cached_blocks(w)) + prefill * pending_blocks(w) + load * in_flight(w)
+    cost(w) = (blocks - cached_blocks(w)) + prefill * pending_blocks(w)
+              + load * in_flight(w) * mean_capacity / capacity(w)
 
-the lowest cost wins (ties: the least loaded). The engine prefills one request after
-another, so the first two terms are the wait for this request's first token, with the
-backlog discounted (``prefill`` < 1): a worker holding the prefix keeps it until its
-backlog exceeds another's by 1/``prefill`` times the blocks it saves, and then the
-prefix spills to a second worker. Not at once (``prefill`` = 1, the greedy choice for
+the lowest cost wins (ties: the least loaded). Load counts as a share of each worker's
+slots (counted in requests, a cap-8 worker filled to 100% beside a cap-64 one at 12%);
+in a fleet of equal workers the term is ``load * in_flight(w)``. The engine prefills one
+request after another, so the first two terms are the wait for this request's first
+token, with the backlog discounted (``prefill`` < 1): a worker holding the prefix keeps
+it until its backlog exceeds another's by 1/``prefill`` times the blocks it saves, and
+then the prefix spills to a second worker. Not at once (``prefill`` = 1, the greedy choice for
 this one request): a spill makes the fleet prefill the prefix again and takes room in
 a second cache, and under prefill-bound overload greedy spills fed the overload
 (loadtest/README.md). A grant adds its uncached blocks to its worker's count
@@ -112,51 +129,64 @@ end
 local urgent_recently = redis.call('EXISTS', K_URGENT_SEEN) == 1
 local function is_urgent(priority) return priority <= urgent_max end
 
--- Slots a request of this priority may fill on w: all of them for urgent requests,
--- the unreserved share for the rest (never less than one) -- but only while urgent
--- traffic is around; without it, the headroom would just be idle capacity.
-local function usable(w, priority)
-  if is_urgent(priority) or not urgent_recently then return w.cap end
+-- Urgent headroom (see the module docstring): the slots of w that the reserve leaves
+-- to requests that are not urgent, never less than one.
+local function unreserved(w)
   return math.max(1, w.cap - math.ceil(w.cap * reserve))
 end
 
-local function eligible(w, excluded, priority)
-  return w.used < usable(w, priority) and not excluded[w.id]
+-- Whether a request may fill every slot of its workers (`full`), or only their unreserved
+-- share: every slot for urgent requests, and for all while no urgent traffic is around
+-- (the headroom would just be idle capacity); and every slot for a request that needs
+-- more than the unreserved share of its workers holds, which the reserve would otherwise
+-- make ungrantable for as long as urgent traffic lasts.
+local function may_fill(ws, excluded, priority, need)
+  if is_urgent(priority) or not urgent_recently then return true end
+  local room = 0
+  for _, w in ipairs(ws) do
+    if not excluded[w.id] then room = room + unreserved(w) end
+  end
+  return need > room
+end
+
+local function eligible(w, excluded, full)
+  return w.used < (full and w.cap or unreserved(w)) and not excluded[w.id]
 end
 
 -- Round robin: live workers in id order, from a shared counter.
-local function rr_pick(ws, excluded, priority)
+local function rr_pick(ws, excluded, full)
   local sorted = {}
   for _, w in ipairs(ws) do sorted[#sorted + 1] = w end
   table.sort(sorted, function(a, b) return a.id < b.id end)
   local start = redis.call('HINCRBY', K_FAIR, 'rr', 1)
   for k = 0, #sorted - 1 do
     local w = sorted[(start + k) % #sorted + 1]
-    if eligible(w, excluded, priority) then return w end
+    if eligible(w, excluded, full) then return w end
   end
   return nil
 end
 
 -- The cheapest eligible worker (see the module docstring), least loaded on ties.
-local function best_pick(ws, excluded, priority, route, matched)
+local function best_pick(ws, excluded, full, route, matched)
   local cache = route.mode == 'cache'
   local n = #(route.blocks or {})
-  local coolest = nil
+  local coolest, total_cap = nil, 0
   if cache then
     for _, w in ipairs(ws) do
-      if eligible(w, excluded, priority) and (coolest == nil or w.used / w.cap < coolest) then
+      total_cap = total_cap + w.cap
+      if eligible(w, excluded, full) and (coolest == nil or w.used / w.cap < coolest) then
         coolest = w.used / w.cap
       end
     end
   end
   local best, best_cost = nil, nil
   for _, w in ipairs(ws) do
-    if eligible(w, excluded, priority) then
+    if eligible(w, excluded, full) then
       local cost = w.used / w.cap
       if cache then
         local m = matched[w.id] or 0
         if w.used / w.cap - coolest > route.hot then m = 0 end
-        cost = (n - m) + route.prefill * w.prefill + route.load * w.used
+        cost = (n - m) + route.prefill * w.prefill + route.load * w.used * total_cap / (#ws * w.cap)
       end
       if best == nil or cost < best_cost or (cost == best_cost and w.used / w.cap < best.used / best.cap) then
         best, best_cost = w, cost
@@ -177,10 +207,11 @@ local function choose(ws, excluded, priority, need, route)
   if route.mode == 'cache' then n = #(route.blocks or {}) end
   if n > 0 then matched = prefix_matches(K_PREFIX, route.blocks) end
   local picks, prefill, seen = {}, {}, {}
+  local full = may_fill(ws, excluded, priority, need)
   for _ = 1, need do
     local best
-    if route.mode == 'rr' then best = rr_pick(ws, excluded, priority)
-    else best = best_pick(ws, excluded, priority, route, matched) end
+    if route.mode == 'rr' then best = rr_pick(ws, excluded, full)
+    else best = best_pick(ws, excluded, full, route, matched) end
     if best == nil then
       for i, p in ipairs(picks) do
         p.used = p.used - 1
@@ -205,11 +236,15 @@ local function route_of(meta)
           prefill = tonumber(meta.prefill) or 0, hot = tonumber(meta.hot) or 1}
 end
 
-local function serviceable(ws, excluded)
+-- Whether the live workers not excluded hold `need` slots in all: a waiting request that
+-- needs more (workers left since it queued) could never be granted, and as the head of
+-- its queue it would hold back every request behind it until its queue timeout.
+local function serviceable(ws, excluded, need)
+  local slots = 0
   for _, w in ipairs(ws) do
-    if not excluded[w.id] then return true end
+    if not excluded[w.id] then slots = slots + w.cap end
   end
-  return false
+  return slots > 0 and slots >= need
 end
 
 local function class_of(priority)
@@ -309,7 +344,7 @@ local function verdict(ws, meta)
   if (tonumber(meta.deadline) or 0) < now or not gateway_alive(meta.gw or '') then return 'drop' end
   local excluded = {}
   for _, id in ipairs(meta.exclude or {}) do excluded[id] = true end
-  if not serviceable(ws, excluded) then return 'none' end
+  if not serviceable(ws, excluded, tonumber(meta.need) or 1) then return 'none' end
   return choose(ws, excluded, tonumber(meta.priority) or 0, tonumber(meta.need) or 1, route_of(meta))
 end
 
@@ -417,7 +452,7 @@ end
 #: request in flight), 19 hot-spot guard (share of slots), 20 weight of a pending prefill block.
 #: Returns {'granted', leases JSON [[lease, worker, url, matched blocks, prefill blocks], ...]}
 #: | {'queued', position, the grant stream's last id (its grant can only come after it)}
-#: | {'full', length} | {'none'} | {'too_big', usable slots}.
+#: | {'full', length} | {'none'} | {'too_big', slots of the live workers it may use}.
 ACQUIRE = _PRELUDE + r"""
 local req, priority, need = ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9])
 local boost, tenant, cost = ARGV[13] == '1', ARGV[14], tonumber(ARGV[15])
@@ -430,9 +465,11 @@ local ws = live_workers()
 if #ws == 0 then return {'none'} end
 local excluded = {}
 for _, id in ipairs(exclude) do excluded[id] = true end
+-- Capacity alone decides whether `need` is valid: never the urgent reserve, which other
+-- traffic switches on and off (the same n flipped between 400 and 200).
 local room = 0
 for _, w in ipairs(ws) do
-  if not excluded[w.id] then room = room + usable(w, priority) end
+  if not excluded[w.id] then room = room + w.cap end
 end
 if room == 0 then return {'none'} end
 if room < need then return {'too_big', room} end
@@ -501,12 +538,24 @@ local newest = redis.call('XREVRANGE', K_GRANTS, '+', '-', 'COUNT', 1)
 return {'queued', queue_length() - 1, newest[1] and newest[1][1] or '0-0'}
 """
 
-#: ARGV 7 lease id. Frees the slot and hands it on to the queue. Returns 1 if the lease existed.
+#: ARGV 7 lease id; optionally 8 tenant, 9 the class its grant charged (1 urgent, 2 normal),
+#: 10 tokens its generation really used minus what its grant charged. Corrects the charge,
+#: frees the slot and hands it on to the queue. Returns 1 if the lease existed.
 RELEASE = _PRELUDE + r"""
 local freed = free_lease(ARGV[7])
 if freed == 1 then
   redis.call('LPUSH', K_DONE, now)
   redis.call('LTRIM', K_DONE, 0, 255)
+end
+-- Grants charge an estimate (gateway/caps.py: queue_cost); the real usage replaces it
+-- before the slot is handed on, so the next grant already sees the tenant's real service.
+-- F never falls below V: a tenant banks no credit for its overestimates.
+if ARGV[8] then
+  local fkey = 'F:' .. ARGV[9] .. ':' .. ARGV[8]
+  local v = tonumber(redis.call('HGET', K_FAIR, 'V:' .. ARGV[9]) or '0')
+  local f = tonumber(redis.call('HGET', K_FAIR, fkey) or '0')
+  redis.call('HSET', K_FAIR, fkey, math.max(v, f + tonumber(ARGV[10])))
+  if ARGV[9] == '2' then refresh_head(ARGV[8]) end
 end
 pump(live_workers(), nil)
 return freed

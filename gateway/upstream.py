@@ -177,6 +177,8 @@ class Upstream:
         #: The finishing line arrived: the body's end follows at once, and reading it lets
         #: the connection be reused for the next request instead of closed.
         self._finished = False
+        #: The finishing line's usage: it corrects the lease's fair-share charge at release.
+        self._usage: dict[str, Any] | None = None
         self.first: Line | None = None
 
     async def read_first(self) -> Line | None:
@@ -199,6 +201,7 @@ class Upstream:
                 if "error" in line:
                     raise _error_line(line)
                 if "usage" in line:
+                    self._usage = line["usage"]
                     self._check_route(line["usage"])
                 yield line
                 if line.get("finish_reason") is not None:
@@ -242,7 +245,7 @@ class Upstream:
         finally:
             if self._span is not None:
                 self._span.end()
-            await self._admission.release(self.lease)
+            await self._admission.release(self.lease, self._usage)
 
     @property
     def worker_id(self) -> str:

@@ -104,6 +104,12 @@ def _delta(choice: dict[str, Any], chat: bool) -> Delta:
     return Delta(ids, text, choice.get("finish_reason"), None, logprobs)
 
 
+def _usage(usage: dict[str, Any]) -> Usage:
+    details = usage.get("prompt_tokens_details") or {}
+    return Usage(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
+                 int(details.get("cached_tokens") or 0))
+
+
 async def _drain(raw: AsyncIterator[bytes]) -> None:
     """Read what is left of a finished body (its terminating chunk), briefly, so that the
     connection goes back to the pool instead of being closed."""
@@ -242,9 +248,14 @@ class EngineServer:
             raise upstream_error(response.status_code, detail)
 
     async def _stream(self, path: str, body: dict[str, Any], *, chat: bool) -> AsyncIterator[Delta]:
-        """Server-sent chunks as deltas; the finishing delta waits for the usage chunk."""
+        """Server-sent chunks as deltas; the finishing delta waits for the end of the stream,
+        and carries the last ``usage`` seen. Servers put usage in a chunk of its own after
+        the finishing one (OpenAI's ``include_usage``), in the finishing chunk itself, or
+        as running totals in every chunk (vLLM's ``continuous_usage_stats``): read before
+        the finishing delta existed, it was dropped (prompt tokens 0, the key's TPM settled low)."""
         response = await self._open(path, body)
         finish: Delta | None = None
+        usage: Usage | None = None
         try:
             buffer = b""
             chunks = response.aiter_raw()
@@ -258,18 +269,15 @@ class EngineServer:
                     if data == b"[DONE]":
                         await _drain(chunks)  # the body's end: the connection can be reused
                         if finish is not None:
+                            finish.usage = usage
                             yield finish
                         return
                     chunk = orjson.loads(data)
                     if "error" in chunk:
                         err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk["error"]}
                         raise UpstreamFailed(f"upstream server: {str(err.get('message'))[:500]}")
-                    usage = chunk.get("usage")
-                    if usage and finish is not None:
-                        details = usage.get("prompt_tokens_details") or {}
-                        finish.usage = Usage(int(usage.get("prompt_tokens", 0)),
-                                             int(usage.get("completion_tokens", 0)),
-                                             int(details.get("cached_tokens") or 0))
+                    if chunk.get("usage"):
+                        usage = _usage(chunk["usage"])
                     for choice in chunk.get("choices") or ():
                         delta = _delta(choice, chat)
                         if delta.finish_reason is not None:
@@ -277,6 +285,7 @@ class EngineServer:
                         elif delta.text or delta.token_ids:
                             yield delta
             if finish is not None:
+                finish.usage = usage
                 yield finish
         except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
             raise UpstreamFailed(f"the upstream stream broke: {type(exc).__name__}", code="worker_lost") from None

@@ -15,6 +15,11 @@ vLLM's names, ``return_token_ids``, token-id prompts, ``/tokenize`` and ``/detok
 ``GET /mock/requests`` lists the request bodies received (tests read what was passed on),
 ``POST /health {"ok": false}`` makes it fail its health check until ``{"ok": true}``;
 a body whose prompt contains ``MOCK_FAIL_MIDWAY`` breaks its stream after 3 tokens.
+
+``--usage`` says where ``usage`` goes when the client asks for it (``include_usage``), as
+servers differ: ``own`` (OpenAI's shape: a chunk of its own, ``choices: []``, after the
+finishing one), ``finish`` (in the finishing chunk, beside ``finish_reason``), ``every``
+(running totals in every chunk, as vLLM's ``continuous_usage_stats``).
 """
 
 from __future__ import annotations
@@ -76,9 +81,15 @@ class _Stream:
         self.done = False
 
 
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+
+
 class MockEngine:
-    def __init__(self, ttft_ms: float, token_ms: float, vllm: bool, eos: bool = True) -> None:
+    def __init__(self, ttft_ms: float, token_ms: float, vllm: bool, eos: bool = True, usage: str = "own") -> None:
         self.eos = eos
+        self.usage = usage
         self.healthy = True
         self.ttft_s = ttft_ms / 1000
         self.token_s = token_ms / 1000
@@ -118,7 +129,7 @@ class MockEngine:
 
 
 def _chunk(rid: str, chat: bool, created: int, token: int | None, finish: str | None,
-           want_ids: bool) -> bytes:
+           want_ids: bool, usage: dict[str, Any] | None = None) -> bytes:
     text = "" if token is None else " " + VOCAB[token]
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
     if chat:
@@ -129,6 +140,8 @@ def _chunk(rid: str, chat: bool, created: int, token: int | None, finish: str | 
         choice["token_ids"] = [] if token is None else [token]
     body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": MODEL, "choices": [choice]}
+    if usage is not None:
+        body["usage"] = usage
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
@@ -165,6 +178,7 @@ def create_app(engine: MockEngine) -> Starlette:
         if not body.get("stream"):
             return error("the mock streams only")
         engine.add(stream)
+        wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
         async def events() -> AsyncIterator[bytes]:
             try:
@@ -177,13 +191,13 @@ def create_app(engine: MockEngine) -> Starlette:
                     if item is None:
                         raise ConnectionResetError("MOCK_FAIL_MIDWAY")  # the server "dies" mid-stream
                     token, finish = item
-                    yield _chunk(rid, chat, created, token, finish, want_ids)
+                    inline = wants_usage and (engine.usage == "every" or (engine.usage == "finish" and finish is not None))
+                    usage = _usage(prompt_len, stream.generated) if inline else None
+                    yield _chunk(rid, chat, created, token, finish, want_ids, usage)
                     if finish is not None:
                         break
-                if (body.get("stream_options") or {}).get("include_usage"):
-                    usage = {"prompt_tokens": prompt_len, "completion_tokens": stream.generated,
-                             "total_tokens": prompt_len + stream.generated,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+                if wants_usage and engine.usage == "own":
+                    usage = _usage(prompt_len, stream.generated)
                     yield b"data: " + orjson.dumps({"id": rid, "choices": [], "usage": usage}) + b"\n\n"
                 yield b"data: [DONE]\n\n"
             finally:
@@ -243,8 +257,10 @@ def main() -> None:
     parser.add_argument("--token-ms", type=float, default=5.0)
     parser.add_argument("--vllm", action="store_true", help="answer like vLLM (token ids, /version, /metrics)")
     parser.add_argument("--no-eos", action="store_true", help="every stream runs to max_tokens")
+    parser.add_argument("--usage", choices=["own", "finish", "every"], default="own",
+                        help="where usage goes: a chunk of its own, the finishing chunk, every chunk")
     args = parser.parse_args()
-    engine = MockEngine(args.ttft_ms, args.token_ms, args.vllm, eos=not args.no_eos)
+    engine = MockEngine(args.ttft_ms, args.token_ms, args.vllm, eos=not args.no_eos, usage=args.usage)
     uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="warning",
                 loop="uvloop", http="httptools", access_log=False)
 

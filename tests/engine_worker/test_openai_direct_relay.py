@@ -35,6 +35,11 @@ def gateway(workers, start_gateway):
     return start_gateway()
 
 
+@pytest.fixture(scope="module")  # type: ignore[no-redef]  # workers a test starts itself
+def relay() -> dict[str, str]:
+    return {"relay": "direct"}
+
+
 def served(worker) -> int:
     return int(httpx.get(worker.url + "/health").json()["worker"]["served"])
 

@@ -49,6 +49,12 @@ def gateway(mocks, start_worker, start_gateway):
     return start_gateway()
 
 
+@pytest.fixture(scope="module")
+def relay() -> dict[str, str]:
+    """Extra flags for workers a test starts itself: here the worker relays the streams."""
+    return {}
+
+
 @pytest.fixture
 def client(gateway):
     with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=30) as c:
@@ -160,6 +166,27 @@ def test_an_unhealthy_server_takes_its_worker_out_of_routing(gateway, mocks, red
     wait_for(lambda: worker_alive(redis_client, "mockg", worker_id), 10, "the heartbeat to resume")
     with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=30) as client:
         assert client.completions.create(model="mockg", prompt="back again", max_tokens=2).choices[0].text
+
+
+@pytest.mark.parametrize("shape", ["finish", "every"])
+def test_usage_in_the_finishing_chunk_is_not_dropped(start_mock, start_worker, client, relay, shape) -> None:
+    """Regression: a server that sends ``usage`` beside ``finish_reason`` (``finish``), or
+    running totals in every chunk (``every``), had it dropped: prompt tokens 0 and, from a
+    server without token ids, completion tokens 0, so the key's TPM was settled low. Its
+    siblings: usage in a chunk with content, and n=2 (one server request per choice)."""
+    mock = start_mock(f"--usage={shape}")  # generic: completion tokens come from usage alone
+    model = f"usage-{shape}"
+    start_worker(model, engine="openai", upstream_url=mock.url, upstream_poll_ms=100, **relay)
+    messages = [{"role": "user", "content": "count what I cost"}]
+    prompt = len(tokenize(chat_template(messages)))
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=9, stream=True,
+                                            extra_body={"ignore_eos": True},
+                                            stream_options={"include_usage": True})
+    usage = list(stream)[-1].usage
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (prompt, 9)
+    resp = client.chat.completions.create(model=model, messages=messages, max_tokens=9, n=2,
+                                          extra_body={"ignore_eos": True})
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (prompt, 18)
 
 
 def test_vllm_metrics_become_engine_stats() -> None:

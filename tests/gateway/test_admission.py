@@ -283,3 +283,28 @@ async def test_two_n2_requests_on_two_slots_do_not_deadlock(start_worker, start_
         ))
     assert all(len(a.choices) == 2 for a in answers)
     assert time.monotonic() - started < 10
+
+
+async def test_urgent_headroom_never_blocks_the_queue(start_worker, start_gateway, backend) -> None:
+    """Regression: a normal n=8 queued on a cap-8 worker became ungrantable after one
+    urgent request (the reserve left it 7 slots) and everything behind it got 429 with
+    8 of 8 slots free; the same n=8 was then refused (400) for a minute. Now the n=8 gets
+    the worker once it drains, the request behind it follows, and n=8 stays valid."""
+    model = "headroom-n"
+    start_worker(model, redis_at=backend.url, sim_max_seqs=8, sim_token_ms=20, sim_ttft_ms=0)
+    gateway = start_gateway(env={"SLUICE_GATEWAY_QUEUE_TIMEOUT_S": "8"}, redis_at=backend.url)
+    blocker = _hold_slot(gateway.url, model, tokens=60)
+    await asyncio.to_thread(wait_for, lambda: _inflight(backend.client, model) == 1, 5, "the blocker")
+
+    async def ask(client: httpx.AsyncClient, n: int, priority: int = 0) -> int:
+        body = {"model": model, "prompt": "p", "max_tokens": 2, "n": n, "priority": priority}
+        return (await client.post("/v1/completions", json=body)).status_code
+
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+        eight = asyncio.create_task(ask(client, 8))
+        await asyncio.to_thread(wait_for, lambda: _queued(backend.client, model) == 1, 5, "the n=8 queued")
+        assert await ask(client, 1, priority=-5) == 200  # urgent: the reserve is on from here
+        one = asyncio.create_task(ask(client, 1))
+        assert [await eight, await one] == [200, 200]
+        assert await ask(client, 8) == 200
+    blocker.join(10)

@@ -4,6 +4,7 @@ what the engines report (accuracy), and it all shows in /metrics and the access 
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 
@@ -13,6 +14,7 @@ import redis
 
 from sluice import keys
 from sluice.prefix import BLOCK_TOKENS
+from tests.conftest import wait_for
 
 
 def _metric(text: str, name: str, model: str) -> float:
@@ -53,3 +55,36 @@ def test_shared_system_prompts_hit_the_cache_and_the_router_knew(
         time.sleep(0.05)
     assert redis_client.hgetall(keys.prefill(model)) == {}
     assert redis_client.hgetall(keys.admission(model).lease_prefill) == {}
+
+
+async def test_cache_routing_balances_workers_of_different_capacity(
+    start_worker, start_gateway, redis_client: redis.Redis,
+) -> None:
+    """Regression: with no shared prefix, cache routing counted load in requests and filled
+    a cap-8 worker to 100% while a cap-64 worker sat at 12%. 24 streams now leave both
+    at about the same share of their slots."""
+    model = "capacity-mix"
+    small = start_worker(model, sim_max_seqs=8, sim_token_ms=20, sim_ttft_ms=0)
+    big = start_worker(model, sim_max_seqs=64, sim_token_ms=20, sim_ttft_ms=0)
+    gateway = start_gateway(env={"SLUICE_GATEWAY_ROUTING": "cache"})
+
+    def inflight() -> dict[str, int]:
+        return {k.decode(): int(v) for k, v in redis_client.hgetall(keys.inflight(model)).items()}
+
+    async def stream(client: httpx.AsyncClient, i: int) -> None:
+        body = {"model": model, "prompt": f"question {i}", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            async for _ in resp.aiter_lines():
+                pass
+
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
+        streams = [asyncio.create_task(stream(client, i)) for i in range(24)]
+        try:
+            await asyncio.to_thread(wait_for, lambda: sum(inflight().values()) == 24, 20, "24 streams")
+            used = inflight()
+        finally:
+            for task in streams:
+                task.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+    on_small, on_big = used.get(small.name, 0), used.get(big.name, 0)
+    assert on_small / 8 <= on_big / 64 + 1 / 8, f"small worker {on_small}/8, big worker {on_big}/64"

@@ -15,7 +15,7 @@ from engine_worker.registration import Registration
 from gateway.admission import Admission, Ask, Lease
 from gateway.config import GatewaySettings
 from sluice import keys
-from sluice.errors import InvalidRequest, RateLimited
+from sluice.errors import InvalidRequest, RateLimited, Unavailable
 from sluice.redis_pool import create_pool
 
 
@@ -467,3 +467,90 @@ async def test_a_model_nobody_serves_leaves_the_directory_with_its_keys(fleet: F
     assert not await fleet.redis.sismember(keys.MODELS, fleet.model)  # type: ignore[attr-defined]
     left = [k for k in keys.model_keys(fleet.model) if await fleet.redis.exists(k)]  # type: ignore[attr-defined]
     assert left == []
+async def test_urgent_headroom_never_makes_a_queued_request_ungrantable(fleet: Fleet) -> None:
+    """Regression: a normal n=8 queued on a cap-8 worker became ungrantable once an urgent
+    request arrived (the reserve left 7 slots to it), and every tenant behind it waited
+    out its queue timeout with 8 of 8 slots free. It now gets the worker once all 8 are
+    free; the request behind it follows."""
+    await fleet.worker(capacity=8)
+    gw = await fleet.gateway(queue_timeout_s=30)
+    (held,) = await gw.acquire(fleet.ask(tenant="B", cost=1000))  # B's next request starts after A's
+    eight = asyncio.create_task(gw.acquire(fleet.ask(tenant="A", need=8)))
+    await _queued(fleet, 1)
+    (urgent,) = await gw.acquire(fleet.ask(tenant="U", priority=-5))  # the reserve is on from here
+    one = asyncio.create_task(gw.acquire(fleet.ask(tenant="B")))
+    await _queued(fleet, 2)
+    await gw.release(urgent)
+    await gw.release(held)
+    leases = await asyncio.wait_for(eight, 5)
+    assert len(leases) == 8 and not one.done()
+    for x in leases[:2]:  # one slot for B, one still kept for urgent requests
+        await gw.release(x)
+    (lease,) = await asyncio.wait_for(one, 5)
+    for x in [*leases[2:], lease]:
+        await gw.release(x)
+
+
+async def test_whether_n_fits_does_not_depend_on_urgent_traffic(fleet: Fleet) -> None:
+    """Regression: the same n=8 on a cap-8 worker was 200 before an urgent request and 400
+    (too_big) for a minute after it."""
+    await fleet.worker(capacity=8)
+    gw = await fleet.gateway(queue_timeout_s=5)
+    for _ in range(2):
+        leases = await gw.acquire(fleet.ask(need=8))
+        assert len(leases) == 8
+        for lease in leases:
+            await gw.release(lease)
+        (urgent,) = await gw.acquire(fleet.ask(priority=-5))
+        await gw.release(urgent)
+    with pytest.raises(InvalidRequest):
+        await gw.acquire(fleet.ask(need=9))
+
+
+async def test_fair_share_is_corrected_with_real_usage(fleet: Fleet) -> None:
+    """Regression: fair queuing charged each request its estimate and never corrected it:
+    for equal real work (20 tokens each), the tenant whose estimate was 250 got 1 of the
+    first 10 grants. Each release now puts the real usage in place of the estimate before
+    its slot is handed on, and the two tenants alternate."""
+    await fleet.worker(capacity=1)
+    gw = await fleet.gateway(queue_timeout_s=60, max_queue=1000)
+    (current,) = await gw.acquire(fleet.ask(tenant="C"))
+    tenant_of: dict[asyncio.Task[list[Lease]], str] = {}
+    for _ in range(6):
+        for tenant, cost in (("A", 20), ("B", 250)):
+            tenant_of[asyncio.create_task(gw.acquire(fleet.ask(tenant=tenant, cost=cost)))] = tenant
+    await _queued(fleet, 12)
+    order: list[str] = []
+    for _ in range(10):
+        await gw.release(current, {"prompt_tokens": 4, "completion_tokens": 16})
+        done, _ = await asyncio.wait(list(tenant_of), timeout=5, return_when=asyncio.FIRST_COMPLETED)
+        (task,) = done
+        order.append(tenant_of.pop(task))
+        (current,) = task.result()
+    assert order == ["A", "B"] * 5, order
+    for task in tenant_of:
+        task.cancel()
+    await asyncio.gather(*tenant_of, return_exceptions=True)
+    await gw.release(current)
+
+
+async def test_a_request_the_fleet_can_no_longer_hold_does_not_block_the_queue(fleet: Fleet) -> None:
+    """Regression (a sibling of the urgent-headroom one): an n=8 queued on two cap-4 workers
+    could never be granted once one of them left, and held back every request behind it
+    until its queue timeout. It now gets 503 at once and the next request is served."""
+    await fleet.worker(capacity=4, worker_id="a")
+    await fleet.worker(capacity=4, worker_id="b")
+    gw = await fleet.gateway(queue_timeout_s=30)
+    (held,) = await gw.acquire(fleet.ask(tenant="B", cost=1000))  # B's next request starts after A's
+    eight = asyncio.create_task(gw.acquire(fleet.ask(tenant="A", need=8)))
+    await _queued(fleet, 1)
+    one = asyncio.create_task(gw.acquire(fleet.ask(tenant="B")))
+    await _queued(fleet, 2)
+    # The held slot's worker leaves (its heartbeat ran out): 4 slots live, the n=8 needs 8.
+    await fleet.redis.hset(keys.alive(fleet.model), held.worker_id, 0)  # type: ignore[attr-defined]
+    await gw.release(held)
+    with pytest.raises(Unavailable):
+        await asyncio.wait_for(eight, 5)
+    (lease,) = await asyncio.wait_for(one, 5)
+    assert lease.worker_id != held.worker_id
+    await gw.release(lease)

@@ -66,6 +66,20 @@ async def test_without_affinity_routing_is_least_loaded(fleet: Fleet) -> None:
     assert sorted(workers) == ["a", "a", "a", "b", "b", "b"]
 
 
+async def test_cache_routing_fills_workers_by_share_not_by_count(fleet: Fleet) -> None:
+    """Regression: load was counted in requests, so with no shared prefix a cap-8 worker
+    was filled to 100% while a cap-64 worker sat at 12%. Load is now each worker's share
+    of its slots: 36 short prompts (no block to share) leave both at the same share."""
+    await fleet.worker(capacity=8, worker_id="small")
+    await fleet.worker(capacity=64, worker_id="big")
+    gw = await fleet.gateway(routing="cache")
+    leases = [(await gw.acquire(fleet.ask()))[0] for _ in range(36)]
+    small = sum(x.worker_id == "small" for x in leases)
+    assert (small, 36 - small) == (4, 32), f"{small} of 8 slots on the small worker"
+    for lease in leases:
+        await gw.release(lease)
+
+
 async def test_a_queued_request_keeps_its_affinity_when_granted_by_a_release(fleet: Fleet) -> None:
     await fleet.worker(capacity=1, worker_id="a")
     await fleet.worker(capacity=1, worker_id="b")

@@ -16,9 +16,12 @@ import uuid
 import httpx
 import openai
 import pytest
+import redis
 
+from engine_worker.engines.sim import SimSequence
+from sluice import keys
 from sluice.embedded_redis import EmbeddedRedis
-from tests.conftest import ROOT
+from tests.conftest import ROOT, wait_for
 
 MODEL = "tenant"
 
@@ -253,3 +256,45 @@ def test_a_dead_gateways_generations_stop_counting(tenant, tenant_redis, start_w
     while httpx.post(gateways[0].url + "/v1/completions", json=short, headers=auth).status_code != 200:
         assert time.monotonic() < deadline, "the dead gateway's generations still count"
         time.sleep(0.1)
+
+
+async def test_fair_share_charges_real_work_not_the_declared_max_tokens(tenant, tenant_redis, start_worker) -> None:
+    """Regression: fair queuing charged each request its declared max_tokens and never
+    corrected it: against a tenant sending max_tokens=32768, the one that omitted it got
+    9 of the first 10 grants for equal real work. Two rounds of 10 queued requests per
+    tenant on a one-slot worker, all with the same prompt and seed (equal real work):
+    omitted vs 32768 (the charge at grant), then exactly the output's length vs 250 (the
+    correction at release). The first 10 grants go 5 and 5."""
+    _, gateways, _ = tenant
+    model = "tenant-fair"
+    start_worker(model, redis_at=tenant_redis, sim_max_seqs=1, sim_token_ms=1, sim_ttft_ms=0)
+    prompt = "fair share"
+    seed = next(s for s in range(1000) if SimSequence(prompt, s).natural_length <= 40)
+    length = SimSequence(prompt, seed).natural_length
+    holder = {"Authorization": f"Bearer {_create(tenant_redis, '--tier', 'priority')}"}
+    queued = redis.Redis.from_url(tenant_redis)
+
+    async def one(client: httpx.AsyncClient, key: str, max_tokens: int | None, order: list[str]) -> None:
+        body = {"model": model, "prompt": prompt, "seed": seed, **({"max_tokens": max_tokens} if max_tokens else {})}
+        resp = await client.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == length, resp.text
+        order.append(key)
+
+    async with httpx.AsyncClient(base_url=gateways[0].url, timeout=60) as client:
+        for limits in ((None, 32768), (length, 250)):
+            tenants = [_create(tenant_redis, "--tier", "priority") for _ in limits]
+            order: list[str] = []
+            async with contextlib.AsyncExitStack() as hold:  # the worker's one slot, until all are queued
+                blocker = await hold.enter_async_context(client.stream(
+                    "POST", "/v1/completions", headers=holder,
+                    json={"model": model, "prompt": "hold", "max_tokens": 30000, "ignore_eos": True, "stream": True}))
+                lines = blocker.aiter_lines()  # kept: a dropped iterator closes the stream
+                await anext(lines)
+                requests = [asyncio.create_task(one(client, key, limit, order))
+                            for _ in range(10) for key, limit in zip(tenants, limits, strict=True)]
+                await asyncio.to_thread(wait_for, lambda: sum(queued.zcard(q) for q in keys.queues(model)) == 20,
+                                        20, "20 queued requests")
+            await asyncio.gather(*requests)
+            first = order[:10]
+            assert first.count(tenants[0]) == 5, [tenants.index(k) for k in order]
+    queued.close()
