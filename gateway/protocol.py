@@ -347,6 +347,11 @@ class ChunkWriter:
         )
         self._choice_head = self._head + b',"choices":[{"index":'
 
+    @property
+    def head(self) -> bytes:
+        """What every event of this stream starts with (a journal stores it once, not per event)."""
+        return self._head
+
     def delta(
         self,
         index: int,

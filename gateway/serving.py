@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -22,10 +23,10 @@ from gateway.idempotency import Idempotency
 from gateway.journal import (
     JournalCommitter,
     JournalWriter,
-    live_key,
     start_producer,
     stream_key,
 )
+from gateway.journal_quota import JournalQuota, journal_events
 from gateway.journal_readers import JournalReaders
 from gateway.metrics import GatewayMetrics
 from gateway.migration import Migrator
@@ -60,6 +61,7 @@ class Serving:
     ) -> None:
         self._metrics = metrics
         self._committer = JournalCommitter(redis)  # writes every journal this process produces
+        self._quota = JournalQuota(redis, settings)  # bounds their memory per API key and in total
         self._settings = settings
         self._tenancy = tenancy
         self._readers = readers
@@ -111,7 +113,7 @@ class Serving:
                     return replay
                 owned = True
                 # An earlier failed attempt's journal and plan.
-                await self._redis.delete(stream_key(key), keys.journal_plan(key))
+                await self._redis.delete(stream_key(key), keys.journal_plan(key), keys.journal_head(key))
             return await self._generate(kind, req, ctx, shape)
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -171,13 +173,22 @@ class Serving:
             chunk_id=chunks.id, created=chunks.created, priority=ctx.priority, tenant=ctx.tenant, cost=ctx.cost,
             deadline_unix=time.time() + ctx.remaining_s(), fingerprint=ctx.fingerprint, choices=len(upstreams),
         )
-        writer = JournalWriter(self._committer, ctx.idempotency_key, ttl_s=self._settings.idempotency_ttl_s,
-                               owner=ctx.internal_id)
+        budget = None
         try:
-            await writer.claim(plan=plan.dumps())
+            raw_plan = plan.dumps()
+            budget = await self._quota.open(ctx.idempotency_key, ctx.tenant, len(raw_plan),
+                                            hold_s=ctx.remaining_s() + self._settings.idempotency_ttl_s)
+            writer = JournalWriter(
+                self._committer, ctx.idempotency_key, ttl_s=self._settings.idempotency_ttl_s, owner=ctx.internal_id,
+                max_events=journal_events(req, self._settings), head=chunks.head,
+                done_ttl_s=self._settings.journal_done_ttl_s, budget=budget, plan_bytes=len(raw_plan))
+            await writer.claim(plan=raw_plan)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await abandon()
+                if budget is not None:
+                    with contextlib.suppress(RedisError, OSError):
+                        await budget.release()
             raise
         first = writer.subscribe(self._readers.tail)
         tap = LineTap(lines)
@@ -194,21 +205,31 @@ class Serving:
         True while some gateway produces it (this one now, or another that was faster);
         False when it cannot be continued."""
         owner = uuid.uuid4().hex
-        writer = JournalWriter(self._committer, key, ttl_s=self._settings.idempotency_ttl_s, owner=owner)
-        if not await writer.claim(take_over=True):
+        claim = JournalWriter(self._committer, key, ttl_s=self._settings.idempotency_ttl_s, owner=owner)
+        if not await claim.claim(take_over=True):
             return True
-        found = await recover(self._redis, key)
-        if found is None or found[1].done:
-            await self._redis.delete(live_key(key))
-            return found is not None
-        plan, state = found
-        if plan.kind == "responses":
-            # Its typed events (item ids, sequence numbers) live only in the dead gateway:
-            # a Responses stream is journaled and re-attachable, but not continued elsewhere.
-            await self._redis.delete(live_key(key))
-            return False
-        model = ChatCompletionRequest if plan.kind == "chat" else CompletionRequest
-        req = model.model_validate_json(plan.body)
+        try:
+            found = await recover(self._redis, key)  # HistoryLost: not from a partial history
+            if found is None or found[1].done or found[0].kind == "responses":
+                # A Responses stream's typed events (item ids, sequence numbers) live only in the
+                # dead gateway: it is journaled and re-attachable, but not continued elsewhere.
+                await claim.release()
+                return found is not None and found[1].done
+            plan, state = found
+            model = ChatCompletionRequest if plan.kind == "chat" else CompletionRequest
+            req = model.model_validate_json(plan.body)
+            budget = await self._quota.open(key, plan.tenant, 0, taken_over=state.stored_bytes + state.plan_bytes,
+                                            hold_s=plan.deadline_unix - time.time() + self._settings.idempotency_ttl_s)
+        except BaseException:
+            await claim.release()
+            raise
+        chunks = ChunkWriter("chat" if plan.kind == "chat" else "text", req.model, id=plan.chunk_id,
+                             created=plan.created)
+        writer = JournalWriter(
+            self._committer, key, ttl_s=self._settings.idempotency_ttl_s, owner=owner,
+            max_events=journal_events(req, self._settings), head=chunks.head,
+            done_ttl_s=self._settings.journal_done_ttl_s, budget=budget, stored_bytes=state.stored_bytes,
+            plan_bytes=state.plan_bytes)
         kind: Kind = "chat" if plan.kind == "chat" else "text"
         record = RequestRecord.begin(plan.request_id, self._metrics, Context(), "takeover")
         record.describe(req.model, req.n, plan.priority, None if plan.tenant == "-" else plan.tenant)
@@ -232,7 +253,6 @@ class Serving:
         async def abandon() -> None:
             await end(ClientGone("the take-over ended before it began"), False)
 
-        chunks = ChunkWriter("chat" if kind == "chat" else "text", req.model, id=plan.chunk_id, created=plan.created)
         events = sse_events(kind, req, tap.lines(), record, end, chunks, state.offsets)
         writer.continue_after(state.last)
         self._keep(await start_producer(writer, events, abandon, tap.take))
