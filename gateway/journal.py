@@ -401,8 +401,9 @@ class JournalWriter:
             return
         if status == 2 and not self._lost_noted:
             self._lost_noted = True  # readers from before it get the in-band error (journal_readers.py)
-            log.warning("journal %s: Redis lost its events after %d (up to %d); this gateway goes on producing it",
-                        self.key, last, self._written)
+            lost = f"events {last + 1}..{self._written}" if last < self._written else "its :live"
+            log.warning("journal %s: Redis lost %s; this gateway re-claimed it and goes on producing it",
+                        self.key, lost)
         batch, first = self._pending[:self._in_flight], self._written + 1
         self._written += len(batch)
         self._ended |= bool(batch) and batch[-1][0] == DONE

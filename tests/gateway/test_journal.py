@@ -14,6 +14,7 @@ from gateway.journal import (
     JournalCommitter,
     JournalLost,
     JournalWriter,
+    frame,
     live_key,
     start_producer,
     stream_key,
@@ -122,3 +123,161 @@ async def test_a_producer_taken_over_stops_writing_and_its_reader_follows_the_jo
         await producer
     assert await redis.xlen(stream_key(key)) == 4
     assert [event async for event in first.events()] == _expected(3)
+
+
+async def test_a_journal_past_20000_events_is_not_trimmed_for_late_or_slow_readers(
+    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter
+) -> None:
+    """Regression: XADD MAXLEN ~ 20000 trimmed long journals silently; a re-attach after
+    event 10 resumed at 4001, and a slow first client skipped events the same way."""
+    key = uuid.uuid4().hex
+    writer = JournalWriter(committer, key, ttl_s=60, owner="t")
+    assert await writer.claim()
+    slow = writer.subscribe(readers.tail, lag_max=4)  # falls behind at once: reads the journal
+    await (await start_producer(writer, _events(24_000), _nothing))
+    assert await redis.xlen(stream_key(key)) == 24_001
+    late = [event async for event in readers.tail(key, 10)]
+    assert late[0] == b"id: 11\ndata: 11\n\n"
+    assert late == _expected(24_000, 10)
+    assert [event async for event in slow.events()] == _expected(24_000)
+    await redis.delete(stream_key(key))
+
+
+async def test_a_reader_gets_an_error_instead_of_a_gap_in_the_journal(
+    redis: RedisClient, readers: JournalReaders
+) -> None:
+    """Regression: a reader whose next event was no longer in the journal got the events
+    after the hole as if nothing was missing."""
+    key = uuid.uuid4().hex
+    for number in [1, 2, 3, 7, 8]:  # 4..6 lost
+        await redis.xadd(stream_key(key), {"d": b"data: %d\n\n" % number}, id=f"0-{number}")
+    await redis.xadd(stream_key(key), {"d": DONE}, id="0-9")
+    await redis.set(live_key(key), "producer", px=60_000)
+    from_start = [event async for event in readers.tail(key, 0)]
+    assert from_start[:3] == _expected(3)[:3]
+    assert b"stream_history_lost" in from_start[3] and b"events 4..6" in from_start[3]
+    assert from_start[4:] == [DONE]
+    after_the_hole = [event async for event in readers.tail(key, 7)]  # id 7 itself was sent
+    assert after_the_hole == [b"id: 8\ndata: 8\n\n", DONE]
+    inside_the_hole = [event async for event in readers.tail(key, 4)]
+    assert b"stream_history_lost" in inside_the_hole[0]
+    assert inside_the_hole[1:] == [DONE]
+    await redis.delete(stream_key(key), live_key(key))
+
+
+async def test_a_stream_past_its_event_bound_ends_with_an_error(
+    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter
+) -> None:
+    key = uuid.uuid4().hex
+    writer = JournalWriter(committer, key, ttl_s=60, owner="t", max_events=50)
+    assert await writer.claim()
+    first = writer.subscribe(readers.tail)
+    await (await start_producer(writer, _events(100), _nothing))
+    got = [event async for event in first.events()]
+    assert got[:50] == _expected(50)[:50]
+    assert b"stream_too_long" in got[50] and got[51:] == [DONE]
+    assert [event async for event in readers.tail(key, 48)] == got[48:50] + [frame(51, got[50][len(b"id: 51\n"):]), DONE]
+    await redis.delete(stream_key(key))
+
+
+async def test_a_journal_redis_lost_is_reclaimed_and_its_first_reader_goes_on(
+    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter
+) -> None:
+    """Regression: Redis losing ``:live`` (a restart without persistence, FLUSHALL, a
+    failover) was taken for a take-over: every resumable stream in flight ended with
+    "producer is gone" while plain streams went on."""
+    key = uuid.uuid4().hex
+    writer = JournalWriter(committer, key, ttl_s=60, owner="t")
+    assert await writer.claim()
+    first = writer.subscribe(readers.tail)
+    lost = asyncio.Event()
+
+    async def events() -> AsyncIterator[bytes]:
+        for i in range(1, 201):
+            if i == 101:  # the first 100 are written: Redis loses them, and :live
+                while await redis.xlen(stream_key(key)) < 100:
+                    await asyncio.sleep(0.01)
+                await redis.delete(stream_key(key), live_key(key))
+                lost.set()
+            yield b"data: %d\n\n" % i
+        yield DONE
+
+    producer = await start_producer(writer, events(), _nothing)
+    assert [event async for event in first.events()] == _expected(200)
+    await producer
+    assert await redis.xlen(stream_key(key)) == 101  # 101..200 and [DONE]
+    # A client re-attaching from before the loss is told, not handed a splice.
+    before = [event async for event in readers.tail(key, 50)]
+    assert b"stream_history_lost" in before[0] and before[1:] == [DONE]
+    assert [event async for event in readers.tail(key, 100)] == _expected(200, 100)
+    assert lost.is_set()
+    await redis.delete(stream_key(key))
+
+
+async def test_a_producer_whose_journal_another_gateway_continued_does_not_write_on(
+    redis: RedisClient, committer: JournalCommitter
+) -> None:
+    """``:live`` missing is a re-claim only if nobody wrote past this producer: a gateway
+    that stalled while another took its stream over and finished it must not append."""
+    key = uuid.uuid4().hex
+    stalled = JournalWriter(committer, key, ttl_s=60, owner="stalled")
+    assert await stalled.claim()
+    taken = asyncio.Event()
+
+    async def events() -> AsyncIterator[bytes]:
+        for i in range(1, 51):
+            if i == 11:
+                while await redis.xlen(stream_key(key)) < 10:
+                    await asyncio.sleep(0.01)
+                # Another gateway took over after event 10, wrote 11..13 and [DONE], let go.
+                for number, data in [(11, b"data: x\n\n"), (12, b"data: y\n\n"), (13, DONE)]:
+                    await redis.xadd(stream_key(key), {"d": data}, id=f"0-{number}")
+                await redis.delete(live_key(key))
+                taken.set()
+            yield b"data: %d\n\n" % i
+        yield DONE
+
+    with contextlib.suppress(JournalLost):
+        await (await start_producer(stalled, events(), _nothing))
+    assert taken.is_set()
+    entries = await redis.xrange(stream_key(key))
+    assert [e[0] for e in entries] == [f"0-{n}".encode() for n in range(1, 14)]
+    assert entries[-1][1][b"d"] == DONE
+    await redis.delete(stream_key(key))
+
+
+async def test_a_producer_that_lost_live_never_deletes_the_new_owners(
+    redis: RedisClient, committer: JournalCommitter
+) -> None:
+    """Regression: a producer deleted ``:live`` unchecked when it ended, so one that stalled
+    past the TTL after its last write freed the stream another gateway had taken over,
+    and a third could take it over too: two producers of one stream."""
+    key = uuid.uuid4().hex
+    stalled = JournalWriter(committer, key, ttl_s=60, owner="stalled")
+    assert await stalled.claim()
+
+    async def stall_then_taken_over() -> None:  # the generation's clean-up: the stall
+        while await redis.xlen(stream_key(key)) < 6:  # everything written, [DONE] included
+            await asyncio.sleep(0.01)
+        # This gateway stalled past :live's TTL and another took the stream over meanwhile.
+        await redis.set(live_key(key), "taker", px=60_000)
+
+    await stalled.run(_events(5), stall_then_taken_over)
+    assert await redis.get(live_key(key)) == b"taker"
+    assert not await JournalWriter(committer, key, ttl_s=60, owner="third").claim(take_over=True)
+    await redis.delete(stream_key(key), live_key(key))
+
+
+async def test_two_take_overs_race_and_only_one_produces(redis: RedisClient, committer: JournalCommitter) -> None:
+    """Two gateways whose readers found the producer gone at the same moment: one claims
+    the stream; the other, however late its claim, never produces it as well."""
+    key = uuid.uuid4().hex
+    for _ in range(20):
+        writers = [JournalWriter(committer, key, ttl_s=60, owner=f"taker-{i}") for i in range(2)]
+        won = await asyncio.gather(*(w.claim(take_over=True) for w in writers))
+        assert sorted(won) == [False, True]
+        loser = writers[won.index(False)]
+        await loser.release()  # the loser lets go of nothing it does not hold
+        assert await redis.get(live_key(key)) == f"taker-{won.index(True)}".encode()
+        await writers[won.index(True)].release()
+        assert await redis.get(live_key(key)) is None
