@@ -2,7 +2,8 @@
 are journaled in Redis, so a client can re-attach and get the rest.
 
     sl:journal:{scope}        Redis stream; entry id ``0-N`` holds event N: "d" = SSE data
-                              bytes (a chunk's without the stream's head, see below), "s" =
+                              bytes (a chunk's without what every chunk repeats, see
+                              ``compact``), "s" =
                               the token ids it carries (see gateway/takeover.py)
     sl:journal:{scope}:live   the producing gateway's token, refreshed while it produces
     sl:journal:{scope}:plan   what another gateway needs to take the stream over (deleted
@@ -56,6 +57,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError
 
+from gateway.protocol import CHOICE_START, PLAIN_END
 from sluice import keys
 from sluice.errors import InvalidRequest, SluiceError, UpstreamFailed, error_event
 
@@ -94,13 +96,28 @@ def history_lost(after: int, found: int | None) -> bytes:
         "from there", code="stream_history_lost"))
 
 
+def compact(head: bytes, event: bytes) -> bytes:
+    """What the journal stores of ``event``: a chunk without the stream's ``head`` (then it
+    starts with ``,``), a plain one (see gateway/protocol.py) as ``.`` and only its index
+    and delta; any other event whole (it starts with ``data:`` or ``event:``)."""
+    if not head or not event.startswith(head):
+        return event
+    rest = event[len(head):]
+    if rest.startswith(CHOICE_START) and rest.endswith(PLAIN_END):
+        return b"." + rest[len(CHOICE_START):-len(PLAIN_END)]
+    return rest
+
+
 def expand(head: bytes | None, stored: bytes) -> bytes | None:
-    """An event as it was produced, from its journal entry and the stream's ``:head``
-    (None when it needs a head that is lost). A chunk stored without its head starts
-    with the ``,`` after it; a whole SSE event never does."""
-    if not stored.startswith(b","):
+    """An event as it was produced, from :func:`compact`'s bytes and the stream's ``:head``
+    (None when it needs a head that is lost)."""
+    if not stored.startswith((b",", b".")):
         return stored
-    return None if head is None else head + stored
+    if head is None:
+        return None
+    if stored.startswith(b"."):
+        return head + CHOICE_START + stored[1:] + PLAIN_END
+    return head + stored
 
 
 def entry_number(entry_id: bytes | str) -> int:
@@ -357,7 +374,7 @@ class JournalWriter:
                 self._first.end()
 
     def _add(self, event: bytes, state: bytes) -> None:
-        stored = event[len(self._head):] if self._head and event.startswith(self._head) else event
+        stored = compact(self._head, event)
         self._produced += 1
         self._pending.append((event, stored, state))
         self.stored_bytes += len(stored) + len(state) + ENTRY_OVERHEAD
