@@ -1,7 +1,7 @@
 """What one long resumable stream keeps in Redis: its journal's bytes per event, the
 keys' total, and how long they are kept once the stream finished.
 
-One stack (embedded Redis, one sim worker, one gateway), one chat stream with an
+One stack (sluice/commands/bench_stack.py: embedded Redis, one sim worker, one gateway), one chat stream with an
 ``Idempotency-Key`` of ``--tokens`` tokens (greedy, ``ignore_eos``), then ``MEMORY USAGE``
 of its journal and its other keys, and Redis's ``used_memory`` before and after.
 
@@ -11,74 +11,41 @@ of its journal and its other keys, and Redis's ``used_memory`` before and after.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
-import time
+import tempfile
 import uuid
+from pathlib import Path
 
 import httpx
 import redis
 
 from gateway.idempotency import scoped
 from sluice import keys
-from sluice.embedded_redis import EmbeddedRedis, free_port
-
-
-def _start(*argv: str) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
-    return subprocess.Popen([sys.executable, "-m", "sluice", *argv], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def _ready(url: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} not ready after {timeout_s}s")
+from sluice.commands.bench_stack import MODEL, Stack, StackShape
 
 
 def measure(tokens: int) -> str:
-    with EmbeddedRedis() as server:
-        worker_port, gateway_port = free_port(), free_port()
-        procs = [
-            _start("worker", "--engine", "sim", "--port", str(worker_port), "--redis-url", server.url,
-                   "--served-model-name", "sim", "--sim-token-ms", "0", "--sim-ttft-ms", "0"),
-            _start("gateway", "--port", str(gateway_port), "--redis-url", server.url, "--procs", "1"),
-        ]
-        try:
-            url = f"http://127.0.0.1:{gateway_port}"
-            _ready(url)
-            client = redis.Redis.from_url(server.url)
-            before = int(client.info("memory")["used_memory"])
-            key = uuid.uuid4().hex
-            body = {"model": "sim", "messages": [{"role": "user", "content": "tell a long story"}],
-                    "max_tokens": tokens, "ignore_eos": True, "stream": True}
-            events = 0
-            with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers={"Idempotency-Key": key},
-                              timeout=600) as r:
-                for line in r.iter_lines():
-                    events += line.startswith("data: ")
-            journal = keys.journal(scoped("-", key))
-            size = int(client.memory_usage(journal, samples=0) or 0)
-            entries = int(client.xlen(journal))
-            others = sum(int(client.memory_usage(k, samples=0) or 0) for k in client.keys(journal + ":*"))
-            grown = int(client.info("memory")["used_memory"]) - before
-            kept_s = client.pttl(journal) / 1000
-            client.close()
-            return (f"events {events}, journal entries {entries}: {size} B ({size / max(1, entries):.1f} B per "
-                    f"entry, {size / max(1, events):.1f} B per event); other keys {others} B; Redis used_memory "
-                    f"+{grown / 1e6:.2f} MB; kept {kept_s:.0f} s after the stream finished")
-        finally:
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                proc.wait(10)
+    shape = StackShape(gateways=1, workers=1, worker_args=["--sim-token-ms=0", "--sim-ttft-ms=0"])
+    with tempfile.TemporaryDirectory() as logs, Stack(shape, Path(logs)) as stack:
+        client = redis.Redis.from_url(stack.redis_url)
+        before = int(client.info("memory")["used_memory"])
+        key = uuid.uuid4().hex
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "tell a long story"}],
+                "max_tokens": tokens, "ignore_eos": True, "stream": True}
+        events = 0
+        with httpx.stream("POST", stack.gateway_urls[0] + "/v1/chat/completions", json=body,
+                          headers={"Idempotency-Key": key}, timeout=600) as r:
+            for line in r.iter_lines():
+                events += line.startswith("data: ")
+        journal = keys.journal(scoped("-", key))
+        size = int(client.memory_usage(journal, samples=0) or 0)
+        entries = int(client.xlen(journal))
+        others = sum(int(client.memory_usage(k, samples=0) or 0) for k in client.keys(journal + ":*"))
+        grown = int(client.info("memory")["used_memory"]) - before
+        kept_s = client.pttl(journal) / 1000
+        client.close()
+    return (f"events {events}, journal entries {entries}: {size} B ({size / max(1, entries):.1f} B per "
+            f"entry, {size / max(1, events):.1f} B per event); other keys {others} B; Redis used_memory "
+            f"+{grown / 1e6:.2f} MB; kept {kept_s:.0f} s after the stream finished")
 
 
 def main() -> None:
