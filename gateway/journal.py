@@ -223,6 +223,16 @@ redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
 return {status, last}
 """
 
+#: Claims a stream for a producer if nobody holds it. KEYS: stream, live, plan, head.
+#: ARGV: owner, live ttl ms, plan ttl ms, plan ("": none), "1" for a new stream (drop an
+#: earlier attempt's journal, plan and head).
+CLAIM = """
+if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
+if ARGV[5] == '1' then redis.call('DEL', KEYS[1], KEYS[3], KEYS[4]) end
+if ARGV[4] ~= '' then redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[3]) end
+return 1
+"""
+
 #: Compare-and-delete: a producer lets go of ``:live`` only while it still holds it (one
 #: that stalled may since have been taken over). KEYS: live. ARGV: owner.
 RELEASE = """
@@ -301,14 +311,12 @@ class JournalWriter:
         return f"<JournalWriter {self.key} produced={self._produced} written={self._written}>"
 
     async def claim(self, *, take_over: bool = False, plan: bytes | None = None) -> bool:
-        """Mark this gateway as the stream's producer, and store its ``plan`` (gateway/takeover.py)
-        in the same round trip; taking over only succeeds while no other gateway holds it
-        (its ``:live`` expired)."""
-        pipe = self._committer.redis.pipeline(transaction=False)
-        if plan is not None:
-            pipe.set(keys.journal_plan(self.key), plan, px=self._ttl_ms)
-        pipe.set(live_key(self.key), self._owner, px=LIVE_TTL_MS, nx=take_over)
-        return bool((await pipe.execute())[-1])
+        """Mark this gateway as the stream's producer, only while no other gateway holds it
+        (a take-over: once its ``:live`` expired), and store its ``plan`` (gateway/takeover.py)
+        in the same script. A new stream also drops what an earlier attempt with its key
+        left (journal, plan, head): only after the claim, never under a producer that still
+        writes it."""
+        return bool(await self._committer.claim(self.key, self._owner, self._ttl_ms, plan, fresh=not take_over))
 
     async def release(self) -> None:
         """Let go of ``:live`` if this producer still holds it (never another's)."""
@@ -464,6 +472,7 @@ class JournalCommitter:
         self.redis = redis
         self._script = redis.register_script(APPEND)
         self._release = redis.register_script(RELEASE)
+        self._claim = redis.register_script(CLAIM)
         self._followed: set[JournalWriter] = set()
         self._due: dict[JournalWriter, None] = {}  # insertion-ordered set
         self._wake = asyncio.Event()
@@ -485,6 +494,12 @@ class JournalCommitter:
     def schedule(self, writer: JournalWriter) -> None:
         self._due[writer] = None
         self._wake.set()
+
+    async def claim(self, key: str, owner: str, ttl_ms: int, plan: bytes | None, *, fresh: bool) -> bool:
+        """``CLAIM`` ``key``'s stream for ``owner``."""
+        scope_keys = [stream_key(key), live_key(key), keys.journal_plan(key), keys.journal_head(key)]
+        return bool(await self._claim(keys=scope_keys, args=[owner, LIVE_TTL_MS, ttl_ms, plan or b"",
+                                                             "1" if fresh else "0"]))
 
     async def release(self, key: str, owner: str) -> bool:
         """Delete ``key``'s ``:live`` if ``owner`` holds it."""

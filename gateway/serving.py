@@ -43,7 +43,6 @@ from gateway.sse import Keepalive, SSEResponse
 from gateway.takeover import LineTap, Plan, recover
 from gateway.tenancy import Tenancy
 from gateway.upstream import Dispatcher, Line, Upstream
-from sluice import keys
 from sluice.errors import (
     Conflict,
     RouteNotFound,
@@ -112,8 +111,6 @@ class Serving:
                         return await self.reattach(key, ctx.last_event_id)
                     return replay
                 owned = True
-                # An earlier failed attempt's journal and plan.
-                await self._redis.delete(stream_key(key), keys.journal_plan(key), keys.journal_head(key))
             return await self._generate(kind, req, ctx, shape)
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -182,7 +179,9 @@ class Serving:
                 self._committer, ctx.idempotency_key, ttl_s=self._settings.idempotency_ttl_s, owner=ctx.internal_id,
                 max_events=journal_events(req, self._settings), head=chunks.head,
                 done_ttl_s=self._settings.journal_done_ttl_s, budget=budget, plan_bytes=len(raw_plan))
-            await writer.claim(plan=raw_plan)
+            if not await writer.claim(plan=raw_plan):  # an earlier attempt's producer still writes it
+                raise Conflict("the stream with this Idempotency-Key is still being produced; re-attach with "
+                               "GET /v1/streams/{Idempotency-Key}")
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await abandon()

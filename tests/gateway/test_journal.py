@@ -20,6 +20,7 @@ from gateway.journal import (
     stream_key,
 )
 from gateway.journal_readers import JournalReaders
+from sluice import keys
 from sluice.redis_pool import RedisClient, create_pool
 
 
@@ -281,3 +282,22 @@ async def test_two_take_overs_race_and_only_one_produces(redis: RedisClient, com
         assert await redis.get(live_key(key)) == f"taker-{won.index(True)}".encode()
         await writers[won.index(True)].release()
         assert await redis.get(live_key(key)) is None
+
+
+async def test_a_new_attempt_never_takes_a_stream_another_producer_still_writes(
+    redis: RedisClient, committer: JournalCommitter
+) -> None:
+    """Regression: a new request with the key claimed ``:live`` unchecked (and first deleted
+    the journal under it): the producer still writing lost its stream, and its readers
+    read on into the new generation, a splice of two."""
+    key = uuid.uuid4().hex
+    writer = JournalWriter(committer, key, ttl_s=60, owner="first")
+    assert await writer.claim(plan=b"{}")
+    await writer.run(_events(3), _nothing)  # written, and :live let go at the end
+    producing = JournalWriter(committer, key, ttl_s=60, owner="second")
+    assert await producing.claim(plan=b"{}")  # a new attempt: the earlier one's journal is dropped
+    assert await redis.xlen(stream_key(key)) == 0
+    assert not await JournalWriter(committer, key, ttl_s=60, owner="third").claim(plan=b"{}")
+    assert await redis.get(live_key(key)) == b"second"
+    await producing.release()
+    await redis.delete(stream_key(key), keys.journal_plan(key))
