@@ -375,9 +375,9 @@ class JournalWriter:
             if not isinstance(self._failure, JournalLost):
                 await self.release()
                 if self._budget is not None:
+                    kept = self.stored_bytes - self._plan_bytes if self._ended else self.stored_bytes  # plan dropped
                     with contextlib.suppress(RedisError, OSError):
-                        await self._budget.settle(self.stored_bytes - self._plan_bytes if self._ended else self.stored_bytes,
-                                                  self._done_ttl_ms if self._ended else self._ttl_ms)
+                        await self._budget.settle(kept, self._done_ttl_ms if self._ended else self._ttl_ms)
             if self._first is not None:
                 self._first.end()
 

@@ -154,7 +154,8 @@ class JournalReaders:
             log.warning("reading %d journals failed: %s", len(groups), exc)
             self._end_all([reader for readers in groups.values() for reader in readers])
             return False
-        live = {key: bool(found) for key, found in zip(checks, results[len(groups):len(groups) + len(checks)], strict=True)
+        found_live = results[len(groups):len(groups) + len(checks)]
+        live = {key: bool(found) for key, found in zip(checks, found_live, strict=True)
                 if not isinstance(found, Exception)}
         for key, head in zip(heads, results[len(groups) + len(checks):], strict=True):
             if isinstance(head, bytes):

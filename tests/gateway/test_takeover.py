@@ -106,7 +106,8 @@ def _start_and_kill(gateway, body: dict[str, object], key: str, events: int = 40
     return _pair(seen)
 
 
-def test_a_take_over_refuses_a_journal_missing_its_first_events(two_gateways, start_gateway, redis_client) -> None:
+def test_a_take_over_refuses_a_journal_missing_its_first_events(two_gateways, start_gateway,
+                                                                redis_client) -> None:
     """Regression: a take-over continued from whatever the journal still held; after a trim
     it resumed from a truncated token history (3,988 wrong tokens against 2,500 allowed)."""
     _, other = two_gateways
