@@ -155,7 +155,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         check_caps(req, settings)
         ctx = _context(request, req, body, settings, key, record)
         if ctx.idempotency_key is not None and req.stream:
-            journal_events(req, settings)  # 400 before any work when its journal could not hold it
+            journal_events(req, settings, typed=shape is not None)  # 400 before any work when it cannot fit
         if key is not None:
             ctx.charge = await s.tenancy.admit(key, ctx.cost, ctx.internal_id, generations(req))
             ctx.headers.update(ctx.charge.headers)

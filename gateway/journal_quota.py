@@ -4,7 +4,8 @@ A journal (gateway/journal.py) is never trimmed, so it must be bounded another w
 
 - **events**: every event of a choice but its first (role, echo) and its last (finish)
   carries at least one token, so a request's events are at most ``generations x
-  (max_tokens + 2) + 2`` (usage, ``[DONE]``). A request whose own ``max_tokens`` cannot
+  (max_tokens + 2) + 2`` (usage, ``[DONE]``); a Responses stream's typed events, at most
+  ``5 x max_tokens + 10``. A request whose own ``max_tokens`` cannot
   fit ``journal_max_events`` is refused up front (400); one without ``max_tokens`` is
   journaled with that cap and, should it reach it, ends with an in-band error.
 - **bytes**: a stream reserves journal bytes for its tenant (API key) in chunks of
@@ -98,17 +99,22 @@ return 1
 """
 
 
-def journal_events(req: ChatCompletionRequest | CompletionRequest, settings: GatewaySettings) -> int:
+def journal_events(req: ChatCompletionRequest | CompletionRequest, settings: GatewaySettings, *,
+                   typed: bool = False) -> int:
     """The most events the request's stream may journal (its error and ``[DONE]`` aside);
-    400 when its own ``max_tokens`` could need more than ``journal_max_events``."""
+    400 when its own ``max_tokens`` could need more than ``journal_max_events``. ``typed``:
+    the Responses API's events, up to 5 per token (a tool call's item added, arguments
+    delta and their two done events) and 8 more (created, in progress, the message's
+    item and part, completed)."""
     limit = req.token_limit()
     count = generations(req)
-    needed = count * ((limit or settings.max_tokens_cap) + 2) + 2
+    per_token, extra = (5, 8) if typed else (1, 2)
+    needed = count * ((limit or settings.max_tokens_cap) * per_token + extra) + 2
     if needed <= settings.journal_max_events:
         return needed
     if limit is None:
         return settings.journal_max_events  # reaching it ends the stream with an in-band error
-    fits = max(0, (settings.journal_max_events - 2) // count - 2)
+    fits = max(0, ((settings.journal_max_events - 2) // count - extra) // per_token)
     param = "max_completion_tokens" if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens \
         else "max_tokens"
     raise InvalidRequest(

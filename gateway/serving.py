@@ -177,7 +177,7 @@ class Serving:
                                             hold_s=ctx.remaining_s() + self._settings.idempotency_ttl_s)
             writer = JournalWriter(
                 self._committer, ctx.idempotency_key, ttl_s=self._settings.idempotency_ttl_s, owner=ctx.internal_id,
-                max_events=journal_events(req, self._settings), head=chunks.head,
+                max_events=journal_events(req, self._settings, typed=kind == "responses"), head=chunks.head,
                 done_ttl_s=self._settings.journal_done_ttl_s, budget=budget, plan_bytes=len(raw_plan))
             if not await writer.claim(plan=raw_plan):  # an earlier attempt's producer still writes it
                 raise Conflict("the stream with this Idempotency-Key is still being produced; re-attach with "
