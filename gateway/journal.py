@@ -192,7 +192,9 @@ class FirstReader:
 #: past ``LIVE_TTL_MS`` and was taken over must not write on. ``:live`` missing is not a
 #: take-over (Redis lost it, or it expired and nobody took over): unless the journal
 #: holds events past this producer's, re-claim it and write on. Entries up to the
-#: journal's last are skipped (a write retried after its reply was lost).
+#: journal's last are skipped (a write retried after its reply was lost). The plan lives
+#: as long as the journal (a stream running close to the TTL must stay continuable), and
+#: goes with the last event.
 #: KEYS: stream, live, head, plan. ARGV: owner, stream ttl ms, live ttl ms, number of
 #: the first event, head, "1" when the batch ends the stream, then (data, state) per
 #: event. Returns {1 written | 2 written, but Redis had lost some of it | 0 lost, last}.
@@ -218,7 +220,7 @@ for i = 7, #ARGV, 2 do
 end
 if ARGV[5] ~= '' then redis.call('SET', KEYS[3], ARGV[5], 'PX', ARGV[2]) end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-if ARGV[6] == '1' then redis.call('DEL', KEYS[4]) end
+if ARGV[6] == '1' then redis.call('DEL', KEYS[4]) else redis.call('PEXPIRE', KEYS[4], ARGV[2]) end
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
 return {status, last}
 """

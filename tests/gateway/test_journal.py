@@ -302,3 +302,27 @@ async def test_a_new_attempt_never_takes_a_stream_another_producer_still_writes(
     assert await redis.get(live_key(key)) == b"second"
     await producing.release()
     await redis.delete(stream_key(key), keys.journal_plan(key))
+
+
+async def test_a_streams_plan_lives_as_long_as_its_journal_and_goes_with_its_end(
+    redis: RedisClient, committer: JournalCommitter
+) -> None:
+    """The plan was set once, for the TTL, at the start: a stream running close to it
+    became impossible to take over; and a finished one kept its request body an hour."""
+    key = uuid.uuid4().hex
+
+    async def unfinished() -> AsyncIterator[bytes]:
+        for i in range(1, 4):
+            yield b"data: %d\n\n" % i
+
+    writer = JournalWriter(committer, key, ttl_s=60, owner="t")
+    assert await writer.claim(plan=b"{}")
+    await redis.pexpire(keys.journal_plan(key), 2000)  # close to its end
+    await writer.run(unfinished(), _nothing)
+    assert await redis.pttl(keys.journal_plan(key)) > 50_000
+    finished = JournalWriter(committer, key, ttl_s=60, owner="u", done_ttl_s=5)
+    assert await finished.claim(plan=b"{}")
+    await finished.run(_events(3), _nothing)
+    assert not await redis.exists(keys.journal_plan(key))
+    assert 0 < await redis.pttl(stream_key(key)) <= 5000
+    await redis.delete(stream_key(key))
