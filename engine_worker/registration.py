@@ -11,6 +11,7 @@ import orjson
 from redis.exceptions import RedisError
 
 from sluice import keys
+from sluice.directory import Directory
 
 log = logging.getLogger("sluice.worker")
 
@@ -67,10 +68,12 @@ class Registration:
         self._registered = False
         self._beat = redis.register_script(_BEAT)
         self._leave = redis.register_script(_LEAVE)
+        self._directory = Directory(redis)
+        self._epoch: str | None = None
 
     async def beat(self) -> None:
-        # The directory lives in another slot: a separate, idempotent write.
-        await self._redis.sadd(keys.MODELS, self.model)
+        # The directory and the epoch live in other slots: separate, idempotent writes.
+        self._epoch = (await self._directory.register(self.model, self._epoch)).id
         await self._beat(keys=keys.worker_keys(self.model),
                          args=[self.worker_id, self._record, orjson.dumps(self._stats()), self._ttl_ms])
 

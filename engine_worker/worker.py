@@ -14,6 +14,7 @@ from engine_worker.engines.base import Engine
 from engine_worker.protocol import GenerateRequest
 from engine_worker.registration import Registration
 from engine_worker.stream import NDJSONStream
+from sluice import keys
 from sluice.models import ModelError, resolve
 from sluice.prefix_index import PrefixIndex
 from sluice.redis_pool import create_pool
@@ -27,13 +28,22 @@ KV_EVENTS_PERIOD_S = 0.2
 
 
 def served_name(settings: WorkerSettings) -> str:
+    """The name clients use for this worker's model; raises :class:`ModelError` for a name
+    the gateways would refuse (sluice/keys.py: ``model_name_problem``)."""
     if settings.served_model_name:
-        return settings.served_model_name
+        return checked_name(settings.served_model_name)
     if settings.engine == "sim":
         return "sim"
     if settings.engine == "openai":
         return settings.upstream_model or ""  # "": the server's own name, learnt at start
-    return resolve(settings.model).name
+    return checked_name(resolve(settings.model).name)
+
+
+def checked_name(name: str) -> str:
+    problem = keys.model_name_problem(name)
+    if problem is not None:
+        raise ModelError(f"cannot serve the model as {name[:80]!r}: {problem} (set --served-model-name)")
+    return name
 
 
 def build_engine(settings: WorkerSettings) -> Engine:
@@ -198,7 +208,7 @@ class Worker:
         try:
             await self.engine.start()
             if not self.model:  # an upstream server's own model name
-                self.model = str(getattr(self.engine, "model", "") or "model")
+                self.model = checked_name(str(getattr(self.engine, "model", "") or "model"))
             server = Server(uvicorn_config(create_app(self), s.host, s.port, graceful_s=1), self.drain)
             serving = asyncio.create_task(server.serve())
             while not server.started:

@@ -10,7 +10,9 @@ Waiting costs no Redis connection: the grant arrives through this process's
 :class:`~gateway.grants.GrantListener`. Every granted slot is a lease that this
 process renews while the stream runs; the same beat keeps this process marked
 alive, so the queue drops the entries of a gateway that died instead of handing
-them slots. A reaper on every gateway reclaims the leases of gateways that died.
+them slots. One gateway process per period reclaims the leases of gateways that died
+(gateway/reaper.py). The same beat watches the registry's epoch (sluice/directory.py):
+when Redis loses its data, this process queues its waiting requests again.
 
 Clocks: queue deadlines and lease expiries are computed in Lua from Redis ``TIME``
 and relative timeouts; this process only uses ``time.monotonic()``.
@@ -23,9 +25,10 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, cast
 
 import anyio
 import orjson
@@ -34,7 +37,9 @@ from redis.exceptions import RedisError
 from gateway import scripts
 from gateway.config import GatewaySettings
 from gateway.grants import GrantListener, GrantMessage
+from gateway.reaper import Reaper
 from sluice import keys
+from sluice.directory import Directory, Epoch
 from sluice.errors import (
     InvalidRequest,
     ModelNotFound,
@@ -50,15 +55,19 @@ log = logging.getLogger("sluice.admission")
 #: requests are dropped instead of granted.
 GATEWAY_TTL_S = 3.0
 _BEAT_S = 1.0
-#: Every this many reaps, ``inflight`` is recounted from the leases.
-_RECONCILE_EVERY = 10
-
 
 #: First tokens are reported to Redis in batches at most this often (cache routing).
 _PREFILLED_BATCH_S = 0.02
 
 #: Times a request asks again after a grant it could not claim in time.
 _CLAIM_RETRIES = 2
+
+#: The code of a 503 for a model the registry does not know while it is being rebuilt.
+REGISTRY_REBUILDING = "registry_rebuilding"
+
+#: Models this process was granted slots of lately, remembered (bounded) so that a model whose
+#: workers Redis forgot is a 503 to retry rather than a 404.
+_KNOWN_MODELS = 256
 
 
 class _GrantLost(Exception):
@@ -129,6 +138,20 @@ class Ask:
     blocks: tuple[str, ...] = ()
 
 
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    """A request of this process waiting in its model's queue."""
+
+    ask: Ask
+    deadline: float  # time.monotonic()
+    future: asyncio.Future[GrantMessage]
+    #: Held while the waiter leaves or is queued again, so the two never cross.
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    left: bool = False
+    #: Not in Redis's queue: Redis lost it with its data, and it is not queued again yet.
+    lost: bool = False
+
+
 def _tenant_name(tenant: str) -> str:
     """A tenant as the normal queue's member names can hold it (``|`` and ``}`` delimit)."""
     return tenant.replace("|", "_").replace("}", "_") or "-"
@@ -151,21 +174,28 @@ class Admission:
         self._retry_after = self._runner.register_script(scripts.RETRY_AFTER)
         self._prefilled_script = self._runner.register_script(scripts.PREFILLED)
         self._live = self._runner.register_script(scripts.LIVE)
+        self._reclaim = self._runner.register_script(scripts.RECLAIM)
         self.grants = GrantListener(redis, self.gateway_id)
-        self._active: dict[str, str] = {}  # lease id -> model, renewed in the background
+        self._active: dict[str, Lease] = {}  # lease id -> lease, renewed in the background
         self._queued: dict[str, int] = {}  # model -> requests of this process waiting in it
         self._prefilled: dict[str, list[str]] = {}  # model -> leases past their first token, not yet told
         self._prefilled_due = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._reaps = 0
+        self.reaper = Reaper(redis, settings, self._reap_model, self.gateway_id)
+        self._directory = Directory(redis)
+        self._epoch: str | None = None  # the registry epoch this process queued its waiters in
+        self._waiters: dict[str, _Waiter] = {}  # request id -> waiter, in arrival order
+        self._known: OrderedDict[str, float] = OrderedDict()  # model -> last grant (monotonic)
 
     def __repr__(self) -> str:
         return f"Admission(gateway={self.gateway_id}, active_leases={len(self._active)}, {self.grants!r})"
 
     async def start(self) -> None:
+        with contextlib.suppress(RedisError, OSError):  # Redis down: the first beat learns it
+            self._epoch = (await self._directory.epoch(None)).id
         self._tasks = [
             asyncio.create_task(self._beat_loop(), name="admission-beat"),
-            asyncio.create_task(self._reap_loop(), name="lease-reaper"),
+            asyncio.create_task(self.reaper.run(), name="lease-reaper"),
             asyncio.create_task(self._prefilled_loop(), name="prefilled-reporter"),
         ]
 
@@ -199,17 +229,10 @@ class Admission:
         self, ask: Ask, disconnected: Callable[[], Awaitable[bool]] | None
     ) -> list[Lease]:
         model = ask.model
-        future = await self.grants.expect(model, ask.request_id)
+        future = self.grants.expect(model, ask.request_id)
         self._queued[model] = self._queued.get(model, 0) + 1
         try:
-            result = await self._acquire(
-                keys=keys.admission(model),
-                args=self._args(ask.request_id, ask.priority, ask.need, max(1, int(ask.timeout_s * 1000)),
-                                self._s.max_queue, orjson.dumps(list(ask.exclude)).decode(),
-                                int(ask.boost), _tenant_name(ask.tenant), ask.cost,
-                                orjson.dumps(ask.blocks).decode(), self._s.routing, self._s.route_load_blocks,
-                                self._s.route_hot_share, self._s.route_prefill_weight),
-            )
+            result = await self._ask(ask, ask.timeout_s)
             status = result[0].decode()
             if status == "granted":
                 return self._granted(model, result[1])
@@ -224,41 +247,129 @@ class Admission:
                     f"the queue for '{model}' is full ({int(result[1])} waiting)",
                     retry_after_s=await self.retry_after_s(model, int(result[1])), code="queue_full",
                 )
-            return await self._wait(ask, future, disconnected)
+            self.grants.listen(model, result[2])
+            return await self._wait(_Waiter(ask, time.monotonic() + ask.timeout_s, future), disconnected)
         finally:
             self.grants.forget(model, ask.request_id)
             self._queued[model] -= 1
+            if not self._queued[model]:
+                del self._queued[model]  # keyed by what clients name: nothing stays
 
-    async def _wait(
-        self, ask: Ask, future: asyncio.Future[GrantMessage],
-        disconnected: Callable[[], Awaitable[bool]] | None,
-    ) -> list[Lease]:
-        deadline = time.monotonic() + ask.timeout_s
+    async def _ask(self, ask: Ask, timeout_s: float) -> list[Any]:
+        """ACQUIRE for ``ask``, queueing it for at most ``timeout_s``.
+
+        Cancelled meanwhile (the client left during a migration's re-acquire), the call
+        still runs to its answer, and what Redis did is undone: a grant is released, a queue
+        entry removed. Otherwise the grant would hold its slot for a lease TTL, and the
+        entry would wait for a waiter that is gone."""
+        call = asyncio.ensure_future(self._acquire(
+            keys=keys.admission(ask.model),
+            args=self._args(ask.request_id, ask.priority, ask.need, max(1, int(timeout_s * 1000)),
+                            self._s.max_queue, orjson.dumps(list(ask.exclude)).decode(),
+                            int(ask.boost), _tenant_name(ask.tenant), ask.cost,
+                            orjson.dumps(ask.blocks).decode(), self._s.routing, self._s.route_load_blocks,
+                            self._s.route_hot_share, self._s.route_prefill_weight),
+        ))
         try:
-            while (remaining := deadline - time.monotonic()) > 0:
+            return cast(list[Any], await asyncio.shield(call))
+        except asyncio.CancelledError:
+            with anyio.CancelScope(shield=True):
+                with contextlib.suppress(RedisError, OSError):
+                    result = await call
+                    if result[0] == b"granted":
+                        for lease in self._granted(ask.model, result[1]):
+                            await self.release(lease)
+                    elif result[0] == b"queued":
+                        await self._leave_and_release(ask)
+            raise
+
+    async def _wait(self, waiter: _Waiter, disconnected: Callable[[], Awaitable[bool]] | None) -> list[Lease]:
+        ask = waiter.ask
+        self._waiters[ask.request_id] = waiter  # in arrival order, for a re-queue
+        try:
+            while (remaining := waiter.deadline - time.monotonic()) > 0:
                 with contextlib.suppress(TimeoutError):
-                    message = await asyncio.wait_for(asyncio.shield(future), min(remaining, 1.0))
+                    message = await asyncio.wait_for(asyncio.shield(waiter.future), min(remaining, 1.0))
                     if not message.ok:
                         raise await self._no_worker(ask.model, True)
                     leases = self._granted(ask.model, message.slots)
                     await self._claim(leases)
                     return leases
                 if disconnected is not None and await disconnected():
-                    await self._leave_and_release(ask)
+                    for lease in await self._depart(waiter):
+                        await self.release(lease)
                     raise ClientGone("client disconnected while queued")
         except asyncio.CancelledError:
             with anyio.CancelScope(shield=True):
-                await self._leave_and_release(ask)
+                for lease in await self._depart(waiter):
+                    await self.release(lease)
             raise
-        leases = await self._leave(ask)
+        finally:
+            self._waiters.pop(ask.request_id, None)
+        leases = await self._depart(waiter)
         if leases:
             await self._claim(leases)
             return leases  # granted at the last moment: serve it
+        if waiter.lost:  # Redis lost it, and no worker of the model has come back since
+            raise Unavailable(f"model '{ask.model}' has no live worker", retry_after_s=2)
         position = await self._position(ask.model)
         raise RateLimited(
             f"no capacity for '{ask.model}' within the queue timeout ({position} waiting)",
             retry_after_s=await self.retry_after_s(ask.model, position), code="queue_timeout",
         )
+
+    async def _depart(self, waiter: _Waiter) -> list[Lease]:
+        """The waiter leaves the queue (after any re-queue of it in flight has landed)."""
+        async with waiter.lock:
+            waiter.left = True
+            return await self._leave(waiter.ask)
+
+    async def _lease_again(self) -> None:
+        """The streams this process runs hold their slots again: Redis forgot their leases,
+        and without them their workers would look free and be given more than they hold."""
+        by_model: dict[str, list[str]] = {}
+        for lease in self._active.values():
+            by_model.setdefault(lease.model, []).extend((lease.lease_id, lease.worker_id))
+        for model, pairs in by_model.items():
+            await self._reclaim(keys=keys.admission(model), args=self._args(*pairs))
+
+    async def _requeue(self) -> None:
+        """Queue again, in their arrival order and with their priority and what is left of
+        their timeouts, this process's waiters that Redis lost with its data. One whose
+        model has no live worker yet (none has beaten since) is tried again next beat."""
+        for waiter in list(self._waiters.values()):
+            if not waiter.lost:
+                continue
+            async with waiter.lock:
+                remaining = waiter.deadline - time.monotonic()
+                if not waiter.lost or waiter.left or waiter.future.done() or remaining <= 0:
+                    continue
+                result = await self._ask(waiter.ask, remaining)
+                if result[0] == b"granted":
+                    waiter.lost = False
+                    if waiter.future.done():  # answered meanwhile after all: this grant is not needed
+                        for lease in self._granted(waiter.ask.model, result[1]):
+                            await self.release(lease)
+                    else:
+                        waiter.future.set_result(GrantMessage.parse(b"ok", result[1]))
+                elif result[0] == b"queued":
+                    waiter.lost = False
+                    self.grants.listen(waiter.ask.model, result[2])
+
+    async def _watch_epoch(self) -> Epoch:
+        """The registry's epoch. A new one means Redis lost its data, and with it this
+        process's queue entries (sluice/directory.py): they are queued again."""
+        epoch = await self._directory.epoch(self._epoch)
+        if self._epoch is not None and epoch.id != self._epoch:
+            log.warning("Redis lost its data (new registry epoch); leasing the slots of %d running stream(s) "
+                        "and queueing %d waiting request(s) again", len(self._active), len(self._waiters))
+            for waiter in self._waiters.values():
+                waiter.lost = True
+            await self._lease_again()
+        self._epoch = epoch.id
+        if any(waiter.lost for waiter in self._waiters.values()):
+            await self._requeue()
+        return epoch
 
     async def _claim(self, leases: list[Lease]) -> None:
         """Renew a published grant's leases now: unclaimed, they expire within seconds.
@@ -298,15 +409,30 @@ class Admission:
                         prefill_blocks=int(route[1]) if len(route) > 1 else 0)
                   for lease_id, worker, url, *route in parsed]
         for lease in leases:
-            self._active[lease.lease_id] = model
+            self._active[lease.lease_id] = lease
+        self._known[model] = time.monotonic()
+        self._known.move_to_end(model)
+        if len(self._known) > _KNOWN_MODELS:
+            self._known.popitem(last=False)
         return leases
 
     async def _no_worker(self, model: str, retried: bool) -> SluiceError:
         if not retried and await self.live_workers(model) == 0:
-            if not await self._redis.sismember(keys.MODELS, model):
-                return ModelNotFound(f"The model '{model}' does not exist", param="model")
-            return Unavailable(f"model '{model}' has no live worker", retry_after_s=2)
+            return await self.missing_model(model)
         return Unavailable(f"every live worker for '{model}' failed this request", retry_after_s=1)
+
+    async def missing_model(self, model: str) -> SluiceError:
+        """No live worker serves ``model``: 404 when nothing says it exists; 503 + Retry-After
+        when it is listed, this process served it lately, or the registry is young (Redis
+        lost its data and workers have not all beaten since). SDKs retry a 503, not a 404."""
+        seen = self._known.get(model)
+        if (seen is not None and time.monotonic() - seen < keys.MODEL_FORGET_S) or await self._directory.listed(model):
+            return Unavailable(f"model '{model}' has no live worker", retry_after_s=2)
+        if (await self._watch_epoch()).rebuilding:
+            # Maybe a model, maybe a typo: the code says so (no metrics series for the name).
+            return Unavailable(f"model '{model}' is not registered (yet): Redis lost its data moments ago and "
+                               "workers are registering again", retry_after_s=2, code=REGISTRY_REBUILDING)
+        return ModelNotFound(f"The model '{model}' does not exist", param="model")
 
     async def release(self, lease: Lease) -> None:
         """Give the slot back; with Redis unreachable the lease simply expires and is reaped."""
@@ -379,8 +505,12 @@ class Admission:
                 last_renewal = time.monotonic()
             by_model: dict[str, list[str]] = {m: [] for m, n in self._queued.items() if n > 0}
             if due:
-                for lease_id, model in list(self._active.items()):
-                    by_model.setdefault(model, []).append(lease_id)
+                for lease_id, lease in list(self._active.items()):
+                    by_model.setdefault(lease.model, []).append(lease_id)
+            try:
+                await self._watch_epoch()
+            except (RedisError, OSError) as exc:
+                log.warning("registry epoch check failed: %s", exc)
             for model, lease_ids in by_model.items():
                 try:
                     lost = await self._renew(keys=keys.admission(model), args=self._args(*lease_ids))
@@ -391,27 +521,11 @@ class Admission:
                     log.warning("%d lease(s) of this gateway expired before renewal (reaped): %s",
                                 len(lost), ", ".join(x.decode() for x in lost[:5]))
 
-    async def reap_once(self, reconcile: bool | None = None) -> int:
-        """Reclaim expired leases of every model; every tenth time (or when asked),
-        also recount slots in use from the leases."""
-        self._reaps += 1
-        if reconcile is None:
-            reconcile = self._reaps % _RECONCILE_EVERY == 0
-        reaped = 0
-        for model in await self._redis.smembers(keys.MODELS):
-            m = model.decode()
-            expired, corrections = await self._reap(keys=keys.admission(m), args=self._args(int(reconcile)))
-            reaped += int(expired)
-            if corrections:
-                log.warning("recounted slots in use for %r from its leases (%d corrected)", m, corrections)
-        if reaped:
-            log.warning("reclaimed %d expired lease(s) of a gateway that stopped renewing", reaped)
-        return reaped
+    async def _reap_model(self, model: str, reconcile: bool) -> tuple[int, int]:
+        expired, corrections = await self._reap(keys=keys.admission(model), args=self._args(int(reconcile)))
+        return int(expired), int(corrections)
 
-    async def _reap_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._s.reap_interval_s)
-            try:
-                await self.reap_once()
-            except (RedisError, OSError) as exc:
-                log.warning("lease reaper failed: %s", exc)
+    async def reap_once(self, reconcile: bool | None = None) -> int:
+        """Reclaim expired leases of every model now, whichever process reaps this period
+        (gateway/reaper.py); when asked, also recount slots in use from the leases."""
+        return await self.reaper.reap_once(reconcile, contend=False) or 0

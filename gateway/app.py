@@ -212,8 +212,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str, request: Request) -> Response:
         await svc(request).tenancy.authenticate(request.headers.get("authorization"))
+        if keys.model_name_problem(model) is not None:
+            raise ModelNotFound("no model has this name", param="model")  # the name may be megabytes
         if await svc(request).admission.live_workers(model) == 0:
-            raise ModelNotFound(f"The model '{model}' does not exist", param="model")
+            raise await svc(request).admission.missing_model(model)
         return _json(_model_card(model))
 
     @app.get("/openapi.json", include_in_schema=False)

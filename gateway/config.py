@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from sluice import keys
 from sluice.settings import RedisSettings
 
 
@@ -41,6 +42,8 @@ class GatewaySettings(RedisSettings):
     lease_ttl_s: float = Field(default=15.0, ge=0.3)
     #: How often this gateway reclaims leases of gateways that stopped renewing.
     reap_interval_s: float = Field(default=1.0, gt=0)
+    #: A model with no worker, lease or waiter for this long leaves the directory (its keys go).
+    model_forget_s: float = Field(default=keys.MODEL_FORGET_S, gt=0)
     #: Aging within a queue: one priority level is worth this many tokens of others'
     #: service (so a lower level waits longer but never forever); 0 = strict levels.
     priority_step_tokens: int = Field(default=2048, ge=0)

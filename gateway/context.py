@@ -44,8 +44,6 @@ class RequestContext:
     charge: Charge | None = None
     #: Headers every answer to this request carries (rate limits, effective priority).
     headers: dict[str, str] = field(default_factory=dict)
-    #: Whether the Idempotency-Key's outcome (done or forgotten) has been written.
-    stream_settled: bool = False
     #: Workers whose connection broke while serving this request (see lost_a_worker).
     workers_lost: int = 0
     #: Usage, timings, access log, metrics and trace span of this request.

@@ -1,12 +1,15 @@
 """Grant delivery: one listener per gateway process and model, not one Redis
 connection per waiting request.
 
-A request that has to wait registers a local future, then queues (ACQUIRE). When a
-released slot is handed to it, the Lua pump appends the grant to the model's grant
-stream, tagged with this process's id. One task per model reads that stream with a
-blocking ``XREAD`` and resolves the matching futures; grants for other processes are
-skipped. So a queue of any length costs this process one connection per model with
-waiters, and the listener stops when nobody has waited for a while.
+A request registers a local future, then asks for slots (ACQUIRE). If it has to wait,
+ACQUIRE says so with the grant stream's newest id, and the model's listener reads on from
+there (or from wherever it already is). When a released slot is handed to the request,
+the Lua pump appends the grant to the model's grant stream, tagged with this process's
+id. One task per model reads that stream with a blocking ``XREAD`` and resolves the
+matching futures; grants for other processes are skipped. So a queue of any length costs
+this process one connection per model with waiters, a model nobody waits for (one granted
+at once, one that does not exist) costs none, and the listener stops when nobody has
+waited for a while.
 
 The stream is the delivery channel, not the truth: the lease in Redis is. A waiter
 that gives up asks Redis (CANCEL), which reports a grant that raced in even when the
@@ -49,9 +52,9 @@ class GrantListener:
     def __init__(self, redis: Any, gateway_id: str) -> None:
         self._redis = redis
         self._gateway_id = gateway_id.encode()
+        #: model -> request id -> its future; a model leaves when its last waiter does.
         self._waiting: dict[str, dict[str, asyncio.Future[GrantMessage]]] = {}
         self._loops: dict[str, asyncio.Task[None]] = {}
-        self._ready: dict[str, asyncio.Future[None]] = {}
 
     def __repr__(self) -> str:
         return f"GrantListener(models={len(self._loops)}, waiting={sum(map(len, self._waiting.values()))})"
@@ -59,43 +62,34 @@ class GrantListener:
     def waiting(self, model: str) -> int:
         return len(self._waiting.get(model, ()))
 
-    async def expect(self, model: str, request_id: str) -> asyncio.Future[GrantMessage]:
-        """A future for ``request_id``'s grant. Call it *before* queueing the request:
-        the listener's read position is fixed first, so no grant can slip past."""
+    def expect(self, model: str, request_id: str) -> asyncio.Future[GrantMessage]:
+        """A future for ``request_id``'s grant. Call it *before* queueing the request, so
+        no grant read meanwhile finds nobody to take it; then :meth:`listen`."""
         future: asyncio.Future[GrantMessage] = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(model, {})[request_id] = future
-        if model not in self._loops or self._loops[model].done():
-            self._ready[model] = asyncio.get_running_loop().create_future()
-            self._loops[model] = asyncio.create_task(self._listen(model), name=f"grants-{model}")
-        try:
-            await asyncio.shield(self._ready[model])
-        except BaseException:
-            self.forget(model, request_id)
-            raise
         return future
+
+    def listen(self, model: str, after: bytes) -> None:
+        """Make sure the model's grants are read, from stream id ``after`` at the latest
+        (ACQUIRE's answer for a queued request: its grant can only come later). A running
+        listener is at or before it: every id it has read was in the stream by then."""
+        if model not in self._loops or self._loops[model].done():
+            self._loops[model] = asyncio.create_task(self._listen(model, after), name=f"grants-{model}")
 
     def forget(self, model: str, request_id: str) -> None:
         waiters = self._waiting.get(model)
         if waiters is not None:
             waiters.pop(request_id, None)
+            if not waiters:
+                del self._waiting[model]
 
-    async def _listen(self, model: str) -> None:
+    async def _listen(self, model: str, last: bytes) -> None:
         stream = keys.grants(model)
-        ready = self._ready[model]
-        last = b"$"
         idle_since = asyncio.get_running_loop().time()
         while True:
             try:
-                if last == b"$":
-                    newest = await self._redis.xrevrange(stream, count=1)
-                    last = newest[0][0] if newest else b"0-0"
-                    if not ready.done():
-                        ready.set_result(None)
                 got = await self._redis.xread({stream: last}, count=512, block=_BLOCK_MS)
             except (RedisError, OSError) as exc:
-                if not ready.done():
-                    ready.set_exception(exc)
-                    return
                 log.warning("grant listener for %r: %s; retrying", model, exc)
                 await asyncio.sleep(0.5)
                 continue

@@ -1,31 +1,124 @@
-"""``Idempotency-Key``: the same key within its TTL yields one generation.
+"""``Idempotency-Key``: the same key within its TTL yields one generation, decided by its owner.
 
-Record ``sl:idem:{key}`` (JSON): ``{"state": "pending"|"done", "fp": body hash,
-"stream": bool, "body": completed JSON body (non-streaming only)}``.
+Record ``sl:idem:{scope}``, a hash: ``fp`` (body hash), ``stream`` ("1"/"0"), ``state``,
+``owner`` (the token of the request or take-over that decides the key's fate), ``body``
+(the completed JSON body, non-streaming only). It shares its hash tag with the journal's
+keys (gateway/journal.py), so one script can check both. Whether its owner lives is
+``sl:journal:{scope}:live`` (the owner's token, a 3 s TTL the live owner renews), the same
+key that says whether a resumable stream's producer lives:
 
-- first caller: claims the key (SET NX) and generates;
-- a later caller with the same body: gets the stored result once it is done
-  (waiting while it is pending); for a streaming request it re-attaches to the
-  journaled stream (see gateway/journal.py), from ``Last-Event-ID`` on;
-- the same key with a different body: 409;
-- a generation that fails forgets the key, so the client's retry runs again.
+    pending    claimed; the owner admits or generates, renewing ``:live`` (one task per
+               process for all its claims). A claim whose ``:live`` expired (its gateway
+               died or stalled) is free: a retry claims it at once and runs.
+    streaming  a resumable stream has started: its journal and plan exist and its producer
+               refreshes ``:live``; a gateway whose reader finds the producer gone takes it
+               over (:meth:`Idempotency.take_stream` moves ``owner`` to it).
+    done       the generation finished: a retry replays it (JSON) or re-attaches (stream).
+
+Only the current owner settles (``done``, or forgotten after a failure so the client's
+retry runs again), in one script that compares ``owner``: a gateway that lost its stream
+to a take-over, or its pending claim to a retry, changes nothing.
+
+Redis losing its data (a restart without persistence, a failover, FLUSHALL) loses the
+record while its owner still runs. The owner restores it: a pending claim when its stream
+starts (:meth:`Idempotency.promote`), a producer with its next journal write, which
+re-claims ``:live`` too (gateway/journal.py, at most ~0.5 s later). Meanwhile a retry
+waits (``:live`` held, no record: pending), so it attaches to the one generation.
+
+- first caller: claims the key (and drops the journal of an earlier, failed attempt);
+- a later caller with the same body: waits while the key is pending and its owner lives;
+  gets the stored body once done; re-attaches to a stream (see gateway/journal.py), from
+  ``Last-Event-ID`` on;
+- the same key with a different body: 409.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import logging
 import time
 from typing import Literal
 
-import orjson
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 from starlette.responses import Response
 
+from gateway.journal import LIVE_TTL_MS
 from sluice import keys
 from sluice.errors import Conflict, DeadlineExceeded, InvalidRequest
 
+log = logging.getLogger("sluice.gateway")
+
 MAX_KEY_LENGTH = 255
+#: How often a waiting caller looks at a pending key again.
+_WAIT_S = 0.05
+
+#: KEYS: record, journal, plan, live, head. ARGV: owner, fp, stream, record ttl ms, live
+#: ttl ms. The one way a request claims a key, and with it the key's stream: only if it is
+#: free (no record, or a pending one, and no ``:live``: nobody admits or produces it). Then,
+#: having won, it drops an earlier attempt's journal, plan and head, never under a producer
+#: that still writes them. Else returns {fp, state, stream}: a record Redis lost while its
+#: owner lives (``:live`` held) reads as pending, the owner restores it (gateway/journal.py).
+CLAIM = """
+local found = redis.call('HMGET', KEYS[1], 'fp', 'state', 'stream')
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  if found[2] then return found end
+  return {false, 'pending', ARGV[3]}
+end
+if found[2] and (found[2] ~= 'pending' or found[1] ~= ARGV[2]) then return found end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[5])
+redis.call('HSET', KEYS[1], 'fp', ARGV[2], 'stream', ARGV[3], 'state', 'pending', 'owner', ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+redis.call('SET', KEYS[4], ARGV[1], 'PX', ARGV[5])
+return 1
+"""
+
+#: KEYS: record, live, plan. ARGV: owner, fp, record ttl ms, plan, plan ttl ms, live ttl ms.
+#: A claimed stream starts: record ``streaming`` and its plan, in one step, only while
+#: ``owner`` still owns the key and nobody else holds ``:live``. A record Redis lost while
+#: the claim was pending is restored (nobody claimed the key since: ``:live`` is not theirs).
+START = """
+local live = redis.call('GET', KEYS[2])
+if live and live ~= ARGV[1] then return 0 end
+local held = redis.call('HGET', KEYS[1], 'owner')
+if held and held ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'fp', ARGV[2], 'stream', '1', 'state', 'streaming', 'owner', ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[5])
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[6])
+return 1
+"""
+
+#: KEYS: record, live, plan. ARGV: owner, state ('' = forget the key), ttl ms, body ('' =
+#: none). Changes the record only if ``owner`` still owns it (a done one is never
+#: forgotten; a forgotten stream's plan goes too: nobody is to continue it), and lets go of
+#: ``:live`` if ``owner`` holds it, whether or not it still owns the record (Redis may
+#: have lost that).
+SETTLE = """
+if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
+local held = redis.call('HMGET', KEYS[1], 'owner', 'state')
+if held[1] ~= ARGV[1] then return 0 end
+if ARGV[2] == '' then
+  if held[2] == 'done' then return 0 end
+  redis.call('DEL', KEYS[1], KEYS[3])
+  return 1
+end
+redis.call('HSET', KEYS[1], 'state', ARGV[2])
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'body', ARGV[4]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+#: KEYS: record, live. ARGV: owner, live ttl ms. A take-over: claims the stream's ``:live``
+#: only while no producer holds it, and in the same step makes the taker the key's owner,
+#: so the gateway it took the stream from can no longer settle or forget the key.
+TAKE = """
+if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'owner', ARGV[1]) end
+return 1
+"""
 
 
 def scoped(owner: str, key: str) -> str:
@@ -40,10 +133,31 @@ def fingerprint(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest()
 
 
+def _text(value: bytes | str | None) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 class Idempotency:
+    """The records of Idempotency-Keys, and the pending claims this process holds.
+
+    >>> idem = Idempotency(redis, ttl_s=3600)
+    >>> if await idem.claim(scope, fp, stream=False, deadline=d, owner=token) is None:
+    ...     body = ...  # generate; the claim's ``:live`` is renewed meanwhile
+    ...     await idem.settle(scope, token, completed=True, body=body)
+    """
+
     def __init__(self, redis: Redis, ttl_s: float) -> None:
         self._redis = redis
         self._ttl_ms = int(ttl_s * 1000)
+        self._claim = redis.register_script(CLAIM)
+        self._settle = redis.register_script(SETTLE)
+        self._take = redis.register_script(TAKE)
+        self._start = redis.register_script(START)
+        self._held: set[tuple[str, str]] = set()  # pending claims of this process: (key, owner)
+        self._renewing: asyncio.Task[None] | None = None
+
+    def __repr__(self) -> str:
+        return f"<Idempotency held={len(self._held)}>"
 
     @staticmethod
     def check_key(key: str) -> str:
@@ -51,42 +165,114 @@ class Idempotency:
             raise InvalidRequest(f"Idempotency-Key must be 1-{MAX_KEY_LENGTH} printable characters")
         return key
 
-    async def claim(self, key: str, fp: str, stream: bool, deadline: float) -> Response | Literal["attach"] | None:
-        """None when this caller owns the key and must generate; "attach" to re-attach to
-        the key's stream; else the stored answer to send."""
-        pending = orjson.dumps({"state": "pending", "fp": fp, "stream": stream})
-        # A pending claim lives as long as its request may run, not the whole TTL: if the
-        # gateway dies mid-generation, a retry with the key can run once that has passed.
-        pending_ms = min(self._ttl_ms, int((deadline - time.monotonic() + 30) * 1000))
+    async def claim(
+        self, key: str, fp: str, stream: bool, deadline: float, owner: str,
+    ) -> Response | Literal["attach"] | None:
+        """None when ``owner`` now owns the key and must generate (its ``:live`` is renewed
+        until :meth:`promote` or :meth:`settle`); "attach" to re-attach to the key's stream;
+        else the stored answer to send."""
+        names = [keys.idempotency(key), keys.journal(key), keys.journal_plan(key), keys.journal_live(key),
+                 keys.journal_head(key)]
         while True:
-            if await self._redis.set(keys.idempotency(key), pending, nx=True, px=max(pending_ms, 1000)):
+            ttl_ms = self._ttl_ms + int(max(0.0, deadline - time.monotonic()) * 1000)
+            found = await self._claim(keys=names, args=[owner, fp, int(stream), ttl_ms, LIVE_TTL_MS])
+            if found == 1:
+                self._hold(key, owner)
                 return None
-            raw = await self._redis.get(keys.idempotency(key))
-            if raw is None:
-                continue  # the owner failed and forgot the key: try to claim it again
-            record = orjson.loads(raw)
-            if record.get("fp") != fp:
+            stored_fp, state, stored_stream = (_text(v) for v in found)
+            if (stored_fp is not None and stored_fp != fp) or stored_stream != str(int(stream)):
                 raise Conflict("this Idempotency-Key was used with a different request body")
-            if stream:  # same body, so the stored request streams too
+            if state == "done" and not stream:
+                body = await self._redis.hget(keys.idempotency(key), "body")
+                if body is not None:
+                    return Response(body, media_type="application/json", headers={"idempotent-replayed": "true"})
+            elif state != "pending":  # a stream that has started (or ended): follow its journal
                 return "attach"
-            if record.get("state") == "done":
-                return Response(
-                    record["body"].encode(), media_type="application/json",
-                    headers={"idempotent-replayed": "true"},
-                )
+            # Pending, and its owner lives: wait. If it dies, its :live expires within
+            # LIVE_TTL_MS and a later round claims the key here.
             if time.monotonic() > deadline:
                 raise DeadlineExceeded("the request with this Idempotency-Key is still running")
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(_WAIT_S)
 
-    async def complete(self, key: str, fp: str, stream: bool, body: bytes | None) -> None:
-        record = {"state": "done", "fp": fp, "stream": stream}
-        if body is not None:
-            record["body"] = body.decode()
-        await self._redis.set(keys.idempotency(key), orjson.dumps(record), px=self._ttl_ms)
+    async def promote(self, key: str, owner: str, fp: str, remaining_s: float, plan: bytes) -> bool:
+        """Start the claim's stream: the record now lives as long as the journal may, the
+        stream's ``plan`` (gateway/takeover.py) is stored, and the journal's producer renews
+        ``:live`` from here on. False if ``owner`` lost the key meanwhile (it stalled past
+        ``:live``'s TTL and a retry claimed it): then it must not touch the journal."""
+        self._held.discard((key, owner))
+        ttl_ms = self._ttl_ms + int(max(0.0, remaining_s) * 1000)
+        names = [keys.idempotency(key), keys.journal_live(key), keys.journal_plan(key)]
+        return bool(await self._start(keys=names, args=[owner, fp, ttl_ms, plan, self._ttl_ms, LIVE_TTL_MS]))
 
-    async def lookup(self, key: str) -> dict[str, object] | None:
-        raw = await self._redis.get(keys.idempotency(key))
-        return None if raw is None else dict(orjson.loads(raw))
+    async def settle(self, key: str, owner: str, completed: bool, body: bytes | None = None) -> None:
+        """The owner's decision: ``done`` (a retry replays it) or, after a failure, forgotten
+        (a retry runs again). Nothing changes if ``owner`` no longer owns the key."""
+        self._held.discard((key, owner))
+        try:
+            settled = await self._settle(
+                keys=[keys.idempotency(key), keys.journal_live(key), keys.journal_plan(key)],
+                args=[owner, "done" if completed else "", self._ttl_ms, b"" if body is None else body],
+            )
+        except (RedisError, OSError) as exc:
+            log.warning("could not settle Idempotency-Key %s: %s", key, exc)
+            return
+        if not settled:
+            log.info("Idempotency-Key %s is another request's to settle now", key)
 
-    async def forget(self, key: str) -> None:
-        await self._redis.delete(keys.idempotency(key))
+    async def take_stream(self, key: str, owner: str) -> bool:
+        """Take the stream ``key`` over if no producer holds it: ``owner`` then produces it
+        and decides the key's fate."""
+        return bool(await self._take(keys=[keys.idempotency(key), keys.journal_live(key)], args=[owner, LIVE_TTL_MS]))
+
+    async def lookup(self, key: str) -> dict[str, str] | None:
+        """The record's fields, with ``live``: whether its owner (or producer) lives; only
+        ``live`` when Redis lost the record of an owner that lives (it restores it)."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hgetall(keys.idempotency(key))
+        pipe.exists(keys.journal_live(key))
+        raw, live = await pipe.execute()
+        if not raw and not live:
+            return None
+        return {**{_text(k) or "": _text(v) or "" for k, v in raw.items()}, "live": "1" if live else ""}
+
+    async def close(self) -> None:
+        self._held.clear()
+        if self._renewing is not None:
+            self._renewing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewing
+
+    def _hold(self, key: str, owner: str) -> None:
+        self._held.add((key, owner))
+        if self._renewing is None or self._renewing.done():
+            self._renewing = asyncio.create_task(self._renew(), name="idempotency-renewal")
+
+    async def _renew(self) -> None:
+        """One task per process renews the ``:live`` of every pending claim it holds, one
+        round trip per interval. A claim whose ``:live`` holds another token now was lost
+        (this gateway stalled past the TTL): it is dropped, and its request learns it at
+        :meth:`promote` or :meth:`settle`. (Renewing someone else's ``:live`` once, or one
+        that was just deleted, is harmless: its owner renews it anyway.)"""
+        while self._held:
+            await asyncio.sleep(LIVE_TTL_MS / 1000 / 3)
+            held = list(self._held)
+            pipe = self._redis.pipeline(transaction=False)
+            for key, _ in held:
+                pipe.get(keys.journal_live(key))
+                pipe.pexpire(keys.journal_live(key), LIVE_TTL_MS)
+            try:
+                results = await pipe.execute()
+            except (RedisError, OSError) as exc:
+                log.warning("could not renew %d Idempotency-Key claim(s): %s", len(held), exc)
+                continue
+            missing = []
+            for (key, owner), found in zip(held, results[::2], strict=True):
+                if found is None:
+                    missing.append((key, owner))  # Redis lost it: missing is not taken
+                elif _text(found) != owner and (key, owner) in self._held:
+                    log.warning("Idempotency-Key %s: this gateway lost its claim (it stalled past its TTL)", key)
+                    self._held.discard((key, owner))
+            with contextlib.suppress(RedisError, OSError):
+                for key, owner in missing:
+                    if (key, owner) in self._held:  # not settled meanwhile
+                        await self._redis.set(keys.journal_live(key), owner, nx=True, px=LIVE_TTL_MS)

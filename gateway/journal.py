@@ -35,8 +35,9 @@ Never a silent gap:
 
 When Redis loses its data (a restart without persistence, a failover that lost the
 latest writes, FLUSHALL), ``:live`` is missing rather than held by someone else: the
-producer still has its generation, so ``APPEND`` re-claims ``:live`` and writes on
-with the next event number. The first client, fed by the producer, goes on as if
+producer still has its generation, so ``APPEND`` re-claims ``:live`` (and restores the
+Idempotency-Key's record, see gateway/idempotency.py) and writes on with the next event
+number. The first client, fed by the producer, goes on as if
 nothing happened. The journal now starts at that number (or has a hole where the lost
 writes were), so a client that re-attaches from before it gets the in-band error, and
 no gateway takes the stream over from it. ``:live`` missing while the journal already
@@ -191,13 +192,16 @@ class FirstReader:
 #: Appends events to a journal if this producer still owns it: a producer that stalled
 #: past ``LIVE_TTL_MS`` and was taken over must not write on. ``:live`` missing is not a
 #: take-over (Redis lost it, or it expired and nobody took over): unless the journal
-#: holds events past this producer's, re-claim it and write on. Entries up to the
-#: journal's last are skipped (a write retried after its reply was lost). The plan lives
-#: as long as the journal (a stream running close to the TTL must stay continuable), and
-#: goes with the last event.
-#: KEYS: stream, live, head, plan. ARGV: owner, stream ttl ms, live ttl ms, number of
-#: the first event, head, "1" when the batch ends the stream, then (data, state) per
-#: event. Returns {1 written | 2 written, but Redis had lost some of it | 0 lost, last}.
+#: holds events past this producer's, re-claim it and write on. The Idempotency-Key's
+#: record, if Redis lost it, is restored the same way (this producer owns the key), so a
+#: retry or a re-attach finds the one generation. Entries up to the journal's last are
+#: skipped (a write retried after its reply was lost). The plan lives as long as the
+#: journal (a stream running close to the TTL must stay continuable), and goes with the
+#: last event.
+#: KEYS: stream, live, head, plan, record. ARGV: owner, stream ttl ms, live ttl ms, number
+#: of the first event, head, "1" when the batch ends the stream, the request's fingerprint
+#: ("": no record to restore), then (data, state) per event.
+#: Returns {1 written | 2 written, but Redis had lost some of it | 0 lost, last}.
 APPEND = """
 local owner = redis.call('GET', KEYS[2])
 local first = tonumber(ARGV[4])
@@ -214,7 +218,7 @@ elseif last < first - 1 then
   status = 2
 end
 local n = first
-for i = 7, #ARGV, 2 do
+for i = 8, #ARGV, 2 do
   if n > last then redis.call('XADD', KEYS[1], '0-' .. n, 'd', ARGV[i], 's', ARGV[i + 1]) end
   n = n + 1
 end
@@ -222,17 +226,12 @@ if ARGV[5] ~= '' then redis.call('SET', KEYS[3], ARGV[5], 'PX', ARGV[2]) end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 if ARGV[6] == '1' then redis.call('DEL', KEYS[4]) else redis.call('PEXPIRE', KEYS[4], ARGV[2]) end
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
+if ARGV[7] ~= '' and redis.call('EXISTS', KEYS[5]) == 0 then
+  redis.call('HSET', KEYS[5], 'fp', ARGV[7], 'stream', '1', 'state', 'streaming', 'owner', ARGV[1])
+  redis.call('PEXPIRE', KEYS[5], ARGV[2])
+  status = 2
+end
 return {status, last}
-"""
-
-#: Claims a stream for a producer if nobody holds it. KEYS: stream, live, plan, head.
-#: ARGV: owner, live ttl ms, plan ttl ms, plan ("": none), "1" for a new stream (drop an
-#: earlier attempt's journal, plan and head).
-CLAIM = """
-if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
-if ARGV[5] == '1' then redis.call('DEL', KEYS[1], KEYS[3], KEYS[4]) end
-if ARGV[4] ~= '' then redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[3]) end
-return 1
 """
 
 #: Compare-and-delete: a producer lets go of ``:live`` only while it still holds it (one
@@ -272,10 +271,12 @@ class JournalWriter:
     per round, however many events it carries.
 
     ``max_events`` bounds the stream's events (its error and ``[DONE]`` aside); ``budget``
-    its bytes; ``head`` is what every chunk starts with (stored once, in ``:head``).
+    its bytes; ``head`` is what every chunk starts with (stored once, in ``:head``);
+    ``fingerprint`` the request's, to restore its Idempotency-Key record should Redis lose it.
+    The stream is claimed first, and its plan stored, by its key (gateway/idempotency.py).
 
-    >>> writer = JournalWriter(committer, scope, ttl_s=3600, owner=token, max_events=bound)
-    >>> await writer.claim()                    # this gateway produces the stream now
+    >>> await idempotency.promote(scope, token, fp, remaining_s, plan)  # this gateway produces it now
+    >>> writer = JournalWriter(committer, scope, ttl_s=3600, owner=token, max_events=bound, fingerprint=fp)
     >>> first = writer.subscribe(readers.tail)  # before the producer starts
     >>> producer = await start_producer(writer, events, abandon, tap.take)
     >>> response = SSEResponse(first.events(), keepalive, first.close)  # the first client reads this
@@ -284,7 +285,7 @@ class JournalWriter:
     def __init__(self, committer: JournalCommitter, key: str, *, ttl_s: float, owner: str,
                  max_events: int = 131_072, max_pending: int = 4096, head: bytes = b"",
                  done_ttl_s: float | None = None, budget: Budget | None = None, stored_bytes: int = 0,
-                 plan_bytes: int = 0) -> None:
+                 plan_bytes: int = 0, fingerprint: str = "") -> None:
         self._committer = committer
         self.key = key
         self._owner = owner
@@ -293,6 +294,7 @@ class JournalWriter:
         self._max = max_events
         self._max_pending = max_pending
         self._head = head
+        self._fingerprint = fingerprint
         self._budget = budget
         #: Bytes this stream keeps in Redis: its plan (until it ends) and journal entries (a
         #: taken-over stream's earlier ones included).
@@ -311,14 +313,6 @@ class JournalWriter:
 
     def __repr__(self) -> str:
         return f"<JournalWriter {self.key} produced={self._produced} written={self._written}>"
-
-    async def claim(self, *, take_over: bool = False, plan: bytes | None = None) -> bool:
-        """Mark this gateway as the stream's producer, only while no other gateway holds it
-        (a take-over: once its ``:live`` expired), and store its ``plan`` (gateway/takeover.py)
-        in the same script. A new stream also drops what an earlier attempt with its key
-        left (journal, plan, head): only after the claim, never under a producer that still
-        writes it."""
-        return bool(await self._committer.claim(self.key, self._owner, self._ttl_ms, plan, fresh=not take_over))
 
     async def release(self) -> None:
         """Let go of ``:live`` if this producer still holds it (never another's)."""
@@ -414,11 +408,12 @@ class JournalWriter:
         self._in_flight = len(self._pending)
         ends = bool(self._pending) and self._pending[-1][0] == DONE
         args: list[bytes | str | int] = [self._owner, self._done_ttl_ms if ends else self._ttl_ms, LIVE_TTL_MS,
-                                         self._written + 1, self._head, "1" if ends else "0"]
+                                         self._written + 1, self._head, "1" if ends else "0", self._fingerprint]
         for _, stored, state in self._pending:
             args += [stored, state]
         scope = self.key
-        return [stream_key(scope), live_key(scope), keys.journal_head(scope), keys.journal_plan(scope)], args
+        return [stream_key(scope), live_key(scope), keys.journal_head(scope), keys.journal_plan(scope),
+                keys.idempotency(scope)], args
 
     def written(self, result: list[int]) -> None:
         self.last_write = time.monotonic()
@@ -428,7 +423,7 @@ class JournalWriter:
             return
         if status == 2 and not self._lost_noted:
             self._lost_noted = True  # readers from before it get the in-band error (journal_readers.py)
-            lost = f"events {last + 1}..{self._written}" if last < self._written else "its :live"
+            lost = f"events {last + 1}..{self._written}" if last < self._written else "its :live or key record"
             log.warning("journal %s: Redis lost %s; this gateway re-claimed it and goes on producing it",
                         self.key, lost)
         batch, first = self._pending[:self._in_flight], self._written + 1
@@ -474,7 +469,6 @@ class JournalCommitter:
         self.redis = redis
         self._script = redis.register_script(APPEND)
         self._release = redis.register_script(RELEASE)
-        self._claim = redis.register_script(CLAIM)
         self._followed: set[JournalWriter] = set()
         self._due: dict[JournalWriter, None] = {}  # insertion-ordered set
         self._wake = asyncio.Event()
@@ -496,12 +490,6 @@ class JournalCommitter:
     def schedule(self, writer: JournalWriter) -> None:
         self._due[writer] = None
         self._wake.set()
-
-    async def claim(self, key: str, owner: str, ttl_ms: int, plan: bytes | None, *, fresh: bool) -> bool:
-        """``CLAIM`` ``key``'s stream for ``owner``."""
-        scope_keys = [stream_key(key), live_key(key), keys.journal_plan(key), keys.journal_head(key)]
-        return bool(await self._claim(keys=scope_keys, args=[owner, LIVE_TTL_MS, ttl_ms, plan or b"",
-                                                             "1" if fresh else "0"]))
 
     async def release(self, key: str, owner: str) -> bool:
         """Delete ``key``'s ``:live`` if ``owner`` holds it."""

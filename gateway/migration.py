@@ -15,10 +15,13 @@ JSON the client has half received. Such a stream ends with one in-band error.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import anyio
 
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
@@ -122,13 +125,20 @@ def resumable(payload: dict[str, Any]) -> bool:
 
 
 async def _merge(sources: list[AsyncIterator[tuple[int, Line]]]) -> AsyncIterator[tuple[int, Line]]:
-    """Interleave several choice streams in arrival order."""
+    """Interleave several choice streams in arrival order.
+
+    Each source is read, and closed, by its own pump task. When the merge ends early (the
+    client left, a choice failed) the pumps are cancelled *and awaited*: a pump left
+    running is still inside its upstream's line reader, and the caller's clean-up, which
+    closes every upstream next, would fail on it ("aclose(): asynchronous generator is
+    already running") and leave the other choices' upstreams and slots open."""
     queue: asyncio.Queue[tuple[int, Line] | BaseException | None] = asyncio.Queue(maxsize=64)
 
     async def pump(source: AsyncIterator[tuple[int, Line]]) -> None:
         try:
-            async for item in source:
-                await queue.put(item)
+            async with contextlib.aclosing(source):  # type: ignore[type-var]
+                async for item in source:
+                    await queue.put(item)
             await queue.put(None)
         except Exception as exc:  # handed to the consumer, which re-raises it
             await queue.put(exc)
@@ -147,3 +157,5 @@ async def _merge(sources: list[AsyncIterator[tuple[int, Line]]]) -> AsyncIterato
     finally:
         for task in tasks:
             task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)

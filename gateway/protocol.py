@@ -11,7 +11,22 @@ import uuid
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from sluice.keys import model_name_problem
+
+
+def _model_name(value: str) -> str:
+    problem = model_name_problem(value)
+    if problem is not None:
+        raise ValueError(problem)  # the message never echoes the name: it may be megabytes
+    return value
+
+
+#: A ``model`` field: every key of the model carries its name, so it is bounded.
+ModelName = Annotated[str, AfterValidator(_model_name)]
+#: ``user`` (an end-user id, passed on to nobody): bounded like OpenAI's safety identifiers.
+UserId = Annotated[str, Field(max_length=256)]
 
 
 class StreamOptions(BaseModel):
@@ -120,12 +135,16 @@ def first_refused(extra: dict[str, Any], refused: dict[str, str]) -> tuple[str, 
     return None if name is None else (name, refused[name])
 
 
+#: Tokens one request may bias: every engine copies the map into each sampling step's state.
+MAX_LOGIT_BIAS = 1024
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by chat and text completions."""
 
     model_config = ConfigDict(extra="allow")
 
-    model: str = Field(min_length=1)
+    model: ModelName
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
@@ -140,7 +159,7 @@ class _SamplingFields(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     #: Choices per prompt; each runs as its own generation (seed + i when a seed is given).
     n: int = Field(default=1, ge=1)
-    user: str | None = None
+    user: UserId | None = None
     #: Lower runs first (vLLM's convention); also header X-Sluice-Priority or service_tier.
     priority: int | None = None
     service_tier: str | None = None
@@ -155,6 +174,8 @@ class _SamplingFields(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None and len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens may be biased")
         for token, bias in (value or {}).items():
             if not token.isdigit():
                 raise ValueError(f"keys are token ids; {token!r} is not one")

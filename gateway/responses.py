@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.protocol import ChatCompletionRequest, ToolCallAssembler, first_refused
+from gateway.protocol import ChatCompletionRequest, ModelName, ToolCallAssembler, UserId, first_refused
 from sluice.errors import InvalidRequest
 
 #: Fields that change what a Responses request means and that this gateway cannot honour.
@@ -49,7 +49,7 @@ class ResponsesNamedChoice(BaseModel):
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    model: str = Field(min_length=1)
+    model: ModelName
     input: str | list[dict[str, Any]] = Field(min_length=1)
     instructions: str | None = None
     tools: list[ResponsesFunctionTool] | None = Field(default=None, max_length=128)
@@ -61,8 +61,11 @@ class ResponsesRequest(BaseModel):
     text: dict[str, Any] | None = None
     stream: bool = False
     store: bool | None = None
-    metadata: dict[str, str] | None = None
-    user: str | None = None
+    #: Echoed in the response only; bounded as OpenAI bounds it (16 pairs, keys of 64
+    #: characters, values of 512).
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = \
+        Field(default=None, max_length=16)
+    user: UserId | None = None
     service_tier: str | None = None
     #: Lower runs first; as on chat completions.
     priority: int | None = None

@@ -82,8 +82,9 @@ local reserve, urgent_max, step = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
--- The calling gateway is alive (it is running this script).
-redis.call('HSET', K_GATEWAYS, gateway, now + gw_ttl)
+-- The calling gateway is alive (it is running this script) -- recorded only where the model
+-- has workers or waiters: a client naming a model nobody serves creates no key.
+if redis.call('EXISTS', K_WORKERS, K_META) > 0 then redis.call('HSET', K_GATEWAYS, gateway, now + gw_ttl) end
 
 -- Live workers (heartbeat not expired) with their capacity, slots in use and pending
 -- prefill (uncached prompt blocks of the requests they hold, counted by cache routing).
@@ -415,13 +416,13 @@ end
 #: 16 prompt block hashes (JSON list), 17 routing (least | rr | cache), 18 load (blocks per
 #: request in flight), 19 hot-spot guard (share of slots), 20 weight of a pending prefill block.
 #: Returns {'granted', leases JSON [[lease, worker, url, matched blocks, prefill blocks], ...]}
-#: | {'queued', position}
+#: | {'queued', position, the grant stream's last id (its grant can only come after it)}
 #: | {'full', length} | {'none'} | {'too_big', usable slots}.
 ACQUIRE = _PRELUDE + r"""
 local req, priority, need = ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9])
 local boost, tenant, cost = ARGV[13] == '1', ARGV[14], tonumber(ARGV[15])
 local exclude = cjson.decode(ARGV[12])
-if is_urgent(priority) then
+if is_urgent(priority) and redis.call('EXISTS', K_WORKERS) == 1 then
   redis.call('SET', K_URGENT_SEEN, '1', 'PX', 60000)
   urgent_recently = true
 end
@@ -496,7 +497,8 @@ if direct_blocks then
   meta.blocks = direct_blocks
   redis.call('HSET', K_META, req, cjson.encode(meta))
 end
-return {'queued', queue_length() - 1}
+local newest = redis.call('XREVRANGE', K_GRANTS, '+', '-', 'COUNT', 1)
+return {'queued', queue_length() - 1, newest[1] and newest[1][1] or '0-0'}
 """
 
 #: ARGV 7 lease id. Frees the slot and hands it on to the queue. Returns 1 if the lease existed.
@@ -511,7 +513,9 @@ return freed
 """
 
 #: ARGV 7 request id, 8 slots it needed. A waiter leaves the queue:
-#: {'removed'} | {'granted', leases JSON} (a grant raced in: serve or release it) | {'gone'}.
+#: {'removed'} | {'granted', leases JSON as ACQUIRE's, the prefix match unknown (0) but the
+#: pending prefill kept, so the first token still takes it off} (a grant raced in: serve or
+#: release it) | {'gone'}.
 CANCEL = _PRELUDE + r"""
 local req, need = ARGV[7], tonumber(ARGV[8])
 local raw = redis.call('HGET', K_META, req)
@@ -532,7 +536,8 @@ for i = 0, need - 1 do
   local w = redis.call('HGET', K_OWNER, lease)
   if w then
     local rec = redis.call('HGET', K_WORKERS, w)
-    out[#out + 1] = {lease, w, rec and cjson.decode(rec).url or ''}
+    out[#out + 1] = {lease, w, rec and cjson.decode(rec).url or '', 0,
+                     tonumber(redis.call('HGET', K_LEASE_PREFILL, lease) or '0')}
   end
 end
 if #out == 0 then return {'gone'} end
@@ -604,6 +609,22 @@ for i = 7, #ARGV do
   end
 end
 return lost
+"""
+
+#: ARGV 7.. pairs of lease id and worker id: leases of running streams that Redis lost with
+#: its data. Each one missing is leased again on its worker (the stream holds that slot).
+#: Returns how many were missing.
+RECLAIM = _PRELUDE + r"""
+local missing = 0
+for i = 7, #ARGV - 1, 2 do
+  if not redis.call('ZSCORE', K_LEASES, ARGV[i]) then
+    redis.call('ZADD', K_LEASES, now + lease_ttl, ARGV[i])
+    redis.call('HSET', K_OWNER, ARGV[i], ARGV[i + 1])
+    redis.call('HINCRBY', K_INFLIGHT, ARGV[i + 1], 1)
+    missing = missing + 1
+  end
+end
+return missing
 """
 
 #: ARGV 7.. lease ids whose first token arrived: their prompts are prefilled, so their

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -40,11 +39,12 @@ from gateway.record import RequestRecord
 from gateway.rendering import Kind, json_response, sse_events
 from gateway.responses import ResponseShape
 from gateway.sse import Keepalive, SSEResponse
-from gateway.takeover import LineTap, Plan, recover
+from gateway.takeover import HistoryLost, LineTap, Plan, recover
 from gateway.tenancy import Tenancy
 from gateway.upstream import Dispatcher, Line, Upstream
 from sluice.errors import (
     Conflict,
+    DeadlineExceeded,
     RouteNotFound,
     SluiceError,
 )
@@ -73,6 +73,7 @@ class Serving:
 
     async def close(self) -> None:
         await self._keepalive.close()
+        await self._idempotency.close()
         await self._committer.close()
 
     async def serve(
@@ -102,7 +103,8 @@ class Serving:
         owned = False
         try:
             if key is not None:
-                replay = await self._idempotency.claim(key, ctx.fingerprint, req.stream, ctx.deadline)
+                replay = await self._idempotency.claim(key, ctx.fingerprint, req.stream, ctx.deadline,
+                                                       ctx.internal_id)
                 if replay is not None:
                     # Nothing is generated for this caller: refund its charge, close its record.
                     await self._settle_usage(ctx, 0)
@@ -114,8 +116,8 @@ class Serving:
             return await self._generate(kind, req, ctx, shape)
         except BaseException:
             with anyio.CancelScope(shield=True):
-                if owned and key is not None:
-                    await self._idempotency.forget(key)
+                if owned and key is not None:  # failed before its stream began: a retry runs again
+                    await self._idempotency.settle(key, ctx.internal_id, completed=False)
                 await self._settle_usage(ctx, 0)
             raise
 
@@ -132,14 +134,15 @@ class Serving:
 
         async def abandon() -> None:
             """Clean-up when the stream generator never ran (client gone at once, Redis failed)."""
-            await self._end_stream(upstreams, record, ctx, ClientGone("the stream ended before it began"), False)
+            await self._end_stream(upstreams, record, ctx, ClientGone("the stream ended before it began"))
 
         if req.stream:
-            async def end(outcome: str | SluiceError, completed: bool) -> None:
-                await self._end_stream(upstreams, record, ctx, outcome, completed)
-
             if ctx.idempotency_key is not None:
-                return await self._produce(kind, req, ctx, upstreams, lines, end, abandon, headers, shape)
+                return await self._produce(kind, req, ctx, upstreams, lines, abandon, headers, shape)
+
+            async def end(outcome: str | SluiceError, completed: bool) -> None:
+                await self._end_stream(upstreams, record, ctx, outcome)
+
             events = sse_events(kind, req, lines, record, end, shape=shape)
             return SSEResponse(events, self._keepalive, abandon, headers)
         try:
@@ -150,14 +153,13 @@ class Serving:
                 await abandon()
             raise
         if ctx.idempotency_key is not None:
-            await self._idempotency.complete(ctx.idempotency_key, ctx.fingerprint, False, bytes(response.body))
+            await self._idempotency.settle(ctx.idempotency_key, ctx.internal_id, True, bytes(response.body))
         return response
 
     async def _produce(
         self, kind: Kind, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext,
         upstreams: list[Upstream | None], lines: AsyncIterator[tuple[int, Line]],
-        end: Callable[[str | SluiceError, bool], Awaitable[None]], abandon: Callable[[], Awaitable[None]],
-        headers: dict[str, str], shape: ResponseShape | None,
+        abandon: Callable[[], Awaitable[None]], headers: dict[str, str], shape: ResponseShape | None,
     ) -> Response:
         """A resumable stream: the generation feeds the journal, independent of this client
         (a migration must not give up because the first reader left), and this client is
@@ -170,30 +172,53 @@ class Serving:
             chunk_id=chunks.id, created=chunks.created, priority=ctx.priority, tenant=ctx.tenant, cost=ctx.cost,
             deadline_unix=time.time() + ctx.remaining_s(), fingerprint=ctx.fingerprint, choices=len(upstreams),
         )
-        budget = None
+        key, owner = ctx.idempotency_key, ctx.internal_id
+        raw_plan = plan.dumps()
         try:
-            raw_plan = plan.dumps()
-            budget = await self._quota.open(ctx.idempotency_key, ctx.tenant, len(raw_plan),
+            if not await self._idempotency.promote(key, owner, ctx.fingerprint, ctx.remaining_s(), raw_plan):
+                # This gateway stalled past its claim's TTL and a retry claimed the key: that
+                # one generates it. This client follows it rather than a second generation.
+                log.warning("request %s: lost its Idempotency-Key to a retry; following that one", ctx.request_id)
+                await self._end_stream(upstreams, ctx.record, ctx, "ok")  # served, by the retry's stream
+                return await self.reattach(key, 0)
+            # 429 here: the caller (_serve) forgets the key, and with it the plan.
+            budget = await self._quota.open(key, ctx.tenant, len(raw_plan),
                                             hold_s=ctx.remaining_s() + self._settings.idempotency_ttl_s)
-            writer = JournalWriter(
-                self._committer, ctx.idempotency_key, ttl_s=self._settings.idempotency_ttl_s, owner=ctx.internal_id,
-                max_events=journal_events(req, self._settings, typed=kind == "responses"), head=chunks.head,
-                done_ttl_s=self._settings.journal_done_ttl_s, budget=budget, plan_bytes=len(raw_plan))
-            if not await writer.claim(plan=raw_plan):  # an earlier attempt's producer still writes it
-                raise Conflict("the stream with this Idempotency-Key is still being produced; re-attach with "
-                               "GET /v1/streams/{Idempotency-Key}")
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await abandon()
-                if budget is not None:
-                    with contextlib.suppress(RedisError, OSError):
-                        await budget.release()
             raise
+        writer = JournalWriter(
+            self._committer, key, ttl_s=self._settings.idempotency_ttl_s, owner=owner,
+            max_events=journal_events(req, self._settings, typed=kind == "responses"), head=chunks.head,
+            done_ttl_s=self._settings.journal_done_ttl_s, budget=budget, plan_bytes=len(raw_plan),
+            fingerprint=ctx.fingerprint)
         first = writer.subscribe(self._readers.tail)
+        ending = _Ending(lambda outcome: self._end_stream(upstreams, ctx.record, ctx, outcome), owner)
         tap = LineTap(lines)
-        events = sse_events(kind, req, tap.lines(), ctx.record, end, chunks, shape=shape)
-        self._keep(await start_producer(writer, events, abandon, tap.take))
+        events = sse_events(kind, req, tap.lines(), ctx.record, ending.end, chunks, shape=shape)
+        await self._start_producer(writer, events, abandon, tap, ending)
         return SSEResponse(first.events(), self._keepalive, first.close, headers)
+
+    async def _start_producer(
+        self, writer: JournalWriter, events: AsyncIterator[bytes], abandon: Callable[[], Awaitable[None]],
+        tap: LineTap, ending: _Ending,
+    ) -> None:
+        """Produce the stream; once its journal is written, its owner settles the key (done,
+        or forgotten after a failure), if it still owns it: a producer that lost the stream
+        to a take-over leaves the key to the gateway that produces it now."""
+        producer = await start_producer(writer, events, abandon, tap.take)
+        self._keep(producer)
+
+        async def settle() -> None:
+            await asyncio.wait([producer])
+            if producer.cancelled() or producer.exception() is not None:
+                # Lost to a take-over (JournalLost), or its journal failed (logged by the
+                # producer): the key stays with the journal, for whoever continues it.
+                return
+            await self._idempotency.settle(writer.key, ending.owner, ending.completed)
+
+        self._keep(asyncio.create_task(settle(), name="idempotency-settle"))
 
     def _keep(self, producer: asyncio.Task[None]) -> None:
         self._producers.add(producer)
@@ -204,23 +229,30 @@ class Serving:
         True while some gateway produces it (this one now, or another that was faster);
         False when it cannot be continued."""
         owner = uuid.uuid4().hex
-        claim = JournalWriter(self._committer, key, ttl_s=self._settings.idempotency_ttl_s, owner=owner)
-        if not await claim.claim(take_over=True):
+        if not await self._idempotency.take_stream(key, owner):
             return True
         try:
-            found = await recover(self._redis, key)  # HistoryLost: not from a partial history
-            if found is None or found[1].done or found[0].kind == "responses":
-                # A Responses stream's typed events (item ids, sequence numbers) live only in the
-                # dead gateway: it is journaled and re-attachable, but not continued elsewhere.
-                await claim.release()
-                return found is not None and found[1].done
+            found = await recover(self._redis, key)
+            if found is not None and found[1].done:
+                # Its producer journaled the end but died before settling the key.
+                await self._idempotency.settle(key, owner, completed=True)
+                return True
+            if found is None or found[0].kind == "responses":
+                # No plan; or a Responses stream, whose typed events (item ids, sequence numbers)
+                # lived only in the dead gateway: journaled and re-attachable, not continued
+                # elsewhere. Its readers get an error; the key is forgotten, so a retry runs again.
+                await self._idempotency.settle(key, owner, completed=False)
+                return False
             plan, state = found
             model = ChatCompletionRequest if plan.kind == "chat" else CompletionRequest
             req = model.model_validate_json(plan.body)
             budget = await self._quota.open(key, plan.tenant, 0, taken_over=state.stored_bytes + state.plan_bytes,
                                             hold_s=plan.deadline_unix - time.time() + self._settings.idempotency_ttl_s)
+        except HistoryLost:  # never continued from a partial history; a retry runs again
+            await self._idempotency.settle(key, owner, completed=False)
+            raise
         except BaseException:
-            await claim.release()
+            await self._committer.release(key, owner)
             raise
         chunks = ChunkWriter("chat" if plan.kind == "chat" else "text", req.model, id=plan.chunk_id,
                              created=plan.created)
@@ -228,12 +260,13 @@ class Serving:
             self._committer, key, ttl_s=self._settings.idempotency_ttl_s, owner=owner,
             max_events=journal_events(req, self._settings), head=chunks.head,
             done_ttl_s=self._settings.journal_done_ttl_s, budget=budget, stored_bytes=state.stored_bytes,
-            plan_bytes=state.plan_bytes)
+            plan_bytes=state.plan_bytes, fingerprint=plan.fingerprint)
         kind: Kind = "chat" if plan.kind == "chat" else "text"
         record = RequestRecord.begin(plan.request_id, self._metrics, Context(), "takeover")
         record.describe(req.model, req.n, plan.priority, None if plan.tenant == "-" else plan.tenant)
         record.known_model()  # admitted once already
-        record.completion_tokens, record.prompt_tokens = state.completion_tokens, state.prompt_tokens
+        record.completion_tokens = state.completion_tokens
+        record.prompt_tokens, record.cached_tokens = state.prompt_usage(req.n)
         ctx = RequestContext(
             request_id=plan.request_id, priority=plan.priority, idempotency_key=key,
             deadline=time.monotonic() + max(0.0, plan.deadline_unix - time.time()),
@@ -245,16 +278,14 @@ class Serving:
         payloads = worker_payloads(req, ctx.internal_id)
         upstreams: list[Upstream | None] = [None] * len(payloads)
         tap = LineTap(self._migrator.lines(req.model, upstreams, payloads, ctx, state.progress))
-
-        async def end(outcome: str | SluiceError, completed: bool) -> None:
-            await self._end_stream(upstreams, record, ctx, outcome, completed)
+        ending = _Ending(lambda outcome: self._end_stream(upstreams, record, ctx, outcome), owner)
 
         async def abandon() -> None:
-            await end(ClientGone("the take-over ended before it began"), False)
+            await self._end_stream(upstreams, record, ctx, ClientGone("the take-over ended before it began"))
 
-        events = sse_events(kind, req, tap.lines(), record, end, chunks, state.offsets)
+        events = sse_events(kind, req, tap.lines(), record, ending.end, chunks, state.offsets)
         writer.continue_after(state.last)
-        self._keep(await start_producer(writer, events, abandon, tap.take))
+        await self._start_producer(writer, events, abandon, tap, ending)
         return True
 
     async def _open_all(
@@ -291,25 +322,29 @@ class Serving:
             record = await self._idempotency.lookup(key)
             if record is None:
                 raise RouteNotFound(f"no resumable stream for Idempotency-Key {key!r}")
-            if not record.get("stream"):
+            if record.get("stream", "1") != "1":
                 raise Conflict("this Idempotency-Key belongs to a non-streaming request")
-            if await self._redis.exists(stream_key(key)):
+            state = record.get("state", "pending")  # none: Redis lost the record; its live owner restores it
+            if state != "pending":
                 break
-            if record.get("state") == "done" or time.monotonic() > deadline:
-                raise RouteNotFound(f"the stream for Idempotency-Key {key!r} is no longer kept")
+            if not record["live"]:
+                raise RouteNotFound(f"the request with Idempotency-Key {key!r} stopped before its stream began "
+                                    "(its gateway is gone); send the request again to run it")
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(f"the stream for Idempotency-Key {key!r} has not begun yet")
             await asyncio.sleep(0.05)  # its first request is still being admitted
+        if state == "done" and not await self._redis.exists(stream_key(key)):
+            raise RouteNotFound(f"the stream for Idempotency-Key {key!r} is no longer kept")
         return SSEResponse(self._readers.tail(key, after), self._keepalive)
 
     async def _end_stream(
         self, upstreams: list[Upstream | None], record: RequestRecord, ctx: RequestContext,
-        outcome: str | SluiceError, completed: bool,
+        outcome: str | SluiceError,
     ) -> None:
-        """Close upstreams, finish the record, settle key and charge. Safe to call twice."""
+        """Close upstreams, finish the record, settle the charge. Safe to call twice. (The
+        Idempotency-Key's fate is its owner's, decided once the journal is written.)"""
         await _close(upstreams)
         record.finish(outcome)
-        if not ctx.stream_settled:
-            ctx.stream_settled = True
-            await self._settle_stream(ctx, completed)
         await self._settle_usage(ctx, record.prompt_tokens + record.completion_tokens)
 
     async def _settle_usage(self, ctx: RequestContext, used_tokens: int) -> None:
@@ -322,17 +357,6 @@ class Serving:
         except (RedisError, OSError) as exc:
             log.warning("could not settle the rate-limit charge of %s: %s", ctx.request_id, exc)
 
-    async def _settle_stream(self, ctx: RequestContext, completed: bool) -> None:
-        if ctx.idempotency_key is None:
-            return
-        try:
-            if completed:
-                await self._idempotency.complete(ctx.idempotency_key, ctx.fingerprint, True, None)
-            else:
-                await self._idempotency.forget(ctx.idempotency_key)
-        except (RedisError, OSError) as exc:
-            log.warning("could not settle Idempotency-Key %s: %s", ctx.idempotency_key, exc)
-
     async def _end_json(self, upstreams: list[Upstream | None], ctx: RequestContext) -> None:
         """A JSON answer's clean-up: close upstreams, finish the record, settle the charge."""
         await _close(upstreams)
@@ -340,8 +364,30 @@ class Serving:
         await self._settle_usage(ctx, ctx.record.prompt_tokens + ctx.record.completion_tokens)
 
 
+class _Ending:
+    """How a resumable stream's generation ended: its ``end`` settles like any stream's and
+    notes whether it completed, for its owner's decision on the key once the journal is
+    written."""
+
+    def __init__(self, settle: Callable[[str | SluiceError], Awaitable[None]], owner: str) -> None:
+        self._settle = settle
+        self.owner = owner
+        self.completed = False
+
+    async def end(self, outcome: str | SluiceError, completed: bool) -> None:
+        self.completed = self.completed or completed  # a later clean-up call does not undo it
+        await self._settle(outcome)
+
+
 async def _close(upstreams: list[Upstream | None]) -> None:
-    """Close every upstream opened so far (a take-over's choice may have none yet)."""
+    """Close every upstream opened so far (a take-over's choice may have none yet). One
+    that fails to close does not keep the others, and their slots, open."""
+    failure: Exception | None = None
     for upstream in upstreams:
         if upstream is not None:
-            await upstream.aclose()
+            try:
+                await upstream.aclose()
+            except Exception as exc:  # re-raised once every upstream had its turn
+                failure = failure or exc
+    if failure is not None:
+        raise failure

@@ -3,14 +3,17 @@
 A resumable stream (``Idempotency-Key``) is journaled event by event, each event
 before its client sees it (gateway/journal.py). Next to the SSE bytes, every event
 that carries tokens records them, one line per upstream line, lines joined by ``;``:
-``choice|token ids,comma,separated|characters[|finish|prompt tokens]`` (the last two
-only once a choice finishes or its usage is known; ~8 bytes for one token where the
-JSON list it replaced took ~22).
+``choice|token ids,comma,separated|characters[|finish|prompt tokens|cached tokens]``
+(the last three only once a choice finishes or its usage is known; ~8 bytes for one
+token where the JSON list it replaced took ~22; JSON lists of 5 or 6 fields, as older
+gateways wrote them, still read).
 With the stream's :class:`Plan` (the request, its ids and deadline, written when it
 started), any gateway can continue it once its producer's ``:live`` expired:
 
-1. claim ``:live`` (``SET NX``): one gateway wins, the others' readers wait for it; it
-   lets go of ``:live`` only by compare-and-delete, so it can never free the stream
+1. claim ``:live`` (``SET NX``): one gateway wins, the others' readers wait for it; the
+   same script makes it the Idempotency-Key's owner (gateway/idempotency.py), so the
+   gateway it took the stream from, if it was only stalled, can no longer settle the key.
+   It lets go of ``:live`` only by compare-and-delete, so it can never free the stream
    for a third gateway while a second one produces it;
 2. read plan and journal: per choice, the ids and characters its clients have, and
    whether it finished. The journal must hold events 1..N, every one: a journal Redis
@@ -80,9 +83,18 @@ class Recovered:
     progress: dict[int, Progress] = field(default_factory=dict)  # unfinished choices
     offsets: dict[int, int] = field(default_factory=dict)  # characters sent, per started choice
     completion_tokens: int = 0
-    prompt_tokens: int = 0  # of the choices that finished
     stored_bytes: int = 0  # what the journal takes in Redis (as JournalWriter counts it)
     plan_bytes: int = 0
+    #: (prompt, cached) tokens each finished choice's usage reported (the worker counts the
+    #: prompt for every choice it generates).
+    prompts: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def prompt_usage(self, n: int) -> tuple[int, int]:
+        """The (prompt, cached) tokens the client is billed for so far: once per prompt, so
+        only the first choice of each prompt's ``n`` counts (as in gateway/record.py); a
+        prompt whose first choice is still to be continued counts when that choice finishes."""
+        firsts = [tokens for index, tokens in self.prompts.items() if index % n == 0]
+        return sum(p for p, _ in firsts), sum(c for _, c in firsts)
 
 
 class LineTap:
@@ -109,23 +121,28 @@ class LineTap:
 
 def _state_line(index: int, line: Line) -> bytes:
     parts = [str(index), ",".join(map(str, line.get("ids", ()))), str(len(line.get("text", "")))]
-    finish, prompt = line.get("finish_reason"), int((line.get("usage") or {}).get("prompt_tokens", 0))
-    if finish is not None or prompt:
-        parts += [finish or "", str(prompt)]
+    usage = line.get("usage") or {}
+    finish, prompt, cached = line.get("finish_reason"), int(usage.get("prompt_tokens", 0)), \
+        int(usage.get("cached_tokens", 0))
+    if finish is not None or prompt or cached:
+        parts += [finish or "", str(prompt), str(cached)]
     return "|".join(parts).encode()
 
 
-def _state_lines(state: bytes) -> list[tuple[int, list[int], int, str | None, int]]:
-    """``take``'s state read back; also the JSON lists gateways wrote before it."""
+def _state_lines(state: bytes) -> list[tuple[int, list[int], int, str | None, int, int]]:
+    """``take``'s state read back; also the JSON lists older gateways wrote (5 fields
+    before cached tokens were recorded, then 6)."""
     if not state:
         return []
     if state.startswith(b"["):
-        return [(i, ids, chars, finish, prompt) for i, ids, chars, finish, prompt in orjson.loads(state)]
+        return [(i, ids, chars, finish, prompt, cached[0] if cached else 0)
+                for i, ids, chars, finish, prompt, *cached in orjson.loads(state)]
     lines = []
     for raw in state.decode().split(";"):
         index, ids, chars, *rest = raw.split("|")
-        finish, prompt = (rest[0] or None, int(rest[1])) if rest else (None, 0)
-        lines.append((int(index), [int(t) for t in ids.split(",")] if ids else [], int(chars), finish, prompt))
+        finish, prompt, cached = (rest[0] or None, int(rest[1]), int(rest[2]) if len(rest) > 2 else 0) if rest \
+            else (None, 0, 0)
+        lines.append((int(index), [int(t) for t in ids.split(",")] if ids else [], int(chars), finish, prompt, cached))
     return lines
 
 
@@ -150,9 +167,10 @@ async def recover(redis: Redis, scope: str) -> tuple[Plan, Recovered] | None:
         state.last = number
         state.done |= fields.get(b"d") == DONE
         state.stored_bytes += len(fields.get(b"d", b"")) + len(fields.get(b"s", b"")) + ENTRY_OVERHEAD
-        for index, ids, chars, finish, prompt in _state_lines(fields.get(b"s", b"")):
+        for index, ids, chars, finish, prompt, cached in _state_lines(fields.get(b"s", b"")):
             sent[index].extend(ids)
-            state.prompt_tokens += prompt
+            if finish is not None:
+                state.prompts[index] = (prompt, cached)
             state.offsets[index] = state.offsets.get(index, 0) + chars
             state.completion_tokens += len(ids)
             if finish is not None:

@@ -26,7 +26,7 @@ import orjson
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from gateway.admission import Admission, Ask, Lease
+from gateway.admission import REGISTRY_REBUILDING, Admission, Ask, Lease
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
 from gateway.direct import DeltaLines, DirectRelay
@@ -296,8 +296,9 @@ class Dispatcher:
                 )
             except ModelNotFound:
                 raise
-            except SluiceError:
-                ctx.record.known_model()  # full, timed out, no live worker: the model exists
+            except SluiceError as exc:
+                if exc.code != REGISTRY_REBUILDING:  # full, timed out, no live worker: the model exists
+                    ctx.record.known_model()
                 raise
             ctx.record.known_model()
             queue_span.set_attributes({"sluice.worker_id": ",".join(sorted({x.worker_id for x in leases})),

@@ -5,7 +5,11 @@ admission script touches a single Redis Cluster slot; every script receives all
 of its keys in ``KEYS`` (nothing is derived inside Lua). Keys of other families
 carry their own hash tag for the same reason.
 
-    sl:models                      set of model names ever registered (directory)
+    sl:models                      set of models with workers (directory); a model leaves it once its
+                                   last worker has been gone for MODEL_FORGET_S (with its keys)
+    sl:epoch                       hash {id, at, lost}: this Redis's registry generation; a new id
+                                   means Redis lost its data (gateways re-queue their waiters)
+    sl:reaper                      held for one reap period by the gateway process that reaps
 
     sl:{m}:workers                 hash worker id -> JSON {id, url, engine, capacity}
     sl:{m}:alive                   hash worker id -> heartbeat expiry (ms, Redis clock)
@@ -27,14 +31,19 @@ carry their own hash tag for the same reason.
     sl:{m}:prefix:lru              zset prefix block hash -> last use (ms); the oldest go past the cap
     sl:{m}:prefill                 hash worker id -> uncached prompt blocks of its leases (cache routing)
     sl:{m}:lease_prefill           hash lease id -> uncached prompt blocks it added to its worker's count
+    sl:{m}:vacant                  since when (ms) the model has had no worker, lease or waiter
+
+Nothing here is created for a model without a registered worker: a client naming a model
+creates no key (``check_model_name`` bounds the name itself).
 
     sl:apikeys                     set of API key prefixes
     sl:apikey:{prefix}             hash: one API key's record
     sl:rl:{prefix}                 hash: the key's token buckets
     sl:rl:{prefix}:streams         zset: the key's running generations -> expiry (ms)
-    sl:idem:{scope}                an Idempotency-Key's record
+    sl:idem:{scope}                hash: an Idempotency-Key's record (state, body hash, owner token, ...)
     sl:journal:{scope}             stream: a resumable stream's SSE events
-    sl:journal:{scope}:live        the producing gateway's token, while it produces that stream
+    sl:journal:{scope}:live        the token of the key's live owner: the gateway producing its stream, or
+                                   holding its pending claim (3 s TTL, renewed while it lives)
     sl:journal:{scope}:plan        what another gateway needs to take that stream over
     sl:journal:{scope}:head        the bytes every chunk event of that stream starts with
 
@@ -48,10 +57,23 @@ carry their own hash tag for the same reason.
 from __future__ import annotations
 
 import functools
+import re
 from typing import NamedTuple
 
 MODELS = "sl:models"
 API_KEYS = "sl:apikeys"
+EPOCH = "sl:epoch"
+REAPER = "sl:reaper"
+
+#: A model name is part of every key of its model (and of its Cluster hash tag): at most
+#: this long, of these characters (Hugging Face ids, folder names, ``name:tag``).
+MODEL_NAME_MAX_CHARS = 256
+_MODEL_NAME = re.compile(r"[A-Za-z0-9._:/@+=-]+")
+#: A model whose last worker has been gone this long leaves the directory, and its keys go.
+MODEL_FORGET_S = 600.0
+#: For this long after Redis lost its data, the registry may still miss workers that have
+#: not beaten since: an unknown model is "retry soon" (503), not "does not exist" (404).
+REGISTRY_REBUILD_S = 30.0
 
 #: A worker that misses this many heartbeats in a row stops getting traffic.
 HEARTBEAT_MISSES = 3
@@ -64,6 +86,15 @@ GRANTS_KEPT = 10_000
 #: and workers remembered per block (the oldest holder dropped first).
 PREFIX_BLOCKS_KEPT = 200_000
 PREFIX_HOLDERS = 4
+
+
+def model_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a model name, or None when it can."""
+    if len(name) > MODEL_NAME_MAX_CHARS:
+        return f"a model name is at most {MODEL_NAME_MAX_CHARS} characters"
+    if not _MODEL_NAME.fullmatch(name):
+        return "a model name is letters, digits and . _ : / @ + = -"
+    return None
 
 
 def _tag(model: str) -> str:
@@ -131,7 +162,7 @@ class AdmissionKeys(NamedTuple):
     lease_prefill: str
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=256)
 def admission(model: str) -> AdmissionKeys:
     """Built once per model: every admission script call passes them."""
     t = _tag(model)
@@ -144,6 +175,15 @@ def admission(model: str) -> AdmissionKeys:
         prefix=prefix_index(model)[0], prefix_lru=prefix_index(model)[1],
         prefill=prefill(model), lease_prefill=t + ":lease_prefill",
     )
+
+
+def vacant(model: str) -> str:
+    return _tag(model) + ":vacant"
+
+
+def model_keys(model: str) -> list[str]:
+    """Every key of one model, for the script that forgets a model nobody serves."""
+    return [*admission(model), stats(model), vacant(model)]
 
 
 def prefix_index(model: str) -> list[str]:
@@ -167,7 +207,8 @@ def rate_limits(prefix: str) -> list[str]:
 
 
 def idempotency(scope: str) -> str:
-    return "sl:idem:" + scope
+    # The journal's hash tag: scripts check the record and the journal's keys together.
+    return "sl:idem:{" + scope + "}"
 
 
 def journal(scope: str) -> str:

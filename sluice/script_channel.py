@@ -73,6 +73,10 @@ def _command(*words: Any) -> bytes:
     return b"*%d\r\n" % len(words) + b"".join(_bulk(w) for w in words)
 
 
+#: Packed key sets one script keeps (a few hundred models' worth).
+_HEADS_BYTES = 1 << 20
+
+
 class ChannelScript:
     """One Lua script on a :class:`ScriptChannel`, called like redis-py's."""
 
@@ -80,16 +84,21 @@ class ChannelScript:
         self._channel = channel
         self._source = source
         self._sha = hashlib.sha1(source.encode()).hexdigest()
-        #: The packed "EVALSHA sha numkeys key..." part, per key set.
+        #: The packed "EVALSHA sha numkeys key..." part, per key set (keys name what clients
+        #: name: bounded by bytes, emptied when full).
         self._heads: dict[tuple[str, ...], bytes] = {}
+        self._head_bytes = 0
 
     async def __call__(self, keys: Sequence[str] = (), args: Sequence[Any] = ()) -> Any:
         key_set = tuple(keys)
         head = self._heads.get(key_set)
         if head is None:
-            if len(self._heads) > 1024:
+            head = b"".join(_bulk(w) for w in ("EVALSHA", self._sha, len(key_set), *key_set))
+            if self._head_bytes + len(head) > _HEADS_BYTES:
                 self._heads.clear()
-            head = self._heads[key_set] = b"".join(_bulk(w) for w in ("EVALSHA", self._sha, len(key_set), *key_set))
+                self._head_bytes = 0
+            self._heads[key_set] = head
+            self._head_bytes += len(head)
         packed = b"*%d\r\n%b%b" % (3 + len(key_set) + len(args), head, b"".join(_bulk(a) for a in args))
         reply = await self._channel.request(packed)
         if isinstance(reply, hiredis.ReplyError) and str(reply).startswith("NOSCRIPT"):

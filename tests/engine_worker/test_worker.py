@@ -8,8 +8,12 @@ import time
 import httpx
 import openai
 import orjson
+import pytest
 
+from engine_worker.config import WorkerSettings
+from engine_worker.worker import served_name
 from sluice import keys
+from sluice.models import ModelError
 from tests.conftest import running, wait_for
 
 
@@ -73,3 +77,18 @@ def test_metrics_and_heartbeat_carry_engine_stats(start_worker, redis_client) ->
     assert set(beat) >= {"running", "waiting", "kv_usage", "prefix_queries", "prefix_hits"}
     record = orjson.loads(redis_client.hget(keys.workers("metrics-test"), worker.name))
     assert record["capacity"] == 7
+
+
+def test_a_worker_refuses_a_model_name_the_gateways_would_refuse() -> None:
+    """Names are bounded at the gateway (length, characters): a worker serving a name no
+    client could send says so at start instead of registering a model nobody reaches."""
+    import pytest
+
+    from engine_worker.config import WorkerSettings
+    from engine_worker.worker import served_name
+    from sluice.models import ModelError
+
+    assert served_name(WorkerSettings(served_model_name="org/Model-1.5B:q4")) == "org/Model-1.5B:q4"
+    for bad in ("my model", "a{b}", "m" * 257):
+        with pytest.raises(ModelError, match="model name"):
+            served_name(WorkerSettings(served_model_name=bad))

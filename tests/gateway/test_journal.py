@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 
 import pytest
 
+from gateway.idempotency import Idempotency
 from gateway.journal import (
     DONE,
     JournalCommitter,
@@ -21,6 +23,7 @@ from gateway.journal import (
 )
 from gateway.journal_readers import JournalReaders
 from sluice import keys
+from sluice.errors import DeadlineExceeded
 from sluice.redis_pool import RedisClient, create_pool
 
 
@@ -37,6 +40,19 @@ async def committer(redis: RedisClient) -> AsyncIterator[JournalCommitter]:
     writes = JournalCommitter(redis)
     yield writes
     await writes.close()
+
+
+@pytest.fixture
+async def idem(redis: RedisClient) -> AsyncIterator[Idempotency]:
+    records = Idempotency(redis, ttl_s=60)
+    yield records
+    await records.close()
+
+
+async def _claim(idem: Idempotency, key: str, owner: str, plan: bytes = b"{}") -> bool:
+    """Claim ``key``'s stream for ``owner`` as a request with that Idempotency-Key does."""
+    claimed = await idem.claim(key, "fp", True, time.monotonic() + 10, owner)
+    return claimed is None and await idem.promote(key, owner, "fp", 10, plan)
 
 
 @pytest.fixture
@@ -61,11 +77,11 @@ def _expected(n: int, after: int = 0) -> list[bytes]:
 
 
 async def test_a_first_reader_that_falls_behind_goes_on_from_the_journal(
-    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter
+    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter, idem: Idempotency
 ) -> None:
     key = uuid.uuid4().hex
+    assert await _claim(idem, key, "t")
     writer = JournalWriter(committer, key, ttl_s=60, owner="t")
-    assert await writer.claim()
     first = writer.subscribe(readers.tail, lag_max=4)
     producer = await start_producer(writer, _events(100), _nothing)
     await producer  # all produced while nobody read
@@ -73,12 +89,12 @@ async def test_a_first_reader_that_falls_behind_goes_on_from_the_journal(
 
 
 async def test_readers_of_several_streams_at_any_position_get_the_rest(
-    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter
+    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter, idem: Idempotency
 ) -> None:
     keys = [uuid.uuid4().hex for _ in range(4)]  # on a cluster, in different slots
     for key in keys:
+        assert await _claim(idem, key, "t")
         writer = JournalWriter(committer, key, ttl_s=60, owner="t")
-        assert await writer.claim()
         await writer.run(_events(600), _nothing)
 
     async def read(key: str, after: int) -> list[bytes]:
@@ -103,16 +119,16 @@ async def test_readers_of_a_stream_whose_producer_is_gone_get_the_error(
 
 
 async def test_a_producer_taken_over_stops_writing_and_its_reader_follows_the_journal(
-    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter
+    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter, idem: Idempotency
 ) -> None:
     """A gateway that stalled past ``:live``'s TTL while another took its stream over must
     not write on (two producers would interleave their events)."""
     key = uuid.uuid4().hex
+    assert await _claim(idem, key, "stalled")
     stalled = JournalWriter(committer, key, ttl_s=60, owner="stalled")
-    assert await stalled.claim()
     first = stalled.subscribe(readers.tail)
     await redis.set(live_key(key), "taker", px=60_000)  # another gateway took over
-    assert not await JournalWriter(committer, key, ttl_s=60, owner="third").claim(take_over=True)
+    assert not await idem.take_stream(key, "third")
 
     async def taker() -> None:  # the taker writes events 1..3 and ends the stream
         for number, data in enumerate([b"data: 1\n\n", b"data: 2\n\n", b"data: 3\n\n", DONE], start=1):
@@ -127,13 +143,13 @@ async def test_a_producer_taken_over_stops_writing_and_its_reader_follows_the_jo
 
 
 async def test_a_journal_past_20000_events_is_not_trimmed_for_late_or_slow_readers(
-    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter
+    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter, idem: Idempotency
 ) -> None:
     """Regression: XADD MAXLEN ~ 20000 trimmed long journals silently; a re-attach after
     event 10 resumed at 4001, and a slow first client skipped events the same way."""
     key = uuid.uuid4().hex
+    assert await _claim(idem, key, "t")
     writer = JournalWriter(committer, key, ttl_s=60, owner="t")
-    assert await writer.claim()
     slow = writer.subscribe(readers.tail, lag_max=4)  # falls behind at once: reads the journal
     await (await start_producer(writer, _events(24_000), _nothing))
     assert await redis.xlen(stream_key(key)) == 24_001
@@ -167,11 +183,11 @@ async def test_a_reader_gets_an_error_instead_of_a_gap_in_the_journal(
 
 
 async def test_a_stream_past_its_event_bound_ends_with_an_error(
-    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter
+    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter, idem: Idempotency
 ) -> None:
     key = uuid.uuid4().hex
+    assert await _claim(idem, key, "t")
     writer = JournalWriter(committer, key, ttl_s=60, owner="t", max_events=50)
-    assert await writer.claim()
     first = writer.subscribe(readers.tail)
     await (await start_producer(writer, _events(100), _nothing))
     got = [event async for event in first.events()]
@@ -183,14 +199,14 @@ async def test_a_stream_past_its_event_bound_ends_with_an_error(
 
 
 async def test_a_journal_redis_lost_is_reclaimed_and_its_first_reader_goes_on(
-    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter
+    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter, idem: Idempotency
 ) -> None:
     """Regression: Redis losing ``:live`` (a restart without persistence, FLUSHALL, a
     failover) was taken for a take-over: every resumable stream in flight ended with
     "producer is gone" while plain streams went on."""
     key = uuid.uuid4().hex
+    assert await _claim(idem, key, "t")
     writer = JournalWriter(committer, key, ttl_s=60, owner="t")
-    assert await writer.claim()
     first = writer.subscribe(readers.tail)
     lost = asyncio.Event()
 
@@ -217,13 +233,13 @@ async def test_a_journal_redis_lost_is_reclaimed_and_its_first_reader_goes_on(
 
 
 async def test_a_producer_whose_journal_another_gateway_continued_does_not_write_on(
-    redis: RedisClient, committer: JournalCommitter
+    redis: RedisClient, committer: JournalCommitter, idem: Idempotency
 ) -> None:
     """``:live`` missing is a re-claim only if nobody wrote past this producer: a gateway
     that stalled while another took its stream over and finished it must not append."""
     key = uuid.uuid4().hex
+    assert await _claim(idem, key, "stalled")
     stalled = JournalWriter(committer, key, ttl_s=60, owner="stalled")
-    assert await stalled.claim()
     taken = asyncio.Event()
 
     async def events() -> AsyncIterator[bytes]:
@@ -249,14 +265,14 @@ async def test_a_producer_whose_journal_another_gateway_continued_does_not_write
 
 
 async def test_a_producer_that_lost_live_never_deletes_the_new_owners(
-    redis: RedisClient, committer: JournalCommitter
+    redis: RedisClient, committer: JournalCommitter, idem: Idempotency
 ) -> None:
     """Regression: a producer deleted ``:live`` unchecked when it ended, so one that stalled
     past the TTL after its last write freed the stream another gateway had taken over,
     and a third could take it over too: two producers of one stream."""
     key = uuid.uuid4().hex
+    assert await _claim(idem, key, "stalled")
     stalled = JournalWriter(committer, key, ttl_s=60, owner="stalled")
-    assert await stalled.claim()
 
     async def stall_then_taken_over() -> None:  # the generation's clean-up: the stall
         while await redis.xlen(stream_key(key)) < 6:  # everything written, [DONE] included
@@ -266,46 +282,85 @@ async def test_a_producer_that_lost_live_never_deletes_the_new_owners(
 
     await stalled.run(_events(5), stall_then_taken_over)
     assert await redis.get(live_key(key)) == b"taker"
-    assert not await JournalWriter(committer, key, ttl_s=60, owner="third").claim(take_over=True)
+    assert not await idem.take_stream(key, "third")
     await redis.delete(stream_key(key), live_key(key))
 
 
-async def test_two_take_overs_race_and_only_one_produces(redis: RedisClient, committer: JournalCommitter) -> None:
+async def test_two_take_overs_race_and_only_one_produces(redis: RedisClient, committer: JournalCommitter,
+                                                        idem: Idempotency) -> None:
     """Two gateways whose readers found the producer gone at the same moment: one claims
     the stream; the other, however late its claim, never produces it as well."""
     key = uuid.uuid4().hex
     for _ in range(20):
-        writers = [JournalWriter(committer, key, ttl_s=60, owner=f"taker-{i}") for i in range(2)]
-        won = await asyncio.gather(*(w.claim(take_over=True) for w in writers))
+        won = await asyncio.gather(*(idem.take_stream(key, f"taker-{i}") for i in range(2)))
         assert sorted(won) == [False, True]
-        loser = writers[won.index(False)]
-        await loser.release()  # the loser lets go of nothing it does not hold
-        assert await redis.get(live_key(key)) == f"taker-{won.index(True)}".encode()
-        await writers[won.index(True)].release()
+        winner, loser = f"taker-{won.index(True)}", f"taker-{won.index(False)}"
+        assert not await committer.release(key, loser)  # the loser lets go of nothing it does not hold
+        assert await redis.get(live_key(key)) == winner.encode()
+        assert await committer.release(key, winner)
         assert await redis.get(live_key(key)) is None
 
 
 async def test_a_new_attempt_never_takes_a_stream_another_producer_still_writes(
-    redis: RedisClient, committer: JournalCommitter
+    redis: RedisClient, committer: JournalCommitter, idem: Idempotency
 ) -> None:
     """Regression: a new request with the key claimed ``:live`` unchecked (and first deleted
     the journal under it): the producer still writing lost its stream, and its readers
     read on into the new generation, a splice of two."""
     key = uuid.uuid4().hex
-    writer = JournalWriter(committer, key, ttl_s=60, owner="first")
-    assert await writer.claim(plan=b"{}")
-    await writer.run(_events(3), _nothing)  # written, and :live let go at the end
-    producing = JournalWriter(committer, key, ttl_s=60, owner="second")
-    assert await producing.claim(plan=b"{}")  # a new attempt: the earlier one's journal is dropped
+    assert await _claim(idem, key, "first")
+    await JournalWriter(committer, key, ttl_s=60, owner="first").run(_events(3), _nothing)
+    await idem.settle(key, "first", completed=False)  # it failed: a retry runs it again
+    assert await _claim(idem, key, "second")  # a new attempt: the earlier one's journal is dropped
     assert await redis.xlen(stream_key(key)) == 0
-    assert not await JournalWriter(committer, key, ttl_s=60, owner="third").claim(plan=b"{}")
+    assert await idem.claim(key, "fp", True, time.monotonic() + 10, "third") == "attach"
+    await redis.delete(keys.idempotency(key))  # Redis lost the record, not the producer's :live
+    with pytest.raises(DeadlineExceeded):  # the key's owner lives: a retry waits, never claims it
+        await idem.claim(key, "fp", True, time.monotonic() + 0.2, "third")
     assert await redis.get(live_key(key)) == b"second"
-    await producing.release()
+    await committer.release(key, "second")
     await redis.delete(stream_key(key), keys.journal_plan(key))
 
 
+async def test_a_producer_restores_the_key_record_redis_lost(
+    redis: RedisClient, committer: JournalCommitter, idem: Idempotency
+) -> None:
+    """Regression: Redis losing its data (FLUSHALL, a restart without persistence) lost the
+    Idempotency-Key's record while the producer went on: a re-attach got 404 and a retry
+    with the key claimed it afresh, a second generation. The producer's next write
+    restores the record (and ``:live``); a retry waiting meanwhile attaches to its stream."""
+    key = uuid.uuid4().hex
+    assert await _claim(idem, key, "t")
+    writer = JournalWriter(committer, key, ttl_s=60, owner="t", fingerprint="fp")
+    lost, resume = asyncio.Event(), asyncio.Event()
+
+    async def events() -> AsyncIterator[bytes]:
+        yield b"data: 1\n\n"
+        while await redis.xlen(stream_key(key)) < 1:
+            await asyncio.sleep(0.01)
+        await redis.delete(keys.idempotency(key), live_key(key), stream_key(key))  # Redis lost it all
+        lost.set()
+        yield b"data: 2\n\n"
+        await resume.wait()
+        yield DONE
+
+    producer = await start_producer(writer, events(), _nothing)
+    await lost.wait()
+    while await redis.xlen(stream_key(key)) < 1:  # event 2 written: the producer wrote on
+        await asyncio.sleep(0.01)
+    record = await idem.lookup(key)
+    assert record is not None and record.get("owner") == "t" and record.get("state") == "streaming", record
+    assert await idem.claim(key, "fp", True, time.monotonic() + 10, "retry") == "attach"  # not a new generation
+    resume.set()
+    await producer
+    await idem.settle(key, "t", completed=True)  # its owner settles it, as after any stream
+    assert (await idem.lookup(key) or {}).get("state") == "done"
+    assert await redis.get(live_key(key)) is None
+    await redis.delete(stream_key(key))
+
+
 async def test_a_streams_plan_lives_as_long_as_its_journal_and_goes_with_its_end(
-    redis: RedisClient, committer: JournalCommitter
+    redis: RedisClient, committer: JournalCommitter, idem: Idempotency
 ) -> None:
     """The plan was set once, for the TTL, at the start: a stream running close to it
     became impossible to take over; and a finished one kept its request body an hour."""
@@ -315,13 +370,14 @@ async def test_a_streams_plan_lives_as_long_as_its_journal_and_goes_with_its_end
         for i in range(1, 4):
             yield b"data: %d\n\n" % i
 
+    assert await _claim(idem, key, "t")
     writer = JournalWriter(committer, key, ttl_s=60, owner="t")
-    assert await writer.claim(plan=b"{}")
     await redis.pexpire(keys.journal_plan(key), 2000)  # close to its end
     await writer.run(unfinished(), _nothing)
     assert await redis.pttl(keys.journal_plan(key)) > 50_000
+    await idem.settle(key, "t", completed=False)  # it failed: its key is forgotten, a retry runs again
+    assert await _claim(idem, key, "u")
     finished = JournalWriter(committer, key, ttl_s=60, owner="u", done_ttl_s=5)
-    assert await finished.claim(plan=b"{}")
     await finished.run(_events(3), _nothing)
     assert not await redis.exists(keys.journal_plan(key))
     assert 0 < await redis.pttl(stream_key(key)) <= 5000

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -16,7 +17,7 @@ import redis
 from gateway.idempotency import scoped
 from sluice import keys
 from sluice.embedded_redis import EmbeddedRedis
-from tests.conftest import ROOT
+from tests.conftest import ROOT, wait_for
 from tests.gateway.test_resumable import _events, _text
 
 
@@ -41,6 +42,19 @@ def _stream(url: str, body: dict[str, object], headers: dict[str, str], during=N
     return _events(lines)
 
 
+def _lose(holder: dict[str, EmbeddedRedis], loss: str) -> EmbeddedRedis:
+    """Redis loses its data: FLUSHALL, or a restart without persistence (same port). The
+    server it runs as now."""
+    server = holder["server"]
+    if loss == "flushall":
+        with redis.Redis.from_url(server.url) as client:
+            client.flushall()
+    else:
+        server.stop()
+        holder["server"] = EmbeddedRedis(port=server.port).start()
+    return holder["server"]
+
+
 def _errors(events) -> list[str]:
     return [d for _, d in events if d.startswith('{"error"')]
 
@@ -59,15 +73,8 @@ def test_a_resumable_stream_goes_on_when_redis_loses_its_data(private_redis, sta
                            timeout=60).json()["choices"][0]["text"]
     key = uuid.uuid4().hex
 
-    def lose() -> None:
-        if loss == "flushall":
-            with redis.Redis.from_url(server.url) as client:
-                client.flushall()
-        else:
-            server.stop()
-            private_redis["server"] = EmbeddedRedis(port=server.port).start()
-
-    events = _stream(gateway.url + "/v1/completions", body, {"Idempotency-Key": key}, lose, at=30)
+    events = _stream(gateway.url + "/v1/completions", body, {"Idempotency-Key": key},
+                     lambda: _lose(private_redis, loss), at=30)
     assert not _errors(events), _errors(events)
     assert [i for i, _ in events if i is not None] == list(range(1, 151))
     assert events[-1][1] == "[DONE]"
@@ -80,6 +87,43 @@ def test_a_resumable_stream_goes_on_when_redis_loses_its_data(private_redis, sta
     # One that saw event 140 gets the rest, exactly.
     with httpx.stream("GET", f"{gateway.url}/v1/streams/{key}", headers={"Last-Event-ID": "140"}, timeout=30) as r:
         assert _events(r.iter_lines()) == events[140:]
+
+
+@pytest.mark.parametrize("loss", ["flushall", "restart"])
+def test_a_retry_after_redis_lost_its_data_attaches_to_the_running_stream(private_redis, start_worker,
+                                                                          start_gateway, loss: str) -> None:
+    """Regression: Redis losing its data lost the Idempotency-Key's record while the
+    producer went on: GET /v1/streams/{key} was 404 until the stream ended, and a retry
+    with the key found no stream to follow. The producer restores the record with its
+    next write; a re-attach and a retry during the stream both follow the one generation."""
+    server = private_redis["server"]
+    start_worker("restored", redis_at=server.url, sim_token_ms=20, sim_ttft_ms=0)
+    gateway = start_gateway(redis_at=server.url)
+    body = {"model": "restored", "prompt": "a story", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    key = uuid.uuid4().hex
+    live = keys.journal_live(scoped("-", key))
+    got: dict[str, object] = {}
+
+    def follow(name: str, method: str, path: str) -> None:
+        with httpx.stream(method, gateway.url + path, json=body if method == "POST" else None, timeout=60,
+                          headers={"Idempotency-Key": key, "Last-Event-ID": "150"}) as r:
+            got[name] = (r.status_code, _events(r.iter_lines()))
+
+    followers = [threading.Thread(target=follow, args=("reattach", "GET", f"/v1/streams/{key}")),
+                 threading.Thread(target=follow, args=("retry", "POST", "/v1/completions"))]
+
+    def lose_then_follow() -> None:
+        with redis.Redis.from_url(_lose(private_redis, loss).url) as client:
+            wait_for(lambda: client.exists(live) == 1, 10, "the producer to write on")
+        for follower in followers:
+            follower.start()
+
+    events = _stream(gateway.url + "/v1/completions", body, {"Idempotency-Key": key}, lose_then_follow, at=30)
+    for follower in followers:
+        follower.join(60)
+    assert [i for i, _ in events if i is not None] == list(range(1, 201)) and not _errors(events)
+    assert got["reattach"] == (200, events[150:])
+    assert got["retry"] == (200, events[150:])  # the same events: no second generation
 
 
 def test_a_resumable_request_whose_history_cannot_fit_is_refused_up_front(stack) -> None:

@@ -340,3 +340,130 @@ async def test_a_tenant_served_at_once_is_charged_like_one_served_from_the_queue
     # earlier, so B goes first though A asked first; then they alternate (start-time fair
     # queuing gives no credit for idle time). Uncharged, A would have gone first.
     assert order == ["B", "A", "B", "A"], order
+
+
+async def _blocked_script(redis: object) -> None:
+    """Wait until a script call sits in Redis, held by CLIENT PAUSE."""
+    for _ in range(500):
+        if any(c.get("cmd") == "evalsha" and "b" in c.get("flags", "")
+               for c in await redis.client_list()):  # type: ignore[attr-defined]
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("no script call ever reached Redis")
+
+
+@pytest.fixture
+async def single(redis_url: str) -> AsyncIterator[Fleet]:
+    """A fleet on one plain Redis server (CLIENT PAUSE holds every script call of the
+    gateway's one script connection, in order)."""
+    client = await create_pool(redis_url, max_connections=16)
+    f = Fleet(client, redis_url)
+    yield f
+    await f.close()
+    await client.aclose()
+
+
+@pytest.mark.parametrize("queued", [False, True], ids=["granted", "queued"])
+async def test_a_cancelled_acquire_holds_no_slot_and_leaves_no_queue_entry(single: Fleet, queued: bool) -> None:
+    """Regression: a request cancelled while its ACQUIRE was in flight (a client leaving during
+    a migration's re-acquire) left what the script did behind: a granted slot held for the
+    lease TTL (60 s here), or a queue entry that later took a slot nobody claimed."""
+    fleet = single
+    await fleet.worker(capacity=1)
+    gw = await fleet.gateway(lease_ttl_s=60, queue_timeout_s=30)
+    held = (await gw.acquire(fleet.ask()))[0] if queued else None
+    if held is None:
+        await gw.release((await gw.acquire(fleet.ask()))[0])  # the scripts are loaded
+    await fleet.redis.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")  # type: ignore[attr-defined]
+    try:
+        task = asyncio.create_task(gw.acquire(fleet.ask(boost=True, exclude=("gone",))))
+        await _blocked_script(fleet.redis)
+        task.cancel()
+    finally:
+        await fleet.redis.execute_command("CLIENT", "UNPAUSE")  # type: ignore[attr-defined]
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    if held is not None:
+        await gw.release(held)  # its slot goes to the queue's head, if an entry was left there
+    # Through the same connection, so after everything the cancelled call left in Redis.
+    (lease,) = await gw.acquire(fleet.ask(timeout_s=1))
+    assert [m.decode() for m in await fleet.redis.zrange(keys.leases(fleet.model), 0, -1)] == [lease.lease_id]  # type: ignore[attr-defined]
+    await gw.release(lease)
+    assert not any([int(await fleet.redis.zcard(q)) for q in keys.queues(fleet.model)])  # type: ignore[attr-defined]
+
+
+async def test_a_grant_recovered_through_cancel_keeps_its_prefill_accounting(fleet: Fleet) -> None:
+    """Regression: a grant the waiter only learnt of through CANCEL (its listener never saw
+    it) lost its pending prefill, so its first token did not take it off its worker's
+    backlog (``sl:{m}:prefill``), which stayed inflated for the whole stream."""
+    worker = await fleet.worker(capacity=1)
+    gw = await fleet.gateway(routing="cache", queue_timeout_s=30)
+    (held,) = await gw.acquire(fleet.ask(blocks=("h1",)))
+    waiter = asyncio.create_task(gw.acquire(fleet.ask(blocks=("p1", "p2"), timeout_s=1.5)))
+    await _queued(fleet, 1)
+    for _ in range(500):
+        if fleet.model in gw.grants._loops:
+            break
+        await asyncio.sleep(0.01)
+    gw.grants._loops[fleet.model].cancel()  # deaf: the grant reaches the waiter through CANCEL only
+    await gw.release(held)
+    (lease,) = await asyncio.wait_for(waiter, 5)
+    backlog = keys.prefill(fleet.model)
+    assert int(await fleet.redis.hget(backlog, worker) or 0) == 2  # type: ignore[attr-defined]
+    gw.prefilled(lease)  # its first token
+    for _ in range(500):
+        if int(await fleet.redis.hget(backlog, worker) or 0) == 0:  # type: ignore[attr-defined]
+            break
+        await asyncio.sleep(0.01)
+    assert int(await fleet.redis.hget(backlog, worker) or 0) == 0  # type: ignore[attr-defined]
+    await gw.release(lease)
+
+
+async def test_one_gateway_process_reaps_per_period(single: Fleet) -> None:
+    """Regression: every gateway process ran REAP every second for every model ever
+    registered: Redis load grew with processes x models. Four processes now cost one reap
+    per model per period (and one SET each)."""
+    fleet = single
+    models = [fleet.model] + [f"{fleet.model}-{i}" for i in range(9)]
+    for model in models:
+        await Registration(fleet.redis, model=model, worker_id="w", url="http://127.0.0.1:9", engine="sim",
+                           capacity=1, heartbeat_ms=60_000, stats=lambda: {}).beat()
+    for _ in range(4):
+        await fleet.gateway(reap_interval_s=0.1)
+    listed = int(await fleet.redis.scard(keys.MODELS))  # type: ignore[attr-defined]  # earlier tests' too
+    await fleet.redis.config_resetstat()  # type: ignore[attr-defined]
+    window_s = 1.0
+    await asyncio.sleep(window_s)  # a measuring window, not a wait for an event
+    stats = await fleet.redis.info("commandstats")  # type: ignore[attr-defined]
+    reaps = int(stats.get("cmdstat_zrangebyscore", {}).get("calls", 0))  # REAP's first call, its alone
+    periods = window_s / 0.1 + 1
+    assert reaps <= periods * listed * 1.5, (reaps, periods, listed)  # four processes: ~4x that
+
+
+async def test_a_model_nobody_serves_leaves_the_directory_with_its_keys(fleet: Fleet) -> None:
+    """Regression: ``sl:models`` never shrank, so every reaper pass (and /metrics) went over
+    every model ever registered, and the keys of a model long gone stayed forever; the
+    engine stats of dead workers stayed too."""
+    stay = await fleet.worker(capacity=2)
+    gone = Registration(fleet.redis, model=fleet.model, worker_id="dies", url="http://127.0.0.1:9", engine="sim",
+                        capacity=1, heartbeat_ms=50, stats=lambda: {"running": 0})
+    await gone.beat()  # and never again: its heartbeat lapses
+    gw = await fleet.gateway(reap_interval_s=0.1, model_forget_s=0.5)
+    (lease,) = await gw.acquire(fleet.ask())
+    await gw.release(lease)
+    stats = keys.stats(fleet.model)
+    for _ in range(500):
+        if await fleet.redis.hkeys(stats) == [stay.encode()]:  # type: ignore[attr-defined]
+            break
+        await asyncio.sleep(0.01)
+    assert await fleet.redis.hkeys(stats) == [stay.encode()]  # type: ignore[attr-defined]
+    for reg in fleet._workers:
+        await reg.deregister()
+    await fleet.redis.hdel(keys.workers(fleet.model), stay, "dies")  # type: ignore[attr-defined]
+    for _ in range(500):
+        if not await fleet.redis.sismember(keys.MODELS, fleet.model):  # type: ignore[attr-defined]
+            break
+        await asyncio.sleep(0.01)
+    assert not await fleet.redis.sismember(keys.MODELS, fleet.model)  # type: ignore[attr-defined]
+    left = [k for k in keys.model_keys(fleet.model) if await fleet.redis.exists(k)]  # type: ignore[attr-defined]
+    assert left == []

@@ -20,15 +20,22 @@ def resumable(start_worker, start_gateway):
     return start_gateway()
 
 
-def _events(lines) -> list[tuple[int | None, str]]:
-    """(id, data) per SSE event from an iterator of lines."""
-    out, ident = [], None
+def _events(
+    lines, enough: Callable[[list[tuple[int | None, str]]], bool] | None = None,
+    out: list[tuple[int | None, str]] | None = None,
+) -> list[tuple[int | None, str]]:
+    """(id, data) per SSE event from an iterator of lines, appended to ``out`` as they
+    arrive; stops early once ``enough(out)``."""
+    out = [] if out is None else out
+    ident = None
     for line in lines:
         if line.startswith("id: "):
             ident = int(line[4:])
         elif line.startswith("data: "):
             out.append((ident, line[6:]))
             ident = None
+            if enough is not None and enough(out):
+                break
     return out
 
 

@@ -4,6 +4,8 @@ rest of the uninterrupted stream."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 import uuid
@@ -15,6 +17,7 @@ import pytest
 
 from gateway.idempotency import scoped
 from sluice import keys
+from tests.conftest import wait_for
 from tests.gateway.test_resumable import _events
 
 
@@ -45,18 +48,11 @@ def test_a_stream_whose_gateway_was_killed_is_continued_by_another(two_gateways,
     reference = _events(httpx.post(first.url + "/v1/chat/completions", json=body, timeout=60).iter_lines())
     key = uuid.uuid4().hex
 
-    seen: list[tuple[int | None, str]] = []
     with httpx.stream("POST", dying.url + "/v1/chat/completions", json=body,
                       headers={"Idempotency-Key": key}, timeout=60) as r:
-        lines = r.iter_lines()
-        for line in lines:
-            seen += _events([line]) if line.startswith("data: ") else []
-            if line.startswith("id: "):
-                seen.append((int(line[4:]), ""))
-            if len([e for e in seen if e[1]]) >= 40:
-                break
+        lines = r.iter_lines()  # keep a reference: a dropped iterator closes the stream
+        seen = _events(lines, lambda events: len(events) >= 40)
         dying.kill()  # SIGKILL mid-stream: no clean-up, its journal just stops
-    seen = _pair(seen)
     last = max(i for i, _ in seen if i is not None)
     started = time.monotonic()
     with httpx.stream("GET", other.url + f"/v1/streams/{key}", headers={"Last-Event-ID": str(last)},
@@ -78,32 +74,106 @@ def test_a_stream_whose_gateway_was_killed_is_continued_by_another(two_gateways,
         assert _events(r.iter_lines()) == whole
 
 
-def _pair(seen: list[tuple[int | None, str]]) -> list[tuple[int | None, str]]:
-    """Join the ``id:`` lines read one by one with the data line that follows each."""
-    out: list[tuple[int | None, str]] = []
-    pending = None
-    for ident, data in seen:
-        if not data:
-            pending = ident
-        else:
-            out.append((pending, data))
-            pending = None
-    return out
+Events = list[tuple[int | None, str]]
 
 
-def _start_and_kill(gateway, body: dict[str, object], key: str, events: int = 40) -> list[tuple[int | None, str]]:
+def _start_and_kill(gateway, body: dict[str, object], key: str, events: int = 40) -> Events:
     """Stream ``body`` from ``gateway`` until ``events`` events, then SIGKILL the gateway."""
-    seen: list[tuple[int | None, str]] = []
     with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body,
                       headers={"Idempotency-Key": key}, timeout=60) as r:
-        for line in r.iter_lines():
-            seen += _events([line]) if line.startswith("data: ") else []
-            if line.startswith("id: "):
-                seen.append((int(line[4:]), ""))
-            if len([e for e in seen if e[1]]) >= events:
-                break
+        lines = r.iter_lines()  # keep a reference: a dropped iterator closes the stream
+        seen = _events(lines, lambda out: len(out) >= events)
         gateway.kill()
-    return _pair(seen)
+    return seen
+
+
+def _seed_with_lengths(prompt: str, first_at_least: int, second_at_most: int) -> int:
+    """A seed whose choice 0 runs long and choice 1 ends early (the simulator's natural lengths)."""
+    from engine_worker.engines.sim import SimSequence
+
+    return next(seed for seed in range(10_000)
+                if SimSequence(prompt, seed).natural_length >= first_at_least
+                and SimSequence(prompt, seed + 1).natural_length <= second_at_most)
+
+
+def test_n_choices_take_over_counts_the_prompt_once(two_gateways, start_gateway) -> None:
+    """Regression: a take-over added the prompt tokens of every choice that had finished
+    before it, and the choices it continued added theirs again: ``usage.prompt_tokens``
+    was 14 for a prompt of 7 with ``n=2``."""
+    first, other = two_gateways
+    dying = start_gateway()
+    prompt = "count the prompt once please"
+    body = {"model": "takeover", "prompt": prompt, "n": 2, "max_tokens": 400, "stream": True,
+            "seed": _seed_with_lengths(prompt, 180, 50), "stream_options": {"include_usage": True}}
+    reference = _events(httpx.post(first.url + "/v1/completions", json=body, timeout=60).iter_lines())
+    key = uuid.uuid4().hex
+
+    def after_a_finish(events: Events) -> int:
+        """Events since the first that finished a choice (-1: none finished yet)."""
+        finished = [i for i, (_, data) in enumerate(events) if '"finish_reason":"' in data]
+        return len(events) - finished[0] - 1 if finished else -1
+
+    with httpx.stream("POST", dying.url + "/v1/completions", json=body, headers={"Idempotency-Key": key},
+                      timeout=60) as r:
+        lines = r.iter_lines()  # keep a reference: a dropped iterator closes the stream
+        seen = _events(lines, lambda events: after_a_finish(events) >= 3)
+        dying.kill()
+    assert after_a_finish(seen) == 3 and '"index":1' in next(d for _, d in seen if '"finish_reason":"' in d), \
+        "choice 1 should have finished before choice 0"
+    last = max(i for i, _ in seen if i is not None)
+    with httpx.stream("GET", other.url + f"/v1/streams/{key}", headers={"Last-Event-ID": str(last)},
+                      timeout=60) as r:
+        rest = _events(r.iter_lines())
+    whole = seen + rest
+    assert whole[-1][1] == "[DONE]"
+    assert _choice_texts(whole, "text") == _choice_texts(reference, "text")
+    usage, expected = orjson.loads(whole[-2][1])["usage"], orjson.loads(reference[-2][1])["usage"]
+    assert usage["prompt_tokens"] == expected["prompt_tokens"] == len(prompt.split())
+    assert usage == expected
+
+
+def _chunk_ids(events: list[tuple[int | None, str]]) -> set[str]:
+    return {orjson.loads(d)["id"] for _, d in events if d.startswith("{") and '"id"' in d}
+
+
+def test_a_gateway_that_lost_its_stream_to_a_take_over_leaves_the_key_alone(two_gateways, start_gateway) -> None:
+    """Regression: a gateway stalled past ``:live``'s TTL (SIGSTOP here; a GC pause or a
+    Redis blip in life) lost its stream to a take-over, woke, and forgot the
+    Idempotency-Key while the other gateway still produced the stream: the client's retry
+    started a second generation, spliced into the journal the re-attached reader follows."""
+    first, other = two_gateways
+    stalled = start_gateway()
+    body = {"model": "takeover", "messages": [{"role": "user", "content": "stall, then wake"}],
+            "max_tokens": 400, "ignore_eos": True, "stream": True}
+    key = uuid.uuid4().hex
+    with httpx.stream("POST", stalled.url + "/v1/chat/completions", json=body,
+                      headers={"Idempotency-Key": key}, timeout=60) as r:
+        lines = r.iter_lines()  # keep a reference: a dropped iterator closes the stream
+        seen = _events(lines, lambda events: len(events) >= 20)
+        os.kill(stalled.pid, signal.SIGSTOP)
+    last = max(i for i, _ in seen if i is not None)
+    rest: Events = []
+
+    def follow() -> None:
+        with httpx.stream("GET", other.url + f"/v1/streams/{key}", headers={"Last-Event-ID": str(last)},
+                          timeout=60) as r:
+            _events(r.iter_lines(), out=rest)
+
+    reader = threading.Thread(target=follow)
+    try:
+        reader.start()
+        wait_for(lambda: len(rest) >= 5, 30, "the other gateway to take the stream over")
+    finally:
+        os.kill(stalled.pid, signal.SIGCONT)
+    wait_for(lambda: "taken over by another gateway" in stalled.log_path.read_text(), 10,
+             "the stalled gateway to find its stream taken over")
+    wait_for(lambda: "sluice.access" in stalled.log_path.read_text(), 10, "the stalled gateway to end its part")
+    retry = _events(httpx.post(first.url + "/v1/chat/completions", json=body, headers={"Idempotency-Key": key},
+                               timeout=60).iter_lines())
+    reader.join(60)
+    assert _chunk_ids(seen + rest + retry) == _chunk_ids(seen), "a second generation started"
+    assert retry == seen + rest
+    assert retry[-1][1] == "[DONE]" and not any('"error"' in d for _, d in retry)
 
 
 def test_a_take_over_refuses_a_journal_missing_its_first_events(two_gateways, start_gateway,
@@ -116,7 +186,7 @@ def test_a_take_over_refuses_a_journal_missing_its_first_events(two_gateways, st
     key = uuid.uuid4().hex
     seen = _start_and_kill(start_gateway(), body, key)
     journal = keys.journal(scoped("-", key))
-    redis_client.xtrim(journal, minid="0-21", approximate=False)  # events 1..20 lost (as a trim or a failover loses them)
+    redis_client.xtrim(journal, minid="0-21", approximate=False)  # events 1..20 lost (a trim, a failover)
     last = max(i for i, _ in seen if i is not None)
     with httpx.stream("GET", other.url + f"/v1/streams/{key}", headers={"Last-Event-ID": str(last)},
                       timeout=60) as r:
@@ -126,6 +196,7 @@ def test_a_take_over_refuses_a_journal_missing_its_first_events(two_gateways, st
     assert [e["code"] for e in errors] == ["stream_history_lost"], rest
     assert all(i is None for i, _ in rest), "events were produced from a partial history"
     assert redis_client.exists(keys.journal_live(scoped("-", key))) == 0  # the refusing gateway let go
+    assert redis_client.exists(keys.idempotency(scoped("-", key))) == 0  # forgotten: a retry runs again
 
 
 def test_two_gateways_racing_to_take_over_one_stream_produce_it_once(two_gateways, start_gateway,

@@ -1,0 +1,85 @@
+"""The model directory and the registry's epoch, shared by workers and gateways.
+
+The directory (``sl:models``) lists the models that have workers. Every worker beat adds
+its model; the gateway that reaps removes a model whose last worker has been gone for
+:data:`~sluice.keys.MODEL_FORGET_S` (gateway/reaper.py), so the directory, and every loop
+over it, follows the models really served, not every name ever registered.
+
+The epoch (``sl:epoch``) is one id created with the registry, by whichever worker beat or
+gateway comes first, on Redis's clock. Redis that loses its data (a restart without
+persistence, a failover to a replica that had not synced, ``FLUSHALL``) loses the epoch
+too; the next beat creates a new id. A process that knew the previous id (a worker, a
+gateway) marks the new epoch as following a loss: a gateway then queues its waiting
+requests again, and for :data:`~sluice.keys.REGISTRY_REBUILD_S` a model unknown to the
+registry is a 503 to retry (its workers may not have beaten since), not a 404. A fresh
+registry (nobody knew an earlier epoch) is not marked: a typo there is a 404 at once.
+
+>>> directory = Directory(redis)
+>>> epoch = await directory.epoch(seen=None)
+>>> epoch.id, epoch.age_s, epoch.rebuilding
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from sluice import keys
+
+# KEYS epoch. ARGV 1 a new id, used if there is no epoch yet; 2 the id the caller knew ('':
+# none). Returns {id, age (ms), 1 if it follows a loss}.
+_EPOCH = r"""
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local got = redis.call('HMGET', KEYS[1], 'id', 'at', 'lost')
+if not got[1] then
+  got = {ARGV[1], now, false}
+  redis.call('HSET', KEYS[1], 'id', ARGV[1], 'at', now)
+end
+if ARGV[2] ~= '' and ARGV[2] ~= got[1] and not got[3] then
+  redis.call('HSET', KEYS[1], 'lost', 1)
+  got[3] = '1'
+end
+return {got[1], now - tonumber(got[2]), got[3] and 1 or 0}
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Epoch:
+    id: str
+    age_s: float
+    #: Someone knew an earlier epoch: Redis lost its data (rather than starting empty).
+    after_loss: bool
+
+    @property
+    def rebuilding(self) -> bool:
+        """Workers may still be missing from this registry: they have not beaten since the loss."""
+        return self.after_loss and self.age_s < keys.REGISTRY_REBUILD_S
+
+
+class Directory:
+    def __init__(self, redis: Any) -> None:
+        self._redis = redis
+        self._epoch = redis.register_script(_EPOCH)
+
+    async def epoch(self, seen: str | None) -> Epoch:
+        """The registry's epoch, created now if Redis has none; ``seen``: the id the caller
+        knew before (None: none), which marks a new epoch as following a loss."""
+        epoch_id, age_ms, lost = await self._epoch(keys=[keys.EPOCH], args=[uuid.uuid4().hex, seen or ""])
+        return Epoch(epoch_id.decode() if isinstance(epoch_id, bytes) else str(epoch_id), int(age_ms) / 1000,
+                     bool(lost))
+
+    async def register(self, model: str, seen: str | None) -> Epoch:
+        """A worker of ``model`` is alive: list the model, and make sure the epoch exists."""
+        await self._redis.sadd(keys.MODELS, model)
+        return await self.epoch(seen)
+
+    async def models(self) -> list[str]:
+        return sorted(m.decode() for m in await self._redis.smembers(keys.MODELS))
+
+    async def listed(self, model: str) -> bool:
+        return bool(await self._redis.sismember(keys.MODELS, model))
+
+    async def forget(self, model: str) -> None:
+        await self._redis.srem(keys.MODELS, model)

@@ -1,0 +1,45 @@
+"""Streams of several choices (``n > 1``): each choice has its own upstream, merged in
+arrival order (gateway/migration.py); a client that leaves must close all of them."""
+
+from __future__ import annotations
+
+import httpx
+
+from sluice import keys
+from tests.conftest import streaming, wait_for
+
+
+def _inflight(client, model: str) -> int:
+    return sum(int(v) for v in client.hvals(keys.inflight(model)))
+
+
+def test_n_choices_client_disconnect_logs_no_error_and_frees_every_slot(
+    start_worker, start_gateway, redis_client
+) -> None:
+    """Regression: closing the merged lines of an ``n > 1`` stream left each choice's
+    reader running in its pump task, so closing the first upstream failed with
+    "aclose(): asynchronous generator is already running" (two ERROR tracebacks) and the
+    first clean-up stopped before the other upstreams."""
+    model = "leave-n"
+    worker = start_worker(model, sim_max_seqs=8, sim_token_ms=20, sim_ttft_ms=0)
+    gateway = start_gateway()
+    body = {"model": model, "prompt": "leave early", "n": 4, "max_tokens": 500, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()  # keep a reference: a dropped iterator closes the stream
+        events = 0
+        for line in lines:
+            events += line.startswith("data: ")
+            if events >= 12:
+                break
+        assert streaming(worker) == 4
+    wait_for(lambda: streaming(worker) == 0, 5, "the worker to abort every choice")
+    wait_for(lambda: _inflight(redis_client, model) == 0, 5, "every slot to come back")
+    assert redis_client.zcard(keys.leases(model)) == 0
+    wait_for(lambda: f"model={model}" in gateway.log_path.read_text(), 5, "the request's access line")
+    # One more request through the same loop: whatever the first one's clean-up logs is out by then.
+    done = httpx.post(gateway.url + "/v1/completions", json={"model": model, "prompt": "after", "max_tokens": 2},
+                      timeout=30)
+    assert done.status_code == 200
+    log = gateway.log_path.read_text()
+    assert '"level": "error"' not in log and "Traceback" not in log, log[-3000:]
