@@ -34,6 +34,7 @@ from gateway.config import GatewaySettings
 from gateway.context import RequestContext, resolve_deadline, resolve_priority
 from gateway.idempotency import Idempotency, fingerprint, scoped
 from gateway.journal import last_event_id
+from gateway.journal_quota import journal_events
 from gateway.journal_readers import JournalReaders
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -153,6 +154,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         req = parsed
         check_caps(req, settings)
         ctx = _context(request, req, body, settings, key, record)
+        if ctx.idempotency_key is not None and req.stream:
+            journal_events(req, settings, typed=shape is not None)  # 400 before any work when it cannot fit
         if key is not None:
             ctx.charge = await s.tenancy.admit(key, token_estimate(req), ctx.internal_id, generations(req))
             ctx.headers.update(ctx.charge.headers)

@@ -84,6 +84,17 @@ class GatewaySettings(RedisSettings):
     max_request_timeout_s: float = Field(default=3600.0, gt=0)
     #: How long an Idempotency-Key and its stored result live.
     idempotency_ttl_s: float = Field(default=3600.0, gt=0)
+    #: A resumable stream's journal is kept this long after its last event (a finished
+    #: one); a running one, ``idempotency_ttl_s`` after its latest.
+    journal_done_ttl_s: float = Field(default=600.0, gt=0)
+    #: Events one resumable stream may journal (about 100 B each, see gateway/journal_quota.py):
+    #: a request whose max_tokens x choices needs more gets 400; one with no max_tokens ends
+    #: with an in-band error should it get there.
+    journal_max_events: int = Field(default=131_072, ge=64)
+    #: Journal bytes in Redis one API key's resumable streams may hold (429 past it).
+    journal_tenant_max_bytes: int = Field(default=512 * 1024 * 1024, ge=1024 * 1024)
+    #: Journal bytes in Redis all resumable streams together may hold (429 past it).
+    journal_max_bytes: int = Field(default=2 * 1024 * 1024 * 1024, ge=1024 * 1024)
     #: "auto": API keys required as soon as one exists in Redis; "keys": always; "open": never.
     auth: Literal["auto", "keys", "open"] = "auto"
     #: Serve without API keys on a non-loopback address (refused by default).

@@ -19,6 +19,12 @@ Only the current owner settles (``done``, or forgotten after a failure so the cl
 retry runs again), in one script that compares ``owner``: a gateway that lost its stream
 to a take-over, or its pending claim to a retry, changes nothing.
 
+Redis losing its data (a restart without persistence, a failover, FLUSHALL) loses the
+record while its owner still runs. The owner restores it: a pending claim when its stream
+starts (:meth:`Idempotency.promote`), a producer with its next journal write, which
+re-claims ``:live`` too (gateway/journal.py, at most ~0.5 s later). Meanwhile a retry
+waits (``:live`` held, no record: pending), so it attaches to the one generation.
+
 - first caller: claims the key (and drops the journal of an earlier, failed attempt);
 - a later caller with the same body: waits while the key is pending and its owner lives;
   gets the stored body once done; re-attaches to a stream (see gateway/journal.py), from
@@ -49,43 +55,59 @@ MAX_KEY_LENGTH = 255
 #: How often a waiting caller looks at a pending key again.
 _WAIT_S = 0.05
 
-#: KEYS: record, journal, plan, live. ARGV: owner, fp, stream, record ttl ms, live ttl ms.
-#: Claims the key if it is free: no record, or one whose owner is gone before its stream
-#: started (pending, or streaming with no plan yet, and no ``:live``). Then an earlier
-#: attempt's journal and plan are dropped. Else returns {fp, state, stream}. A journal whose
-#: producer holds ``:live`` is never free, even if its record is gone (Redis lost it).
+#: KEYS: record, journal, plan, live, head. ARGV: owner, fp, stream, record ttl ms, live
+#: ttl ms. The one way a request claims a key, and with it the key's stream: only if it is
+#: free (no record, or a pending one, and no ``:live``: nobody admits or produces it). Then,
+#: having won, it drops an earlier attempt's journal, plan and head, never under a producer
+#: that still writes them. Else returns {fp, state, stream}: a record Redis lost while its
+#: owner lives (``:live`` held) reads as pending, the owner restores it (gateway/journal.py).
 CLAIM = """
 local found = redis.call('HMGET', KEYS[1], 'fp', 'state', 'stream')
-local live = redis.call('EXISTS', KEYS[4]) == 1
-if found[2] then
-  local unstarted = found[2] == 'pending' or (found[2] == 'streaming' and redis.call('EXISTS', KEYS[3]) == 0)
-  if live or not unstarted or found[1] ~= ARGV[2] then return found end
-elseif live then
-  return {false, 'streaming', '1'}
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  if found[2] then return found end
+  return {false, 'pending', ARGV[3]}
 end
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+if found[2] and (found[2] ~= 'pending' or found[1] ~= ARGV[2]) then return found end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[5])
 redis.call('HSET', KEYS[1], 'fp', ARGV[2], 'stream', ARGV[3], 'state', 'pending', 'owner', ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 redis.call('SET', KEYS[4], ARGV[1], 'PX', ARGV[5])
 return 1
 """
 
-#: KEYS: record, live. ARGV: owner, state ('' = forget the key), ttl ms, body ('' = none).
-#: Changes the record only if ``owner`` still owns it (a done one is never forgotten), and
-#: lets go of ``:live`` if ``owner`` holds it.
+#: KEYS: record, live, plan. ARGV: owner, fp, record ttl ms, plan, plan ttl ms, live ttl ms.
+#: A claimed stream starts: record ``streaming`` and its plan, in one step, only while
+#: ``owner`` still owns the key and nobody else holds ``:live``. A record Redis lost while
+#: the claim was pending is restored (nobody claimed the key since: ``:live`` is not theirs).
+START = """
+local live = redis.call('GET', KEYS[2])
+if live and live ~= ARGV[1] then return 0 end
+local held = redis.call('HGET', KEYS[1], 'owner')
+if held and held ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'fp', ARGV[2], 'stream', '1', 'state', 'streaming', 'owner', ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[5])
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[6])
+return 1
+"""
+
+#: KEYS: record, live, plan. ARGV: owner, state ('' = forget the key), ttl ms, body ('' =
+#: none). Changes the record only if ``owner`` still owns it (a done one is never
+#: forgotten; a forgotten stream's plan goes too: nobody is to continue it), and lets go of
+#: ``:live`` if ``owner`` holds it, whether or not it still owns the record (Redis may
+#: have lost that).
 SETTLE = """
+if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
 local held = redis.call('HMGET', KEYS[1], 'owner', 'state')
 if held[1] ~= ARGV[1] then return 0 end
 if ARGV[2] == '' then
   if held[2] == 'done' then return 0 end
-  redis.call('DEL', KEYS[1])
-else
-  redis.call('HSET', KEYS[1], 'state', ARGV[2])
-  if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'body', ARGV[4]) end
-  redis.call('PEXPIRE', KEYS[1], ARGV[3])
-  if ARGV[2] == 'streaming' then return 1 end
+  redis.call('DEL', KEYS[1], KEYS[3])
+  return 1
 end
-if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
+redis.call('HSET', KEYS[1], 'state', ARGV[2])
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'body', ARGV[4]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 """
 
@@ -96,12 +118,6 @@ TAKE = """
 if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
 if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'owner', ARGV[1]) end
 return 1
-"""
-
-#: KEYS: live. ARGV: owner. Lets go of ``:live`` only if ``owner`` holds it.
-RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
 """
 
 
@@ -136,7 +152,7 @@ class Idempotency:
         self._claim = redis.register_script(CLAIM)
         self._settle = redis.register_script(SETTLE)
         self._take = redis.register_script(TAKE)
-        self._release = redis.register_script(RELEASE)
+        self._start = redis.register_script(START)
         self._held: set[tuple[str, str]] = set()  # pending claims of this process: (key, owner)
         self._renewing: asyncio.Task[None] | None = None
 
@@ -155,7 +171,8 @@ class Idempotency:
         """None when ``owner`` now owns the key and must generate (its ``:live`` is renewed
         until :meth:`promote` or :meth:`settle`); "attach" to re-attach to the key's stream;
         else the stored answer to send."""
-        names = [keys.idempotency(key), keys.journal(key), keys.journal_plan(key), keys.journal_live(key)]
+        names = [keys.idempotency(key), keys.journal(key), keys.journal_plan(key), keys.journal_live(key),
+                 keys.journal_head(key)]
         while True:
             ttl_ms = self._ttl_ms + int(max(0.0, deadline - time.monotonic()) * 1000)
             found = await self._claim(keys=names, args=[owner, fp, int(stream), ttl_ms, LIVE_TTL_MS])
@@ -177,15 +194,15 @@ class Idempotency:
                 raise DeadlineExceeded("the request with this Idempotency-Key is still running")
             await asyncio.sleep(_WAIT_S)
 
-    async def promote(self, key: str, owner: str, remaining_s: float) -> bool:
-        """Call before the claim's stream starts its journal: the record now lives as long as
-        the journal may, and the journal's producer renews ``:live`` from here on. False if
-        ``owner`` lost the key meanwhile (it stalled past ``:live``'s TTL and a retry claimed
-        it): then it must not touch the journal."""
+    async def promote(self, key: str, owner: str, fp: str, remaining_s: float, plan: bytes) -> bool:
+        """Start the claim's stream: the record now lives as long as the journal may, the
+        stream's ``plan`` (gateway/takeover.py) is stored, and the journal's producer renews
+        ``:live`` from here on. False if ``owner`` lost the key meanwhile (it stalled past
+        ``:live``'s TTL and a retry claimed it): then it must not touch the journal."""
         self._held.discard((key, owner))
         ttl_ms = self._ttl_ms + int(max(0.0, remaining_s) * 1000)
-        names = [keys.idempotency(key), keys.journal_live(key)]
-        return bool(await self._settle(keys=names, args=[owner, "streaming", ttl_ms, ""]))
+        names = [keys.idempotency(key), keys.journal_live(key), keys.journal_plan(key)]
+        return bool(await self._start(keys=names, args=[owner, fp, ttl_ms, plan, self._ttl_ms, LIVE_TTL_MS]))
 
     async def settle(self, key: str, owner: str, completed: bool, body: bytes | None = None) -> None:
         """The owner's decision: ``done`` (a retry replays it) or, after a failure, forgotten
@@ -193,7 +210,7 @@ class Idempotency:
         self._held.discard((key, owner))
         try:
             settled = await self._settle(
-                keys=[keys.idempotency(key), keys.journal_live(key)],
+                keys=[keys.idempotency(key), keys.journal_live(key), keys.journal_plan(key)],
                 args=[owner, "done" if completed else "", self._ttl_ms, b"" if body is None else body],
             )
         except (RedisError, OSError) as exc:
@@ -207,18 +224,14 @@ class Idempotency:
         and decides the key's fate."""
         return bool(await self._take(keys=[keys.idempotency(key), keys.journal_live(key)], args=[owner, LIVE_TTL_MS]))
 
-    async def release_stream(self, key: str, owner: str) -> None:
-        """Let go of a stream taken over for nothing (it had ended, or cannot be continued)."""
-        with contextlib.suppress(RedisError, OSError):
-            await self._release(keys=[keys.journal_live(key)], args=[owner])
-
     async def lookup(self, key: str) -> dict[str, str] | None:
-        """The record's fields, with ``live``: whether its owner (or producer) lives."""
+        """The record's fields, with ``live``: whether its owner (or producer) lives; only
+        ``live`` when Redis lost the record of an owner that lives (it restores it)."""
         pipe = self._redis.pipeline(transaction=False)
         pipe.hgetall(keys.idempotency(key))
         pipe.exists(keys.journal_live(key))
         raw, live = await pipe.execute()
-        if not raw:
+        if not raw and not live:
             return None
         return {**{_text(k) or "": _text(v) or "" for k, v in raw.items()}, "live": "1" if live else ""}
 

@@ -1,10 +1,15 @@
 """Resumable streams: the SSE events of a stream started with an ``Idempotency-Key``
-are journaled in a capped Redis stream, so a client can re-attach and get the rest.
+are journaled in Redis, so a client can re-attach and get the rest.
 
     sl:journal:{scope}        Redis stream; entry id ``0-N`` holds event N: "d" = SSE data
-                              bytes, "s" = the token ids it carries (see gateway/takeover.py)
+                              bytes (a chunk's without what every chunk repeats, see
+                              ``compact``), "s" =
+                              the token ids it carries (see gateway/takeover.py)
     sl:journal:{scope}:live   the producing gateway's token, refreshed while it produces
-    sl:journal:{scope}:plan   what another gateway needs to take the stream over
+    sl:journal:{scope}:plan   what another gateway needs to take the stream over (deleted
+                              with the stream's last event: a finished stream needs none)
+    sl:journal:{scope}:head   the bytes every chunk of the stream starts with (its id, created
+                              time and model, ~110 B): stored once, not in each entry
 
 ``scope`` is a hash of the caller's API key id and its Idempotency-Key (see
 gateway/idempotency.py), so one tenant can neither read nor disturb another's.
@@ -17,6 +22,27 @@ continues the stream from the journal (gateway/takeover.py) and the client, re-a
 with its ``Last-Event-ID``, gets exactly the rest. Re-attaching clients read the
 journal through the one shared reader loop of gateway/journal_readers.py; so does a
 first client that falls too far behind.
+
+Never a silent gap:
+
+- a journal is never trimmed. Its events are bounded by the request (every event but
+  the first and last of a choice carries a token, see gateway/journal_quota.py); a
+  stream that still reaches ``max_events`` ends there with an in-band error, and its
+  bytes count against its tenant's bound (gateway/journal_quota.py);
+- a reader whose next entry is not the one after its cursor gets an in-band error,
+  then ``[DONE]`` (:func:`history_lost`), never the events after the hole;
+- a take-over needs events 1..N, all of them (gateway/takeover.py).
+
+When Redis loses its data (a restart without persistence, a failover that lost the
+latest writes, FLUSHALL), ``:live`` is missing rather than held by someone else: the
+producer still has its generation, so ``APPEND`` re-claims ``:live`` (and restores the
+Idempotency-Key's record, see gateway/idempotency.py) and writes on with the next event
+number. The first client, fed by the producer, goes on as if
+nothing happened. The journal now starts at that number (or has a hole where the lost
+writes were), so a client that re-attaches from before it gets the in-band error, and
+no gateway takes the stream over from it. ``:live`` missing while the journal already
+holds events past this producer's means someone else took the stream over and ended
+it: that is :class:`JournalLost`, as is ``:live`` held by another gateway.
 """
 
 from __future__ import annotations
@@ -26,14 +52,15 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError
 
+from gateway.protocol import CHOICE_START, PLAIN_END
 from sluice import keys
-from sluice.errors import UpstreamFailed, error_event
+from sluice.errors import InvalidRequest, SluiceError, UpstreamFailed, error_event
 
 log = logging.getLogger("sluice.journal")
 
@@ -58,6 +85,46 @@ def live_key(key: str) -> str:
 def producer_gone() -> bytes:
     """The in-band error a reader gets when the stream ends without its ``[DONE]``."""
     return error_event(UpstreamFailed("the stream's producer is gone; the rest is lost"))
+
+
+def history_lost(after: int, found: int | None) -> bytes:
+    """The in-band error a reader gets instead of a silent gap: its next event, ``after + 1``,
+    is not in the journal (Redis lost it), only ``found`` and later (or nothing)."""
+    what = f"events {after + 1}..{found - 1} are" if found is not None and found > after + 2 else \
+        f"event {after + 1} is"
+    return error_event(UpstreamFailed(
+        f"{what} no longer in the stream's journal (Redis lost data); the stream cannot be resumed "
+        "from there", code="stream_history_lost"))
+
+
+def compact(head: bytes, event: bytes) -> bytes:
+    """What the journal stores of ``event``: a chunk without the stream's ``head`` (then it
+    starts with ``,``), a plain one (see gateway/protocol.py) as ``.`` and only its index
+    and delta; any other event whole (it starts with ``data:`` or ``event:``)."""
+    if not head or not event.startswith(head):
+        return event
+    rest = event[len(head):]
+    if rest.startswith(CHOICE_START) and rest.endswith(PLAIN_END):
+        return b"." + rest[len(CHOICE_START):-len(PLAIN_END)]
+    return rest
+
+
+def expand(head: bytes | None, stored: bytes) -> bytes | None:
+    """An event as it was produced, from :func:`compact`'s bytes and the stream's ``:head``
+    (None when it needs a head that is lost)."""
+    if not stored.startswith((b",", b".")):
+        return stored
+    if head is None:
+        return None
+    if stored.startswith(b"."):
+        return head + CHOICE_START + stored[1:] + PLAIN_END
+    return head + stored
+
+
+def entry_number(entry_id: bytes | str) -> int:
+    """The event number of a journal entry id (``0-N``)."""
+    ident = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    return int(ident.split("-", 1)[1])
 
 
 def frame(number: int, event: bytes) -> bytes:
@@ -122,27 +189,75 @@ class FirstReader:
         self._closed = True
 
 
-#: Appends events to a journal if this producer still owns it (``:live`` holds its token):
-#: a producer that stalled past ``LIVE_TTL_MS`` and was taken over by another gateway
-#: must not write on. KEYS: stream, live. ARGV: owner, stream ttl ms, live ttl ms, max
-#: events, then (id, data, state) per event; state "" when the event carries no tokens.
+#: Appends events to a journal if this producer still owns it: a producer that stalled
+#: past ``LIVE_TTL_MS`` and was taken over must not write on. ``:live`` missing is not a
+#: take-over (Redis lost it, or it expired and nobody took over): unless the journal
+#: holds events past this producer's, re-claim it and write on. The Idempotency-Key's
+#: record, if Redis lost it, is restored the same way (this producer owns the key), so a
+#: retry or a re-attach finds the one generation. Entries up to the journal's last are
+#: skipped (a write retried after its reply was lost). The plan lives as long as the
+#: journal (a stream running close to the TTL must stay continuable), and goes with the
+#: last event.
+#: KEYS: stream, live, head, plan, record. ARGV: owner, stream ttl ms, live ttl ms, number
+#: of the first event, head, "1" when the batch ends the stream, the request's fingerprint
+#: ("": no record to restore), then (data, state) per event.
+#: Returns {1 written | 2 written, but Redis had lost some of it | 0 lost, last}.
 APPEND = """
 local owner = redis.call('GET', KEYS[2])
-if owner ~= ARGV[1] then return 0 end
-for i = 5, #ARGV, 3 do
-  local ok = redis.pcall('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], ARGV[i], 'd', ARGV[i + 1], 's', ARGV[i + 2])
-  if type(ok) == 'table' and ok.err and not string.find(ok.err, 'equal or smaller') then
-    return redis.error_reply(ok.err)
-  end
+local first = tonumber(ARGV[4])
+local last = 0
+local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if top[1] then last = tonumber(string.match(top[1][1], '%d+$')) end
+local status = 1
+if owner == false then
+  if last >= first then return {0, last} end
+  status = 2
+elseif owner ~= ARGV[1] then
+  return {0, last}
+elseif last < first - 1 then
+  status = 2
 end
+local n = first
+for i = 8, #ARGV, 2 do
+  if n > last then redis.call('XADD', KEYS[1], '0-' .. n, 'd', ARGV[i], 's', ARGV[i + 1]) end
+  n = n + 1
+end
+if ARGV[5] ~= '' then redis.call('SET', KEYS[3], ARGV[5], 'PX', ARGV[2]) end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+if ARGV[6] == '1' then redis.call('DEL', KEYS[4]) else redis.call('PEXPIRE', KEYS[4], ARGV[2]) end
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
-return 1
+if ARGV[7] ~= '' and redis.call('EXISTS', KEYS[5]) == 0 then
+  redis.call('HSET', KEYS[5], 'fp', ARGV[7], 'stream', '1', 'state', 'streaming', 'owner', ARGV[1])
+  redis.call('PEXPIRE', KEYS[5], ARGV[2])
+  status = 2
+end
+return {status, last}
 """
+
+#: Compare-and-delete: a producer lets go of ``:live`` only while it still holds it (one
+#: that stalled may since have been taken over). KEYS: live. ARGV: owner.
+RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+#: Bytes a journal entry costs Redis besides its two values (id, listpack and stream
+#: index overhead), measured with MEMORY USAGE on long journals (see journal_quota.py).
+ENTRY_OVERHEAD = 16
 
 
 class JournalLost(Exception):
     """Another gateway took this stream over (this one stalled past ``:live``'s TTL)."""
+
+
+class Budget(Protocol):
+    """The memory a stream's journal may take (gateway/journal_quota.py)."""
+
+    reserved: int
+
+    async def grow(self, used: int) -> bool: ...
+    def refusal(self) -> SluiceError: ...
+    async def settle(self, used: int, hold_ms: int) -> None: ...
 
 
 class JournalWriter:
@@ -155,42 +270,54 @@ class JournalWriter:
     about one Redis round trip to an event's latency and costs one command per stream
     per round, however many events it carries.
 
-    >>> writer = JournalWriter(committer, scope, ttl_s=3600, owner=token)
-    >>> await writer.claim()                    # this gateway produces the stream now
+    ``max_events`` bounds the stream's events (its error and ``[DONE]`` aside); ``budget``
+    its bytes; ``head`` is what every chunk starts with (stored once, in ``:head``);
+    ``fingerprint`` the request's, to restore its Idempotency-Key record should Redis lose it.
+    The stream is claimed first, and its plan stored, by its key (gateway/idempotency.py).
+
+    >>> await idempotency.promote(scope, token, fp, remaining_s, plan)  # this gateway produces it now
+    >>> writer = JournalWriter(committer, scope, ttl_s=3600, owner=token, max_events=bound, fingerprint=fp)
     >>> first = writer.subscribe(readers.tail)  # before the producer starts
     >>> producer = await start_producer(writer, events, abandon, tap.take)
     >>> response = SSEResponse(first.events(), keepalive, first.close)  # the first client reads this
     """
 
     def __init__(self, committer: JournalCommitter, key: str, *, ttl_s: float, owner: str,
-                 max_events: int = 20_000, max_pending: int = 4096) -> None:
+                 max_events: int = 131_072, max_pending: int = 4096, head: bytes = b"",
+                 done_ttl_s: float | None = None, budget: Budget | None = None, stored_bytes: int = 0,
+                 plan_bytes: int = 0, fingerprint: str = "") -> None:
         self._committer = committer
         self.key = key
         self._owner = owner
         self._ttl_ms = int(ttl_s * 1000)
+        self._done_ttl_ms = self._ttl_ms if done_ttl_s is None else int(done_ttl_s * 1000)
         self._max = max_events
         self._max_pending = max_pending
-        self._pending: list[tuple[bytes, bytes]] = []  # (event, state): events _written+1 .. _produced
+        self._head = head
+        self._fingerprint = fingerprint
+        self._budget = budget
+        #: Bytes this stream keeps in Redis: its plan (until it ends) and journal entries (a
+        #: taken-over stream's earlier ones included).
+        self.stored_bytes = stored_bytes + plan_bytes
+        self._plan_bytes = plan_bytes
+        self._pending: list[tuple[bytes, bytes, bytes]] = []  # (event, stored, state): _written+1 .. _produced
         self._in_flight = 0  # events of _pending being written now
         self._written = 0
         self._produced = 0
+        self._ended = False  # [DONE] written
         self._progress = asyncio.Event()  # a write ended (well or not)
         self.last_write = time.monotonic()
         self._failure: RedisError | OSError | JournalLost | None = None
         self._first: FirstReader | None = None
+        self._lost_noted = False
 
     def __repr__(self) -> str:
         return f"<JournalWriter {self.key} produced={self._produced} written={self._written}>"
 
-    async def claim(self, *, take_over: bool = False, plan: bytes | None = None) -> bool:
-        """Mark this gateway as the stream's producer, and store its ``plan`` (gateway/takeover.py)
-        in the same round trip; taking over only succeeds while no other gateway holds it
-        (its ``:live`` expired)."""
-        pipe = self._committer.redis.pipeline(transaction=False)
-        if plan is not None:
-            pipe.set(keys.journal_plan(self.key), plan, px=self._ttl_ms)
-        pipe.set(live_key(self.key), self._owner, px=LIVE_TTL_MS, nx=take_over)
-        return bool((await pipe.execute())[-1])
+    async def release(self) -> None:
+        """Let go of ``:live`` if this producer still holds it (never another's)."""
+        with contextlib.suppress(RedisError, OSError):
+            await self._committer.release(self.key, self._owner)
 
     def continue_after(self, number: int) -> None:
         """A taken-over stream: its next event is ``number + 1``."""
@@ -210,26 +337,52 @@ class JournalWriter:
         """Journal every event; ``events`` ends with ``[DONE]``. ``state()`` after each event
         gives what a take-over needs of it (the token ids it carries, see takeover.py).
 
+        A stream past its bounds (``max_events``, its budget's bytes) stops generating and
+        ends with an in-band error, then ``[DONE]``.
+
         ``abandon`` cleans up the generation if ``events`` never got to run (its own
         ``finally`` only runs once it has started); it must be idempotent.
         """
         self._committer.follow(self)
+        cut: SluiceError | None = None
         try:
             async for event in events:
-                self._produced += 1
-                self._pending.append((event, state()))
-                self._committer.schedule(self)
+                if event != DONE and self._produced >= self._max:
+                    cut = InvalidRequest(
+                        f"the stream reached its journal's bound of {self._max} events and was ended there; "
+                        "ask for fewer tokens or choices, or stream without an Idempotency-Key",
+                        code="stream_too_long")
+                    break
+                self._add(event, state())
+                if self._budget is not None and self.stored_bytes > self._budget.reserved:
+                    if not await self._budget.grow(self.stored_bytes):
+                        cut = self._budget.refusal()
+                        break
                 await self._hold_back()
         finally:
             await events.aclose()  # type: ignore[attr-defined]  # runs the generation's clean-up
             await abandon()
+            if cut is not None and not isinstance(self._failure, JournalLost):
+                log.warning("journal %s: %s", self.key, cut.message)
+                self._add(error_event(cut), b"")
+                self._add(DONE, b"")
             await self._drain()
             self._committer.unfollow(self)
             if not isinstance(self._failure, JournalLost):
-                with contextlib.suppress(RedisError, OSError):
-                    await self._committer.redis.delete(live_key(self.key))
+                await self.release()
+                if self._budget is not None:
+                    kept = self.stored_bytes - self._plan_bytes if self._ended else self.stored_bytes  # plan dropped
+                    with contextlib.suppress(RedisError, OSError):
+                        await self._budget.settle(kept, self._done_ttl_ms if self._ended else self._ttl_ms)
             if self._first is not None:
                 self._first.end()
+
+    def _add(self, event: bytes, state: bytes) -> None:
+        stored = compact(self._head, event)
+        self._produced += 1
+        self._pending.append((event, stored, state))
+        self.stored_bytes += len(stored) + len(state) + ENTRY_OVERHEAD
+        self._committer.schedule(self)
 
     async def _hold_back(self) -> None:
         """Only when Redis lags far behind: wait for it, or give up if it keeps failing."""
@@ -253,22 +406,33 @@ class JournalWriter:
     def batch(self) -> tuple[list[str], list[bytes | str | int]]:
         """KEYS and ARGV of ``APPEND`` for everything pending (only ``:live`` when nothing is)."""
         self._in_flight = len(self._pending)
-        args: list[bytes | str | int] = [self._owner, self._ttl_ms, LIVE_TTL_MS, self._max]
-        for number, (event, state) in enumerate(self._pending, start=self._written + 1):
-            args += [f"0-{number}", event, state]
-        return [stream_key(self.key), live_key(self.key)], args
+        ends = bool(self._pending) and self._pending[-1][0] == DONE
+        args: list[bytes | str | int] = [self._owner, self._done_ttl_ms if ends else self._ttl_ms, LIVE_TTL_MS,
+                                         self._written + 1, self._head, "1" if ends else "0", self._fingerprint]
+        for _, stored, state in self._pending:
+            args += [stored, state]
+        scope = self.key
+        return [stream_key(scope), live_key(scope), keys.journal_head(scope), keys.journal_plan(scope),
+                keys.idempotency(scope)], args
 
-    def written(self, owned: bool) -> None:
+    def written(self, result: list[int]) -> None:
         self.last_write = time.monotonic()
-        if not owned:
+        status, last = int(result[0]), int(result[1])
+        if status == 0:
             self.failed(JournalLost(self.key))
             return
+        if status == 2 and not self._lost_noted:
+            self._lost_noted = True  # readers from before it get the in-band error (journal_readers.py)
+            lost = f"events {last + 1}..{self._written}" if last < self._written else "its :live or key record"
+            log.warning("journal %s: Redis lost %s; this gateway re-claimed it and goes on producing it",
+                        self.key, lost)
         batch, first = self._pending[:self._in_flight], self._written + 1
         self._written += len(batch)
+        self._ended |= bool(batch) and batch[-1][0] == DONE
         del self._pending[:len(batch)]  # only once written: a failed write is retried with the same ids
         self._failure = None
         if self._first is not None:
-            for number, (event, _) in enumerate(batch, start=first):
+            for number, (event, _, _) in enumerate(batch, start=first):
                 if not self._first.offer(number, event):
                     self._first = None
                     break
@@ -304,6 +468,7 @@ class JournalCommitter:
     def __init__(self, redis: Redis) -> None:
         self.redis = redis
         self._script = redis.register_script(APPEND)
+        self._release = redis.register_script(RELEASE)
         self._followed: set[JournalWriter] = set()
         self._due: dict[JournalWriter, None] = {}  # insertion-ordered set
         self._wake = asyncio.Event()
@@ -325,6 +490,10 @@ class JournalCommitter:
     def schedule(self, writer: JournalWriter) -> None:
         self._due[writer] = None
         self._wake.set()
+
+    async def release(self, key: str, owner: str) -> bool:
+        """Delete ``key``'s ``:live`` if ``owner`` holds it."""
+        return bool(await self._release(keys=[live_key(key)], args=[owner]))
 
     def alive(self) -> bool:
         return self._task is not None and not self._task.done()
@@ -375,7 +544,7 @@ class JournalCommitter:
             elif isinstance(result, (RedisError, OSError)):
                 writer.failed(result)
             else:
-                writer.written(bool(result))
+                writer.written(result)
 
     async def _append_all(self, batches: list[tuple[list[str], list[bytes | str | int]]]) -> list[Any]:
         """One ``APPEND`` per batch: one pipeline on a single server; on a Cluster (whose

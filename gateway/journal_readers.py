@@ -12,10 +12,14 @@ out to per-reader queues: a gateway's Redis connections no longer depend on its 
   bytes (300 readers of one stream cost one command per poll);
 - backpressure: a reader with more than ``max_queued`` events waiting is not polled
   until its client has drained them;
+- never a silent gap: a reader whose next entry is not the one after its cursor (Redis
+  lost part of the journal, see gateway/journal.py) gets an in-band error, then
+  ``[DONE]``; so does one whose entries need the stream's lost ``:head``;
 - a reader that got nothing for ``idle_s`` has the stream's ``:live`` marker checked;
   if the producer is gone and a further read still finds nothing, this gateway takes
   the stream over (``adopt``, gateway/takeover.py) and the readers go on with what it
-  produces; only a stream that cannot be continued ends with the in-band error, then
+  produces; only a stream that cannot be continued ends with the in-band error (the
+  take-over's own when it raised one: e.g. the journal's history is incomplete), then
   ``[DONE]``.
 """
 
@@ -31,8 +35,18 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gateway.journal import DONE, frame, live_key, producer_gone, stream_key
-from sluice.errors import Unavailable, error_event
+from gateway.journal import (
+    DONE,
+    entry_number,
+    expand,
+    frame,
+    history_lost,
+    live_key,
+    producer_gone,
+    stream_key,
+)
+from sluice import keys
+from sluice.errors import SluiceError, Unavailable, error_event
 
 log = logging.getLogger("sluice.journal")
 
@@ -69,6 +83,7 @@ class JournalReaders:
         #: Continues a stream whose producer is gone; True while some gateway produces it.
         self.adopt: Callable[[str], Awaitable[bool]] | None = None
         self._adopting: dict[str, asyncio.Task[bool]] = {}
+        self._heads: dict[str, bytes] = {}  # each followed stream's :head, once read
 
     def __repr__(self) -> str:
         return f"<JournalReaders readers={len(self._readers)} polls={self._polls}>"
@@ -86,6 +101,8 @@ class JournalReaders:
             yield DONE
         finally:
             self._readers.discard(reader)
+            if not any(r.key == key for r in self._readers):
+                self._heads.pop(key, None)
 
     async def close(self) -> None:
         for task in list(self._adopting.values()):
@@ -122,11 +139,14 @@ class JournalReaders:
             return False
         checks = sorted({key for (key, _), readers in groups.items()
                          if any(now - r.quiet_since >= self._idle_s for r in readers)})
+        heads = sorted({key for key, _ in groups if key not in self._heads})
         pipe = self._redis.pipeline(transaction=False)
         for key, cursor in groups:
             pipe.xread({stream_key(key): f"0-{cursor}"}, count=self._count)
         for key in checks:
             pipe.exists(live_key(key))
+        for key in heads:  # after the XREADs: a head is written with the first entries that need it
+            pipe.get(keys.journal_head(key))
         self._polls += 1
         try:
             results = await pipe.execute(raise_on_error=False)
@@ -134,8 +154,12 @@ class JournalReaders:
             log.warning("reading %d journals failed: %s", len(groups), exc)
             self._end_all([reader for readers in groups.values() for reader in readers])
             return False
-        live = {key: bool(found) for key, found in zip(checks, results[len(groups):], strict=True)
+        found_live = results[len(groups):len(groups) + len(checks)]
+        live = {key: bool(found) for key, found in zip(checks, found_live, strict=True)
                 if not isinstance(found, Exception)}
+        for key, head in zip(heads, results[len(groups) + len(checks):], strict=True):
+            if isinstance(head, bytes):
+                self._heads[key] = head
         more = False
         for ((key, _), readers), got in zip(groups.items(), results, strict=False):
             if isinstance(got, Exception):  # this stream only, e.g. its key now holds something else
@@ -144,7 +168,7 @@ class JournalReaders:
             elif got:
                 entries = got[0][1]
                 more |= len(entries) >= self._count
-                self._deliver(readers, entries, now)
+                self._deliver(readers, entries, now, self._heads.get(key))
             else:
                 self._quiet(key, readers, live, now)
         return more
@@ -165,8 +189,12 @@ class JournalReaders:
 
     async def _take_over(self, key: str) -> bool:
         assert self.adopt is not None
+        error = producer_gone()
         try:
             produced = await self.adopt(key)
+        except SluiceError as exc:  # it cannot be continued, and says why
+            log.warning("the stream %s cannot be taken over: %s", key, exc.message)
+            produced, error = False, error_event(exc)
         except Exception:  # a take-over that fails must still end its readers
             log.exception("taking over the stream %s failed", key)
             produced = False
@@ -176,23 +204,33 @@ class JournalReaders:
             if produced:
                 reader.doomed, reader.quiet_since = False, time.monotonic()
             else:
-                self._end(reader, producer_gone())
+                self._end(reader, error)
         return produced
 
-    def _deliver(self, readers: list[_Reader], entries: list[tuple[bytes, dict[bytes, bytes]]], now: float) -> None:
+    def _deliver(self, readers: list[_Reader], entries: list[tuple[bytes, dict[bytes, bytes]]], now: float,
+                 head: bytes | None) -> None:
+        """Hand the entries after the readers' cursor out, up to ``[DONE]``; a hole before
+        the next one (or a lost head) ends them with the in-band error instead."""
         frames: list[bytes] = []
         last = readers[0].cursor
+        lost: bytes | None = None
         for entry_id, fields in entries:
-            ident = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-            last = int(ident.split("-", 1)[1])
-            frames.append(frame(last, fields[b"d"]))
-            if frames[-1] == DONE:
+            number = entry_number(entry_id)
+            event = expand(head, fields[b"d"])
+            if number != last + 1 or event is None:
+                lost = history_lost(last, number if number != last + 1 else None)
+                break
+            last = number
+            frames.append(frame(number, event))
+            if event == DONE:
                 break
         for reader in readers:
             reader.cursor, reader.quiet_since, reader.doomed = last, now, False
             for data in frames:
                 reader.queue.put_nowait(data)
-            if frames[-1] == DONE:
+            if lost is not None:
+                self._end(reader, lost)
+            elif frames[-1] == DONE:
                 self._readers.discard(reader)
 
     def _end_all(self, readers: Iterable[_Reader]) -> None:

@@ -347,6 +347,13 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
     }
 
 
+#: How a chunk of one choice continues after the stream's head, and how a chunk with
+#: neither logprobs nor a finish reason (nearly all of them) ends: a journal stores
+#: such a chunk as only what lies between (gateway/journal.py).
+CHOICE_START = b',"choices":[{"index":'
+PLAIN_END = b',"logprobs":null,"finish_reason":null}]}\n\n'
+
+
 class ChunkWriter:
     """Builds SSE ``data:`` events for one streaming response from byte templates.
 
@@ -366,7 +373,12 @@ class ChunkWriter:
             + b'","created":' + str(self.created).encode()
             + b',"model":' + orjson.dumps(model)
         )
-        self._choice_head = self._head + b',"choices":[{"index":'
+        self._choice_head = self._head + CHOICE_START
+
+    @property
+    def head(self) -> bytes:
+        """What every event of this stream starts with (a journal stores it once, not per event)."""
+        return self._head
 
     def delta(
         self,
@@ -387,6 +399,8 @@ class ChunkWriter:
             middle = b',"delta":' + orjson.dumps(body)
         else:
             middle = b',"text":' + orjson.dumps(text)
+        if finish_reason is None and logprobs is None:
+            return self._choice_head + str(index).encode() + middle + PLAIN_END
         finish = b"null" if finish_reason is None else orjson.dumps(finish_reason)
         lp = b"null" if logprobs is None else orjson.dumps(logprobs)
         return (

@@ -25,6 +25,7 @@ from gateway.journal import (
     start_producer,
     stream_key,
 )
+from gateway.journal_quota import JournalQuota, journal_events
 from gateway.journal_readers import JournalReaders
 from gateway.metrics import GatewayMetrics
 from gateway.migration import Migrator
@@ -38,7 +39,7 @@ from gateway.record import RequestRecord
 from gateway.rendering import Kind, json_response, sse_events
 from gateway.responses import ResponseShape
 from gateway.sse import Keepalive, SSEResponse
-from gateway.takeover import LineTap, Plan, recover
+from gateway.takeover import HistoryLost, LineTap, Plan, recover
 from gateway.tenancy import Tenancy
 from gateway.upstream import Dispatcher, Line, Upstream
 from sluice.errors import (
@@ -59,6 +60,7 @@ class Serving:
     ) -> None:
         self._metrics = metrics
         self._committer = JournalCommitter(redis)  # writes every journal this process produces
+        self._quota = JournalQuota(redis, settings)  # bounds their memory per API key and in total
         self._settings = settings
         self._tenancy = tenancy
         self._readers = readers
@@ -170,21 +172,27 @@ class Serving:
             chunk_id=chunks.id, created=chunks.created, priority=ctx.priority, tenant=ctx.tenant, cost=ctx.cost,
             deadline_unix=time.time() + ctx.remaining_s(), fingerprint=ctx.fingerprint, choices=len(upstreams),
         )
-        writer = JournalWriter(self._committer, ctx.idempotency_key, ttl_s=self._settings.idempotency_ttl_s,
-                               owner=ctx.internal_id)
         key, owner = ctx.idempotency_key, ctx.internal_id
+        raw_plan = plan.dumps()
         try:
-            if not await self._idempotency.promote(key, owner, ctx.remaining_s()):
+            if not await self._idempotency.promote(key, owner, ctx.fingerprint, ctx.remaining_s(), raw_plan):
                 # This gateway stalled past its claim's TTL and a retry claimed the key: that
                 # one generates it. This client follows it rather than a second generation.
                 log.warning("request %s: lost its Idempotency-Key to a retry; following that one", ctx.request_id)
                 await self._end_stream(upstreams, ctx.record, ctx, "ok")  # served, by the retry's stream
                 return await self.reattach(key, 0)
-            await writer.claim(plan=plan.dumps())
+            # 429 here: the caller (_serve) forgets the key, and with it the plan.
+            budget = await self._quota.open(key, ctx.tenant, len(raw_plan),
+                                            hold_s=ctx.remaining_s() + self._settings.idempotency_ttl_s)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await abandon()
             raise
+        writer = JournalWriter(
+            self._committer, key, ttl_s=self._settings.idempotency_ttl_s, owner=owner,
+            max_events=journal_events(req, self._settings, typed=kind == "responses"), head=chunks.head,
+            done_ttl_s=self._settings.journal_done_ttl_s, budget=budget, plan_bytes=len(raw_plan),
+            fingerprint=ctx.fingerprint)
         first = writer.subscribe(self._readers.tail)
         ending = _Ending(lambda outcome: self._end_stream(upstreams, ctx.record, ctx, outcome), owner)
         tap = LineTap(lines)
@@ -223,23 +231,36 @@ class Serving:
         owner = uuid.uuid4().hex
         if not await self._idempotency.take_stream(key, owner):
             return True
-        found = await recover(self._redis, key)
-        if found is not None and found[1].done:
-            # Its producer journaled the end but died before settling the key.
-            await self._idempotency.settle(key, owner, completed=True)
-            await self._idempotency.release_stream(key, owner)
-            return True
-        if found is None or found[0].kind == "responses":
-            # No plan; or a Responses stream, whose typed events (item ids, sequence numbers)
-            # lived only in the dead gateway: journaled and re-attachable, not continued
-            # elsewhere. Its readers get an error; the key is forgotten, so a retry runs again.
+        try:
+            found = await recover(self._redis, key)
+            if found is not None and found[1].done:
+                # Its producer journaled the end but died before settling the key.
+                await self._idempotency.settle(key, owner, completed=True)
+                return True
+            if found is None or found[0].kind == "responses":
+                # No plan; or a Responses stream, whose typed events (item ids, sequence numbers)
+                # lived only in the dead gateway: journaled and re-attachable, not continued
+                # elsewhere. Its readers get an error; the key is forgotten, so a retry runs again.
+                await self._idempotency.settle(key, owner, completed=False)
+                return False
+            plan, state = found
+            model = ChatCompletionRequest if plan.kind == "chat" else CompletionRequest
+            req = model.model_validate_json(plan.body)
+            budget = await self._quota.open(key, plan.tenant, 0, taken_over=state.stored_bytes + state.plan_bytes,
+                                            hold_s=plan.deadline_unix - time.time() + self._settings.idempotency_ttl_s)
+        except HistoryLost:  # never continued from a partial history; a retry runs again
             await self._idempotency.settle(key, owner, completed=False)
-            await self._idempotency.release_stream(key, owner)
-            return False
-        plan, state = found
-        writer = JournalWriter(self._committer, key, ttl_s=self._settings.idempotency_ttl_s, owner=owner)
-        model = ChatCompletionRequest if plan.kind == "chat" else CompletionRequest
-        req = model.model_validate_json(plan.body)
+            raise
+        except BaseException:
+            await self._committer.release(key, owner)
+            raise
+        chunks = ChunkWriter("chat" if plan.kind == "chat" else "text", req.model, id=plan.chunk_id,
+                             created=plan.created)
+        writer = JournalWriter(
+            self._committer, key, ttl_s=self._settings.idempotency_ttl_s, owner=owner,
+            max_events=journal_events(req, self._settings), head=chunks.head,
+            done_ttl_s=self._settings.journal_done_ttl_s, budget=budget, stored_bytes=state.stored_bytes,
+            plan_bytes=state.plan_bytes, fingerprint=plan.fingerprint)
         kind: Kind = "chat" if plan.kind == "chat" else "text"
         record = RequestRecord.begin(plan.request_id, self._metrics, Context(), "takeover")
         record.describe(req.model, req.n, plan.priority, None if plan.tenant == "-" else plan.tenant)
@@ -262,7 +283,6 @@ class Serving:
         async def abandon() -> None:
             await self._end_stream(upstreams, record, ctx, ClientGone("the take-over ended before it began"))
 
-        chunks = ChunkWriter("chat" if kind == "chat" else "text", req.model, id=plan.chunk_id, created=plan.created)
         events = sse_events(kind, req, tap.lines(), record, ending.end, chunks, state.offsets)
         writer.continue_after(state.last)
         await self._start_producer(writer, events, abandon, tap, ending)
@@ -302,9 +322,10 @@ class Serving:
             record = await self._idempotency.lookup(key)
             if record is None:
                 raise RouteNotFound(f"no resumable stream for Idempotency-Key {key!r}")
-            if record.get("stream") != "1":
+            if record.get("stream", "1") != "1":
                 raise Conflict("this Idempotency-Key belongs to a non-streaming request")
-            if record.get("state") != "pending":
+            state = record.get("state", "pending")  # none: Redis lost the record; its live owner restores it
+            if state != "pending":
                 break
             if not record["live"]:
                 raise RouteNotFound(f"the request with Idempotency-Key {key!r} stopped before its stream began "
@@ -312,7 +333,7 @@ class Serving:
             if time.monotonic() > deadline:
                 raise DeadlineExceeded(f"the stream for Idempotency-Key {key!r} has not begun yet")
             await asyncio.sleep(0.05)  # its first request is still being admitted
-        if record.get("state") == "done" and not await self._redis.exists(stream_key(key)):
+        if state == "done" and not await self._redis.exists(stream_key(key)):
             raise RouteNotFound(f"the stream for Idempotency-Key {key!r} is no longer kept")
         return SSEResponse(self._readers.tail(key, after), self._keepalive)
 

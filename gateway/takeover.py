@@ -2,17 +2,23 @@
 
 A resumable stream (``Idempotency-Key``) is journaled event by event, each event
 before its client sees it (gateway/journal.py). Next to the SSE bytes, every event
-that carries tokens records them: ``[[choice, [token ids], characters, finish, prompt
-tokens, cached tokens], ...]`` (the last two once the choice's usage is known, else 0;
-entries journaled before cached tokens were recorded have five fields).
+that carries tokens records them, one line per upstream line, lines joined by ``;``:
+``choice|token ids,comma,separated|characters[|finish|prompt tokens|cached tokens]``
+(the last three only once a choice finishes or its usage is known; ~8 bytes for one
+token where the JSON list it replaced took ~22; JSON lists of 5 or 6 fields, as older
+gateways wrote them, still read).
 With the stream's :class:`Plan` (the request, its ids and deadline, written when it
 started), any gateway can continue it once its producer's ``:live`` expired:
 
 1. claim ``:live`` (``SET NX``): one gateway wins, the others' readers wait for it; the
    same script makes it the Idempotency-Key's owner (gateway/idempotency.py), so the
-   gateway it took the stream from, if it was only stalled, can no longer settle the key;
+   gateway it took the stream from, if it was only stalled, can no longer settle the key.
+   It lets go of ``:live`` only by compare-and-delete, so it can never free the stream
+   for a third gateway while a second one produces it;
 2. read plan and journal: per choice, the ids and characters its clients have, and
-   whether it finished;
+   whether it finished. The journal must hold events 1..N, every one: a journal Redis
+   lost part of (gateway/journal.py) is refused with :class:`HistoryLost`, never
+   continued from a partial token history;
 3. migrate each unfinished choice to a worker with ``resume_token_ids`` (as for a worker
    that died, gateway/migration.py) and append the new events after the last one, with
    the same chunk id.
@@ -30,10 +36,17 @@ from dataclasses import asdict, dataclass, field
 import orjson
 from redis.asyncio import Redis
 
-from gateway.journal import DONE, stream_key
+from gateway.journal import DONE, ENTRY_OVERHEAD, entry_number, stream_key
 from gateway.migration import Progress
 from gateway.upstream import Line
 from sluice import keys
+from sluice.errors import UpstreamFailed
+
+
+class HistoryLost(UpstreamFailed):
+    """The journal lacks some of the stream's events: it cannot be continued from it."""
+
+    code = "stream_history_lost"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +83,8 @@ class Recovered:
     progress: dict[int, Progress] = field(default_factory=dict)  # unfinished choices
     offsets: dict[int, int] = field(default_factory=dict)  # characters sent, per started choice
     completion_tokens: int = 0
+    stored_bytes: int = 0  # what the journal takes in Redis (as JournalWriter counts it)
+    plan_bytes: int = 0
     #: (prompt, cached) tokens each finished choice's usage reported (the worker counts the
     #: prompt for every choice it generates).
     prompts: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -99,17 +114,41 @@ class LineTap:
         """The token state of the lines consumed since the last call; b"" for none."""
         if not self._seen:
             return b""
-        state = [[i, line.get("ids", []), len(line.get("text", "")), line.get("finish_reason"),
-                  int((line.get("usage") or {}).get("prompt_tokens", 0)),
-                  int((line.get("usage") or {}).get("cached_tokens", 0))]
-                 for i, line in self._seen]
+        state = b";".join(_state_line(i, line) for i, line in self._seen)
         self._seen.clear()
-        return orjson.dumps(state)
+        return state
+
+
+def _state_line(index: int, line: Line) -> bytes:
+    parts = [str(index), ",".join(map(str, line.get("ids", ()))), str(len(line.get("text", "")))]
+    usage = line.get("usage") or {}
+    finish, prompt, cached = line.get("finish_reason"), int(usage.get("prompt_tokens", 0)), \
+        int(usage.get("cached_tokens", 0))
+    if finish is not None or prompt or cached:
+        parts += [finish or "", str(prompt), str(cached)]
+    return "|".join(parts).encode()
+
+
+def _state_lines(state: bytes) -> list[tuple[int, list[int], int, str | None, int, int]]:
+    """``take``'s state read back; also the JSON lists older gateways wrote (5 fields
+    before cached tokens were recorded, then 6)."""
+    if not state:
+        return []
+    if state.startswith(b"["):
+        return [(i, ids, chars, finish, prompt, cached[0] if cached else 0)
+                for i, ids, chars, finish, prompt, *cached in orjson.loads(state)]
+    lines = []
+    for raw in state.decode().split(";"):
+        index, ids, chars, *rest = raw.split("|")
+        finish, prompt, cached = (rest[0] or None, int(rest[1]), int(rest[2]) if len(rest) > 2 else 0) if rest \
+            else (None, 0, 0)
+        lines.append((int(index), [int(t) for t in ids.split(",")] if ids else [], int(chars), finish, prompt, cached))
+    return lines
 
 
 async def recover(redis: Redis, scope: str) -> tuple[Plan, Recovered] | None:
     """The plan and the journal's state; None when the stream has no plan (it cannot be
-    continued)."""
+    continued). Raises :class:`HistoryLost` when the journal lacks some of its events."""
     pipe = redis.pipeline(transaction=False)
     pipe.get(keys.journal_plan(scope))
     pipe.xrange(stream_key(scope))
@@ -117,17 +156,21 @@ async def recover(redis: Redis, scope: str) -> tuple[Plan, Recovered] | None:
     if raw is None:
         return None
     plan = Plan.loads(raw)
-    state = Recovered()
+    state = Recovered(plan_bytes=len(raw))
     sent: dict[int, list[int]] = {i: [] for i in range(plan.choices)}
     finished: set[int] = set()
     for entry_id, fields in entries:
-        ident = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-        state.last = int(ident.split("-", 1)[1])
+        number = entry_number(entry_id)
+        if number != state.last + 1:
+            raise HistoryLost(f"the stream's journal lacks events {state.last + 1}..{number - 1} (Redis lost "
+                              "data): it cannot be continued")
+        state.last = number
         state.done |= fields.get(b"d") == DONE
-        for index, ids, chars, finish, prompt, *cached in orjson.loads(fields[b"s"]) if fields.get(b"s") else ():
+        state.stored_bytes += len(fields.get(b"d", b"")) + len(fields.get(b"s", b"")) + ENTRY_OVERHEAD
+        for index, ids, chars, finish, prompt, cached in _state_lines(fields.get(b"s", b"")):
             sent[index].extend(ids)
             if finish is not None:
-                state.prompts[index] = (prompt, cached[0] if cached else 0)
+                state.prompts[index] = (prompt, cached)
             state.offsets[index] = state.offsets.get(index, 0) + chars
             state.completion_tokens += len(ids)
             if finish is not None:

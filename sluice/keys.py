@@ -45,6 +45,13 @@ creates no key (``check_model_name`` bounds the name itself).
     sl:journal:{scope}:live        the token of the key's live owner: the gateway producing its stream, or
                                    holding its pending claim (3 s TTL, renewed while it lives)
     sl:journal:{scope}:plan        what another gateway needs to take that stream over
+    sl:journal:{scope}:head        the bytes every chunk event of that stream starts with
+
+    sl:{journals}:held             zset scope -> expiry (ms, Redis clock) of its journal's memory
+    sl:{journals}:size             hash scope -> journal bytes reserved for it
+    sl:{journals}:owner            hash scope -> tenant it is charged to
+    sl:{journals}:tenants          hash tenant -> journal bytes reserved by all its streams
+    sl:{journals}:total            journal bytes reserved by every tenant
 """
 
 from __future__ import annotations
@@ -214,3 +221,21 @@ def journal_live(scope: str) -> str:
 
 def journal_plan(scope: str) -> str:
     return journal(scope) + ":plan"
+
+
+def journal_head(scope: str) -> str:
+    return journal(scope) + ":head"
+
+
+class JournalQuotaKeys(NamedTuple):
+    """KEYS of the journal memory scripts (gateway/journal_quota.py): one slot for all tenants,
+    so one script checks a tenant's bound and the total together."""
+
+    held: str
+    size: str
+    owner: str
+    tenants: str
+    total: str
+
+
+JOURNAL_QUOTA = JournalQuotaKeys(*("sl:{journals}:" + name for name in JournalQuotaKeys._fields))

@@ -13,6 +13,7 @@ import pytest
 from gateway.idempotency import Idempotency
 from gateway.journal import LIVE_TTL_MS
 from sluice import keys
+from sluice.errors import DeadlineExceeded
 from sluice.redis_pool import RedisClient, create_pool
 
 
@@ -34,7 +35,7 @@ async def test_a_take_over_moves_the_key_so_the_producer_it_replaced_cannot_sett
     records, redis = idem
     key = uuid.uuid4().hex
     assert await records.claim(key, "fp", True, _deadline(), owner="a") is None
-    assert await records.promote(key, "a", remaining_s=10)
+    assert await records.promote(key, "a", "fp", remaining_s=10, plan=b"{}")
     assert not await records.take_stream(key, "b"), "a lives: no take-over"
     await redis.delete(keys.journal_live(key))  # a stalled past :live's TTL
     assert await records.take_stream(key, "b")
@@ -66,10 +67,13 @@ async def test_a_pending_claim_is_free_once_its_owner_stops_renewing_it(idem) ->
 
 async def test_a_journal_whose_producer_lives_is_never_claimed_away(idem) -> None:
     """A record Redis lost does not free a key whose stream still has a live producer: the
-    claim would drop that journal."""
+    claim would drop that journal. A retry waits while the owner lives (it restores the
+    record with its next write, see test_journal.py)."""
     records, redis = idem
     key = uuid.uuid4().hex
     await redis.set(keys.journal_live(key), "producer", px=LIVE_TTL_MS)
     await redis.xadd(keys.journal(key), {"d": b"data: {}\n\n", "s": b""}, id="0-1")
-    assert await records.claim(key, "fp", True, _deadline(), owner="retry") == "attach"
+    with pytest.raises(DeadlineExceeded):
+        await records.claim(key, "fp", True, time.monotonic() + 0.2, owner="retry")
     assert await redis.xlen(keys.journal(key)) == 1
+    assert await redis.get(keys.journal_live(key)) == b"producer"

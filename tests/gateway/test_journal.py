@@ -4,21 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 
 import pytest
 
+from gateway.idempotency import Idempotency
 from gateway.journal import (
     DONE,
     JournalCommitter,
     JournalLost,
     JournalWriter,
+    frame,
     live_key,
     start_producer,
     stream_key,
 )
 from gateway.journal_readers import JournalReaders
+from sluice import keys
+from sluice.errors import DeadlineExceeded
 from sluice.redis_pool import RedisClient, create_pool
 
 
@@ -35,6 +40,19 @@ async def committer(redis: RedisClient) -> AsyncIterator[JournalCommitter]:
     writes = JournalCommitter(redis)
     yield writes
     await writes.close()
+
+
+@pytest.fixture
+async def idem(redis: RedisClient) -> AsyncIterator[Idempotency]:
+    records = Idempotency(redis, ttl_s=60)
+    yield records
+    await records.close()
+
+
+async def _claim(idem: Idempotency, key: str, owner: str, plan: bytes = b"{}") -> bool:
+    """Claim ``key``'s stream for ``owner`` as a request with that Idempotency-Key does."""
+    claimed = await idem.claim(key, "fp", True, time.monotonic() + 10, owner)
+    return claimed is None and await idem.promote(key, owner, "fp", 10, plan)
 
 
 @pytest.fixture
@@ -59,11 +77,11 @@ def _expected(n: int, after: int = 0) -> list[bytes]:
 
 
 async def test_a_first_reader_that_falls_behind_goes_on_from_the_journal(
-    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter
+    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter, idem: Idempotency
 ) -> None:
     key = uuid.uuid4().hex
+    assert await _claim(idem, key, "t")
     writer = JournalWriter(committer, key, ttl_s=60, owner="t")
-    assert await writer.claim()
     first = writer.subscribe(readers.tail, lag_max=4)
     producer = await start_producer(writer, _events(100), _nothing)
     await producer  # all produced while nobody read
@@ -71,12 +89,12 @@ async def test_a_first_reader_that_falls_behind_goes_on_from_the_journal(
 
 
 async def test_readers_of_several_streams_at_any_position_get_the_rest(
-    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter
+    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter, idem: Idempotency
 ) -> None:
     keys = [uuid.uuid4().hex for _ in range(4)]  # on a cluster, in different slots
     for key in keys:
+        assert await _claim(idem, key, "t")
         writer = JournalWriter(committer, key, ttl_s=60, owner="t")
-        assert await writer.claim()
         await writer.run(_events(600), _nothing)
 
     async def read(key: str, after: int) -> list[bytes]:
@@ -101,16 +119,16 @@ async def test_readers_of_a_stream_whose_producer_is_gone_get_the_error(
 
 
 async def test_a_producer_taken_over_stops_writing_and_its_reader_follows_the_journal(
-    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter
+    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter, idem: Idempotency
 ) -> None:
     """A gateway that stalled past ``:live``'s TTL while another took its stream over must
     not write on (two producers would interleave their events)."""
     key = uuid.uuid4().hex
+    assert await _claim(idem, key, "stalled")
     stalled = JournalWriter(committer, key, ttl_s=60, owner="stalled")
-    assert await stalled.claim()
     first = stalled.subscribe(readers.tail)
     await redis.set(live_key(key), "taker", px=60_000)  # another gateway took over
-    assert not await JournalWriter(committer, key, ttl_s=60, owner="third").claim(take_over=True)
+    assert not await idem.take_stream(key, "third")
 
     async def taker() -> None:  # the taker writes events 1..3 and ends the stream
         for number, data in enumerate([b"data: 1\n\n", b"data: 2\n\n", b"data: 3\n\n", DONE], start=1):
@@ -122,3 +140,245 @@ async def test_a_producer_taken_over_stops_writing_and_its_reader_follows_the_jo
         await producer
     assert await redis.xlen(stream_key(key)) == 4
     assert [event async for event in first.events()] == _expected(3)
+
+
+async def test_a_journal_past_20000_events_is_not_trimmed_for_late_or_slow_readers(
+    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter, idem: Idempotency
+) -> None:
+    """Regression: XADD MAXLEN ~ 20000 trimmed long journals silently; a re-attach after
+    event 10 resumed at 4001, and a slow first client skipped events the same way."""
+    key = uuid.uuid4().hex
+    assert await _claim(idem, key, "t")
+    writer = JournalWriter(committer, key, ttl_s=60, owner="t")
+    slow = writer.subscribe(readers.tail, lag_max=4)  # falls behind at once: reads the journal
+    await (await start_producer(writer, _events(24_000), _nothing))
+    assert await redis.xlen(stream_key(key)) == 24_001
+    late = [event async for event in readers.tail(key, 10)]
+    assert late[0] == b"id: 11\ndata: 11\n\n"
+    assert late == _expected(24_000, 10)
+    assert [event async for event in slow.events()] == _expected(24_000)
+    await redis.delete(stream_key(key))
+
+
+async def test_a_reader_gets_an_error_instead_of_a_gap_in_the_journal(
+    redis: RedisClient, readers: JournalReaders
+) -> None:
+    """Regression: a reader whose next event was no longer in the journal got the events
+    after the hole as if nothing was missing."""
+    key = uuid.uuid4().hex
+    for number in [1, 2, 3, 7, 8]:  # 4..6 lost
+        await redis.xadd(stream_key(key), {"d": b"data: %d\n\n" % number}, id=f"0-{number}")
+    await redis.xadd(stream_key(key), {"d": DONE}, id="0-9")
+    await redis.set(live_key(key), "producer", px=60_000)
+    from_start = [event async for event in readers.tail(key, 0)]
+    assert from_start[:3] == _expected(3)[:3]
+    assert b"stream_history_lost" in from_start[3] and b"events 4..6" in from_start[3]
+    assert from_start[4:] == [DONE]
+    after_the_hole = [event async for event in readers.tail(key, 7)]  # id 7 itself was sent
+    assert after_the_hole == [b"id: 8\ndata: 8\n\n", DONE]
+    inside_the_hole = [event async for event in readers.tail(key, 4)]
+    assert b"stream_history_lost" in inside_the_hole[0]
+    assert inside_the_hole[1:] == [DONE]
+    await redis.delete(stream_key(key), live_key(key))
+
+
+async def test_a_stream_past_its_event_bound_ends_with_an_error(
+    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter, idem: Idempotency
+) -> None:
+    key = uuid.uuid4().hex
+    assert await _claim(idem, key, "t")
+    writer = JournalWriter(committer, key, ttl_s=60, owner="t", max_events=50)
+    first = writer.subscribe(readers.tail)
+    await (await start_producer(writer, _events(100), _nothing))
+    got = [event async for event in first.events()]
+    assert got[:50] == _expected(50)[:50]
+    assert b"stream_too_long" in got[50] and got[51:] == [DONE]
+    reattached = [event async for event in readers.tail(key, 48)]
+    assert reattached == got[48:50] + [frame(51, got[50][len(b"id: 51\n"):]), DONE]
+    await redis.delete(stream_key(key))
+
+
+async def test_a_journal_redis_lost_is_reclaimed_and_its_first_reader_goes_on(
+    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter, idem: Idempotency
+) -> None:
+    """Regression: Redis losing ``:live`` (a restart without persistence, FLUSHALL, a
+    failover) was taken for a take-over: every resumable stream in flight ended with
+    "producer is gone" while plain streams went on."""
+    key = uuid.uuid4().hex
+    assert await _claim(idem, key, "t")
+    writer = JournalWriter(committer, key, ttl_s=60, owner="t")
+    first = writer.subscribe(readers.tail)
+    lost = asyncio.Event()
+
+    async def events() -> AsyncIterator[bytes]:
+        for i in range(1, 201):
+            if i == 101:  # the first 100 are written: Redis loses them, and :live
+                while await redis.xlen(stream_key(key)) < 100:
+                    await asyncio.sleep(0.01)
+                await redis.delete(stream_key(key), live_key(key))
+                lost.set()
+            yield b"data: %d\n\n" % i
+        yield DONE
+
+    producer = await start_producer(writer, events(), _nothing)
+    assert [event async for event in first.events()] == _expected(200)
+    await producer
+    assert await redis.xlen(stream_key(key)) == 101  # 101..200 and [DONE]
+    # A client re-attaching from before the loss is told, not handed a splice.
+    before = [event async for event in readers.tail(key, 50)]
+    assert b"stream_history_lost" in before[0] and before[1:] == [DONE]
+    assert [event async for event in readers.tail(key, 100)] == _expected(200, 100)
+    assert lost.is_set()
+    await redis.delete(stream_key(key))
+
+
+async def test_a_producer_whose_journal_another_gateway_continued_does_not_write_on(
+    redis: RedisClient, committer: JournalCommitter, idem: Idempotency
+) -> None:
+    """``:live`` missing is a re-claim only if nobody wrote past this producer: a gateway
+    that stalled while another took its stream over and finished it must not append."""
+    key = uuid.uuid4().hex
+    assert await _claim(idem, key, "stalled")
+    stalled = JournalWriter(committer, key, ttl_s=60, owner="stalled")
+    taken = asyncio.Event()
+
+    async def events() -> AsyncIterator[bytes]:
+        for i in range(1, 51):
+            if i == 11:
+                while await redis.xlen(stream_key(key)) < 10:
+                    await asyncio.sleep(0.01)
+                # Another gateway took over after event 10, wrote 11..13 and [DONE], let go.
+                for number, data in [(11, b"data: x\n\n"), (12, b"data: y\n\n"), (13, DONE)]:
+                    await redis.xadd(stream_key(key), {"d": data}, id=f"0-{number}")
+                await redis.delete(live_key(key))
+                taken.set()
+            yield b"data: %d\n\n" % i
+        yield DONE
+
+    with contextlib.suppress(JournalLost):
+        await (await start_producer(stalled, events(), _nothing))
+    assert taken.is_set()
+    entries = await redis.xrange(stream_key(key))
+    assert [e[0] for e in entries] == [f"0-{n}".encode() for n in range(1, 14)]
+    assert entries[-1][1][b"d"] == DONE
+    await redis.delete(stream_key(key))
+
+
+async def test_a_producer_that_lost_live_never_deletes_the_new_owners(
+    redis: RedisClient, committer: JournalCommitter, idem: Idempotency
+) -> None:
+    """Regression: a producer deleted ``:live`` unchecked when it ended, so one that stalled
+    past the TTL after its last write freed the stream another gateway had taken over,
+    and a third could take it over too: two producers of one stream."""
+    key = uuid.uuid4().hex
+    assert await _claim(idem, key, "stalled")
+    stalled = JournalWriter(committer, key, ttl_s=60, owner="stalled")
+
+    async def stall_then_taken_over() -> None:  # the generation's clean-up: the stall
+        while await redis.xlen(stream_key(key)) < 6:  # everything written, [DONE] included
+            await asyncio.sleep(0.01)
+        # This gateway stalled past :live's TTL and another took the stream over meanwhile.
+        await redis.set(live_key(key), "taker", px=60_000)
+
+    await stalled.run(_events(5), stall_then_taken_over)
+    assert await redis.get(live_key(key)) == b"taker"
+    assert not await idem.take_stream(key, "third")
+    await redis.delete(stream_key(key), live_key(key))
+
+
+async def test_two_take_overs_race_and_only_one_produces(redis: RedisClient, committer: JournalCommitter,
+                                                        idem: Idempotency) -> None:
+    """Two gateways whose readers found the producer gone at the same moment: one claims
+    the stream; the other, however late its claim, never produces it as well."""
+    key = uuid.uuid4().hex
+    for _ in range(20):
+        won = await asyncio.gather(*(idem.take_stream(key, f"taker-{i}") for i in range(2)))
+        assert sorted(won) == [False, True]
+        winner, loser = f"taker-{won.index(True)}", f"taker-{won.index(False)}"
+        assert not await committer.release(key, loser)  # the loser lets go of nothing it does not hold
+        assert await redis.get(live_key(key)) == winner.encode()
+        assert await committer.release(key, winner)
+        assert await redis.get(live_key(key)) is None
+
+
+async def test_a_new_attempt_never_takes_a_stream_another_producer_still_writes(
+    redis: RedisClient, committer: JournalCommitter, idem: Idempotency
+) -> None:
+    """Regression: a new request with the key claimed ``:live`` unchecked (and first deleted
+    the journal under it): the producer still writing lost its stream, and its readers
+    read on into the new generation, a splice of two."""
+    key = uuid.uuid4().hex
+    assert await _claim(idem, key, "first")
+    await JournalWriter(committer, key, ttl_s=60, owner="first").run(_events(3), _nothing)
+    await idem.settle(key, "first", completed=False)  # it failed: a retry runs it again
+    assert await _claim(idem, key, "second")  # a new attempt: the earlier one's journal is dropped
+    assert await redis.xlen(stream_key(key)) == 0
+    assert await idem.claim(key, "fp", True, time.monotonic() + 10, "third") == "attach"
+    await redis.delete(keys.idempotency(key))  # Redis lost the record, not the producer's :live
+    with pytest.raises(DeadlineExceeded):  # the key's owner lives: a retry waits, never claims it
+        await idem.claim(key, "fp", True, time.monotonic() + 0.2, "third")
+    assert await redis.get(live_key(key)) == b"second"
+    await committer.release(key, "second")
+    await redis.delete(stream_key(key), keys.journal_plan(key))
+
+
+async def test_a_producer_restores_the_key_record_redis_lost(
+    redis: RedisClient, committer: JournalCommitter, idem: Idempotency
+) -> None:
+    """Regression: Redis losing its data (FLUSHALL, a restart without persistence) lost the
+    Idempotency-Key's record while the producer went on: a re-attach got 404 and a retry
+    with the key claimed it afresh, a second generation. The producer's next write
+    restores the record (and ``:live``); a retry waiting meanwhile attaches to its stream."""
+    key = uuid.uuid4().hex
+    assert await _claim(idem, key, "t")
+    writer = JournalWriter(committer, key, ttl_s=60, owner="t", fingerprint="fp")
+    lost, resume = asyncio.Event(), asyncio.Event()
+
+    async def events() -> AsyncIterator[bytes]:
+        yield b"data: 1\n\n"
+        while await redis.xlen(stream_key(key)) < 1:
+            await asyncio.sleep(0.01)
+        await redis.delete(keys.idempotency(key), live_key(key), stream_key(key))  # Redis lost it all
+        lost.set()
+        yield b"data: 2\n\n"
+        await resume.wait()
+        yield DONE
+
+    producer = await start_producer(writer, events(), _nothing)
+    await lost.wait()
+    while await redis.xlen(stream_key(key)) < 1:  # event 2 written: the producer wrote on
+        await asyncio.sleep(0.01)
+    record = await idem.lookup(key)
+    assert record is not None and record.get("owner") == "t" and record.get("state") == "streaming", record
+    assert await idem.claim(key, "fp", True, time.monotonic() + 10, "retry") == "attach"  # not a new generation
+    resume.set()
+    await producer
+    await idem.settle(key, "t", completed=True)  # its owner settles it, as after any stream
+    assert (await idem.lookup(key) or {}).get("state") == "done"
+    assert await redis.get(live_key(key)) is None
+    await redis.delete(stream_key(key))
+
+
+async def test_a_streams_plan_lives_as_long_as_its_journal_and_goes_with_its_end(
+    redis: RedisClient, committer: JournalCommitter, idem: Idempotency
+) -> None:
+    """The plan was set once, for the TTL, at the start: a stream running close to it
+    became impossible to take over; and a finished one kept its request body an hour."""
+    key = uuid.uuid4().hex
+
+    async def unfinished() -> AsyncIterator[bytes]:
+        for i in range(1, 4):
+            yield b"data: %d\n\n" % i
+
+    assert await _claim(idem, key, "t")
+    writer = JournalWriter(committer, key, ttl_s=60, owner="t")
+    await redis.pexpire(keys.journal_plan(key), 2000)  # close to its end
+    await writer.run(unfinished(), _nothing)
+    assert await redis.pttl(keys.journal_plan(key)) > 50_000
+    await idem.settle(key, "t", completed=False)  # it failed: its key is forgotten, a retry runs again
+    assert await _claim(idem, key, "u")
+    finished = JournalWriter(committer, key, ttl_s=60, owner="u", done_ttl_s=5)
+    await finished.run(_events(3), _nothing)
+    assert not await redis.exists(keys.journal_plan(key))
+    assert 0 < await redis.pttl(stream_key(key)) <= 5000
+    await redis.delete(stream_key(key))

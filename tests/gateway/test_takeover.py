@@ -9,11 +9,14 @@ import signal
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import orjson
 import pytest
 
+from gateway.idempotency import scoped
+from sluice import keys
 from tests.conftest import wait_for
 from tests.gateway.test_resumable import _events
 
@@ -72,6 +75,16 @@ def test_a_stream_whose_gateway_was_killed_is_continued_by_another(two_gateways,
 
 
 Events = list[tuple[int | None, str]]
+
+
+def _start_and_kill(gateway, body: dict[str, object], key: str, events: int = 40) -> Events:
+    """Stream ``body`` from ``gateway`` until ``events`` events, then SIGKILL the gateway."""
+    with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body,
+                      headers={"Idempotency-Key": key}, timeout=60) as r:
+        lines = r.iter_lines()  # keep a reference: a dropped iterator closes the stream
+        seen = _events(lines, lambda out: len(out) >= events)
+        gateway.kill()
+    return seen
 
 
 def _seed_with_lengths(prompt: str, first_at_least: int, second_at_most: int) -> int:
@@ -161,3 +174,57 @@ def test_a_gateway_that_lost_its_stream_to_a_take_over_leaves_the_key_alone(two_
     assert _chunk_ids(seen + rest + retry) == _chunk_ids(seen), "a second generation started"
     assert retry == seen + rest
     assert retry[-1][1] == "[DONE]" and not any('"error"' in d for _, d in retry)
+
+
+def test_a_take_over_refuses_a_journal_missing_its_first_events(two_gateways, start_gateway,
+                                                                redis_client) -> None:
+    """Regression: a take-over continued from whatever the journal still held; after a trim
+    it resumed from a truncated token history (3,988 wrong tokens against 2,500 allowed)."""
+    _, other = two_gateways
+    body = {"model": "takeover", "messages": [{"role": "user", "content": "a history"}],
+            "max_tokens": 150, "ignore_eos": True, "stream": True}
+    key = uuid.uuid4().hex
+    seen = _start_and_kill(start_gateway(), body, key)
+    journal = keys.journal(scoped("-", key))
+    redis_client.xtrim(journal, minid="0-21", approximate=False)  # events 1..20 lost (a trim, a failover)
+    last = max(i for i, _ in seen if i is not None)
+    with httpx.stream("GET", other.url + f"/v1/streams/{key}", headers={"Last-Event-ID": str(last)},
+                      timeout=60) as r:
+        rest = _events(r.iter_lines())
+    assert [d for _, d in rest][-1] == "[DONE]"
+    errors = [orjson.loads(d)["error"] for _, d in rest if d.startswith('{"error"')]
+    assert [e["code"] for e in errors] == ["stream_history_lost"], rest
+    assert all(i is None for i, _ in rest), "events were produced from a partial history"
+    assert redis_client.exists(keys.journal_live(scoped("-", key))) == 0  # the refusing gateway let go
+    assert redis_client.exists(keys.idempotency(scoped("-", key))) == 0  # forgotten: a retry runs again
+
+
+def test_two_gateways_racing_to_take_over_one_stream_produce_it_once(two_gateways, start_gateway,
+                                                                     redis_client) -> None:
+    """Readers on two gateways find the producer gone at the same moment: one of the two
+    takes the stream over; both readers get the same, whole rest of it."""
+    first, other = two_gateways
+    body = {"model": "takeover", "messages": [{"role": "user", "content": "a race"}],
+            "max_tokens": 150, "ignore_eos": True, "stream": True}
+    reference = _events(httpx.post(first.url + "/v1/chat/completions", json=body, timeout=60).iter_lines())
+    key = uuid.uuid4().hex
+    seen = _start_and_kill(start_gateway(), body, key)
+    last = max(i for i, _ in seen if i is not None)
+    ready = threading.Barrier(2)
+
+    def reattach(gateway) -> list[tuple[int | None, str]]:
+        ready.wait()
+        with httpx.stream("GET", gateway.url + f"/v1/streams/{key}", headers={"Last-Event-ID": str(last)},
+                          timeout=60) as r:
+            return _events(r.iter_lines())
+
+    with ThreadPoolExecutor(2) as pool:
+        rests = list(pool.map(reattach, [first, other]))
+    assert rests[0] == rests[1]
+    whole = seen + rests[0]
+    assert [i for i, _ in whole if i is not None] == list(range(1, len(whole)))
+    assert not any('"error"' in d for _, d in whole)
+    assert _choice_texts(whole, "chat") == _choice_texts(reference, "chat")
+    entries = redis_client.xrange(keys.journal(scoped("-", key)))
+    assert [int(e[0].split(b"-")[1]) for e in entries] == list(range(1, len(whole) + 1))
+    assert sum(e[1][b"d"] == b"data: [DONE]\n\n" for e in entries) == 1

@@ -1,0 +1,206 @@
+"""What one resumable stream, one tenant and all tenants may keep in journals.
+
+A journal (gateway/journal.py) is never trimmed, so it must be bounded another way:
+
+- **events**: every event of a choice but its first (role, echo) and its last (finish)
+  carries at least one token, so a request's events are at most ``generations x
+  (max_tokens + 2) + 2`` (usage, ``[DONE]``); a Responses stream's typed events, at most
+  ``5 x max_tokens + 10``. A request whose own ``max_tokens`` cannot
+  fit ``journal_max_events`` is refused up front (400); one without ``max_tokens`` is
+  journaled with that cap and, should it reach it, ends with an in-band error.
+- **bytes**: a stream reserves journal bytes for its tenant (API key) in chunks of
+  ``CHUNK_BYTES`` as it writes, the plan (its request body) first. Each reservation
+  holds until its journal can have expired (the request's deadline plus the journal's
+  TTL; the shorter ``journal_done_ttl_s`` once it ended), and a finished stream settles
+  it to what it really wrote. A new resumable request that would take its tenant past
+  ``journal_tenant_max_bytes``, or all of them past ``journal_max_bytes``, gets 429 in
+  OpenAI's shape; a stream already running that would, ends with the same error in-band.
+
+The reservations live in one Redis Cluster slot (``keys.JOURNAL_QUOTA``), so one script
+checks the tenant's bound and the total together; each call also drops up to 64
+expired reservations. Redis losing them (a restart without persistence) loses the
+journals they counted too.
+
+>>> quota = JournalQuota(redis, settings)
+>>> budget = await quota.open(scope, tenant, plan_bytes, hold_s=deadline_s + ttl_s)  # 429 when full
+>>> writer = JournalWriter(..., max_events=journal_events(req, settings), budget=budget)
+"""
+
+from __future__ import annotations
+
+import logging
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from gateway.caps import generations
+from gateway.config import GatewaySettings
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from sluice import keys
+from sluice.errors import InvalidRequest, RateLimited, SluiceError
+
+log = logging.getLogger("sluice.journal")
+
+#: A stream reserves journal bytes this many at a time (about 600 chunk events): one
+#: script call per chunk, not per event.
+CHUNK_BYTES = 64 * 1024
+
+_RELEASE = """
+local function release(scope)
+  local size = tonumber(redis.call('HGET', KEYS[2], scope) or '0')
+  local tenant = redis.call('HGET', KEYS[3], scope)
+  if tenant then
+    if redis.call('HINCRBY', KEYS[4], tenant, -size) <= 0 then redis.call('HDEL', KEYS[4], tenant) end
+  end
+  if redis.call('DECRBY', KEYS[5], size) < 0 then redis.call('SET', KEYS[5], 0) end
+  redis.call('HDEL', KEYS[2], scope)
+  redis.call('HDEL', KEYS[3], scope)
+  redis.call('ZREM', KEYS[1], scope)
+end
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+for _, scope in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, 64)) do release(scope) end
+"""
+
+#: Reserve ``bytes`` more for a stream, if its tenant and the total stay within their
+#: bounds. KEYS: keys.JOURNAL_QUOTA. ARGV: scope, tenant, bytes, hold ms, tenant bound,
+#: total bound, "1" for a new stream (drops what an earlier attempt of the scope held).
+#: Returns {1, tenant's bytes} or {0, tenant's bytes} (tenant full) or {-1, total} (all full).
+RESERVE = _RELEASE + """
+if ARGV[7] == '1' then release(ARGV[1]) end
+local add = tonumber(ARGV[3])
+local mine = tonumber(redis.call('HGET', KEYS[4], ARGV[2]) or '0')
+local all = tonumber(redis.call('GET', KEYS[5]) or '0')
+if mine + add > tonumber(ARGV[5]) then return {0, mine} end
+if all + add > tonumber(ARGV[6]) then return {-1, all} end
+redis.call('HINCRBY', KEYS[2], ARGV[1], add)
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
+redis.call('HINCRBY', KEYS[4], ARGV[2], add)
+redis.call('INCRBY', KEYS[5], add)
+local expiry = now + tonumber(ARGV[4])
+local held = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not held or tonumber(held) < expiry then redis.call('ZADD', KEYS[1], expiry, ARGV[1]) end
+return {1, mine + add}
+"""
+
+#: A stream ended: its reservation becomes what it wrote, held ``hold ms`` from now (0
+#: bytes: dropped). KEYS: keys.JOURNAL_QUOTA. ARGV: scope, bytes, hold ms.
+SETTLE = _RELEASE + """
+local tenant = redis.call('HGET', KEYS[3], ARGV[1])
+if not tenant then return 0 end
+local size = tonumber(ARGV[2])
+if size <= 0 then release(ARGV[1]) return 1 end
+local delta = size - tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+redis.call('HSET', KEYS[2], ARGV[1], size)
+redis.call('HINCRBY', KEYS[4], tenant, delta)
+redis.call('INCRBY', KEYS[5], delta)
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+return 1
+"""
+
+
+def journal_events(req: ChatCompletionRequest | CompletionRequest, settings: GatewaySettings, *,
+                   typed: bool = False) -> int:
+    """The most events the request's stream may journal (its error and ``[DONE]`` aside);
+    400 when its own ``max_tokens`` could need more than ``journal_max_events``. ``typed``:
+    the Responses API's events, up to 5 per token (a tool call's item added, arguments
+    delta and their two done events) and 8 more (created, in progress, the message's
+    item and part, completed)."""
+    limit = req.token_limit()
+    count = generations(req)
+    per_token, extra = (5, 8) if typed else (1, 2)
+    needed = count * ((limit or settings.max_tokens_cap) * per_token + extra) + 2
+    if needed <= settings.journal_max_events:
+        return needed
+    if limit is None:
+        return settings.journal_max_events  # reaching it ends the stream with an in-band error
+    fits = max(0, ((settings.journal_max_events - 2) // count - extra) // per_token)
+    param = "max_completion_tokens" if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens \
+        else "max_tokens"
+    raise InvalidRequest(
+        f"a resumable stream (Idempotency-Key) keeps at most {settings.journal_max_events} events; "
+        f"{count} generation(s) of {limit} tokens could need {needed}: ask for at most {fits} tokens, "
+        "fewer choices, or stream without an Idempotency-Key", param=param, code="stream_too_long")
+
+
+class JournalQuota:
+    """The journal memory reservations of every stream (one per gateway process)."""
+
+    def __init__(self, redis: Redis, settings: GatewaySettings) -> None:
+        self._reserve = redis.register_script(RESERVE)
+        self._settle = redis.register_script(SETTLE)
+        self._tenant_max = settings.journal_tenant_max_bytes
+        self._total_max = settings.journal_max_bytes
+
+    async def open(self, scope: str, tenant: str, first_bytes: int, *, hold_s: float,
+                   taken_over: int | None = None) -> StreamBudget:
+        """A stream's budget with ``first_bytes`` and one chunk reserved; 429 (RateLimited)
+        when its tenant or all of them are at their bound. A new stream drops what an
+        earlier attempt with the same scope held; a stream ``taken_over`` after that many
+        bytes adds to what its first producer reserved for them."""
+        budget = StreamBudget(self, scope, tenant, int(hold_s * 1000))
+        budget.reserved = taken_over or 0
+        refusal = await budget.reserve(first_bytes + CHUNK_BYTES, new=taken_over is None)
+        if refusal is not None:
+            raise refusal
+        return budget
+
+    async def call_reserve(self, args: list[str | int]) -> list[int]:
+        return list(await self._reserve(keys=list(keys.JOURNAL_QUOTA), args=args))
+
+    async def call_settle(self, args: list[str | int]) -> None:
+        await self._settle(keys=list(keys.JOURNAL_QUOTA), args=args)
+
+    def limits(self) -> tuple[int, int]:
+        return self._tenant_max, self._total_max
+
+
+class StreamBudget:
+    """The journal bytes one stream has reserved (gateway/journal.py's ``Budget``)."""
+
+    def __init__(self, quota: JournalQuota, scope: str, tenant: str, hold_ms: int) -> None:
+        self._quota = quota
+        self._scope = scope
+        self._tenant = tenant
+        self._hold_ms = hold_ms
+        self.reserved = 0
+        self._refusal: SluiceError | None = None
+
+    def __repr__(self) -> str:
+        return f"<StreamBudget {self._scope} tenant={self._tenant} reserved={self.reserved}>"
+
+    async def reserve(self, more: int, *, new: bool = False) -> SluiceError | None:
+        tenant_max, total_max = self._quota.limits()
+        status, held = await self._quota.call_reserve(
+            [self._scope, self._tenant, more, self._hold_ms, tenant_max, total_max, "1" if new else "0"])
+        if int(status) == 1:
+            self.reserved += more
+            return None
+        whose, bound = ("this API key's streams", tenant_max) if int(status) == 0 else ("all streams", total_max)
+        self._refusal = RateLimited(
+            f"resumable streams (Idempotency-Key) keep at most {bound} bytes of journal for {whose}, and "
+            f"{int(held)} are in use; retry later, or stream without an Idempotency-Key",
+            code="journal_memory_exceeded", retry_after_s=30)
+        return self._refusal
+
+    async def grow(self, used: int) -> bool:
+        """Reserve chunks until ``used`` bytes fit; False when a bound refuses. Redis failing
+        here does not end the stream (its journal writes fail the same way, and retry)."""
+        try:
+            return await self.reserve(max(CHUNK_BYTES, used - self.reserved + CHUNK_BYTES)) is None
+        except (RedisError, OSError) as exc:
+            log.warning("could not reserve journal memory for %s: %s", self._scope, exc)
+            self.reserved = used + CHUNK_BYTES  # try again a chunk later
+            return True
+
+    def refusal(self) -> SluiceError:
+        assert self._refusal is not None
+        return self._refusal
+
+    async def settle(self, used: int, hold_ms: int) -> None:
+        """The stream ended: it holds what it wrote, for as long as its journal is kept."""
+        await self._quota.call_settle([self._scope, used, hold_ms])
+
+    async def release(self) -> None:
+        """The stream never started: it holds nothing."""
+        await self._quota.call_settle([self._scope, 0, 0])

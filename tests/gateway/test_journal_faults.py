@@ -1,0 +1,200 @@
+"""Resumable streams through the faults they exist for, and within their bounds: Redis
+losing its data, requests whose history cannot fit, one API key filling Redis."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import httpx
+import orjson
+import pytest
+import redis
+
+from gateway.idempotency import scoped
+from sluice import keys
+from sluice.embedded_redis import EmbeddedRedis
+from tests.conftest import ROOT, wait_for
+from tests.gateway.test_resumable import _events, _text
+
+
+@pytest.fixture
+def private_redis():
+    holder = {"server": EmbeddedRedis().start()}
+    yield holder
+    holder["server"].stop()
+
+
+def _stream(url: str, body: dict[str, object], headers: dict[str, str], during=None, at: int = 0):
+    """(id, data) events of a streamed POST; ``during()`` runs once ``at`` events arrived."""
+    lines: list[str] = []
+    seen = 0
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            lines.append(line)
+            seen += line.startswith("data: ")
+            if during is not None and seen == at and line.startswith("data: "):
+                during()
+    return _events(lines)
+
+
+def _lose(holder: dict[str, EmbeddedRedis], loss: str) -> EmbeddedRedis:
+    """Redis loses its data: FLUSHALL, or a restart without persistence (same port). The
+    server it runs as now."""
+    server = holder["server"]
+    if loss == "flushall":
+        with redis.Redis.from_url(server.url) as client:
+            client.flushall()
+    else:
+        server.stop()
+        holder["server"] = EmbeddedRedis(port=server.port).start()
+    return holder["server"]
+
+
+def _errors(events) -> list[str]:
+    return [d for _, d in events if d.startswith('{"error"')]
+
+
+@pytest.mark.parametrize("loss", ["flushall", "restart"])
+def test_a_resumable_stream_goes_on_when_redis_loses_its_data(private_redis, start_worker, start_gateway,
+                                                               loss: str) -> None:
+    """Regression: Redis losing ``:live`` (FLUSHALL, a restart without persistence) was
+    taken for a take-over and every resumable stream in flight ended with "producer is
+    gone", while plain streams went on."""
+    server = private_redis["server"]
+    start_worker("lost", redis_at=server.url, sim_token_ms=20, sim_ttft_ms=0)
+    gateway = start_gateway(redis_at=server.url)
+    body = {"model": "lost", "prompt": "a story", "max_tokens": 150, "ignore_eos": True, "stream": True}
+    reference = httpx.post(gateway.url + "/v1/completions", json={**body, "stream": False},
+                           timeout=60).json()["choices"][0]["text"]
+    key = uuid.uuid4().hex
+
+    events = _stream(gateway.url + "/v1/completions", body, {"Idempotency-Key": key},
+                     lambda: _lose(private_redis, loss), at=30)
+    assert not _errors(events), _errors(events)
+    assert [i for i, _ in events if i is not None] == list(range(1, 151))
+    assert events[-1][1] == "[DONE]"
+    assert _text(events) == reference
+    # The journal lost events 1..~30: a client re-attaching from before the loss is told so.
+    with httpx.stream("GET", f"{gateway.url}/v1/streams/{key}", headers={"Last-Event-ID": "5"}, timeout=30) as r:
+        again = _events(r.iter_lines())
+    assert [d for _, d in again] == [again[0][1], "[DONE]"]
+    assert orjson.loads(again[0][1])["error"]["code"] == "stream_history_lost"
+    # One that saw event 140 gets the rest, exactly.
+    with httpx.stream("GET", f"{gateway.url}/v1/streams/{key}", headers={"Last-Event-ID": "140"}, timeout=30) as r:
+        assert _events(r.iter_lines()) == events[140:]
+
+
+@pytest.mark.parametrize("loss", ["flushall", "restart"])
+def test_a_retry_after_redis_lost_its_data_attaches_to_the_running_stream(private_redis, start_worker,
+                                                                          start_gateway, loss: str) -> None:
+    """Regression: Redis losing its data lost the Idempotency-Key's record while the
+    producer went on: GET /v1/streams/{key} was 404 until the stream ended, and a retry
+    with the key found no stream to follow. The producer restores the record with its
+    next write; a re-attach and a retry during the stream both follow the one generation."""
+    server = private_redis["server"]
+    start_worker("restored", redis_at=server.url, sim_token_ms=20, sim_ttft_ms=0)
+    gateway = start_gateway(redis_at=server.url)
+    body = {"model": "restored", "prompt": "a story", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    key = uuid.uuid4().hex
+    live = keys.journal_live(scoped("-", key))
+    got: dict[str, object] = {}
+
+    def follow(name: str, method: str, path: str) -> None:
+        with httpx.stream(method, gateway.url + path, json=body if method == "POST" else None, timeout=60,
+                          headers={"Idempotency-Key": key, "Last-Event-ID": "150"}) as r:
+            got[name] = (r.status_code, _events(r.iter_lines()))
+
+    followers = [threading.Thread(target=follow, args=("reattach", "GET", f"/v1/streams/{key}")),
+                 threading.Thread(target=follow, args=("retry", "POST", "/v1/completions"))]
+
+    def lose_then_follow() -> None:
+        with redis.Redis.from_url(_lose(private_redis, loss).url) as client:
+            wait_for(lambda: client.exists(live) == 1, 10, "the producer to write on")
+        for follower in followers:
+            follower.start()
+
+    events = _stream(gateway.url + "/v1/completions", body, {"Idempotency-Key": key}, lose_then_follow, at=30)
+    for follower in followers:
+        follower.join(60)
+    assert [i for i, _ in events if i is not None] == list(range(1, 201)) and not _errors(events)
+    assert got["reattach"] == (200, events[150:])
+    assert got["retry"] == (200, events[150:])  # the same events: no second generation
+
+
+def test_a_resumable_request_whose_history_cannot_fit_is_refused_up_front(stack) -> None:
+    """Regression: n x max_tokens past the journal's 20,000 events was accepted and the
+    journal trimmed silently; now such a request is refused before any work."""
+    body = {"model": "sim", "prompt": "x", "n": 16, "max_tokens": 32_768, "stream": True}
+    r = httpx.post(stack.url + "/v1/completions", json=body, headers={"Idempotency-Key": uuid.uuid4().hex},
+                   timeout=30)
+    assert r.status_code == 400, r.text[:200]
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["code"], error["param"]) == ("stream_too_long", "max_tokens")
+    assert "Idempotency-Key" in error["message"]
+
+
+def _create_key(redis_url: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "sluice", "keys", "create", "--name", "journal",
+                             "--redis-url", redis_url], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+@pytest.mark.timeout(300)
+def test_one_api_key_cannot_fill_redis_with_journals(private_redis, start_worker, start_gateway) -> None:
+    """Regression: journals were bounded by nothing but a 20,000-event trim and kept an
+    hour, so one tenant could run the Redis all admission shares out of memory."""
+    server = private_redis["server"]
+    start_worker("quota", redis_at=server.url, sim_token_ms=0, sim_ttft_ms=0)
+    gateway = start_gateway(redis_at=server.url, env={"SLUICE_GATEWAY_JOURNAL_TENANT_MAX_BYTES": str(1 << 20)})
+    greedy, other = _create_key(server.url), _create_key(server.url)
+    time.sleep(2.1)  # "auto" auth re-checks for keys every 2 s
+    url = gateway.url + "/v1/completions"
+    body = {"model": "quota", "prompt": "p", "max_tokens": 30_000, "ignore_eos": True, "stream": True}
+
+    def as_(key: str, idem: bool = True) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}", **({"Idempotency-Key": uuid.uuid4().hex} if idem else {})}
+
+    # A stream that outgrows its key's bound ends with the error, in-band.
+    events = _stream(url, body, as_(greedy))
+    assert events[-1][1] == "[DONE]"
+    assert [orjson.loads(e)["error"]["code"] for e in _errors(events)] == ["journal_memory_exceeded"]
+    assert 5_000 < len(events) < 30_000
+    with redis.Redis.from_url(server.url) as client:
+        held = int(client.get(keys.JOURNAL_QUOTA.total))
+        assert held <= 1 << 20
+        assert int(client.hget(keys.JOURNAL_QUOTA.tenants, greedy.split("-")[2])) == held
+    # Its next resumable request: 429 in OpenAI's shape, before any work.
+    refused = httpx.post(url, json={**body, "max_tokens": 5}, headers=as_(greedy), timeout=30)
+    assert refused.status_code == 429
+    assert refused.json()["error"]["code"] == "journal_memory_exceeded"
+    assert set(refused.json()["error"]) == {"message", "type", "param", "code"}
+    assert int(refused.headers["retry-after"]) >= 1
+    # The key's plain streams, and other keys' resumable ones, are served.
+    short = {**body, "max_tokens": 5}
+    assert _stream(url, short, as_(greedy, idem=False))[-1][1] == "[DONE]"
+    assert not _errors(_stream(url, short, as_(other)))
+
+
+def test_a_journal_event_costs_under_100_bytes_of_redis(start_worker, start_gateway, redis_client) -> None:
+    """A chat stream's journal keeps each chunk without the head every chunk repeats (id,
+    created, model) and its token ids in a compact form: it was ~223 B per event."""
+    start_worker("journal-bytes", sim_token_ms=0, sim_ttft_ms=0)
+    gateway = start_gateway()
+    key = uuid.uuid4().hex
+    body = {"model": "journal-bytes", "messages": [{"role": "user", "content": "long"}], "max_tokens": 4000,
+            "ignore_eos": True, "stream": True}
+    events = _stream(gateway.url + "/v1/chat/completions", body, {"Idempotency-Key": key})
+    assert len(events) == 4001
+    journal = keys.journal(scoped("-", key))
+    per_event = redis_client.memory_usage(journal, samples=0) / redis_client.xlen(journal)
+    print(f"journal bytes per event: {per_event:.1f}")
+    assert per_event < 100
+    assert redis_client.exists(keys.journal_plan(scoped("-", key))) == 0  # a finished stream needs none
+    assert redis_client.pttl(journal) <= 600_000  # kept journal_done_ttl_s once finished, not an hour
