@@ -33,6 +33,10 @@ from sluice.nemesis.workload import Reference, RequestSpec
 #: Seconds after a data-loss fault's API keys were restored during which a valid key may
 #: still be refused (a gateway's request already past its key lookup).
 KEY_RESTORE_GRACE_S = 3.0
+#: How long after a data-loss fault a re-attach may still find the history it lost.
+HISTORY_LOST_GRACE_S = 60.0
+#: The gateways' own window for "registry_rebuilding" (30 s) plus a margin.
+REGISTRY_REBUILD_GRACE_S = 33.0
 
 _ALWAYS: Callable[[Attempt, list[FaultRun], list[int]], bool] = lambda attempt, runs, ports: True  # noqa: E731
 
@@ -77,6 +81,14 @@ ALLOWED: dict[str, Callable[[Attempt, list[FaultRun], list[int]], bool]] = {
     # The connection to the gateway broke, or went silent: only when that port's gateway
     # was killed or stalled meanwhile.
     "connection_lost": _during({"gateway_kill", "gateway_stop"}, gateway_port=True),
+    # A resumable stream's journal lost events with Redis's data: a reader re-attaching from
+    # before the loss is told so rather than given a gap (the loss may precede its re-attach).
+    "stream_history_lost": _during(DATA_LOSS, grace_s=HISTORY_LOST_GRACE_S),
+    # A model briefly unknown while workers register again after a loss: 503 + Retry-After.
+    "registry_rebuilding": _during(DATA_LOSS, grace_s=REGISTRY_REBUILD_GRACE_S),
+    # Bounds on what one client can make Redis hold (README, "What one client can grow").
+    "stream_too_long": _ALWAYS,
+    "journal_memory_exceeded": _ALWAYS,
 }
 
 
