@@ -11,7 +11,8 @@ waiters, and the listener stops when nobody has waited for a while.
 After a Redis error the listener reads on from where it was, unless the stream now ends
 before that point: a failover (or a restart) lost its last entries, and the new master
 numbers its next grants from its own last entry, which may lie behind what this listener
-saw (another host's clock). It then reads on from the stream's new end.
+saw (another host's clock). It then reads the (capped) stream again from its start:
+a grant seen twice finds no waiter the second time.
 
 The stream is the delivery channel, not the truth: the lease in Redis is. A waiter
 that gives up asks Redis (CANCEL), which reports a grant that raced in even when the
@@ -102,7 +103,8 @@ class GrantListener:
                     if not ready.done():
                         ready.set_result(None)
                 elif failed:
-                    last = min(last, await self._newest(stream), key=_stream_id)
+                    if _stream_id(await self._newest(stream)) < _stream_id(last):
+                        last = b"0-0"  # rewound: read it all again (delivery is idempotent)
                     failed = False
                 got = await self._redis.xread({stream: last}, count=512, block=_BLOCK_MS)
             except (RedisError, OSError) as exc:

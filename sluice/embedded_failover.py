@@ -136,7 +136,9 @@ class EmbeddedSentinel:
         old = self.master_port()
         with redis.Redis(port=self.sentinels[0].port, socket_timeout=2) as client:
             client.execute_command("SENTINEL", "FAILOVER", self.service)
-        return self.wait_promoted(self.server(old), timeout_s)
+        new = self.wait_promoted(self.server(old), timeout_s)
+        _poll(lambda: _role(old) == "slave", timeout_s, f"the old master on port {old} to become a replica")
+        return new
 
     def wait_promoted(self, old: EmbeddedRedis, timeout_s: float = 20.0) -> EmbeddedRedis:
         """Wait until every sentinel names a master other than ``old`` and it says it is one."""
@@ -237,3 +239,7 @@ class ReplicatedCluster(EmbeddedCluster):
             return True
 
         _poll(settled, timeout_s, f"a replica to take over from the master on port {old.port}")
+
+    def stop(self) -> None:
+        for server in [*self.masters, *self.replicas]:
+            server.stop()
