@@ -15,7 +15,11 @@ writes for good: the case ``sluice/failover.py`` is about.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Self
 
@@ -57,6 +61,20 @@ def _poll(check: object, timeout_s: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _stopped(servers: Sequence[EmbeddedRedis]) -> Iterator[None]:
+    """SIGSTOP ``servers`` for the block (a replica stopped so receives nothing), then SIGCONT."""
+    paused = [s.process for s in servers if s.process is not None and s.process.poll() is None]
+    for process in paused:
+        os.kill(process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for process in paused:
+            if process.poll() is None:
+                os.kill(process.pid, signal.SIGCONT)
 
 
 def _role(port: int) -> str:
@@ -123,6 +141,12 @@ class EmbeddedSentinel:
 
     def server(self, port: int) -> EmbeddedRedis:
         return next(s for s in self.servers if s.port == port)
+
+    def replication_paused(self) -> contextlib.AbstractContextManager[None]:
+        """Writes made inside the block reach the master only: its replicas are stopped
+        (SIGSTOP) until the block ends. Kill the master inside it for a failover that
+        loses those writes."""
+        return _stopped([s for s in self.servers if s.port != self.master_port()])
 
     def kill_master(self) -> EmbeddedRedis:
         """SIGKILL the current master; the killed server (``start()`` brings it back, empty)."""
@@ -217,6 +241,11 @@ class ReplicatedCluster(EmbeddedCluster):
             with redis.Redis(port=server.port, socket_timeout=1) as client:
                 return [int(node[2][1]) for node in sorted(client.execute_command("CLUSTER", "SLOTS"))]
         raise RuntimeError("no cluster node is running")
+
+    def replication_paused(self) -> contextlib.AbstractContextManager[None]:
+        """Writes made inside the block reach the masters only (replicas SIGSTOPped)."""
+        masters = set(self.master_ports())
+        return _stopped([s for s in self.servers if s.port not in masters])
 
     def kill_master(self, index: int = 0) -> EmbeddedRedis:
         """SIGKILL the master of the ``index``-th slot range; the killed server."""
