@@ -5,9 +5,12 @@ the grant listener does not skip grants on a stream that a failover rewound."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 import redis
@@ -197,3 +200,26 @@ def _owner(cluster: ReplicatedCluster, slot: int) -> tuple[int, int]:
     with redis.Redis(port=cluster.master_ports()[0]) as client:
         ranges = sorted(client.execute_command("CLUSTER", "SLOTS"))
     return next((i, int(node[2][1])) for i, node in enumerate(ranges) if node[0] <= slot <= node[1])
+
+
+def _keys_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sluice", "keys", *argv], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent.parent, timeout=60)
+
+
+def test_sluice_keys_waits_for_a_replica_so_a_revocation_survives_a_failover(
+    sentinel_redis: EmbeddedSentinel,
+) -> None:
+    """A revocation the master alone had was undone by a failover, and nothing said so."""
+    created = _keys_cli("create", "--name", "failover", "--redis-url", sentinel_redis.url)
+    assert created.returncode == 0 and "warning" not in created.stderr, created.stderr
+    prefix = created.stdout.strip().removeprefix("sk-sluice-")[:8]
+    with sentinel_redis.replication_paused():
+        revoked = _keys_cli("revoke", prefix, "--redis-url", sentinel_redis.url)
+    assert revoked.returncode == 0
+    assert "no replica acknowledged" in revoked.stderr  # the operator is told to check and repeat
+    again = _keys_cli("revoke", prefix, "--redis-url", sentinel_redis.url)
+    assert again.returncode == 0 and "warning" not in again.stderr
+    replica = next(s for s in sentinel_redis.servers if s.port != sentinel_redis.master_port())
+    with redis.Redis(port=replica.port) as client:
+        assert client.hget(keys.api_key(prefix), "revoked") == b"1"  # what a failover would promote
