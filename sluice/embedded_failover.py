@@ -19,7 +19,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Self
 
@@ -50,11 +50,11 @@ class _SentinelProcess(EmbeddedRedis):
         return [redis_server_binary(), str(conf), "--sentinel"]
 
 
-def _poll(check: object, timeout_s: float, what: str) -> None:
+def _poll(check: Callable[[], bool], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            if check():  # type: ignore[operator]
+            if check():
                 return
         except redis.RedisError:
             pass

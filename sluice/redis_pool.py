@@ -221,11 +221,11 @@ def _sentinel_master(url: str, options: dict[str, Any]) -> Redis:
     return client
 
 
-def is_demotion(exc: ResponseError) -> bool:
+def is_demotion(error: ResponseError | str) -> bool:
     """Whether an error reply says the server is a replica now. Redis 7 answers a write
     with ``READONLY ...`` (redis-py's ``ReadOnlyError``); Redis 6 wraps it in a script's
     error (``ERR Error running script ... -READONLY You can't write ...``)."""
-    return isinstance(exc, ReadOnlyError) or "READONLY You can't write" in str(exc)
+    return isinstance(error, ReadOnlyError) or "READONLY You can't write" in str(error)
 
 
 class FailoverConnection(SentinelManagedConnection):

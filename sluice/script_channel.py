@@ -42,6 +42,7 @@ from sluice.redis_pool import (
     SOCKET_TIMEOUT_S,
     FailoverConnection,
     RedisClient,
+    is_demotion,
 )
 
 Address = tuple[str, int]
@@ -120,7 +121,7 @@ class ChannelScript:
             # EVAL runs it and leaves it cached for the next EVALSHA.
             reply = await self._channel.request(_command("EVAL", self._source, len(key_set), *key_set, *args))
         if isinstance(reply, hiredis.ReplyError):
-            if "READONLY You can't write" in str(reply):
+            if is_demotion(str(reply)):
                 # The server is a replica now (a failover demoted it): nothing more on this
                 # connection can succeed; the next call finds the master again.
                 raise self._channel.demoted()
