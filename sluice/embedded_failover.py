@@ -16,8 +16,6 @@ writes for good: the case ``sluice/failover.py`` is about.
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -64,17 +62,21 @@ def _poll(check: Callable[[], bool], timeout_s: float, what: str) -> None:
 
 
 @contextlib.contextmanager
-def _stopped(servers: Sequence[EmbeddedRedis]) -> Iterator[None]:
-    """SIGSTOP ``servers`` for the block (a replica stopped so receives nothing), then SIGCONT."""
-    paused = [s.process for s in servers if s.process is not None and s.process.poll() is None]
-    for process in paused:
-        os.kill(process.pid, signal.SIGSTOP)
+def _replication_cut(masters: Sequence[EmbeddedRedis]) -> Iterator[None]:
+    """For the block, ``masters`` send their replicas nothing: replication commands are
+    refused (ACL) and the replicas' links closed. (Stopping a replica is not enough: the
+    kernel keeps receiving for it, and it applies that data when it resumes.)"""
+    for master in masters:
+        with redis.Redis(port=master.port, socket_timeout=2) as client:
+            client.execute_command("ACL", "SETUSER", "default", "-psync", "-sync")
+            client.execute_command("CLIENT", "KILL", "TYPE", "replica")
     try:
         yield
     finally:
-        for process in paused:
-            if process.poll() is None:
-                os.kill(process.pid, signal.SIGCONT)
+        for master in masters:
+            if master.process is not None and master.process.poll() is None:
+                with redis.Redis(port=master.port, socket_timeout=2) as client:
+                    client.execute_command("ACL", "SETUSER", "default", "+psync", "+sync")
 
 
 def _role(port: int) -> str:
@@ -142,11 +144,10 @@ class EmbeddedSentinel:
     def server(self, port: int) -> EmbeddedRedis:
         return next(s for s in self.servers if s.port == port)
 
-    def replication_paused(self) -> contextlib.AbstractContextManager[None]:
-        """Writes made inside the block reach the master only: its replicas are stopped
-        (SIGSTOP) until the block ends. Kill the master inside it for a failover that
-        loses those writes."""
-        return _stopped([s for s in self.servers if s.port != self.master_port()])
+    def replication_cut(self) -> contextlib.AbstractContextManager[None]:
+        """Writes made inside the block reach the master only. Kill the master inside it
+        for a failover that loses those writes."""
+        return _replication_cut([self.server(self.master_port())])
 
     def kill_master(self) -> EmbeddedRedis:
         """SIGKILL the current master; the killed server (``start()`` brings it back, empty)."""
@@ -242,10 +243,10 @@ class ReplicatedCluster(EmbeddedCluster):
                 return [int(node[2][1]) for node in sorted(client.execute_command("CLUSTER", "SLOTS"))]
         raise RuntimeError("no cluster node is running")
 
-    def replication_paused(self) -> contextlib.AbstractContextManager[None]:
-        """Writes made inside the block reach the masters only (replicas SIGSTOPped)."""
+    def replication_cut(self) -> contextlib.AbstractContextManager[None]:
+        """Writes made inside the block reach the masters only."""
         masters = set(self.master_ports())
-        return _stopped([s for s in self.servers if s.port not in masters])
+        return _replication_cut([s for s in self.servers if s.port in masters])
 
     def kill_master(self, index: int = 0) -> EmbeddedRedis:
         """SIGKILL the master of the ``index``-th slot range; the killed server."""

@@ -214,7 +214,7 @@ def test_sluice_keys_waits_for_a_replica_so_a_revocation_survives_a_failover(
     created = _keys_cli("create", "--name", "failover", "--redis-url", sentinel_redis.url)
     assert created.returncode == 0 and "warning" not in created.stderr, created.stderr
     prefix = created.stdout.strip().removeprefix("sk-sluice-")[:8]
-    with sentinel_redis.replication_paused():
+    with sentinel_redis.replication_cut():
         revoked = _keys_cli("revoke", prefix, "--redis-url", sentinel_redis.url)
     assert revoked.returncode == 0
     assert "no replica acknowledged" in revoked.stderr  # the operator is told to check and repeat

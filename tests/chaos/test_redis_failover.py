@@ -162,7 +162,7 @@ def _streams_in_background(base_url: str, ids: range, results: list[dict[str, ob
 def test_a_failover_that_lost_writes_serves_again_and_its_slot_counts_converge(
     sentinel_redis: EmbeddedSentinel, start_worker, start_gateway,
 ) -> None:
-    """The replica misses the last writes (stopped while they were made), then the master
+    """The replica misses the last writes (its link cut while they were made), then the master
     dies: the promoted replica is Redis as it was a moment earlier. The leases, tenancy
     charges and queue state of the streams admitted in that moment are gone; streams
     released in it hold their slots again. Checked: workers re-register, admission serves
@@ -176,7 +176,7 @@ def test_a_failover_that_lost_writes_serves_again_and_its_slot_counts_converge(
     results: list[dict[str, object]] = []
     before = _streams_in_background(gateway.url, range(0, 4), results)
     _until(lambda: _leases(client) >= 4, "the first streams to be admitted")
-    with sentinel_redis.replication_paused():
+    with sentinel_redis.replication_cut():
         during = _streams_in_background(gateway.url, range(100, 104), results)
         _until(lambda: _leases(client) >= 8, "the streams admitted while the replica missed writes")
         killed_at = time.monotonic()
