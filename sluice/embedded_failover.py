@@ -6,7 +6,9 @@ in a few seconds (``down-after-milliseconds`` 1000). ``ReplicatedCluster``: a Re
 Cluster whose masters each have a replica, with a 1 s node timeout. Both can kill a
 master as a crash would (SIGKILL) and wait until a replica serves in its place.
 Nothing is persisted, so a master killed before its replica caught up loses those
-writes for good: the case ``sluice/failover.py`` is about.
+writes for good: the case ``sluice/failover.py`` is about. ``replication_cut()`` makes
+that case certain instead of a matter of milliseconds: inside it, writes reach the
+master only.
 
 >>> with EmbeddedSentinel() as deployment:
 ...     old = deployment.kill_master()

@@ -65,8 +65,12 @@ NO_MASTER_BACKOFF_S = 0.2
 
 
 def redact_url(url: str) -> str:
-    """The URL without its password, for logs and banners."""
-    return re.sub(r"//[^@/]*@", "//***@", url)
+    """The URL without its passwords, for logs and banners.
+
+    >>> redact_url("redis+sentinel://:pw@h1,h2/sluice?sentinel_password=s")
+    'redis+sentinel://***@h1,h2/sluice?sentinel_password=***'
+    """
+    return re.sub(r"(password=)[^&]*", r"\1***", re.sub(r"//[^@/]*@", "//***@", url))
 
 
 async def create_pool(

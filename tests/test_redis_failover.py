@@ -22,7 +22,7 @@ from redis.exceptions import RedisError, ResponseError
 from gateway.grants import GrantListener
 from sluice import keys
 from sluice.embedded_failover import EmbeddedSentinel, ReplicatedCluster
-from sluice.redis_pool import FailoverConnection, FailoverPool, create_pool
+from sluice.redis_pool import FailoverConnection, FailoverPool, create_pool, redact_url
 from sluice.redis_url import parse, validate
 from sluice.script_channel import ScriptChannel, script_runner
 
@@ -36,6 +36,8 @@ def test_sentinel_urls_name_sentinels_service_database_and_passwords() -> None:
     assert target.sentinel_password == "s"
     assert parse("redis+sentinel://h/svc?db=2&password=x").master_kwargs() == {
         "db": 2, "username": None, "password": "x"}
+    shown = redact_url("redis+sentinel://u:pw@h1,h2/svc?sentinel_password=s3&db=1")
+    assert "pw" not in shown and "s3" not in shown and shown.startswith("redis+sentinel://***@h1,h2/svc?")
     for bad in ("redis+sentinel://h:1", "redis+sentinel://h:1/svc?pasword=x", "redis+sentinel://h:x/svc",
                 "rediss+sentinel://h/svc", "redis+sentinel://h/svc/zero", "http://h/svc"):
         with pytest.raises(ValueError):
