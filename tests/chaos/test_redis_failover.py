@@ -24,6 +24,8 @@ import redis
 from sluice import keys
 from sluice.commands.bench_resilience import reference_words
 from sluice.embedded_failover import EmbeddedSentinel, ReplicatedCluster
+from sluice.embedded_redis import EmbeddedRedis
+from sluice.redis_url import sync_client
 
 pytestmark = pytest.mark.chaos
 
@@ -111,10 +113,7 @@ def test_admission_serves_again_after_the_redis_master_is_killed_under_load(
             assert time.monotonic() < deadline, results[:3]
             time.sleep(0.05)
         killed_at = time.monotonic()
-        if isinstance(deployment, EmbeddedSentinel):
-            killed = deployment.kill_master()
-        else:  # the master that holds this model's keys
-            killed = deployment.kill_master(_range_of(deployment, keys.workers(MODEL)))
+        killed = _kill_model_master(deployment)
         seconds = _serve_again(gateway.url, killed_at)
         print(f"\nREDIS FAILOVER topology={topology} serve_again_s={seconds:.2f}")
         time.sleep(2)  # streams admitted by the new master run a while too
@@ -159,50 +158,56 @@ def _streams_in_background(base_url: str, ids: range, results: list[dict[str, ob
     return thread
 
 
+@pytest.mark.parametrize("topology", ["sentinel", "cluster"])
 def test_a_failover_that_lost_writes_serves_again_and_its_slot_counts_converge(
-    sentinel_redis: EmbeddedSentinel, start_worker, start_gateway,
+    topology: str, request: pytest.FixtureRequest, start_worker, start_gateway,
 ) -> None:
     """The replica misses the last writes (its link cut while they were made), then the master
     dies: the promoted replica is Redis as it was a moment earlier. The leases, tenancy
     charges and queue state of the streams admitted in that moment are gone; streams
     released in it hold their slots again. Checked: workers re-register, admission serves
     again, every stream finishes exact, and once they are done no slot stays taken."""
+    deployment: EmbeddedSentinel | ReplicatedCluster = request.getfixturevalue(
+        "sentinel_redis" if topology == "sentinel" else "replicated_cluster")
     flags = {"sim_token_ms": 25, "sim_ttft_ms": 5, "sim_max_seqs": 16}
     for _ in range(2):
-        start_worker(MODEL, redis_at=sentinel_redis.url, **flags)
-    gateway = start_gateway(redis_at=sentinel_redis.url, env={
+        start_worker(MODEL, redis_at=deployment.url, **flags)
+    gateway = start_gateway(redis_at=deployment.url, env={
         "SLUICE_GATEWAY_LEASE_TTL_S": "2", "SLUICE_GATEWAY_REAP_INTERVAL_S": "0.3"})
-    client = sentinel_redis_client(sentinel_redis)
+    client = sync_client(deployment.url)
     results: list[dict[str, object]] = []
     before = _streams_in_background(gateway.url, range(0, 4), results)
     _until(lambda: _leases(client) >= 4, "the first streams to be admitted")
-    with sentinel_redis.replication_cut():
+    with deployment.replication_cut():
         during = _streams_in_background(gateway.url, range(100, 104), results)
         _until(lambda: _leases(client) >= 8, "the streams admitted while the replica missed writes")
         killed_at = time.monotonic()
-        killed = sentinel_redis.kill_master()
+        killed = _kill_model_master(deployment)
     seconds = _serve_again(gateway.url, killed_at)
-    print(f"\nREDIS LOSSY FAILOVER serve_again_s={seconds:.2f}")
+    print(f"\nREDIS LOSSY FAILOVER topology={topology} serve_again_s={seconds:.2f}")
     before.join(60)
     during.join(60)
     assert len(results) == 8 and all(r["exact"] for r in results), results
-    sentinel_redis.wait_promoted(killed)
-    client = sentinel_redis_client(sentinel_redis)
+    deployment.wait_promoted(killed)
     # Lost leases were reported by the renewal, not silently ignored.
     assert "expired before renewal" in gateway.log_path.read_text()
     _until(lambda: _leases(client) == 0 and _slots_taken(client) == 0, "every slot to be free again", 30)
     assert int(client.hlen(keys.workers(MODEL))) == 2  # the workers re-registered themselves
+    client.close()
 
 
-def sentinel_redis_client(deployment: EmbeddedSentinel) -> redis.Redis:
-    return redis.Redis(port=deployment.master_port())
+def _kill_model_master(deployment: EmbeddedSentinel | ReplicatedCluster) -> EmbeddedRedis:
+    """SIGKILL the master that holds this model's keys."""
+    if isinstance(deployment, EmbeddedSentinel):
+        return deployment.kill_master()
+    return deployment.kill_master(_range_of(deployment, keys.workers(MODEL)))
 
 
-def _leases(client: redis.Redis) -> int:
+def _leases(client: redis.Redis | redis.RedisCluster) -> int:
     return int(client.zcard(keys.leases(MODEL)))
 
 
-def _slots_taken(client: redis.Redis) -> int:
+def _slots_taken(client: redis.Redis | redis.RedisCluster) -> int:
     return sum(int(v) for v in client.hvals(keys.inflight(MODEL)))
 
 
