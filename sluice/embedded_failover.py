@@ -50,7 +50,9 @@ class _SentinelProcess(EmbeddedRedis):
         return [redis_server_binary(), str(conf), "--sentinel"]
 
 
-def _poll(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``check`` until true, counting a Redis error (mid-failover) as not yet;
+    RuntimeError naming ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -110,10 +112,10 @@ class EmbeddedSentinel:
         try:
             for server in self.servers:
                 server.start(timeout_s)
-            _poll(lambda: all(self._linked(s.port) for s in self.servers[1:]), timeout_s, "replication to start")
+            wait_until(lambda: all(self._linked(s.port) for s in self.servers[1:]), timeout_s, "replication to start")
             for sentinel in self.sentinels:
                 sentinel.start(timeout_s)
-            _poll(self._sentinels_agree, timeout_s, "the sentinels to see the master, its replicas and each other")
+            wait_until(self._sentinels_agree, timeout_s, "the sentinels to see the master, its replicas and each other")
         except BaseException:
             self.stop()
             raise
@@ -164,7 +166,7 @@ class EmbeddedSentinel:
         with redis.Redis(port=self.sentinels[0].port, socket_timeout=2) as client:
             client.execute_command("SENTINEL", "FAILOVER", self.service)
         new = self.wait_promoted(self.server(old), timeout_s)
-        _poll(lambda: _role(old) == "slave", timeout_s, f"the old master on port {old} to become a replica")
+        wait_until(lambda: _role(old) == "slave", timeout_s, f"the old master on port {old} to become a replica")
         return new
 
     def wait_promoted(self, old: EmbeddedRedis, timeout_s: float = 20.0) -> EmbeddedRedis:
@@ -176,7 +178,7 @@ class EmbeddedSentinel:
                     ports.add(int(client.sentinel_get_master_addr_by_name(self.service)[1]))
             return len(ports) == 1 and old.port not in ports and _role(ports.pop()) == "master"
 
-        _poll(promoted, timeout_s, f"a replica to replace the master on port {old.port}")
+        wait_until(promoted, timeout_s, f"a replica to replace the master on port {old.port}")
         return self.server(self.master_port())
 
     def stop(self) -> None:
@@ -218,10 +220,10 @@ class ReplicatedCluster(EmbeddedCluster):
                 with redis.Redis(port=master.port) as client:
                     master_id = client.cluster("MYID").decode()
                 with redis.Redis(port=replica.port) as client:
-                    _poll(lambda c=client: int(c.cluster("INFO")["cluster_known_nodes"]) == len(self.servers),
+                    wait_until(lambda c=client: int(c.cluster("INFO")["cluster_known_nodes"]) == len(self.servers),
                           timeout_s, "the cluster to meet its replicas")
                     client.cluster("REPLICATE", master_id)
-            _poll(self._replicated, timeout_s, "every master to have a linked replica")
+            wait_until(self._replicated, timeout_s, "every master to have a linked replica")
         except BaseException:
             self.stop()
             raise
@@ -270,7 +272,7 @@ class ReplicatedCluster(EmbeddedCluster):
                         return False
             return True
 
-        _poll(settled, timeout_s, f"a replica to take over from the master on port {old.port}")
+        wait_until(settled, timeout_s, f"a replica to take over from the master on port {old.port}")
 
     def stop(self) -> None:
         for server in [*self.masters, *self.replicas]:

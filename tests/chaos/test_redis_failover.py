@@ -14,8 +14,6 @@ import asyncio
 import threading
 import time
 
-from collections.abc import Callable
-
 import httpx
 import orjson
 import pytest
@@ -23,7 +21,7 @@ import redis
 
 from sluice import keys
 from sluice.commands.bench_resilience import reference_words
-from sluice.embedded_failover import EmbeddedSentinel, ReplicatedCluster
+from sluice.embedded_failover import EmbeddedSentinel, ReplicatedCluster, wait_until
 from sluice.embedded_redis import EmbeddedRedis
 from sluice.redis_url import sync_client
 
@@ -177,10 +175,10 @@ def test_a_failover_that_lost_writes_serves_again_and_its_slot_counts_converge(
     client = sync_client(deployment.url)
     results: list[dict[str, object]] = []
     before = _streams_in_background(gateway.url, range(0, 4), results)
-    _until(lambda: _leases(client) >= 4, "the first streams to be admitted")
+    wait_until(lambda: _leases(client) >= 4, 20, "the first streams to be admitted")
     with deployment.replication_cut():
         during = _streams_in_background(gateway.url, range(100, 104), results)
-        _until(lambda: _leases(client) >= 8, "the streams admitted while the replica missed writes")
+        wait_until(lambda: _leases(client) >= 8, 20, "the streams admitted while the replica missed writes")
         killed_at = time.monotonic()
         killed = _kill_model_master(deployment)
     seconds = _serve_again(gateway.url, killed_at)
@@ -191,7 +189,7 @@ def test_a_failover_that_lost_writes_serves_again_and_its_slot_counts_converge(
     deployment.wait_promoted(killed)
     # Lost leases were reported by the renewal, not silently ignored.
     assert "expired before renewal" in gateway.log_path.read_text()
-    _until(lambda: _leases(client) == 0 and _slots_taken(client) == 0, "every slot to be free again", 30)
+    wait_until(lambda: _leases(client) == 0 and _slots_taken(client) == 0, 30, "every slot to be free again")
     assert int(client.hlen(keys.workers(MODEL))) == 2  # the workers re-registered themselves
     client.close()
 
@@ -209,15 +207,3 @@ def _leases(client: redis.Redis | redis.RedisCluster) -> int:
 
 def _slots_taken(client: redis.Redis | redis.RedisCluster) -> int:
     return sum(int(v) for v in client.hvals(keys.inflight(MODEL)))
-
-
-def _until(check: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if check():
-                return
-        except redis.RedisError:
-            pass
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
