@@ -11,6 +11,12 @@ this process one connection per model with waiters, a model nobody waits for (on
 at once, one that does not exist) costs none, and the listener stops when nobody has
 waited for a while.
 
+After a Redis error the listener reads on from where it was, unless the stream now ends
+before that point: a failover (or a restart) lost its last entries, and the new master
+numbers its next grants from its own last entry, which may lie behind what this listener
+saw (another host's clock). It then reads the (capped) stream again from its start:
+a grant seen twice finds no waiter the second time.
+
 The stream is the delivery channel, not the truth: the lease in Redis is. A waiter
 that gives up asks Redis (CANCEL), which reports a grant that raced in even when the
 listener never saw it (a lagging listener, a trimmed stream).
@@ -33,6 +39,11 @@ log = logging.getLogger("sluice.grants")
 #: A listener with no waiter for this long stops (and frees its connection).
 _IDLE_S = 10.0
 _BLOCK_MS = 1000
+
+
+def _stream_id(entry_id: bytes) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition(b"-")
+    return int(ms), int(seq or 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,12 +96,18 @@ class GrantListener:
 
     async def _listen(self, model: str, last: bytes) -> None:
         stream = keys.grants(model)
+        failed = False
         idle_since = asyncio.get_running_loop().time()
         while True:
             try:
+                if failed:
+                    if _stream_id(await self._newest(stream)) < _stream_id(last):
+                        last = b"0-0"  # rewound: read it all again (delivery is idempotent)
+                    failed = False
                 got = await self._redis.xread({stream: last}, count=512, block=_BLOCK_MS)
             except (RedisError, OSError) as exc:
                 log.warning("grant listener for %r: %s; retrying", model, exc)
+                failed = True
                 await asyncio.sleep(0.5)
                 continue
             for _, entries in got or ():
@@ -104,6 +121,10 @@ class GrantListener:
             elif now - idle_since > _IDLE_S:
                 self._loops.pop(model, None)
                 return
+
+    async def _newest(self, stream: str) -> bytes:
+        newest = await self._redis.xrevrange(stream, count=1)
+        return newest[0][0] if newest else b"0-0"
 
     def _deliver(self, model: str, fields: dict[bytes, bytes]) -> None:
         future = self._waiting.get(model, {}).pop(fields[b"r"].decode(), None)

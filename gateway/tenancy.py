@@ -81,9 +81,12 @@ _RENEW = r"""
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local ttl = tonumber(ARGV[1])
+-- Not XX: a generation Redis forgot (a failover that lost the last writes, a restart)
+-- counts again from its next renewal. Only running generations are renewed, and a
+-- settlement leaves this gateway's list before its ZREM is sent.
 for i = 2, #ARGV, 2 do
   for j = 0, tonumber(ARGV[i + 1]) - 1 do
-    redis.call('ZADD', KEYS[1], 'XX', now + ttl, ARGV[i] .. '#' .. j)
+    redis.call('ZADD', KEYS[1], now + ttl, ARGV[i] .. '#' .. j)
   end
 end
 redis.call('PEXPIRE', KEYS[1], ttl + 60000)

@@ -74,16 +74,7 @@ class EmbeddedRedis:
         from sluice.processes import child_preexec
 
         self.process = subprocess.Popen(
-            [
-                redis_server_binary(),
-                "--port", str(self.port),
-                "--bind", "127.0.0.1",
-                "--save", "",
-                "--appendonly", "no",
-                "--dir", self._dir.name,
-                "--loglevel", "warning",
-                *self.args,
-            ],
+            self.command(),
             stdout=subprocess.DEVNULL,
             preexec_fn=child_preexec,  # noqa: PLW1509 - only prctl(PDEATHSIG), no locks
             start_new_session=True,
@@ -101,6 +92,24 @@ class EmbeddedRedis:
                 time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"redis-server did not answer on port {self.port} in {timeout_s}s")
+
+    def command(self) -> list[str]:
+        return [
+            redis_server_binary(),
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", self._dir.name,
+            "--loglevel", "warning",
+            *self.args,
+        ]
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would; the server can be started again on its port with ``start()``."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -128,8 +137,8 @@ class EmbeddedCluster:
     ...     print(cluster.url)  # redis+cluster://127.0.0.1:<port>
     """
 
-    def __init__(self, masters: int = 3) -> None:
-        args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
+    def __init__(self, masters: int = 3, *, args: Sequence[str] = ()) -> None:
+        args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", *args)
         self.servers = [EmbeddedRedis(free_cluster_port(), args=args) for _ in range(masters)]
 
     @property

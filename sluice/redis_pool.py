@@ -1,14 +1,25 @@
 """Creating the Redis client every process shares.
 
-``SLUICE_REDIS_URL`` (or ``--redis-url``) takes one of two forms:
+``SLUICE_REDIS_URL`` (or ``--redis-url``) takes one of three forms:
 
 - ``redis://[user:password@]host:port[/db]``: one Redis server (``rediss://`` for TLS).
 - ``redis+cluster://[user:password@]host:port[/]``: a Redis Cluster; any one node is
   enough, the client discovers the others (``rediss+cluster://`` for TLS). A cluster
   has only database 0. Every script Sluice runs names its keys with one hash tag
   (``sl:{model}:...``), so each script's keys share one slot.
+- ``redis+sentinel://[user:password@]host:port[,host:port...]/service[/db]``: the master
+  that Redis Sentinel names for ``service``; the hosts are sentinels
+  (``sluice/redis_url.py`` has the options). Every new connection asks the sentinels
+  where the master is, so after a failover each process finds the new master by itself.
 
-Query-string options pass through to redis-py (``?ssl_cert_reqs=none``).
+Query-string options of the first two pass through to redis-py (``?ssl_cert_reqs=none``).
+
+After a failover (Sentinel or Cluster), a command on a connection to the old master
+fails with a ``ConnectionError``, as when Redis is unreachable: the gateway answers 503 +
+``Retry-After`` meanwhile, background loops retry, and the next connection goes to the
+new master. A ``READONLY`` reply (a master demoted to replica while still reachable) is
+turned into the same ``ConnectionError``. What each family of keys does when the
+failover lost writes the replica had not received is in ``sluice/failover.py``.
 
 Either client keeps at most ``max_connections`` connections to each Redis server. A
 command that finds none free waits up to ``POOL_TIMEOUT_S`` for one, then fails with
@@ -30,10 +41,13 @@ from typing import Any, TypeAlias
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
-from redis.exceptions import ClusterDownError, RedisClusterException
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool, SentinelManagedConnection
+from redis.exceptions import ClusterDownError, ReadOnlyError, RedisClusterException, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT
+
+from sluice.redis_url import cluster_node_url, is_cluster_url, is_sentinel_url, parse
 
 log = logging.getLogger("sluice.redis")
 
@@ -45,17 +59,18 @@ SOCKET_CONNECT_TIMEOUT_S = 2.0
 #: Well above the longest block Sluice asks for (XREAD BLOCK 1000).
 SOCKET_TIMEOUT_S = 5.0
 HEALTH_CHECK_INTERVAL_S = 30
-
-_CLUSTER_SCHEMES = {"redis+cluster://": "redis://", "rediss+cluster://": "rediss://"}
+#: After the sentinels said there is no master (mid-failover), connections fail at once
+#: for this long instead of asking them again for every command.
+NO_MASTER_BACKOFF_S = 0.2
 
 
 def redact_url(url: str) -> str:
-    """The URL without its password, for logs and banners."""
-    return re.sub(r"//[^@/]*@", "//***@", url)
+    """The URL without its passwords, for logs and banners.
 
-
-def is_cluster_url(url: str) -> bool:
-    return url.startswith(tuple(_CLUSTER_SCHEMES))
+    >>> redact_url("redis+sentinel://:pw@h1,h2/sluice?sentinel_password=s")
+    'redis+sentinel://***@h1,h2/sluice?sentinel_password=***'
+    """
+    return re.sub(r"(password=)[^&]*", r"\1***", re.sub(r"//[^@/]*@", "//***@", url))
 
 
 async def create_pool(
@@ -68,6 +83,7 @@ async def create_pool(
 
     >>> redis = await create_pool("redis://127.0.0.1:6379/0", client_name="sluice-gateway")
     >>> cluster = await create_pool("redis+cluster://10.0.0.5:6379", max_connections=32)
+    >>> master = await create_pool("redis+sentinel://10.0.0.7,10.0.0.8,10.0.0.9/sluice")
     """
     options: dict[str, Any] = {
         "socket_connect_timeout": SOCKET_CONNECT_TIMEOUT_S,
@@ -78,8 +94,9 @@ async def create_pool(
     }
     client: RedisClient
     if is_cluster_url(url):
-        scheme, plain = next((s, p) for s, p in _CLUSTER_SCHEMES.items() if url.startswith(s))
-        client = BoundedRedisCluster.from_url(plain + url[len(scheme):], **options)
+        client = BoundedRedisCluster.from_url(cluster_node_url(url), **options)
+    elif is_sentinel_url(url):
+        client = _sentinel_master(url, options)
     else:
         pool = BlockingConnectionPool.from_url(url, timeout=POOL_TIMEOUT_S, **options)
         client = Redis.from_pool(pool)
@@ -192,3 +209,83 @@ class _BoundedPipeline(ClusterPipeline):
     async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list[Any]:
         async with self.cluster_client.bound.permit():
             return await super().execute(raise_on_error, allow_redirections)
+
+
+def _sentinel_master(url: str, options: dict[str, Any]) -> Redis:
+    target = parse(url)
+    sentinels = Sentinel(
+        list(target.sentinels),
+        sentinel_kwargs={"socket_connect_timeout": SOCKET_CONNECT_TIMEOUT_S, "socket_timeout": SOCKET_TIMEOUT_S,
+                         **target.sentinel_kwargs()},
+    )
+    client: Redis = sentinels.master_for(
+        target.service, connection_pool_class=FailoverPool, connection_class=FailoverConnection,
+        timeout=POOL_TIMEOUT_S, **options, **target.master_kwargs(),
+    )
+    return client
+
+
+def is_demotion(error: ResponseError | str) -> bool:
+    """Whether an error reply says the server is a replica now. Redis 7 answers a write
+    with ``READONLY ...`` (redis-py's ``ReadOnlyError``); Redis 6 wraps it in a script's
+    error (``ERR Error running script ... -READONLY You can't write ...``)."""
+    return isinstance(error, ReadOnlyError) or "READONLY You can't write" in str(error)
+
+
+class FailoverConnection(SentinelManagedConnection):
+    """A connection to the master the sentinels name; a demoted master's ``READONLY`` is a
+    ``ConnectionError`` (and the connection is dropped, so the next one asks again),
+    whether it answered a command or a script."""
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)
+        except ResponseError as exc:
+            if not is_demotion(exc):
+                raise
+            await self.disconnect()
+            raise RedisConnectionError(f"{self.host}:{self.port} is no longer the master") from exc
+
+
+class FailoverPool(SentinelConnectionPool, BlockingConnectionPool):  # type: ignore[misc]
+    """redis-py's Sentinel pool, blocking like :class:`BlockingConnectionPool` (a command
+    waits for a free connection up to ``POOL_TIMEOUT_S``), and:
+
+    - a connection handed back while connected to an address that is no longer the
+      master is closed (redis-py keeps it and would send the next command to the old
+      master, which a partition may have left running);
+    - while the sentinels report no master (the seconds between a master's death and a
+      replica's promotion), connections fail at once for ``NO_MASTER_BACKOFF_S`` instead
+      of asking every sentinel again for every command;
+    - closing the pool closes the connections to the sentinels too (the client owns them).
+    """
+
+    def __init__(self, service_name: str, sentinel_manager: Sentinel, **kwargs: Any) -> None:
+        super().__init__(service_name, sentinel_manager, **kwargs)
+        self._no_master_until = 0.0
+        self._no_master: MasterNotFoundError | None = None
+
+    async def get_master_address(self) -> tuple[str, int]:
+        now = asyncio.get_running_loop().time()
+        if self._no_master is not None and now < self._no_master_until:
+            raise MasterNotFoundError(str(self._no_master))
+        try:
+            address: tuple[str, int] = await super().get_master_address()
+        except MasterNotFoundError as exc:
+            self._no_master, self._no_master_until = exc, now + NO_MASTER_BACKOFF_S
+            log.warning("redis sentinel: %s", exc)
+            raise
+        if self._no_master is not None:
+            self._no_master = None
+            log.info("redis sentinel: master of %r is %s:%s", self.service_name, *address)
+        return address
+
+    async def release(self, connection: Any) -> None:
+        if (self.master_address is not None and connection.is_connected
+                and (connection.host, connection.port) != self.master_address):
+            await connection.disconnect()
+        await super().release(connection)
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        await self.sentinel_manager.aclose()

@@ -10,10 +10,13 @@ stays open and waits for its reply, which a reader task hands out in order (Redi
 one connection's commands in the order they were sent). Calls from many requests share the
 connection without waiting for each other's round trips, as in a pipeline.
 
-Only for a plain single Redis server (``redis://``). A Cluster, TLS or a Unix socket keep
-redis-py's scripts (:func:`script_runner` decides), which route and secure each call.
-Errors are redis-py's (``ConnectionError``, ``TimeoutError``, ``ResponseError``), so callers
-handle both runners the same way.
+For a plain single Redis server (``redis://``) and for the master Redis Sentinel names
+(``redis+sentinel://``): there each new connection asks the sentinels where the master is,
+checks with ``ROLE`` that it got one, and a ``READONLY`` reply (the master was demoted)
+closes the connection like a lost one. A Cluster, TLS or a Unix socket keep redis-py's
+scripts (:func:`script_runner` decides), which route and secure each call. Errors are
+redis-py's (``ConnectionError``, ``TimeoutError``, ``ResponseError``), so callers handle
+both runners the same way.
 """
 
 from __future__ import annotations
@@ -22,17 +25,27 @@ import asyncio
 import collections
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import hiredis
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
+from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from sluice.redis_pool import SOCKET_CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S, RedisClient
+from sluice.redis_pool import (
+    NO_MASTER_BACKOFF_S,
+    SOCKET_CONNECT_TIMEOUT_S,
+    SOCKET_TIMEOUT_S,
+    FailoverConnection,
+    RedisClient,
+    is_demotion,
+)
+
+Address = tuple[str, int]
 
 log = logging.getLogger("sluice.redis")
 
@@ -46,12 +59,24 @@ class ScriptRunner(Protocol):
 
 
 def script_runner(client: RedisClient) -> ScriptRunner:
-    """A :class:`ScriptChannel` for a plain single-server client, else the client itself."""
-    if isinstance(client, Redis) and client.connection_pool.connection_class is Connection:
-        kwargs = client.connection_pool.connection_kwargs
-        return ScriptChannel(str(kwargs.get("host", "localhost")), int(kwargs.get("port", 6379)),
-                             db=int(kwargs.get("db") or 0), username=kwargs.get("username"),
-                             password=kwargs.get("password"))
+    """A :class:`ScriptChannel` for a plain single-server client or a Sentinel-managed
+    master, else the client itself."""
+    if not isinstance(client, Redis):
+        return client
+    pool = client.connection_pool
+    kwargs = pool.connection_kwargs
+    login = {"db": int(kwargs.get("db") or 0), "username": kwargs.get("username"),
+             "password": kwargs.get("password")}
+    if pool.connection_class is Connection:
+        return ScriptChannel(str(kwargs.get("host", "localhost")), int(kwargs.get("port", 6379)), **login)
+    if isinstance(pool, SentinelConnectionPool) and pool.connection_class is FailoverConnection:
+        manager, service = pool.sentinel_manager, pool.service_name
+
+        async def master() -> Address:
+            host, port = await manager.discover_master(service)
+            return str(host), int(port)
+
+        return ScriptChannel.following(master, **login)
     return client
 
 
@@ -105,6 +130,10 @@ class ChannelScript:
             # EVAL runs it and leaves it cached for the next EVALSHA.
             reply = await self._channel.request(_command("EVAL", self._source, len(key_set), *key_set, *args))
         if isinstance(reply, hiredis.ReplyError):
+            if is_demotion(str(reply)):
+                # The server is a replica now (a failover demoted it): nothing more on this
+                # connection can succeed; the next call finds the master again.
+                raise self._channel.demoted()
             raise ResponseError(str(reply))
         return reply
 
@@ -122,11 +151,18 @@ async def _one_reply(reader: asyncio.StreamReader) -> Any:
 
 
 class ScriptChannel:
-    """One connection to one Redis server carrying every script call of this process."""
+    """One connection to one Redis server carrying every script call of this process.
+
+    >>> channel = ScriptChannel("127.0.0.1", 6379)
+    >>> channel = ScriptChannel.following(find_master)  # asked again for each new connection
+    """
 
     def __init__(self, host: str, port: int, *, db: int = 0, username: str | None = None,
                  password: str | None = None, timeout_s: float = SOCKET_TIMEOUT_S) -> None:
         self._address = (host, port)
+        #: Where to connect next; set for a server that moves (a Sentinel-managed master).
+        self._locate: Callable[[], Awaitable[Address]] | None = None
+        self._no_master_until = 0.0
         self._hello: list[bytes] = []
         if password is not None:
             self._hello.append(_command("AUTH", *([username] if username else []), password))
@@ -139,8 +175,23 @@ class ScriptChannel:
         self._outbox: list[bytes] = []
         self._connecting: asyncio.Lock | None = None
 
+    @classmethod
+    def following(cls, locate: Callable[[], Awaitable[Address]], **login: Any) -> ScriptChannel:
+        """A channel to whichever server ``locate()`` names when it connects, which must be
+        a master (``ROLE``); used for the master Redis Sentinel names."""
+        channel = cls("", 0, **login)
+        channel._locate = locate
+        channel._hello.append(_command("ROLE"))
+        return channel
+
     def register_script(self, script: str) -> ChannelScript:
         return ChannelScript(self, script)
+
+    def demoted(self) -> RedisConnectionError:
+        """Close the connection to a server that answered READONLY; the error to raise."""
+        error = RedisConnectionError(f"{self._address[0]}:{self._address[1]} is no longer the master")
+        self._drop(error)
+        return error
 
     async def request(self, packed: bytes) -> Any:
         """Send one packed command; its reply (a ``hiredis.ReplyError`` for an error reply)."""
@@ -181,14 +232,26 @@ class ScriptChannel:
             if self._writer is not None and not self._writer.is_closing():
                 return
             writer = None
+            if self._locate is not None:
+                now = asyncio.get_running_loop().time()
+                if now < self._no_master_until:  # mid-failover: do not ask the sentinels per call
+                    raise RedisConnectionError("no Redis master (a failover is under way)")
+                try:
+                    self._address = await self._locate()
+                except RedisConnectionError:
+                    self._no_master_until = now + NO_MASTER_BACKOFF_S
+                    raise
             try:
                 async with asyncio.timeout(SOCKET_CONNECT_TIMEOUT_S):
                     reader, writer = await asyncio.open_connection(*self._address)
-                    for command in self._hello:  # AUTH, SELECT
+                    for command in self._hello:  # AUTH, SELECT, ROLE
                         writer.write(command)
                         reply = await _one_reply(reader)
                         if isinstance(reply, hiredis.ReplyError):
                             raise RedisConnectionError(f"Redis refused the connection: {reply}")
+                        if isinstance(reply, list) and reply and reply[0] != b"master":
+                            raise RedisConnectionError(f"{self._address[0]}:{self._address[1]} is a "
+                                                       f"{reply[0].decode()}, not the master (mid-failover)")
             except BaseException as exc:
                 if writer is not None:
                     writer.close()

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import ipaddress
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings
+
+from sluice import redis_url
 
 
 class RedisSettings(BaseSettings):
-    #: The Redis every gateway and worker shares (env SLUICE_REDIS_URL, or the CLI flag).
+    #: The Redis every gateway and worker shares (env SLUICE_REDIS_URL, or the CLI flag):
+    #: ``redis://``, ``redis+cluster://`` or ``redis+sentinel://`` (sluice/redis_url.py).
     redis_url: str = Field(
         default="redis://127.0.0.1:6379/0",
         validation_alias=AliasChoices("SLUICE_REDIS_URL", "redis_url"),
@@ -24,6 +27,11 @@ class RedisSettings(BaseSettings):
         default=64, ge=4,
         validation_alias=AliasChoices("SLUICE_REDIS_MAX_CONNECTIONS", "redis_max_connections"),
     )
+
+    @field_validator("redis_url")
+    @classmethod
+    def _usable_url(cls, url: str) -> str:
+        return redis_url.validate(url)
 
 
 def is_loopback(host: str) -> bool:

@@ -15,8 +15,10 @@ import pytest
 import redis
 
 from sluice import keys
+from sluice.embedded_failover import EmbeddedSentinel, ReplicatedCluster
 from sluice.embedded_redis import EmbeddedCluster, EmbeddedRedis, free_port
 from sluice.processes import child_preexec
+from sluice.redis_url import sync_client
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -137,11 +139,26 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
     client.close()
 
 
-def sync_client(url: str) -> redis.Redis | redis.RedisCluster:
-    """A synchronous client for a Sluice Redis URL (single server or ``redis+cluster://``)."""
-    if url.startswith("redis+cluster://"):
-        return redis.RedisCluster.from_url("redis://" + url.removeprefix("redis+cluster://"))
-    return redis.Redis.from_url(url)
+@pytest.fixture(scope="session")
+def redis_sentinel_url() -> Iterator[str]:
+    """A Sentinel-managed master (one replica, three sentinels) that no test fails over,
+    as a ``redis+sentinel://`` URL."""
+    with EmbeddedSentinel() as deployment:
+        yield deployment.url
+
+
+@pytest.fixture
+def sentinel_redis() -> Iterator[EmbeddedSentinel]:
+    """A master, a replica and three sentinels, for one test (tests kill its master)."""
+    with EmbeddedSentinel() as deployment:
+        yield deployment
+
+
+@pytest.fixture
+def replicated_cluster() -> Iterator[ReplicatedCluster]:
+    """Three masters with a replica each, for one test (tests kill its masters)."""
+    with ReplicatedCluster() as cluster:
+        yield cluster
 
 
 class Backend:

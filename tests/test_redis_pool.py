@@ -1,4 +1,5 @@
-"""create_pool on a real redis-server and a real three-master cluster: routing, scripts, the bound."""
+"""create_pool on a real redis-server, a real three-master cluster and a Sentinel-managed master:
+routing, scripts, the bound."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ async def _load_watching(client: RedisClient, url: str, name: str) -> tuple[list
     return results, max(samples)
 
 
-@pytest.mark.parametrize("server", ["redis_url", "redis_cluster_url"])
+@pytest.mark.parametrize("server", ["redis_url", "redis_cluster_url", "redis_sentinel_url"])
 async def test_concurrent_commands_wait_for_one_of_max_connections(
     server: str, request: pytest.FixtureRequest
 ) -> None:

@@ -190,11 +190,10 @@ async def bench(gateway_url: str, worker_url: str, model: str, levels: list[int]
 
 
 def _worker_url(redis_url: str, model: str) -> str:
-    import redis
-
     from sluice import keys
+    from sluice.redis_url import sync_client
 
-    client = redis.Redis.from_url(redis_url)
+    client = sync_client(redis_url)
     try:
         records = client.hvals(keys.workers(model))
     finally:

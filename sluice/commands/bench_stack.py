@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Self
 
 import httpx
-import redis
 
 from sluice import keys
 from sluice.embedded_redis import EmbeddedCluster, EmbeddedRedis, free_port
 from sluice.processes import Child, child_preexec
+from sluice.redis_url import sync_client
 
 MODEL = "sim"
 
@@ -61,13 +61,6 @@ class LoggedChild(Child):
     def pid(self) -> int:
         assert self.process is not None
         return self.process.pid
-
-
-def sync_client(url: str) -> redis.Redis | redis.RedisCluster:
-    """A blocking client for a Sluice Redis URL (single server or ``redis+cluster://``)."""
-    if url.startswith("redis+cluster://"):
-        return redis.RedisCluster.from_url("redis://" + url.removeprefix("redis+cluster://"))
-    return redis.Redis.from_url(url)
 
 
 def gateway_env(queue_timeout_s: float, **extra: str) -> dict[str, str]:

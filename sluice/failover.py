@@ -1,0 +1,45 @@
+"""What Sluice's Redis state does when a failover loses writes: the design, one table.
+
+Redis replicates asynchronously. When a master dies, Sentinel (``redis+sentinel://``) or
+the Cluster (``redis+cluster://``) promotes a replica that may lack the master's last
+writes, typically the last few milliseconds; a replica that was cut off for longer
+lacks more. Replication keeps the order of writes, so the new master is the old one *as
+it was at an earlier instant* (per shard in a Cluster: each model's keys share a slot,
+so each model's admission state rolls back as one). Nothing is half-applied: every Lua
+script's writes replicate as one unit. So the question for each key family is what a
+rollback of the last moments does to it, and what brings it back in line.
+
+Meanwhile (master dead, replica not yet promoted, 2-3 s with Sentinel's
+``down-after-milliseconds`` 1000 and a Cluster's ``cluster-node-timeout`` 1000) Redis is
+unreachable: 503 + ``Retry-After`` for new requests, running streams go on, background
+loops retry (sluice/redis_pool.py).
+
+| family (sluice/keys.py) | rolled back, what happens | what restores it |
+| --- | --- | --- |
+| registry: ``workers``, ``alive``, ``stats``, ``models`` | a worker registered in the window is missing; one that left in it is back until its heartbeat expiry (3 beats) | every heartbeat rewrites the worker's record and adds its model to ``models``: whole again within one beat (default 1 s). A request routed to a worker that left gets a refused connection and is retried on another worker, invisibly |
+| gateway liveness: ``gateways`` | a gateway's last beat is older than it was | each gateway beats every second (``GATEWAY_TTL_S`` 3 s); a pump drops, not grants, queued entries of a gateway that looks dead, so a failover longer than about two seconds can drop a live gateway's queued entries before its next beat: the waiters' re-queue† covers them too |
+| leases: ``leases``, ``lease_owner``, ``inflight``, ``prefill``, ``lease_prefill`` | a lease granted in the window is gone: its stream runs on (it needs no Redis), its worker counts one slot fewer, and its release frees nothing (``free_lease`` returns 0). A lease released in the window is back | the gateway's renewal reports leases Redis no longer has ("expired before renewal", logged); a lease released in the window is no longer renewed and the reaper reclaims it after ``lease_ttl_s``; the reaper's recount (every 10th pass) rebuilds ``inflight`` and ``prefill`` from the leases. Tested: every slot is free again once the streams end |
+| queue: ``q:urgent``, ``q:normal``, ``heads``, ``queue_meta``, ``depth`` | a request queued in the window is not in the queue; one granted in the window is queued again | the latter is granted again; its grant finds no waiter (already served) and its lease expires unrenewed. The former waits for a grant that will not come until its queue deadline, then CANCEL answers ``gone``. † The data-loss check (the epoch key, below) re-queues a process's waiters when Redis lost data |
+| grants: ``grants`` | grants published in the window are gone, with the leases and dequeues of the same scripts | rolled back together, so the requests are queued again and granted again; the listener reads the stream again from its start when it ends before the listener's position (gateway/grants.py), so a grant numbered below that position is not skipped |
+| fair queuing and statistics: ``fair``, ``done``, ``urgent_seen`` | tags and completion times of the window are gone | approximate by design: fairness resumes from the older tags, ``Retry-After`` estimates from fewer completions |
+| tenancy: ``rl:{p}`` buckets, ``rl:{p}:streams`` | a tenant's requests and tokens of the window are refunded; generations admitted in it stop counting toward ``max_concurrent`` | the refund is bounded by what a tenant could spend in the lost moment. Each gateway renews its running generations every ``lease_ttl_s / 3`` and the renewal re-adds members Redis forgot, so they count again within that period (a generation released in the window is not renewed and stops counting after ``lease_ttl_s``) |
+| API keys: ``apikeys``, ``apikey:{p}`` | a key created in the window is unknown (401); a key revoked in the window is valid again | enforcement never turns off in a running gateway once keys were seen (never open); ``sluice keys create`` / ``revoke`` wait for a replica to acknowledge (``WAIT``), so a key operation that returned survives a failover |
+| idempotency: ``idem:{scope}`` | a claim made in the window is gone: a retry with the same key would claim it again and start a second generation beside the first; a ``done`` record of the window is gone: a retry runs again | † the producing gateway re-asserts its claim when the epoch key says Redis lost data; a retry that then finds the key claimed attaches to that generation |
+| journals: ``journal:{scope}``, ``:live``, ``:plan`` | the last events of a resumable stream are gone; a lost ``:live`` makes the producer's next write fail as if another gateway had taken the stream (it stops; its client gets an in-band error); a kept ``:live`` would let the next event land after a hole | † a journal is appended only right after its previous event: the producer re-writes the events it still holds or ends the stream's resumability with an explicit in-band error, never a gap; the first client is fed from memory and does not notice |
+| prefix index: ``prefix``, ``prefix:lru`` | block-to-worker hints of the window are gone | hints only: a miss costs prefill, never correctness; routing and the workers' KV events refill it |
+
+† The data-loss check, with admission and the journal in gateway/ rather than here: each
+gateway process reads a random token that the first gateway after an empty Redis writes
+(``SET NX``); a token that changed or vanished means Redis lost data (a restart without
+persistence, FLUSHALL, a failover that lost the token's write), and the process then
+re-queues its waiters, re-claims its idempotency keys and journals, and re-sends what a
+journal lacks. The rows marked † describe the behaviour that check is for; the rest is
+in place and tested (tests/chaos/test_redis_failover.py, tests/test_redis_failover.py).
+
+Not covered by a failover: a *partition* that leaves the old master reachable by some
+gateways and not by the sentinels. Those gateways keep writing to it until Sentinel
+demotes it; Sluice does not set ``min-replicas-to-write``, so those writes are lost when
+it rejoins. Deployments that need that bound set ``min-replicas-to-write 1`` and
+``min-replicas-max-lag`` on the servers; Sluice then sees the refused writes as errors
+(503) like any other.
+"""
