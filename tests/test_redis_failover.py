@@ -161,12 +161,13 @@ async def test_grant_published_after_a_failover_rewound_the_grant_stream_is_deli
     stream = keys.grants(model)
     listener = GrantListener(client, "gw-a")
     try:
-        first = await listener.expect(model, "r1")
+        first = listener.expect(model, "r1")
+        listener.listen(model, b"0-0")
         future_id = f"{(int(time.time()) + 86400) * 1000}-0"  # a clock a day ahead
         await admin.xadd(stream, {"g": "gw-b", "r": "x", "s": "ok", "l": "[]"}, id=future_id)
         await admin.xadd(stream, {"g": "gw-a", "r": "r1", "s": "ok", "l": "[]"}, id=f"{future_id[:-2]}-1")
         assert (await asyncio.wait_for(first, 5)).ok
-        second = await listener.expect(model, "r2")
+        second = listener.expect(model, "r2")
         await admin.delete(stream)  # the failover lost them
         for entry in await admin.client_list():
             if entry.get("name") == name:
