@@ -31,6 +31,7 @@ from gateway.config import GatewaySettings
 from sluice.embedded_redis import free_port
 from sluice.settings import RedisSettings
 from tests.compose_stack import Project, build, poll, run, start_engine
+from tests.test_k8s import worker_demand_query
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAFANA = ROOT / "deploy/grafana"
@@ -574,6 +575,9 @@ def test_scaling_workers_adds_capacity_the_gateway_and_prometheus_see(stack: Sta
     poll(lambda: stack.query('sum(up{job="sluice-worker"})') == 3, 60, "prometheus scraping 3 workers")
     poll(lambda: stack.query("sum(sluice_worker_capacity)") == 3 * stack.query("max(sluice_worker_capacity)"),
          60, "prometheus summing 3 workers' capacity")
+    # The worker autoscaling signal (deploy/k8s/prometheus-adapter-values.yaml) on real
+    # series: gateway and worker series join on the model, and an idle stack needs nothing.
+    assert stack.query(worker_demand_query('model="sim"')) == 0
 
 
 @REAL
