@@ -497,6 +497,27 @@ def test_a_worker_stopped_with_sigterm_drains_its_streams(stack: Stack) -> None:
     stack.workers(2)
 
 
+@REAL
+def test_a_gateway_stopped_with_sigterm_finishes_its_streams(stack: Stack) -> None:
+    """`docker stop` on the gateway: it stops accepting, finishes the open streams within
+    SLUICE_GATEWAY_SHUTDOWN_GRACE_S and exits 0 before stop_grace_period runs out."""
+    grace = _seconds(_compose()["services"]["gateway"]["stop_grace_period"])
+    gateway = stack.project.containers("gateway")[0]
+    stopped: list[float] = []
+
+    def stop() -> None:
+        started = time.monotonic()
+        run(["docker", "stop", "-t", str(int(grace)), gateway], timeout_s=grace + 30)
+        stopped.append(time.monotonic() - started)
+
+    results = _concurrently(stack, [f"finish me {i}" for i in range(4)], stop)
+    assert all(r[1:] == ("length", STREAM_TOKENS) for r in results)
+    assert stack.project.inspect(gateway)["State"]["ExitCode"] == 0  # not SIGKILLed (137)
+    assert stopped[0] < grace
+    run(["docker", "start", gateway])
+    poll(lambda: stack.project.healthy("gateway", 1), 60, "the gateway healthy again")
+
+
 def _sse(lines: Iterator[str], events: list[tuple[int | None, str]],
          on_event: Callable[[int], None] = lambda n: None) -> None:
     """Append each SSE event's (id, data) to ``events``; ``on_event(len(events))`` after each."""
