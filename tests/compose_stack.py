@@ -55,7 +55,8 @@ def start_engine() -> None:
 
 def build(dockerfile: str, tag: str) -> None:
     # --network host: inside builds, PyPI is reachable only through the host's network here.
-    run(["docker", "build", "--network", "host", "-q", "-f", str(ROOT / dockerfile), "-t", tag, str(ROOT)],
+    # --force-rm: a failed step leaves no stopped container behind.
+    run(["docker", "build", "--network", "host", "--force-rm", "-q", "-f", str(ROOT / dockerfile), "-t", tag, str(ROOT)],
         timeout_s=900)
 
 
