@@ -40,7 +40,8 @@ def run(argv: list[str], timeout_s: float = 300, env: dict[str, str] | None = No
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False,
                           env={**os.environ, **(env or {})})
     if check and done.returncode != 0:
-        raise AssertionError(f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        raise AssertionError(
+            f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return done
 
 
@@ -56,8 +57,8 @@ def start_engine() -> None:
 def build(dockerfile: str, tag: str) -> None:
     # --network host: inside builds, PyPI is reachable only through the host's network here.
     # --force-rm: a failed step leaves no stopped container behind.
-    run(["docker", "build", "--network", "host", "--force-rm", "-q", "-f", str(ROOT / dockerfile), "-t", tag, str(ROOT)],
-        timeout_s=900)
+    run(["docker", "build", "--network", "host", "--force-rm", "-q", "-f", str(ROOT / dockerfile), "-t", tag,
+         str(ROOT)], timeout_s=900)
 
 
 def image_size_mb(tag: str) -> float:
