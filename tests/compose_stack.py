@@ -61,10 +61,6 @@ def build(dockerfile: str, tag: str) -> None:
          str(ROOT)], timeout_s=900)
 
 
-def image_size_mb(tag: str) -> float:
-    return int(run(["docker", "image", "inspect", "-f", "{{.Size}}", tag]).stdout) / 1e6
-
-
 def poll(predicate: Callable[[], bool], timeout_s: float, what: str, every_s: float = 0.5) -> None:
     """Poll something outside this process (containers, Prometheus) until true."""
     deadline = time.monotonic() + timeout_s
