@@ -1,7 +1,8 @@
 """docker-compose.yml: its structure first, then the stack run for real (at the end).
 
-The structural checks cover what the run cannot reach (the profiles) and also the files it mounts or builds from: the Dockerfiles of each profile, Prometheus'
-scrape config and Grafana's provisioning. The dashboard's metric names are checked
+The structural checks cover what the run cannot reach (the profiles) and the files it
+mounts or builds from: the Dockerfiles of each profile, Prometheus' scrape config and
+Grafana's provisioning. The dashboard's metric names are checked
 against the names declared in gateway/metrics.py and engine_worker/metrics.py, so
 renaming a metric in the code fails here until the dashboard follows.
 """
