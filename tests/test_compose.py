@@ -1,7 +1,8 @@
-"""docker-compose.yml cannot run here (no Docker engine), so check its structure.
+"""docker-compose.yml: its structure first, then the stack run for real (at the end).
 
-Also the files it mounts or builds from: the Dockerfiles of each profile, Prometheus'
-scrape config and Grafana's provisioning. The dashboard's metric names are checked
+The structural checks cover what the run cannot reach (the profiles) and the files it
+mounts or builds from: the Dockerfiles of each profile, Prometheus' scrape config and
+Grafana's provisioning. The dashboard's metric names are checked
 against the names declared in gateway/metrics.py and engine_worker/metrics.py, so
 renaming a metric in the code fails here until the dashboard follows.
 """
@@ -9,17 +10,29 @@ renaming a metric in the code fails here until the dashboard follows.
 from __future__ import annotations
 
 import json
+import os
 import re
+import threading
+import time
 import tomllib
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+import openai
 import pytest
 import yaml
 
 from engine_worker.config import WorkerSettings
 from gateway.config import GatewaySettings
+from sluice.embedded_redis import free_port
 from sluice.settings import RedisSettings
+from tests.compose_stack import Project, build, poll, run, start_engine
+from tests.test_k8s import worker_demand_query
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAFANA = ROOT / "deploy/grafana"
@@ -68,15 +81,21 @@ def test_services_and_healthchecks() -> None:
         assert services[name]["environment"]["SLUICE_REDIS_URL"].startswith("redis://redis:")
     assert services["gateway"]["depends_on"]["worker"]["condition"] == "service_healthy"
     assert {"otel-collector", "prometheus"} <= set(services)
+    # Traces only where the otel profile's collector runs: the variable passes through.
     for name in ("gateway", "worker"):
-        assert services[name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4318"
+        assert services[name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "${OTEL_EXPORTER_OTLP_ENDPOINT:-}"
+    assert services["otel-collector"]["profiles"] == ["otel"]
 
 
 def test_default_stack_has_no_profile() -> None:
     services = _compose()["services"]
     default = {name for name, s in services.items() if not s.get("profiles")}
-    assert default == {"redis", "worker", "gateway", "otel-collector", "prometheus", "grafana"}
+    # Only what runs on the stand-in images: tests/test_compose.py starts exactly this set.
+    assert default == {"redis", "worker", "gateway", "prometheus"}
     assert services["worker"]["command"][:3] == ["worker", "--engine", "sim"]
+    assert services["worker"]["image"] == services["gateway"]["image"]  # one build
+    # Images that cannot be had where Sluice is tested sit behind profiles.
+    assert services["grafana"]["profiles"] == ["grafana"]
 
 
 @pytest.mark.parametrize("profile", sorted(PROFILES))
@@ -256,7 +275,8 @@ def test_grafana_provisioning_matches_compose() -> None:
     datasources = yaml.safe_load((GRAFANA / "provisioning/datasources/prometheus.yaml").read_text())
     (ds,) = datasources["datasources"]
     assert ds["type"] == "prometheus"
-    assert ds["url"] == "http://prometheus:9090" and "9090:9090" in services["prometheus"]["ports"]
+    assert ds["url"] == "http://prometheus:9090"
+    assert "${SLUICE_PROMETHEUS_HOST_PORT:-9090}:9090" in services["prometheus"]["ports"]
     providers = yaml.safe_load((GRAFANA / "provisioning/dashboards/sluice.yaml").read_text())["providers"]
     assert providers[0]["options"]["path"] == mounts["./deploy/grafana/dashboards"]
     dashboard = json.loads(DASHBOARD.read_text())
@@ -295,3 +315,296 @@ def test_a_renamed_metric_fails_the_dashboard_check() -> None:
     known = exposed_metrics(source) | exposed_metrics((ROOT / "engine_worker/metrics.py").read_text())
     assert unknown_metrics(exprs, known) == {"sluice_gateway_retries_total"}
     assert unknown_metrics(["rate(sluice_gateway_requests[1m])"], _code_metrics()) == {"sluice_gateway_requests"}
+
+
+# --- the stack, run for real --------------------------------------------------------
+#
+# One module-wide project: the image is built once (Dockerfile, layer cache kept between
+# runs) and the stack started once; the tests below run in file order against it and the
+# last one takes it down. See tests/compose_stack.py for where the engine comes from.
+
+STREAM_TOKENS = 800  # ~4 s per stream at the sim worker's default 5 ms a token
+ADMIN = {"Authorization": "Bearer change-me-admin-key"}
+# The first test also pays for the engine, the image build (~70 s when the dependency layer
+# is not cached) and `up`.
+REAL = pytest.mark.timeout(900)
+
+
+@dataclass
+class Stack:
+    project: Project
+    url: str
+    prometheus: str
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics", headers=ADMIN, timeout=10).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") or line.startswith(name + " "))
+
+    def query(self, promql: str) -> float | None:
+        result = httpx.get(self.prometheus + "/api/v1/query", params={"query": promql}, timeout=10).json()
+        values = result["data"]["result"]
+        return float(values[0]["value"][1]) if values else None
+
+    def gateway_up(self) -> bool:
+        try:
+            return httpx.get(self.url + "/ready", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def workers(self, count: int) -> None:
+        self.project.compose("up", "-d", "--no-build", "--no-deps", "--scale", f"worker={count}", "worker")
+        poll(lambda: self.project.healthy("worker", count), 120, f"{count} healthy workers")
+        poll(lambda: self.metric("sluice_gateway_live_workers") == count, 60, f"the gateway seeing {count} workers")
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    start_engine()
+    build("Dockerfile", "sluice:0.1.0")
+    gateway_port, prometheus_port = free_port(), free_port()
+    project = Project(f"sluicetest{os.getpid()}", env={
+        "SLUICE_GATEWAY_HOST_PORT": str(gateway_port), "SLUICE_PROMETHEUS_HOST_PORT": str(prometheus_port)})
+    try:
+        # Services without a profile: redis, 2 workers, the gateway and prometheus.
+        project.compose("up", "-d", "--no-build", timeout_s=300)
+        poll(lambda: project.healthy("gateway", 1), 120, "a healthy gateway")
+        yield Stack(project, f"http://127.0.0.1:{gateway_port}", f"http://127.0.0.1:{prometheus_port}")
+    except BaseException:
+        print(project.logs())
+        raise
+    finally:
+        project.compose("down", "-v", "--remove-orphans", "-t", "5", check=False)
+
+
+def _body(prompt: str) -> dict[str, Any]:
+    return {"model": "sim", "messages": [{"role": "user", "content": prompt}], "max_tokens": STREAM_TOKENS,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+
+
+def _sdk_stream(stack: Stack, prompt: str, progressed: threading.Event | None = None) -> tuple[str, str, int]:
+    """(text, finish_reason, completion_tokens) of one chat stream read with the openai SDK."""
+    text, finish, tokens, chunks = "", "", 0, 0
+    with stack.openai() as client:
+        body = _body(prompt)
+        extra = {"ignore_eos": body.pop("ignore_eos")}
+        for chunk in client.chat.completions.create(**body, extra_body=extra):
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+            chunks += 1
+            if progressed is not None and chunks >= 30:
+                progressed.set()
+    return text, finish, tokens
+
+
+def _concurrently(stack: Stack, prompts: list[str], fault: Callable[[], None]) -> list[tuple[str, str, int]]:
+    """Stream every prompt at once; run ``fault`` once every stream is well under way."""
+    marks = [threading.Event() for _ in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(_sdk_stream, stack, p, m) for p, m in zip(prompts, marks, strict=True)]
+        for mark in marks:
+            assert mark.wait(60), "a stream never got going"
+        assert not any(f.done() for f in futures), "a stream ended before the fault"
+        fault()
+        return [f.result(timeout=120) for f in futures]
+
+
+@REAL
+def test_stack_images_run_as_operators_expect(stack: Stack) -> None:
+    project = stack.project
+    for service in ("gateway", "worker"):
+        for container in project.containers(service):
+            info = project.inspect(container)
+            assert info["Config"]["User"] == "10001", service  # not root
+            assert info["State"]["Health"]["Status"] == "healthy", service
+    assert len(project.containers("worker")) == 2
+    assert stack.metric("sluice_gateway_live_workers") == 2
+    ready = httpx.get(stack.url + "/ready", timeout=5)
+    assert ready.status_code == 200 and ready.json()["models"] == ["sim"]
+
+
+@REAL
+def test_openai_sdk_streams_through_the_stack(stack: Stack) -> None:
+    text, finish, tokens = _sdk_stream(stack, "hello through docker")
+    assert finish == "length" and tokens == STREAM_TOKENS and text
+
+
+@REAL
+def test_prometheus_scrapes_the_gateway_and_both_workers(stack: Stack) -> None:
+    poll(lambda: stack.query('sum(up{job="sluice-gateway"})') == 1
+         and stack.query('sum(up{job="sluice-worker"})') == 2, 60, "prometheus scraping the gateway and 2 workers")
+    # A gauge every gateway process computes from Redis when scraped. (Counters would not do:
+    # the scrape reaches one of the container's SLUICE_GATEWAY_PROCS processes, each with
+    # its own counters.)
+    poll(lambda: stack.query('max(sluice_gateway_live_workers{model="sim"})') == 2, 30,
+         "the gateway's view of the workers in prometheus")
+
+
+@REAL
+def test_a_worker_killed_mid_stream_leaves_every_stream_complete(stack: Stack) -> None:
+    prompts = [f"migrate me {i}" for i in range(8)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        reference = dict(zip(prompts, (r[0] for r in pool.map(lambda p: _sdk_stream(stack, p), prompts)),
+                             strict=True))
+    victim = stack.project.containers("worker")[0]
+
+    def kill() -> None:
+        assert _worker_streams(victim) > 0, "the worker to kill serves none of the streams"
+        run(["docker", "kill", victim])
+
+    results = _concurrently(stack, prompts, kill)
+    for prompt, (text, finish, tokens) in zip(prompts, results, strict=True):
+        assert (finish, tokens) == ("length", STREAM_TOKENS), prompt
+        assert text == reference[prompt], prompt  # continued elsewhere: no gap, no repeated token
+    stack.workers(2)  # `up` starts the killed container again
+
+
+def _worker_streams(container: str) -> float:
+    """Streams open on a worker, read from its own /metrics from inside its container."""
+    script = ("import os, urllib.request as u; r = u.Request('http://127.0.0.1:8100/metrics', headers="
+              "{'Authorization': 'Bearer ' + os.environ['SLUICE_INTERNAL_TOKEN']}); "
+              "print(u.urlopen(r).read().decode())")
+    text = run(["docker", "exec", container, "python", "-c", script]).stdout
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("sluice_worker_in_flight_requests{"))
+
+
+@REAL
+def test_a_worker_stopped_with_sigterm_drains_its_streams(stack: Stack) -> None:
+    """`docker stop` (SIGTERM, then SIGKILL after the grace period): the worker finishes the
+    streams it has and exits by itself, well inside stop_grace_period."""
+    grace = _seconds(_compose()["services"]["worker"]["stop_grace_period"])
+    victim = stack.project.containers("worker")[0]
+    stopped: list[float] = []
+
+    def stop() -> None:
+        assert _worker_streams(victim) > 0, "the worker to stop serves none of the streams"
+        started = time.monotonic()
+        run(["docker", "stop", "-t", str(int(grace)), victim], timeout_s=grace + 30)
+        stopped.append(time.monotonic() - started)
+
+    results = _concurrently(stack, [f"drain me {i}" for i in range(6)], stop)
+    assert all(r[1:] == ("length", STREAM_TOKENS) for r in results)
+    assert stack.project.inspect(victim)["State"]["ExitCode"] == 0  # not SIGKILLed (137)
+    assert stopped[0] < grace
+    logs = run(["docker", "logs", victim]).stderr
+    assert "drained in" in logs and "drain timeout" not in logs, logs[-2000:]
+    stack.workers(2)
+
+
+@REAL
+def test_a_gateway_stopped_with_sigterm_finishes_its_streams(stack: Stack) -> None:
+    """`docker stop` on the gateway: it stops accepting, finishes the open streams within
+    SLUICE_GATEWAY_SHUTDOWN_GRACE_S and exits 0 before stop_grace_period runs out."""
+    grace = _seconds(_compose()["services"]["gateway"]["stop_grace_period"])
+    gateway = stack.project.containers("gateway")[0]
+    stopped: list[float] = []
+
+    def stop() -> None:
+        started = time.monotonic()
+        run(["docker", "stop", "-t", str(int(grace)), gateway], timeout_s=grace + 30)
+        stopped.append(time.monotonic() - started)
+
+    results = _concurrently(stack, [f"finish me {i}" for i in range(4)], stop)
+    assert all(r[1:] == ("length", STREAM_TOKENS) for r in results)
+    assert stack.project.inspect(gateway)["State"]["ExitCode"] == 0  # not SIGKILLed (137)
+    assert stopped[0] < grace
+    run(["docker", "start", gateway])
+    poll(lambda: stack.project.healthy("gateway", 1), 60, "the gateway healthy again")
+
+
+def _sse(lines: Iterator[str], events: list[tuple[int | None, str]],
+         on_event: Callable[[int], None] = lambda n: None) -> None:
+    """Append each SSE event's (id, data) to ``events``; ``on_event(len(events))`` after each."""
+    ident = None
+    for line in lines:
+        if line.startswith("id: "):
+            ident = int(line[4:])
+        elif line.startswith("data: "):
+            events.append((ident, line[6:]))
+            ident = None
+            on_event(len(events))
+
+
+def _resumable_stream(stack: Stack, prompt: str, progressed: threading.Event) -> list[tuple[int | None, str]]:
+    """A keyed stream read through a gateway crash: read until the connection breaks, then
+    re-attach with Last-Event-ID (retrying while the gateway is away) and read the rest."""
+    key = uuid.uuid4().hex
+    events: list[tuple[int | None, str]] = []
+    try:
+        with httpx.stream("POST", stack.url + "/v1/chat/completions", json=_body(prompt),
+                          headers={"Idempotency-Key": key}, timeout=60) as r:
+            _sse(r.iter_lines(), events, lambda n: progressed.set() if n >= 30 else None)
+    except httpx.TransportError:
+        pass
+    deadline = time.monotonic() + 90
+    while not events or events[-1][1] != "[DONE]":
+        assert time.monotonic() < deadline, f"stream {key} never completed: {events[-3:]}"
+        last = max((i for i, _ in events if i is not None), default=0)
+        try:
+            with httpx.stream("GET", stack.url + f"/v1/streams/{key}", headers={"Last-Event-ID": str(last)},
+                              timeout=60) as r:
+                if r.status_code != 200:  # the gateway is still starting
+                    r.read()
+                    time.sleep(0.5)
+                    continue
+                _sse(r.iter_lines(), events)
+        except httpx.TransportError:
+            time.sleep(0.5)  # nothing listens yet on the restarted container
+    return events
+
+
+@REAL
+def test_a_gateway_restarted_under_load_loses_no_resumable_stream(stack: Stack) -> None:
+    prompts = [f"resume me {i}" for i in range(4)]
+    reference = _sdk_stream(stack, prompts[0])[0]
+    gateway = stack.project.containers("gateway")[0]
+
+    def crash_and_restart() -> None:
+        run(["docker", "kill", gateway])  # no drain: its streams just stop
+        run(["docker", "start", gateway])
+
+    marks = [threading.Event() for _ in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(_resumable_stream, stack, p, m) for p, m in zip(prompts, marks, strict=True)]
+        for mark in marks:
+            assert mark.wait(60), "a stream never got going"
+        crash_and_restart()
+        streams = [f.result(timeout=150) for f in futures]
+    for prompt, events in zip(prompts, streams, strict=True):
+        ids = [i for i, _ in events if i is not None]
+        assert ids == list(range(1, len(ids) + 1)), f"{prompt}: an event was repeated or skipped"
+        assert not any('"error"' in d for _, d in events), prompt
+        usage = json.loads(events[-2][1])["usage"]
+        assert usage["completion_tokens"] == STREAM_TOKENS, prompt
+        text = "".join(json.loads(d)["choices"][0]["delta"].get("content") or ""
+                       for _, d in events if d.startswith("{") and '"choices":[{' in d)
+        if prompt == prompts[0]:
+            assert text == reference
+    poll(lambda: stack.project.healthy("gateway", 1), 60, "the restarted gateway healthy again")
+
+
+@REAL
+def test_scaling_workers_adds_capacity_the_gateway_and_prometheus_see(stack: Stack) -> None:
+    stack.workers(3)
+    assert httpx.get(stack.url + "/ready", timeout=5).status_code == 200
+    poll(lambda: stack.query('sum(up{job="sluice-worker"})') == 3, 60, "prometheus scraping 3 workers")
+    poll(lambda: stack.query("sum(sluice_worker_capacity)") == 3 * stack.query("max(sluice_worker_capacity)"),
+         60, "prometheus summing 3 workers' capacity")
+    # The worker autoscaling signal (deploy/k8s/prometheus-adapter-values.yaml) on real
+    # series: gateway and worker series join on the model, and an idle stack needs nothing.
+    assert stack.query(worker_demand_query('model="sim"')) == 0
+
+
+@REAL
+def test_down_leaves_no_container_network_or_volume(stack: Stack) -> None:
+    project = stack.project
+    assert project.leftovers()["volumes"], "the stack should have made redis' volume"
+    project.compose("down", "-v", "--remove-orphans", "-t", "30")
+    assert project.leftovers() == {"containers": [], "networks": [], "volumes": []}

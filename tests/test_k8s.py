@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -32,6 +33,10 @@ from sluice.settings import RedisSettings
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy/k8s"
 OVERLAYS = ("cpu", "gpu")
+# Kubernetes' own OpenAPI schemas (as JSON schemas, strict: unknown fields are errors),
+# from the kubernetes-validate package: the oldest minor still commonly run in managed
+# clusters when this was written, and the newest the package ships.
+K8S_VERSIONS = ("1.30.0", "1.37.0")
 WORKER_IMAGE = {"cpu": "sluice-cpu", "gpu": "sluice-gpu"}
 
 Doc = dict[str, Any]
@@ -280,20 +285,48 @@ def check_redis(docs: list[Doc]) -> list[str]:
     return problems
 
 
+def _hpa_for(docs: list[Doc], name: str) -> Doc | None:
+    target = component(docs, name)["metadata"]["name"]
+    found = [h for h in get(docs, "HorizontalPodAutoscaler")
+             if (h["spec"]["scaleTargetRef"]["kind"], h["spec"]["scaleTargetRef"]["name"]) == ("Deployment", target)]
+    return found[0] if len(found) == 1 else None
+
+
+def adapter_rules() -> dict[str, Doc]:
+    """External metrics the prometheus-adapter values serve, by name."""
+    values = yaml.safe_load((K8S / "prometheus-adapter-values.yaml").read_text())
+    return {r["name"]["as"]: r for r in values["rules"]["external"]}
+
+
 def check_autoscaling(docs: list[Doc]) -> list[str]:
+    """Gateways scale on CPU; workers on the slot-demand ratio the adapter serves."""
     problems = []
     gateway = component(docs, "gateway")
     labels = gateway["spec"]["template"]["metadata"]["labels"]
-    hpas = get(docs, "HorizontalPodAutoscaler")
-    if not hpas:
-        problems.append("no HorizontalPodAutoscaler")
-    for hpa in hpas:
+    for hpa in get(docs, "HorizontalPodAutoscaler"):
         ref = hpa["spec"]["scaleTargetRef"]
-        if (ref["kind"], ref["name"]) != ("Deployment", gateway["metadata"]["name"]):
-            problems.append(f"HPA targets {ref['kind']}/{ref['name']}, not the gateway Deployment")
+        if (ref["kind"], ref["name"]) not in {("Deployment", component(docs, c)["metadata"]["name"])
+                                              for c in ("gateway", "worker")}:
+            problems.append(f"HPA targets {ref['kind']}/{ref['name']}, not the gateway Deployment or the workers'")
+    hpa = _hpa_for(docs, "gateway")
+    if hpa is None:
+        problems.append("no HorizontalPodAutoscaler for the gateway Deployment")
+    else:
         uses_cpu = any(m.get("resource", {}).get("name") == "cpu" for m in hpa["spec"].get("metrics", []))
-        if uses_cpu and not all("cpu" in c.get("resources", {}).get("requests", {}) for c in containers(gateway)):
+        if not uses_cpu:
+            problems.append("the gateway HPA does not scale on CPU")
+        elif not all("cpu" in c.get("resources", {}).get("requests", {}) for c in containers(gateway)):
             problems.append("HPA scales on CPU but the gateway requests no CPU")
+    hpa = _hpa_for(docs, "worker")
+    if hpa is None:
+        problems.append("no HorizontalPodAutoscaler for the workers")
+    else:
+        served = adapter_rules()
+        for m in hpa["spec"]["metrics"]:
+            if m["type"] != "External" or m["external"]["metric"]["name"] not in served:
+                problems.append(f"worker HPA metric {m} is not an external metric the adapter serves")
+        if hpa["spec"]["minReplicas"] < 1:
+            problems.append("worker HPA may scale to zero: a queued request would find no worker")
     pdbs = get(docs, "PodDisruptionBudget")
     if not pdbs:
         problems.append("no PodDisruptionBudget")
@@ -386,6 +419,21 @@ def check_otel(docs: list[Doc]) -> list[str]:
     return problems
 
 
+def check_schema(docs: list[Doc]) -> list[str]:
+    """Every rendered object against Kubernetes' schemas for each version in K8S_VERSIONS."""
+    problems = []
+    for version in K8S_VERSIONS:
+        for d in docs:
+            try:
+                kubernetes_validate.validate(d, version, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                where = "/".join(str(p) for p in e.absolute_path)
+                problems.append(f"{version} {d['kind']}/{d['metadata']['name']} at {where}: {e.message}")
+            except kubernetes_validate.SchemaNotFoundError as e:
+                problems.append(f"{version} {d['kind']}/{d['metadata']['name']}: {e.message}")
+    return problems
+
+
 CHECKS: dict[str, Callable[[list[Doc], str], list[str]]] = {
     "probes": lambda docs, _: check_probes(docs),
     "grace": lambda docs, _: check_grace(docs),
@@ -399,6 +447,7 @@ CHECKS: dict[str, Callable[[list[Doc], str], list[str]]] = {
     "secrets": lambda docs, _: check_secrets(docs),
     "settings": lambda docs, _: check_settings(docs),
     "otel": lambda docs, _: check_otel(docs),
+    "schema": lambda docs, _: check_schema(docs),
 }
 
 
@@ -429,6 +478,12 @@ def _gateway(docs: list[Doc]) -> Doc:
     return containers(component(docs, "gateway"))[0]
 
 
+def _hpa(docs: list[Doc], name: str) -> Doc:
+    hpa = _hpa_for(docs, name)
+    assert hpa is not None, name
+    return hpa
+
+
 def _set_env(container: Doc, name: str, value: str) -> None:
     env(container)[name]["value"] = value
 
@@ -452,8 +507,16 @@ BREAKAGES: list[tuple[str, str, Callable[[list[Doc]], object]]] = [
         a.index("noeviction"), "allkeys-lru")),
     ("redis", "no PersistentVolumeClaim", lambda d: get(d, "StatefulSet")[0]["spec"].pop("volumeClaimTemplates")),
     ("redis", "does not reach", lambda d: _set_env(_gateway(d), "SLUICE_REDIS_URL", "redis://redis-main:6379/0")),
-    ("autoscaling", "not the gateway", lambda d: get(d, "HorizontalPodAutoscaler")[0]["spec"]["scaleTargetRef"]
-     .update(name="worker")),
+    ("autoscaling", "no HorizontalPodAutoscaler for the gateway", lambda d: _hpa(d, "gateway")["spec"]
+     ["scaleTargetRef"].update(name="worker")),
+    ("autoscaling", "not an external metric the adapter serves", lambda d: _hpa(d, "worker")["spec"]["metrics"][0]
+     ["external"]["metric"].update(name="sluice_gateway_queue_depth")),
+    ("autoscaling", "scale to zero", lambda d: _hpa(d, "worker")["spec"].update(minReplicas=0)),
+    ("schema", "Additional properties", lambda d: pod_spec(component(d, "gateway")).update(
+        terminationGracePeriod=60)),
+    ("schema", "is not of type 'integer'", lambda d: component(d, "worker")["spec"].update(replicas="two")),
+    ("schema", "'containerPort' is a required property", lambda d: _gateway(d)["ports"][0].pop("containerPort")),
+    ("schema", "Couldn't find schema", lambda d: _hpa(d, "worker").update(apiVersion="autoscaling/v2beta2")),
     ("autoscaling", "PDB does not select", lambda d: get(d, "PodDisruptionBudget")[0]["spec"]["selector"]
      ["matchLabels"].update({"app.kubernetes.io/component": "gatway"})),
     ("selectors", "selects no pods", lambda d: get(d, "Service")[0]["spec"]["selector"].update(extra="x")),
@@ -522,3 +585,38 @@ def test_prometheus_scrape_config_finds_the_pods() -> None:
     assert jobs["sluice-gateway"]["authorization"]["credentials_file"].endswith("/" + secret_key)
     token_key = env(_gateway(docs))["SLUICE_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"]["key"]
     assert jobs["sluice-worker"]["authorization"]["credentials_file"].endswith("/" + token_key)
+
+
+def test_the_worker_scaling_metric_is_built_from_exported_metrics() -> None:
+    """The adapter's query names only series the code exports, each filtered by the HPA's
+    namespace and selector, on series the scrape config labels with their namespace."""
+    from tests.test_compose import METRIC_SOURCES, exposed_metrics
+
+    known = set().union(*(exposed_metrics(p.read_text()) for p in METRIC_SOURCES))
+    (rule,) = adapter_rules().values()
+    selectors = re.findall(r"\b(sluice_[a-z0-9_]+)\{([^}]*)\}", rule["metricsQuery"])
+    assert {name for name, _ in selectors} == {
+        "sluice_gateway_queue_depth", "sluice_worker_in_flight_requests", "sluice_worker_capacity"}
+    assert {name for name, _ in selectors} <= known
+    assert {matchers for _, matchers in selectors} == {"<<.LabelMatchers>>"}
+    assert re.match(r"(\w+)\{", rule["seriesQuery"]).group(1) in known
+    assert rule["resources"]["overrides"]["namespace"] == {"resource": "namespace"}
+    scrape = yaml.safe_load((K8S / "prometheus-scrape.yml").read_text())
+    for job in scrape["scrape_configs"]:
+        assert {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"} in job[
+            "relabel_configs"], job["job_name"]
+
+
+def worker_demand_query(label_matchers: str) -> str:
+    """The adapter's query as Prometheus receives it (tests/test_compose.py runs it)."""
+    (rule,) = adapter_rules().values()
+    return rule["metricsQuery"].replace("<<.LabelMatchers>>", label_matchers)
+
+
+def test_gateway_pods_run_as_the_images_user() -> None:
+    user = re.search(r"^USER (\d+)$", (ROOT / "Dockerfile").read_text(), re.MULTILINE).group(1)
+    for overlay in OVERLAYS:
+        gateway = component(overlay_docs(overlay), "gateway")
+        pod = pod_spec(gateway)["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] == int(user), overlay
+        assert containers(gateway)[0]["securityContext"]["allowPrivilegeEscalation"] is False
