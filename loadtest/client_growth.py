@@ -2,8 +2,10 @@
 
 Starts a private stack (embedded Redis, one sim worker, one gateway process), then sends,
 one phase after another: requests with 1 MB model names, requests naming invented models,
-and invented names asked of ``GET /v1/models/{name}``. After each phase it prints the
-gateway's RSS, Redis's ``used_memory`` and its key count, and what the requests got.
+invented names asked of ``GET /v1/models/{name}``, then long resumable streams with the
+largest ``n`` (``n=16`` x 1,300 tokens, 20,802 events each, journaled) and as many plain
+ones, read to their end at once. After each phase it prints the gateway's RSS (and, for
+the streams, its peak), Redis's ``used_memory`` and its key count, and what the requests got.
 
     .venv/bin/python loadtest/client_growth.py            # ~20 s
 """
@@ -29,6 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--big", type=int, default=30, help="requests with a 1 MB model name")
     parser.add_argument("--invented", type=int, default=200, help="requests naming invented models")
+    parser.add_argument("--huge", type=int, default=4, help="concurrent n=16 x 1,300-token streams, per kind")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as logs, Stack(StackShape(gateways=1, workers=1), Path(logs)) as stack:
         client = sync_client(stack.redis_url)
@@ -55,8 +58,37 @@ def main() -> None:
         statuses = collections.Counter(http.get(f"{url}/v1/models/invented-{i}").status_code
                                        for i in range(args.invented))
         report(f"{args.invented} x GET /v1/models/<invented>", statuses)
+        for resumable in (True, False):
+            peak, statuses = huge_streams(url, pid, args.huge, resumable)
+            kind = "resumable" if resumable else "plain"
+            report(f"{args.huge} x n=16 x 1,300 {kind} (peak RSS {peak:.0f} MB)", statuses)
         http.close()
         client.close()
+
+
+def huge_streams(url: str, pid: int, count: int, resumable: bool) -> tuple[float, collections.Counter[int]]:
+    """``count`` concurrent n=16 x 1,300-token streams read to their end; the gateway's
+    peak RSS meanwhile, and the statuses."""
+    import threading
+
+    body = {"model": "sim", "prompt": "long", "n": 16, "max_tokens": 1300, "ignore_eos": True, "stream": True}
+    statuses: collections.Counter[int] = collections.Counter()
+    peak = [rss_mb(pid)]
+
+    def one(i: int) -> None:
+        headers = {"Idempotency-Key": f"huge-{i}-{threading.get_ident()}"} if resumable else {}
+        with httpx.Client(timeout=600) as c, c.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+            for _ in r.iter_raw():
+                pass
+            statuses[r.status_code] += 1
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        peak.append(rss_mb(pid))
+        threads[0].join(0.2)
+    return max(peak), statuses
 
 
 if __name__ == "__main__":
