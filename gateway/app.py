@@ -28,22 +28,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.admission.queue import Admission, as_sluice_error
 from gateway.admission.caps import check_caps, generations, queue_cost, token_estimate
+from gateway.admission.queue import Admission, as_sluice_error
+from gateway.admission.routing import IndexCorrections
+from gateway.admission.tenancy import Tenancy
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext, resolve_deadline, resolve_priority
+from gateway.metrics import GatewayMetrics
+from gateway.record import RequestRecord
+from gateway.relay.serving import Serving
+from gateway.relay.upstream import Dispatcher
 from gateway.streams.idempotency import Idempotency, fingerprint, scoped
 from gateway.streams.journal import last_event_id
 from gateway.streams.journal_quota import journal_events
 from gateway.streams.journal_readers import JournalReaders
-from gateway.metrics import GatewayMetrics
 from gateway.surfaces.openai import ChatCompletionRequest, CompletionRequest
-from gateway.record import RequestRecord
 from gateway.surfaces.responses import ResponseShape, ResponsesRequest
-from gateway.admission.routing import IndexCorrections
-from gateway.relay.serving import Serving
-from gateway.admission.tenancy import Tenancy
-from gateway.relay.upstream import Dispatcher
 from sluice import keys
 from sluice.apikeys import ApiKey
 from sluice.errors import (

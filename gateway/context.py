@@ -7,9 +7,9 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
+from gateway.admission.tenancy import Charge
 from gateway.config import GatewaySettings
 from gateway.record import RequestRecord
-from gateway.admission.tenancy import Charge
 from sluice.errors import InvalidRequest
 
 #: OpenAI's service tiers as priority classes (lower runs first, as in vLLM).

@@ -35,9 +35,9 @@ import orjson
 from redis.exceptions import RedisError
 
 from gateway.admission import scripts
-from gateway.config import GatewaySettings
 from gateway.admission.grants import GrantListener, GrantMessage
 from gateway.admission.reaper import Reaper
+from gateway.config import GatewaySettings
 from sluice import keys
 from sluice.directory import Directory, Epoch
 from sluice.errors import (

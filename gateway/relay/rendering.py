@@ -17,7 +17,9 @@ import anyio
 from starlette.responses import Response
 
 from gateway.admission.queue import ClientGone, as_sluice_error
+from gateway.record import RequestRecord
 from gateway.relay.logprobs import render as render_logprobs
+from gateway.relay.upstream import Line
 from gateway.surfaces.openai import (
     DONE,
     ChatCompletionRequest,
@@ -26,9 +28,7 @@ from gateway.surfaces.openai import (
     ToolCallAssembler,
     completion_body,
 )
-from gateway.record import RequestRecord
 from gateway.surfaces.responses import ResponseEvents, ResponseShape, response_body
-from gateway.relay.upstream import Line
 from sluice.errors import SluiceError, Unavailable, error_event
 
 log = logging.getLogger("sluice.gateway")

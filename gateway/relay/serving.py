@@ -16,8 +16,14 @@ from redis.exceptions import RedisError
 from starlette.responses import Response
 
 from gateway.admission.queue import ClientGone
+from gateway.admission.tenancy import Tenancy
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
+from gateway.metrics import GatewayMetrics
+from gateway.record import RequestRecord
+from gateway.relay.rendering import Kind, json_response, sse_events
+from gateway.relay.sse import Keepalive, SSEResponse
+from gateway.relay.upstream import Dispatcher, Line, Upstream
 from gateway.streams.idempotency import Idempotency
 from gateway.streams.journal import (
     JournalCommitter,
@@ -27,21 +33,15 @@ from gateway.streams.journal import (
 )
 from gateway.streams.journal_quota import JournalQuota, journal_events
 from gateway.streams.journal_readers import JournalReaders
-from gateway.metrics import GatewayMetrics
 from gateway.streams.migration import Migrator
+from gateway.streams.takeover import HistoryLost, LineTap, Plan, recover
 from gateway.surfaces.openai import (
     ChatCompletionRequest,
     ChunkWriter,
     CompletionRequest,
     worker_payloads,
 )
-from gateway.record import RequestRecord
-from gateway.relay.rendering import Kind, json_response, sse_events
 from gateway.surfaces.responses import ResponseShape
-from gateway.relay.sse import Keepalive, SSEResponse
-from gateway.streams.takeover import HistoryLost, LineTap, Plan, recover
-from gateway.admission.tenancy import Tenancy
-from gateway.relay.upstream import Dispatcher, Line, Upstream
 from sluice.errors import (
     Conflict,
     DeadlineExceeded,

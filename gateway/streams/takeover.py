@@ -36,9 +36,9 @@ from dataclasses import asdict, dataclass, field
 import orjson
 from redis.asyncio import Redis
 
+from gateway.relay.upstream import Line
 from gateway.streams.journal import DONE, ENTRY_OVERHEAD, entry_number, stream_key
 from gateway.streams.migration import Progress
-from gateway.relay.upstream import Line
 from sluice import keys
 from sluice.errors import UpstreamFailed
 
