@@ -191,7 +191,7 @@ class Worker:
 
     def _registry_url(self) -> str:
         """Where gateways send this worker's requests: the worker, or under ``--relay direct``
-        the server it fronts (gateway/direct.py)."""
+        the server it fronts (gateway/relay/direct.py)."""
         if self.settings.relay == "direct":
             from engine_worker.engines.openai_upstream import OpenAIUpstreamEngine
 

@@ -28,22 +28,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.admission import Admission, as_sluice_error
-from gateway.caps import check_caps, generations, queue_cost, token_estimate
+from gateway.admission.caps import check_caps, generations, queue_cost, token_estimate
+from gateway.admission.queue import Admission, as_sluice_error
+from gateway.admission.routing import IndexCorrections
+from gateway.admission.tenancy import Tenancy
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext, resolve_deadline, resolve_priority
-from gateway.idempotency import Idempotency, fingerprint, scoped
-from gateway.journal import last_event_id
-from gateway.journal_quota import journal_events
-from gateway.journal_readers import JournalReaders
 from gateway.metrics import GatewayMetrics
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.record import RequestRecord
-from gateway.responses import ResponseShape, ResponsesRequest
-from gateway.routing import IndexCorrections
-from gateway.serving import Serving
-from gateway.tenancy import Tenancy
-from gateway.upstream import Dispatcher
+from gateway.relay.serving import Serving
+from gateway.relay.upstream import Dispatcher
+from gateway.streams.idempotency import Idempotency, fingerprint, scoped
+from gateway.streams.journal import last_event_id
+from gateway.streams.journal_quota import journal_events
+from gateway.streams.journal_readers import JournalReaders
+from gateway.surfaces.openai import ChatCompletionRequest, CompletionRequest
+from gateway.surfaces.responses import ResponseShape, ResponsesRequest
 from sluice import keys
 from sluice.apikeys import ApiKey
 from sluice.errors import (

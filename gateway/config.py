@@ -53,7 +53,7 @@ class GatewaySettings(RedisSettings):
     #: service (so a lower level waits longer but never forever); 0 = strict levels.
     priority_step_tokens: int = Field(default=2048, ge=0)
     #: Which worker gets a request: "cache" (prefix affinity balanced against load and
-    #: prefill backlog, see gateway/scripts.py), "least" (least loaded), "rr" (round robin).
+    #: prefill backlog, see gateway/admission/scripts.py), "least" (least loaded), "rr" (round robin).
     #: "cache" is the default: it beat or tied "least" on every workload of the prefix
     #: bench, the no-shared-prefix control included (loadtest/README.md).
     routing: Literal["cache", "least", "rr"] = "cache"
@@ -71,7 +71,7 @@ class GatewaySettings(RedisSettings):
     #: least-loaded one gets no credit for its cached prefix.
     route_hot_share: float = Field(default=0.75, ge=0, le=1)
     #: Share of each worker's slots only urgent requests may fill (headroom under overload;
-    #: a request that needs more than the rest may fill them all, see gateway/scripts.py).
+    #: a request that needs more than the rest may fill them all, see gateway/admission/scripts.py).
     reserved_slots: float = Field(default=0.125, ge=0, lt=1)
     #: Priorities at or below this are urgent (service_tier "priority" maps to -10).
     urgent_priority_max: int = -1
@@ -87,7 +87,7 @@ class GatewaySettings(RedisSettings):
     #: A resumable stream's journal is kept this long after its last event (a finished
     #: one); a running one, ``idempotency_ttl_s`` after its latest.
     journal_done_ttl_s: float = Field(default=600.0, gt=0)
-    #: Events one resumable stream may journal (about 100 B each, see gateway/journal_quota.py):
+    #: Events one resumable stream may journal (about 100 B each, see gateway/streams/journal_quota.py):
     #: a request whose max_tokens x choices needs more gets 400; one with no max_tokens ends
     #: with an in-band error should it get there.
     journal_max_events: int = Field(default=131_072, ge=64)

@@ -7,9 +7,9 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
+from gateway.admission.tenancy import Charge
 from gateway.config import GatewaySettings
 from gateway.record import RequestRecord
-from gateway.tenancy import Charge
 from sluice.errors import InvalidRequest
 
 #: OpenAI's service tiers as priority classes (lower runs first, as in vLLM).
@@ -35,7 +35,7 @@ class RequestContext:
     tenant: str = "-"
     #: The request's work in tokens (prompt estimate + output budget, all generations):
     #: what its admission charges to the tenant's fair share of the queue, corrected with
-    #: its real usage when its slots are released (gateway/caps.py: queue_cost).
+    #: its real usage when its slots are released (gateway/admission/caps.py: queue_cost).
     cost: int = 1
     #: Server-made and unique: names leases and engine requests, so two clients sending
     #: the same X-Request-Id can never share a slot.

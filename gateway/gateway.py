@@ -19,9 +19,9 @@ import sys
 import time
 from types import FrameType
 
+from gateway.admission.tenancy import StartupRefused, Tenancy
 from gateway.app import create_app
 from gateway.config import GatewaySettings
-from gateway.tenancy import StartupRefused, Tenancy
 from sluice.processes import Child, default_procs
 from sluice.redis_pool import create_pool
 from sluice.serve import Server, run_async, uvicorn_config

@@ -16,7 +16,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from gateway.metrics import GatewayMetrics, priority_class
-from gateway.protocol import usage_dict
+from gateway.surfaces.openai import usage_dict
 from sluice.errors import SluiceError
 
 access = logging.getLogger("sluice.access")

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import redis
 
-from gateway.idempotency import scoped
+from gateway.streams.idempotency import scoped
 from sluice import keys
 from sluice.commands.bench_stack import MODEL, Stack, StackShape
 

@@ -2,7 +2,7 @@
 
 The directory (``sl:models``) lists the models that have workers. Every worker beat adds
 its model; the gateway that reaps removes a model whose last worker has been gone for
-:data:`~sluice.keys.MODEL_FORGET_S` (gateway/reaper.py), so the directory, and every loop
+:data:`~sluice.keys.MODEL_FORGET_S` (gateway/admission/reaper.py), so the directory, and every loop
 over it, follows the models really served, not every name ever registered.
 
 The epoch (``sl:epoch``) is one id created with the registry, by whichever worker beat or

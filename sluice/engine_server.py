@@ -4,7 +4,7 @@ chunks become :class:`Delta` s. One way to do it, used from two places:
 
 - the ``openai`` worker (engine_worker/engines/openai_upstream.py) relays for gateways;
 - a gateway calls the server itself when that worker registered with ``--relay direct``
-  (gateway/direct.py): the worker's record then carries a relay URL (:func:`relay_url`)
+  (gateway/relay/direct.py): the worker's record then carries a relay URL (:func:`relay_url`)
   instead of its own, and the translation runs in the gateway, one process fewer per chunk.
 
 A server that returns token ids (vLLM) gets ``return_token_ids`` and resumes a migrated

@@ -139,7 +139,7 @@ def done(model: str) -> str:
 
 
 class AdmissionKeys(NamedTuple):
-    """The KEYS of every admission script, in the order gateway/scripts.py reads them."""
+    """The KEYS of every admission script, in the order gateway/admission/scripts.py reads them."""
 
     workers: str
     alive: str
@@ -228,7 +228,7 @@ def journal_head(scope: str) -> str:
 
 
 class JournalQuotaKeys(NamedTuple):
-    """KEYS of the journal memory scripts (gateway/journal_quota.py): one slot for all tenants,
+    """KEYS of the journal memory scripts (gateway/streams/journal_quota.py): one slot for all tenants,
     so one script checks a tenant's bound and the total together."""
 
     held: str

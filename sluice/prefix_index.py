@@ -17,7 +17,7 @@ Three writers keep it close to the truth:
   than the router expected, the blocks past what it really had are no longer credited
   to that worker.
 
-The Lua functions here are shared by the admission scripts (``gateway/scripts.py``)
+The Lua functions here are shared by the admission scripts (``gateway/admission/scripts.py``)
 and this module's scripts; both touch only the keys of :func:`sluice.keys.prefix_index`,
 which carry the model's hash tag (one Cluster slot).
 """

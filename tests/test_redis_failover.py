@@ -19,7 +19,7 @@ from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
-from gateway.grants import GrantListener
+from gateway.admission.grants import GrantListener
 from sluice import keys
 from sluice.embedded_failover import EmbeddedSentinel, ReplicatedCluster
 from sluice.redis_pool import FailoverConnection, FailoverPool, create_pool, redact_url

@@ -19,7 +19,7 @@ What the server gives decides what Sluice can do with it:
 
 With ``--relay direct`` this worker only registers the server (capacity, health, load):
 its record names the server (sluice/engine_server.py's relay URL) and gateways stream
-from it themselves with the same request and response mapping (gateway/direct.py).
+from it themselves with the same request and response mapping (gateway/relay/direct.py).
 
 A server without token ids streams text only: its lines carry no ids, and a stream that
 was migrated to it is refused (``resume_unsupported``), since text cannot be continued

@@ -146,7 +146,7 @@ class VllmEngine:
     def take_kv_events(self) -> list[KVEvent]:
         # vLLM names its blocks by hashes of token ids, which the gateways' word-block index cannot
         # match without the tokenizer; its truth reaches the index through each response's
-        # cached_tokens (gateway/routing.py).
+        # cached_tokens (gateway/admission/routing.py).
         return []
 
     def stats(self) -> EngineStats:

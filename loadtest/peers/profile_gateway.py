@@ -30,12 +30,12 @@ import bench_peers as bp
 import load
 import redis
 
-from gateway import scripts
+from gateway.admission import scripts
 from sluice.embedded_redis import EmbeddedRedis
 
 
 def script_names() -> dict[bytes, str]:
-    """Admission script SHA1 prefixes by their names in gateway/scripts.py."""
+    """Admission script SHA1 prefixes by their names in gateway/admission/scripts.py."""
     return {hashlib.sha1(value.encode()).hexdigest()[:8].encode(): name
             for name, value in vars(scripts).items() if isinstance(value, str) and "redis.call" in value}
 

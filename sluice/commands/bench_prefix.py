@@ -43,7 +43,7 @@ from typing import Any
 import httpx
 import orjson
 
-from gateway import scripts
+from gateway.admission import scripts
 from sluice import keys
 from sluice.commands.bench_report import quantile, table
 from sluice.commands.bench_stack import MODEL, Stack, StackShape, sync_client

@@ -14,7 +14,7 @@ from engine_worker.engines.tool_calls import (
     forced_schema,
 )
 from engine_worker.protocol import GenerateRequest
-from gateway.protocol import ToolCallAssembler
+from gateway.surfaces.openai import ToolCallAssembler
 from sluice.errors import InvalidRequest
 from sluice.models import default_model_dir, is_prepared
 

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.idempotency import scoped
+from gateway.streams.idempotency import scoped
 from sluice import keys
 from tests.conftest import streaming, wait_for
 from tests.gateway.test_resumable import _events

@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gateway.idempotency import Idempotency
-from gateway.journal import LIVE_TTL_MS
+from gateway.streams.idempotency import Idempotency
+from gateway.streams.journal import LIVE_TTL_MS
 from sluice import keys
 from sluice.errors import DeadlineExceeded
 from sluice.redis_pool import RedisClient, create_pool

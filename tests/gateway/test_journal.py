@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gateway.idempotency import Idempotency
-from gateway.journal import (
+from gateway.streams.idempotency import Idempotency
+from gateway.streams.journal import (
     DONE,
     JournalCommitter,
     JournalLost,
@@ -21,7 +21,7 @@ from gateway.journal import (
     start_producer,
     stream_key,
 )
-from gateway.journal_readers import JournalReaders
+from gateway.streams.journal_readers import JournalReaders
 from sluice import keys
 from sluice.errors import DeadlineExceeded
 from sluice.redis_pool import RedisClient, create_pool

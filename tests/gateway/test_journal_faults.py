@@ -14,7 +14,7 @@ import orjson
 import pytest
 import redis
 
-from gateway.idempotency import scoped
+from gateway.streams.idempotency import scoped
 from sluice import keys
 from sluice.embedded_redis import EmbeddedRedis
 from tests.conftest import ROOT, wait_for

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from gateway.config import GatewaySettings
-from gateway.journal_quota import CHUNK_BYTES, JournalQuota, journal_events
-from gateway.protocol import ChatCompletionRequest
+from gateway.streams.journal_quota import CHUNK_BYTES, JournalQuota, journal_events
+from gateway.surfaces.openai import ChatCompletionRequest
 from sluice import keys
 from sluice.errors import InvalidRequest, RateLimited
 from sluice.redis_pool import RedisClient, create_pool

@@ -1,5 +1,5 @@
 """Streams of several choices (``n > 1``): each choice has its own upstream, merged in
-arrival order (gateway/migration.py); a client that leaves must close all of them."""
+arrival order (gateway/streams/migration.py); a client that leaves must close all of them."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from engine_worker.registration import Registration
-from gateway.admission import Admission, Ask, Lease
+from gateway.admission.queue import Admission, Ask, Lease
 from gateway.config import GatewaySettings
 from sluice import keys
 from sluice.errors import InvalidRequest, RateLimited, Unavailable

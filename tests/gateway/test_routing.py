@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.routing import PromptPrefix, RouteCheck
+from gateway.admission.routing import PromptPrefix, RouteCheck
 from sluice import keys
 from sluice.prefix import BLOCK_TOKENS, block_hashes
 from sluice.prefix_index import PrefixIndex

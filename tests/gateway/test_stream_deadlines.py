@@ -1,5 +1,5 @@
 """Deadlines once a stream runs: a silent worker is left for another, and the request's own
-deadline ends the stream with one in-band error (gateway/upstream.py's stall watch)."""
+deadline ends the stream with one in-band error (gateway/relay/upstream.py's stall watch)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway.idempotency import scoped
+from gateway.streams.idempotency import scoped
 from sluice import keys
 from tests.conftest import wait_for
 from tests.gateway.test_resumable import _events

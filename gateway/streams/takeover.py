@@ -1,7 +1,7 @@
 """Taking over a resumable stream whose gateway died.
 
 A resumable stream (``Idempotency-Key``) is journaled event by event, each event
-before its client sees it (gateway/journal.py). Next to the SSE bytes, every event
+before its client sees it (gateway/streams/journal.py). Next to the SSE bytes, every event
 that carries tokens records them, one line per upstream line, lines joined by ``;``:
 ``choice|token ids,comma,separated|characters[|finish|prompt tokens|cached tokens]``
 (the last three only once a choice finishes or its usage is known; ~8 bytes for one
@@ -11,21 +11,21 @@ With the stream's :class:`Plan` (the request, its ids and deadline, written when
 started), any gateway can continue it once its producer's ``:live`` expired:
 
 1. claim ``:live`` (``SET NX``): one gateway wins, the others' readers wait for it; the
-   same script makes it the Idempotency-Key's owner (gateway/idempotency.py), so the
+   same script makes it the Idempotency-Key's owner (gateway/streams/idempotency.py), so the
    gateway it took the stream from, if it was only stalled, can no longer settle the key.
    It lets go of ``:live`` only by compare-and-delete, so it can never free the stream
    for a third gateway while a second one produces it;
 2. read plan and journal: per choice, the ids and characters its clients have, and
    whether it finished. The journal must hold events 1..N, every one: a journal Redis
-   lost part of (gateway/journal.py) is refused with :class:`HistoryLost`, never
+   lost part of (gateway/streams/journal.py) is refused with :class:`HistoryLost`, never
    continued from a partial token history;
 3. migrate each unfinished choice to a worker with ``resume_token_ids`` (as for a worker
-   that died, gateway/migration.py) and append the new events after the last one, with
+   that died, gateway/streams/migration.py) and append the new events after the last one, with
    the same chunk id.
 
 A client re-attached with its ``Last-Event-ID`` gets exactly the rest: nothing repeated,
 nothing skipped. The take-over is lazy: it starts when a re-attached reader finds the
-producer gone (gateway/journal_readers.py), so a stream nobody follows costs nothing.
+producer gone (gateway/streams/journal_readers.py), so a stream nobody follows costs nothing.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from dataclasses import asdict, dataclass, field
 import orjson
 from redis.asyncio import Redis
 
-from gateway.journal import DONE, ENTRY_OVERHEAD, entry_number, stream_key
-from gateway.migration import Progress
-from gateway.upstream import Line
+from gateway.relay.upstream import Line
+from gateway.streams.journal import DONE, ENTRY_OVERHEAD, entry_number, stream_key
+from gateway.streams.migration import Progress
 from sluice import keys
 from sluice.errors import UpstreamFailed
 

@@ -1,6 +1,6 @@
 """Rendering a completion for the client: SSE events as lines arrive, or one JSON body.
 
-Per chunk, bytes come from templates (gateway/protocol.py), never from models.
+Per chunk, bytes come from templates (gateway/surfaces/openai.py), never from models.
 Both renderers end the same way whatever happens (success, error, client gone):
 their ``end`` callback (close upstreams, settle) runs once, shielded from cancellation.
 """
@@ -16,9 +16,11 @@ from typing import Any, Literal
 import anyio
 from starlette.responses import Response
 
-from gateway.admission import ClientGone, as_sluice_error
-from gateway.logprobs import render as render_logprobs
-from gateway.protocol import (
+from gateway.admission.queue import ClientGone, as_sluice_error
+from gateway.record import RequestRecord
+from gateway.relay.logprobs import render as render_logprobs
+from gateway.relay.upstream import Line
+from gateway.surfaces.openai import (
     DONE,
     ChatCompletionRequest,
     ChunkWriter,
@@ -26,9 +28,7 @@ from gateway.protocol import (
     ToolCallAssembler,
     completion_body,
 )
-from gateway.record import RequestRecord
-from gateway.responses import ResponseEvents, ResponseShape, response_body
-from gateway.upstream import Line
+from gateway.surfaces.responses import ResponseEvents, ResponseShape, response_body
 from sluice.errors import SluiceError, Unavailable, error_event
 
 log = logging.getLogger("sluice.gateway")

@@ -25,7 +25,7 @@ import anyio
 
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
-from gateway.upstream import Dispatcher, Line, Upstream, query_of_death
+from gateway.relay.upstream import Dispatcher, Line, Upstream, query_of_death
 from sluice.errors import DeadlineExceeded, SluiceError, UpstreamFailed
 
 log = logging.getLogger("sluice.gateway")
@@ -51,7 +51,7 @@ class Migrator:
         """Every choice's lines as (choice index, line), in arrival order. ``upstreams[i]``
         is replaced when choice ``i`` migrates, so the caller closes the current ones.
 
-        A stream taken over from a dead gateway (gateway/takeover.py) passes each unfinished
+        A stream taken over from a dead gateway (gateway/streams/takeover.py) passes each unfinished
         choice's ``progress`` and no upstreams: those choices start by migrating."""
         indexes = range(len(upstreams)) if progress is None else sorted(progress)
         streams = [

@@ -7,7 +7,7 @@ and keeps its capacity, health and load in the registry; a lease on it reaches h
 instead of ``POST /internal/generate``. The internal request the worker would have
 received becomes the server's request in this process, and the server's chunks become
 the same lines a worker sends (as dicts: nothing is encoded to be parsed again), so everything downstream of
-:class:`gateway.upstream.Upstream` (deadlines, retries, migration by token ids, the
+:class:`gateway.relay.upstream.Upstream` (deadlines, retries, migration by token ids, the
 journal, usage) is unchanged. Closing the stream closes the connection to the server,
 which aborts the request there.
 

@@ -15,33 +15,33 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.responses import Response
 
-from gateway.admission import ClientGone
+from gateway.admission.queue import ClientGone
+from gateway.admission.tenancy import Tenancy
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
-from gateway.idempotency import Idempotency
-from gateway.journal import (
+from gateway.metrics import GatewayMetrics
+from gateway.record import RequestRecord
+from gateway.relay.rendering import Kind, json_response, sse_events
+from gateway.relay.sse import Keepalive, SSEResponse
+from gateway.relay.upstream import Dispatcher, Line, Upstream
+from gateway.streams.idempotency import Idempotency
+from gateway.streams.journal import (
     JournalCommitter,
     JournalWriter,
     start_producer,
     stream_key,
 )
-from gateway.journal_quota import JournalQuota, journal_events
-from gateway.journal_readers import JournalReaders
-from gateway.metrics import GatewayMetrics
-from gateway.migration import Migrator
-from gateway.protocol import (
+from gateway.streams.journal_quota import JournalQuota, journal_events
+from gateway.streams.journal_readers import JournalReaders
+from gateway.streams.migration import Migrator
+from gateway.streams.takeover import HistoryLost, LineTap, Plan, recover
+from gateway.surfaces.openai import (
     ChatCompletionRequest,
     ChunkWriter,
     CompletionRequest,
     worker_payloads,
 )
-from gateway.record import RequestRecord
-from gateway.rendering import Kind, json_response, sse_events
-from gateway.responses import ResponseShape
-from gateway.sse import Keepalive, SSEResponse
-from gateway.takeover import HistoryLost, LineTap, Plan, recover
-from gateway.tenancy import Tenancy
-from gateway.upstream import Dispatcher, Line, Upstream
+from gateway.surfaces.responses import ResponseShape
 from sluice.errors import (
     Conflict,
     DeadlineExceeded,
@@ -225,7 +225,7 @@ class Serving:
         producer.add_done_callback(self._producers.discard)
 
     async def take_over(self, key: str) -> bool:
-        """Continue the resumable stream ``key`` whose producer is gone (gateway/takeover.py).
+        """Continue the resumable stream ``key`` whose producer is gone (gateway/streams/takeover.py).
         True while some gateway produces it (this one now, or another that was faster);
         False when it cannot be continued."""
         owner = uuid.uuid4().hex

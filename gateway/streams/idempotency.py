@@ -3,7 +3,7 @@
 Record ``sl:idem:{scope}``, a hash: ``fp`` (body hash), ``stream`` ("1"/"0"), ``state``,
 ``owner`` (the token of the request or take-over that decides the key's fate), ``body``
 (the completed JSON body, non-streaming only). It shares its hash tag with the journal's
-keys (gateway/journal.py), so one script can check both. Whether its owner lives is
+keys (gateway/streams/journal.py), so one script can check both. Whether its owner lives is
 ``sl:journal:{scope}:live`` (the owner's token, a 3 s TTL the live owner renews), the same
 key that says whether a resumable stream's producer lives:
 
@@ -22,12 +22,12 @@ to a take-over, or its pending claim to a retry, changes nothing.
 Redis losing its data (a restart without persistence, a failover, FLUSHALL) loses the
 record while its owner still runs. The owner restores it: a pending claim when its stream
 starts (:meth:`Idempotency.promote`), a producer with its next journal write, which
-re-claims ``:live`` too (gateway/journal.py, at most ~0.5 s later). Meanwhile a retry
+re-claims ``:live`` too (gateway/streams/journal.py, at most ~0.5 s later). Meanwhile a retry
 waits (``:live`` held, no record: pending), so it attaches to the one generation.
 
 - first caller: claims the key (and drops the journal of an earlier, failed attempt);
 - a later caller with the same body: waits while the key is pending and its owner lives;
-  gets the stored body once done; re-attaches to a stream (see gateway/journal.py), from
+  gets the stored body once done; re-attaches to a stream (see gateway/streams/journal.py), from
   ``Last-Event-ID`` on;
 - the same key with a different body: 409.
 """
@@ -45,7 +45,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.responses import Response
 
-from gateway.journal import LIVE_TTL_MS
+from gateway.streams.journal import LIVE_TTL_MS
 from sluice import keys
 from sluice.errors import Conflict, DeadlineExceeded, InvalidRequest
 
@@ -60,7 +60,7 @@ _WAIT_S = 0.05
 #: free (no record, or a pending one, and no ``:live``: nobody admits or produces it). Then,
 #: having won, it drops an earlier attempt's journal, plan and head, never under a producer
 #: that still writes them. Else returns {fp, state, stream}: a record Redis lost while its
-#: owner lives (``:live`` held) reads as pending, the owner restores it (gateway/journal.py).
+#: owner lives (``:live`` held) reads as pending, the owner restores it (gateway/streams/journal.py).
 CLAIM = """
 local found = redis.call('HMGET', KEYS[1], 'fp', 'state', 'stream')
 if redis.call('EXISTS', KEYS[4]) == 1 then
@@ -196,7 +196,7 @@ class Idempotency:
 
     async def promote(self, key: str, owner: str, fp: str, remaining_s: float, plan: bytes) -> bool:
         """Start the claim's stream: the record now lives as long as the journal may, the
-        stream's ``plan`` (gateway/takeover.py) is stored, and the journal's producer renews
+        stream's ``plan`` (gateway/streams/takeover.py) is stored, and the journal's producer renews
         ``:live`` from here on. False if ``owner`` lost the key meanwhile (it stalled past
         ``:live``'s TTL and a retry claimed it): then it must not touch the journal."""
         self._held.discard((key, owner))

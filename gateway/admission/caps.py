@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 
 from gateway.config import GatewaySettings
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.surfaces.openai import ChatCompletionRequest, CompletionRequest
 from sluice.errors import InvalidRequest
 
 

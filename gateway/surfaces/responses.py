@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.protocol import ChatCompletionRequest, ModelName, ToolCallAssembler, UserId, first_refused
+from gateway.surfaces.openai import ChatCompletionRequest, ModelName, ToolCallAssembler, UserId, first_refused
 from sluice.errors import InvalidRequest
 
 #: Fields that change what a Responses request means and that this gateway cannot honour.

@@ -547,7 +547,7 @@ if freed == 1 then
   redis.call('LPUSH', K_DONE, now)
   redis.call('LTRIM', K_DONE, 0, 255)
 end
--- Grants charge an estimate (gateway/caps.py: queue_cost); the real usage replaces it
+-- Grants charge an estimate (gateway/admission/caps.py: queue_cost); the real usage replaces it
 -- before the slot is handed on, so the next grant already sees the tenant's real service.
 -- F never falls below V: a tenant banks no credit for its overestimates.
 if ARGV[8] then

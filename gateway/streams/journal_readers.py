@@ -13,11 +13,11 @@ out to per-reader queues: a gateway's Redis connections no longer depend on its 
 - backpressure: a reader with more than ``max_queued`` events waiting is not polled
   until its client has drained them;
 - never a silent gap: a reader whose next entry is not the one after its cursor (Redis
-  lost part of the journal, see gateway/journal.py) gets an in-band error, then
+  lost part of the journal, see gateway/streams/journal.py) gets an in-band error, then
   ``[DONE]``; so does one whose entries need the stream's lost ``:head``;
 - a reader that got nothing for ``idle_s`` has the stream's ``:live`` marker checked;
   if the producer is gone and a further read still finds nothing, this gateway takes
-  the stream over (``adopt``, gateway/takeover.py) and the readers go on with what it
+  the stream over (``adopt``, gateway/streams/takeover.py) and the readers go on with what it
   produces; only a stream that cannot be continued ends with the in-band error (the
   take-over's own when it raised one: e.g. the journal's history is incomplete), then
   ``[DONE]``.
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gateway.journal import (
+from gateway.streams.journal import (
     DONE,
     entry_number,
     expand,

@@ -2,7 +2,7 @@
 
 Every gateway process wakes each ``reap_interval_s``, but only the one that takes the
 period's lock (``SET sl:reaper NX PX interval``) reaps: for each model of the directory it
-reclaims leases whose holder stopped renewing them (REAP, gateway/scripts.py), and checks
+reclaims leases whose holder stopped renewing them (REAP, gateway/admission/scripts.py), and checks
 whether anything still serves the model (:data:`VACANCY`). So Redis does one reap per model
 per period plus one ``SET`` per process, not one reap per model per process.
 

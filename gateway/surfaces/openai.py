@@ -349,7 +349,7 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
 
 #: How a chunk of one choice continues after the stream's head, and how a chunk with
 #: neither logprobs nor a finish reason (nearly all of them) ends: a journal stores
-#: such a chunk as only what lies between (gateway/journal.py).
+#: such a chunk as only what lies between (gateway/streams/journal.py).
 CHOICE_START = b',"choices":[{"index":'
 PLAIN_END = b',"logprobs":null,"finish_reason":null}]}\n\n'
 

@@ -1,6 +1,6 @@
 """What one resumable stream, one tenant and all tenants may keep in journals.
 
-A journal (gateway/journal.py) is never trimmed, so it must be bounded another way:
+A journal (gateway/streams/journal.py) is never trimmed, so it must be bounded another way:
 
 - **events**: every event of a choice but its first (role, echo) and its last (finish)
   carries at least one token, so a request's events are at most ``generations x
@@ -33,9 +33,9 @@ import logging
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gateway.caps import generations
+from gateway.admission.caps import generations
 from gateway.config import GatewaySettings
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.surfaces.openai import ChatCompletionRequest, CompletionRequest
 from sluice import keys
 from sluice.errors import InvalidRequest, RateLimited, SluiceError
 
@@ -156,7 +156,7 @@ class JournalQuota:
 
 
 class StreamBudget:
-    """The journal bytes one stream has reserved (gateway/journal.py's ``Budget``)."""
+    """The journal bytes one stream has reserved (gateway/streams/journal.py's ``Budget``)."""
 
     def __init__(self, quota: JournalQuota, scope: str, tenant: str, hold_ms: int) -> None:
         self._quota = quota

@@ -1,6 +1,6 @@
 """Cache routing at the gateway: a prompt's prefix blocks, and the check of the router's guess.
 
-The admission scripts choose the worker (gateway/scripts.py); this module gives them
+The admission scripts choose the worker (gateway/admission/scripts.py); this module gives them
 the prompt's block hashes (:class:`PromptPrefix`), and when the engine answers, it
 compares what the index expected the worker to hold with the ``cached_tokens`` the
 engine reported (:class:`RouteCheck`): the difference is the routing accuracy metric,

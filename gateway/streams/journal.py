@@ -4,7 +4,7 @@ are journaled in Redis, so a client can re-attach and get the rest.
     sl:journal:{scope}        Redis stream; entry id ``0-N`` holds event N: "d" = SSE data
                               bytes (a chunk's without what every chunk repeats, see
                               ``compact``), "s" =
-                              the token ids it carries (see gateway/takeover.py)
+                              the token ids it carries (see gateway/streams/takeover.py)
     sl:journal:{scope}:live   the producing gateway's token, refreshed while it produces
     sl:journal:{scope}:plan   what another gateway needs to take the stream over (deleted
                               with the stream's last event: a finished stream needs none)
@@ -12,31 +12,31 @@ are journaled in Redis, so a client can re-attach and get the rest.
                               time and model, ~110 B): stored once, not in each entry
 
 ``scope`` is a hash of the caller's API key id and its Idempotency-Key (see
-gateway/idempotency.py), so one tenant can neither read nor disturb another's.
+gateway/streams/idempotency.py), so one tenant can neither read nor disturb another's.
 
 The generation runs in a producer task (:class:`JournalWriter`) that does not depend
 on any client. Each event goes to the journal, then to the first client
 (:meth:`JournalWriter.subscribe`) with the ``id: N`` the journal gave it: a client
 never has an event the journal lacks, so when the producing gateway dies, another one
-continues the stream from the journal (gateway/takeover.py) and the client, re-attached
+continues the stream from the journal (gateway/streams/takeover.py) and the client, re-attached
 with its ``Last-Event-ID``, gets exactly the rest. Re-attaching clients read the
-journal through the one shared reader loop of gateway/journal_readers.py; so does a
+journal through the one shared reader loop of gateway/streams/journal_readers.py; so does a
 first client that falls too far behind.
 
 Never a silent gap:
 
 - a journal is never trimmed. Its events are bounded by the request (every event but
-  the first and last of a choice carries a token, see gateway/journal_quota.py); a
+  the first and last of a choice carries a token, see gateway/streams/journal_quota.py); a
   stream that still reaches ``max_events`` ends there with an in-band error, and its
-  bytes count against its tenant's bound (gateway/journal_quota.py);
+  bytes count against its tenant's bound (gateway/streams/journal_quota.py);
 - a reader whose next entry is not the one after its cursor gets an in-band error,
   then ``[DONE]`` (:func:`history_lost`), never the events after the hole;
-- a take-over needs events 1..N, all of them (gateway/takeover.py).
+- a take-over needs events 1..N, all of them (gateway/streams/takeover.py).
 
 When Redis loses its data (a restart without persistence, a failover that lost the
 latest writes, FLUSHALL), ``:live`` is missing rather than held by someone else: the
 producer still has its generation, so ``APPEND`` re-claims ``:live`` (and restores the
-Idempotency-Key's record, see gateway/idempotency.py) and writes on with the next event
+Idempotency-Key's record, see gateway/streams/idempotency.py) and writes on with the next event
 number. The first client, fed by the producer, goes on as if
 nothing happened. The journal now starts at that number (or has a hole where the lost
 writes were), so a client that re-attaches from before it gets the in-band error, and
@@ -58,7 +58,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError
 
-from gateway.protocol import CHOICE_START, PLAIN_END
+from gateway.surfaces.openai import CHOICE_START, PLAIN_END
 from sluice import keys
 from sluice.errors import InvalidRequest, SluiceError, UpstreamFailed, error_event
 
@@ -99,7 +99,7 @@ def history_lost(after: int, found: int | None) -> bytes:
 
 def compact(head: bytes, event: bytes) -> bytes:
     """What the journal stores of ``event``: a chunk without the stream's ``head`` (then it
-    starts with ``,``), a plain one (see gateway/protocol.py) as ``.`` and only its index
+    starts with ``,``), a plain one (see gateway/surfaces/openai.py) as ``.`` and only its index
     and delta; any other event whole (it starts with ``data:`` or ``event:``)."""
     if not head or not event.startswith(head):
         return event
@@ -251,7 +251,7 @@ class JournalLost(Exception):
 
 
 class Budget(Protocol):
-    """The memory a stream's journal may take (gateway/journal_quota.py)."""
+    """The memory a stream's journal may take (gateway/streams/journal_quota.py)."""
 
     reserved: int
 
@@ -264,7 +264,7 @@ class JournalWriter:
     """Produces one resumable stream: journals its events, then hands them to the first client.
 
     An event reaches the first client only once it is in the journal, so whatever a
-    client saw, a gateway taking the stream over (gateway/takeover.py) has too. Writes
+    client saw, a gateway taking the stream over (gateway/streams/takeover.py) has too. Writes
     are not batched on a timer: the process's :class:`JournalCommitter` writes every
     pending event of every stream in one pipeline per round trip, so the journal adds
     about one Redis round trip to an event's latency and costs one command per stream
@@ -273,7 +273,7 @@ class JournalWriter:
     ``max_events`` bounds the stream's events (its error and ``[DONE]`` aside); ``budget``
     its bytes; ``head`` is what every chunk starts with (stored once, in ``:head``);
     ``fingerprint`` the request's, to restore its Idempotency-Key record should Redis lose it.
-    The stream is claimed first, and its plan stored, by its key (gateway/idempotency.py).
+    The stream is claimed first, and its plan stored, by its key (gateway/streams/idempotency.py).
 
     >>> await idempotency.promote(scope, token, fp, remaining_s, plan)  # this gateway produces it now
     >>> writer = JournalWriter(committer, scope, ttl_s=3600, owner=token, max_events=bound, fingerprint=fp)

@@ -26,12 +26,12 @@ import orjson
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from gateway.admission import REGISTRY_REBUILDING, Admission, Ask, Lease
+from gateway.admission.queue import REGISTRY_REBUILDING, Admission, Ask, Lease
+from gateway.admission.routing import IndexCorrections, PromptPrefix, RouteCheck
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
-from gateway.direct import DeltaLines, DirectRelay
 from gateway.record import RequestRecord
-from gateway.routing import IndexCorrections, PromptPrefix, RouteCheck
+from gateway.relay.direct import DeltaLines, DirectRelay
 from sluice.engine_server import RELAY_SCHEME
 from sluice.errors import (
     DeadlineExceeded,

@@ -4,14 +4,14 @@ A request asks for all the slots it needs (one per generation) at once; it gets
 them together on live workers, or waits in the model's queue until released slots
 are handed to it (all of them, in one grant), its queue timeout passes (429 +
 ``Retry-After``), or its client leaves (it is removed from the queue). Queue order,
-fairness between tenants and urgent headroom are described in gateway/scripts.py.
+fairness between tenants and urgent headroom are described in gateway/admission/scripts.py.
 
 Waiting costs no Redis connection: the grant arrives through this process's
-:class:`~gateway.grants.GrantListener`. Every granted slot is a lease that this
+:class:`~gateway.admission.grants.GrantListener`. Every granted slot is a lease that this
 process renews while the stream runs; the same beat keeps this process marked
 alive, so the queue drops the entries of a gateway that died instead of handing
 them slots. One gateway process per period reclaims the leases of gateways that died
-(gateway/reaper.py). The same beat watches the registry's epoch (sluice/directory.py):
+(gateway/admission/reaper.py). The same beat watches the registry's epoch (sluice/directory.py):
 when Redis loses its data, this process queues its waiting requests again.
 
 Clocks: queue deadlines and lease expiries are computed in Lua from Redis ``TIME``
@@ -34,10 +34,10 @@ import anyio
 import orjson
 from redis.exceptions import RedisError
 
-from gateway import scripts
+from gateway.admission import scripts
+from gateway.admission.grants import GrantListener, GrantMessage
+from gateway.admission.reaper import Reaper
 from gateway.config import GatewaySettings
-from gateway.grants import GrantListener, GrantMessage
-from gateway.reaper import Reaper
 from sluice import keys
 from sluice.directory import Directory, Epoch
 from sluice.errors import (
@@ -563,5 +563,5 @@ class Admission:
 
     async def reap_once(self, reconcile: bool | None = None) -> int:
         """Reclaim expired leases of every model now, whichever process reaps this period
-        (gateway/reaper.py); when asked, also recount slots in use from the leases."""
+        (gateway/admission/reaper.py); when asked, also recount slots in use from the leases."""
         return await self.reaper.reap_once(reconcile, contend=False) or 0
