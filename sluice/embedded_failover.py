@@ -8,7 +8,8 @@ master as a crash would (SIGKILL) and wait until a replica serves in its place.
 Nothing is persisted, so a master killed before its replica caught up loses those
 writes for good: the case ``sluice/failover.py`` is about. ``replication_cut()`` makes
 that case certain instead of a matter of milliseconds: inside it, writes reach the
-master only.
+master only. The nemesis (``sluice/nemesis/topology.py``) also restarts a master with
+or without its data (``restart_master``), stalls it and flushes it.
 
 >>> with EmbeddedSentinel() as deployment:
 ...     old = deployment.kill_master()
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Self
 
 import redis
+from redis.cluster import ClusterNode
 
 from sluice.embedded_redis import EmbeddedCluster, EmbeddedRedis, free_cluster_port, redis_server_binary
 
@@ -148,6 +150,33 @@ class EmbeddedSentinel:
     def server(self, port: int) -> EmbeddedRedis:
         return next(s for s in self.servers if s.port == port)
 
+    def master(self, timeout_s: float = 15.0) -> EmbeddedRedis:
+        """The master once the sentinels name one that says it is one (after a failover or a
+        restart they take a moment to agree)."""
+        def agreed() -> bool:
+            return _role(self.master_port()) == "master"
+
+        wait_until(agreed, timeout_s, "a master the sentinels agree on")
+        return self.server(self.master_port())
+
+    def restart_master(self, *, persist: bool, down_s: float) -> EmbeddedRedis:
+        """``SHUTDOWN`` the master with (``persist``) or without its data, ``down_s`` seconds
+        down, started again as a master: if the sentinels promoted the replica meanwhile they
+        demote it. (Started as the replica it may once have been, it would follow a replica.)"""
+        old = self.master()
+        old.shutdown(save=persist)
+        time.sleep(down_s)
+        old.args = ()
+        return old.start()
+
+    def flushall(self) -> None:
+        with self.master().admin() as client:
+            client.flushall()
+
+    def stall_master(self, seconds: float) -> None:
+        """SIGSTOP the master for ``seconds`` (past ``down_after_ms``, the sentinels fail over)."""
+        self.master().stall(seconds)
+
     def replication_cut(self) -> contextlib.AbstractContextManager[None]:
         """Writes made inside the block reach the master only. Kill the master inside it
         for a failover that loses those writes."""
@@ -252,12 +281,55 @@ class ReplicatedCluster(EmbeddedCluster):
         masters = set(self.master_ports())
         return _replication_cut([s for s in self.servers if s.port in masters])
 
+    def master(self, index: int) -> EmbeddedRedis:
+        """The master of the ``index``-th slot range now."""
+        port = self.master_ports()[index]
+        return next(s for s in self.servers if s.port == port)
+
     def kill_master(self, index: int = 0) -> EmbeddedRedis:
         """SIGKILL the master of the ``index``-th slot range; the killed server."""
-        port = self.master_ports()[index]
-        old = next(s for s in self.servers if s.port == port)
+        old = self.master(index)
         old.kill()
         return old
+
+    def failover(self, index: int = 0, timeout_s: float = 30.0) -> EmbeddedRedis:
+        """Kill the ``index``-th master, wait for its replica to take over, start it again
+        (it rejoins from its ``nodes.conf`` as the new master's replica, empty) and wait until
+        every master has a linked replica again. Returns the killed server."""
+        old = self.kill_master(index)
+        self.wait_promoted(old, timeout_s)
+        old.start(timeout_s)
+        wait_until(self._every_master_replicated, timeout_s, "every master to have a linked replica again")
+        return old
+
+    def restart_master(self, index: int, *, persist: bool, down_s: float) -> EmbeddedRedis:
+        """``SHUTDOWN`` the ``index``-th master with (``persist``) or without its data and start it
+        ``down_s`` seconds later. Down past the node timeout, its replica has taken over and it
+        rejoins as that one's replica."""
+        old = self.master(index)
+        old.shutdown(save=persist)
+        time.sleep(down_s)
+        return old.start()
+
+    def flushall(self) -> None:
+        for port in self.master_ports():
+            with redis.Redis(port=port, socket_timeout=10) as client:
+                client.flushall()
+
+    def _every_master_replicated(self) -> bool:
+        for port in set(self.master_ports()):
+            with redis.Redis(port=port, socket_timeout=1) as client:
+                info = client.info("replication")
+                if not any(str(info.get(f"slave{i}", {}).get("state")) == "online"
+                           for i in range(int(info.get("connected_slaves", 0)))):
+                    return False
+        return True
+
+    def client(self) -> redis.RedisCluster:
+        """A blocking cluster client, started from whichever running node answers first."""
+        nodes = [ClusterNode("127.0.0.1", s.port) for s in self.servers
+                 if s.process is not None and s.process.poll() is None]
+        return redis.RedisCluster(startup_nodes=nodes, socket_timeout=10)
 
     def wait_promoted(self, old: EmbeddedRedis, timeout_s: float = 20.0) -> None:
         """Wait until the live nodes agree that every slot is served and ``old`` serves none."""

@@ -7,8 +7,11 @@ Redis Cluster of three masters. The binary is located without importing
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -18,6 +21,8 @@ from pathlib import Path
 from typing import Self
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 CLUSTER_SLOTS = 16384
 CLUSTER_BUS_OFFSET = 10000
@@ -104,6 +109,34 @@ class EmbeddedRedis:
             "--loglevel", "warning",
             *self.args,
         ]
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, "not started"
+        return self.process.pid
+
+    def admin(self, socket_timeout: float = 10.0) -> redis.Redis:
+        """A blocking client that does not retry: redis-py's default retries with backoff would
+        make a SHUTDOWN (whose connection the server closes) or a probe of a dead server take seconds."""
+        return redis.Redis(port=self.port, socket_timeout=socket_timeout, retry=Retry(NoBackoff(), 0))
+
+    def shutdown(self, *, save: bool) -> None:
+        """``SHUTDOWN SAVE`` (a snapshot that ``start()`` loads again) or ``NOSAVE`` (and no
+        snapshot left: ``start()`` brings the server back empty)."""
+        with self.admin() as client, contextlib.suppress(redis.ConnectionError):
+            client.shutdown(save=save, nosave=not save)  # the server closes the connection as it goes
+        assert self.process is not None
+        self.process.wait(30)
+        if not save:
+            (Path(self._dir.name) / "dump.rdb").unlink(missing_ok=True)
+
+    def stall(self, seconds: float) -> None:
+        """SIGSTOP for ``seconds`` (a server that hangs: connections open, nothing answered), then SIGCONT."""
+        os.kill(self.pid, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            os.kill(self.pid, signal.SIGCONT)
 
     def kill(self) -> None:
         """SIGKILL, as a crash would; the server can be started again on its port with ``start()``."""

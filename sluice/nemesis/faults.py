@@ -4,6 +4,10 @@ Each fault is a task that waits for its time, then for its target (one fault per
 at a time: a restart still in progress delays the next fault on that process), applies
 the fault, holds it for its duration and undoes it. Blocking work (signals and waits,
 Redis shutdowns) runs in threads, so clients and the link proxy go on meanwhile.
+
+After a Sentinel or Cluster failover a watcher sends each gateway port a one-token
+request (a real API key) every quarter second until it is served, and records how long
+after the failover began that took: the issue's "admission serves again within 10 s".
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ import logging
 import signal
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+
+import httpx
 
 from sluice.nemesis.clients import Cutter
 from sluice.nemesis.schedule import DATA_LOSS, Fault
-from sluice.nemesis.system import System
+from sluice.nemesis.system import MODEL, System
 
 log = logging.getLogger("sluice.nemesis")
 
@@ -33,11 +39,19 @@ class FaultRun:
     restored_s: float | None = None
     note: str = ""
     error: str | None = None
+    #: Failovers: per gateway port, seconds from the fault's start until a request was
+    #: served there again (None: not within ``SERVING_WAIT_S``).
+    serving_s: dict[int, float | None] = field(default_factory=dict)
 
     def public(self) -> dict[str, object]:
         out = asdict(self)
         out["fault"] = self.fault.public()
         return out
+
+
+#: How long the serving watcher waits after a failover, per port.
+SERVING_WAIT_S = 60.0
+FAILOVERS = frozenset({"sentinel_failover", "cluster_failover"})
 
 
 class Nemesis:
@@ -47,6 +61,7 @@ class Nemesis:
         self.t0 = t0
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.runs: list[FaultRun] = []
+        self._watchers: list[asyncio.Task[None]] = []
 
     def now_s(self) -> float:
         return time.monotonic() - self.t0
@@ -54,7 +69,39 @@ class Nemesis:
     async def run(self, schedule: list[Fault]) -> list[FaultRun]:
         self.runs = [FaultRun(f) for f in schedule]
         await asyncio.gather(*(self._one(r) for r in self.runs))
+        await asyncio.gather(*self._watchers)
         return self.runs
+
+    async def _watch_serving(self, run: FaultRun, done: asyncio.Event) -> None:
+        """Fill ``run.serving_s``: per port, when the first probe of the last unbroken run of
+        served ones came back (a probe that waits out the failover and is then served counts
+        at its answer), once the failover is done and three in a row were served. The watcher does
+        not hold the Redis target's lock, so the next Redis fault is not delayed by it (and
+        may, rarely, lengthen what it measures)."""
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "serving?"}], "max_tokens": 1}
+        headers = {"Authorization": f"Bearer {self.system.api_keys[-1]}"}  # the priority tenant: queues least
+
+        async def port(http: httpx.AsyncClient, number: int) -> None:
+            run.serving_s[number] = None
+            since, streak = None, 0
+            while self.now_s() - run.started_s < SERVING_WAIT_S:
+                ok = False
+                with contextlib.suppress(httpx.HTTPError):
+                    ok = (await http.post(f"http://127.0.0.1:{number}/v1/chat/completions", json=body,
+                                          headers=headers)).status_code == 200
+                at = self.now_s() - run.started_s
+                if not ok:
+                    since, streak = None, 0
+                else:
+                    since = at if since is None else since
+                    streak += done.is_set()
+                    if streak >= 3:
+                        run.serving_s[number] = round(since, 2)
+                        return
+                await asyncio.sleep(0.25)
+
+        async with httpx.AsyncClient(timeout=5) as http:
+            await asyncio.gather(*(port(http, n) for n in self.system.ports))
 
     async def _one(self, run: FaultRun) -> None:
         await asyncio.sleep(max(0.0, run.fault.at_s - self.now_s()))
@@ -91,8 +138,13 @@ class Nemesis:
             await asyncio.to_thread(s.topology.flushall)
         elif kind == "redis_stop":
             await asyncio.to_thread(s.topology.stall, f.duration_s)
-        elif kind in ("sentinel_failover", "cluster_failover"):
-            await asyncio.to_thread(s.topology.failover)
+        elif kind in FAILOVERS:
+            done = asyncio.Event()
+            self._watchers.append(asyncio.create_task(self._watch_serving(run, done)))
+            try:
+                await asyncio.to_thread(s.topology.failover)
+            finally:
+                done.set()
         elif kind in ("link_delay", "link_cut"):
             assert s.proxy is not None
             if kind == "link_delay":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,18 @@ def markdown(cells: dict[str, dict[str, dict[str, int]]]) -> str:
 def totals(verdicts: list[Verdict]) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {p: dict(Counter(v.outcome for v in verdicts if v.path == p)) for p in PATHS}
     return out
+
+
+def failover_serving(runs: list[FaultRun]) -> dict[str, Any]:
+    """Per Sentinel/Cluster failover, seconds from its start until every gateway port served
+    again (faults.py measures it); their median and maximum. None: a port never did in time."""
+    each = [{"kind": r.fault.kind, "at_s": round(r.started_s, 1), "ports": r.serving_s,
+             "all_s": None if None in r.serving_s.values() else max(r.serving_s.values(), default=None)}
+            for r in runs if r.serving_s]
+    done = sorted(e["all_s"] for e in each if e["all_s"] is not None)
+    return {"failovers": len(each), "served_again": len(done),
+            "median_s": statistics.median(done) if done else None, "max_s": done[-1] if done else None,
+            "each": each}
 
 
 def _attempt(a: Attempt) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from sluice.nemesis.clients import Clients, Cutter
 from sluice.nemesis.faults import FaultRun, Nemesis
 from sluice.nemesis.history import History
 from sluice.nemesis.invariants import Invariant, check_all, redis_used_mib
-from sluice.nemesis.report import draw, forbidden, markdown, table, totals, write_json
+from sluice.nemesis.report import draw, failover_serving, forbidden, markdown, table, totals, write_json
 from sluice.nemesis.schedule import fault_schedule, kinds_for
 from sluice.nemesis.system import GATEWAY_ENV, System, SystemShape
 from sluice.nemesis.workload import Mix, Reference, RequestSpec, reference, workload
@@ -72,6 +72,10 @@ class NemesisResult:
             f"{s['probes']['sent']} sent, {s['probes']['served']} served",
             "", markdown(s["table"]), "",
         ]
+        serving = s["failover_serving"]
+        if serving["failovers"]:
+            lines.insert(3, f"after a failover, every port served again: {serving['served_again']} of "
+                            f"{serving['failovers']}, median {serving['median_s']} s, max {serving['max_s']} s")
         lines += [f"invariant {'ok  ' if i.ok else 'FAIL'} {i.name}: {i.detail}" for i in self.invariants]
         if s["fault_errors"]:
             lines.append(f"faults that could not be applied: {s['fault_errors']}")
@@ -164,6 +168,7 @@ async def run_nemesis(cfg: NemesisConfig) -> NemesisResult:
                    "kinds": sorted({r.fault.kind for r in applied})},
         "fault_errors": [f"{r.fault.kind}@{r.fault.at_s}: {r.error}" for r in runs if r.error],
         "totals": totals(verdicts), "table": table(verdicts),
+        "failover_serving": failover_serving(runs),
         "resumable_exact_pct": 100 * sum(v.outcome == "exact" for v in resumable) / max(1, len(resumable)),
         "explicit_reasons": _count(v.reason for v in verdicts if v.outcome == "explicit"),
         "allowed_reasons": sorted(ALLOWED),
