@@ -4,10 +4,7 @@ gateways is billed once."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import threading
 import uuid
 
 import httpx
@@ -18,6 +15,7 @@ from gateway.idempotency import scoped
 from sluice import keys
 from tests.conftest import wait_for
 from tests.gateway.test_resumable import _events
+from tests.gateway.test_takeover import stall_while_taken_over
 
 Events = list[tuple[int | None, str]]
 _ACCESS = re.compile(r"access request_id=(\S+) .*?completion_tokens=(\d+)")
@@ -100,26 +98,7 @@ def test_a_stream_taken_over_from_a_stalled_gateway_is_billed_once(gateways, sta
     _, other = gateways
     stalled = start_gateway()
     key = uuid.uuid4().hex
-    with httpx.stream("POST", stalled.url + "/v1/chat/completions", json=BODY,
-                      headers={"Idempotency-Key": key}, timeout=60) as r:
-        request_id = r.headers["x-request-id"]
-        lines = r.iter_lines()  # keep a reference: a dropped iterator closes the stream
-        seen = _events(lines, lambda events: len(events) >= 20)
-        os.kill(stalled.pid, signal.SIGSTOP)
-    last = max(i for i, _ in seen if i is not None)
-    rest: Events = []
-
-    def follow() -> None:
-        with httpx.stream("GET", other.url + f"/v1/streams/{key}", headers={"Last-Event-ID": str(last)},
-                          timeout=60) as r:
-            _events(r.iter_lines(), out=rest)
-
-    reader = threading.Thread(target=follow)
-    try:
-        reader.start()
-        wait_for(lambda: len(rest) >= 5, 30, "the other gateway to take the stream over")
-    finally:
-        os.kill(stalled.pid, signal.SIGCONT)
+    _, rest, reader, request_id = stall_while_taken_over(stalled, other, BODY, key)
     reader.join(60)
     assert rest and rest[-1][1] == "[DONE]"
     served = orjson.loads(rest[-2][1])["usage"]["completion_tokens"]
