@@ -113,6 +113,12 @@ class KeyStore:
         record = _record(fields)
         return None if record.revoked else record
 
+    async def get(self, prefix: str) -> ApiKey | None:
+        """The record of the key with ``prefix``, revoked or not (no secret needed: for
+        charging usage to a key that was verified when its request arrived)."""
+        raw = await self._redis.hgetall(keys.api_key(prefix))
+        return _record({k.decode(): v.decode() for k, v in raw.items()}) if raw else None
+
     async def list(self) -> list[ApiKey]:
         out = []
         for prefix in sorted(p.decode() for p in await self._redis.smembers(keys.API_KEYS)):

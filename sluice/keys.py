@@ -8,7 +8,9 @@ carry their own hash tag for the same reason.
     sl:models                      set of models with workers (directory); a model leaves it once its
                                    last worker has been gone for MODEL_FORGET_S (with its keys)
     sl:epoch                       hash {id, at, lost}: this Redis's registry generation; a new id
-                                   means Redis lost its data (gateways re-queue their waiters)
+                                   means Redis lost its data (gateways re-queue their waiters).
+                                   Registry state: no TTL (it must outlive every idle period, or
+                                   an expiry would read as data loss)
     sl:reaper                      held for one reap period by the gateway process that reaps
 
     sl:{m}:workers                 hash worker id -> JSON {id, url, engine, capacity}
@@ -52,6 +54,8 @@ creates no key (``check_model_name`` bounds the name itself).
     sl:{journals}:owner            hash scope -> tenant it is charged to
     sl:{journals}:tenants          hash tenant -> journal bytes reserved by all its streams
     sl:{journals}:total            journal bytes reserved by every tenant
+                                   (these five: TTL = their latest reservation's expiry, set on
+                                   every write; gone once nothing is reserved)
 """
 
 from __future__ import annotations

@@ -233,6 +233,15 @@ class Tenancy:
         return Charge(key=key, stream_id=stream_id, estimate=min(estimate, key.tpm), weight=weight,
                       headers=headers)
 
+    async def charge_after(self, prefix: str, stream_id: str) -> Charge | None:
+        """A charge for tokens generated on behalf of a request admitted elsewhere (a
+        take-over): nothing estimated, no concurrency held; :meth:`settle` charges what it
+        used. None for a gateway without API keys, or a key that is gone."""
+        if prefix == "-":
+            return None
+        key = await self.keys.get(prefix)
+        return None if key is None else Charge(key=key, stream_id=stream_id, estimate=0, weight=0, headers={})
+
     async def settle(self, charge: Charge, used_tokens: int) -> None:
         running = self._running.get(charge.key.prefix, {})
         running.pop(charge.stream_id, None)

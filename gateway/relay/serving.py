@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -104,7 +105,7 @@ class Serving:
         try:
             if key is not None:
                 replay = await self._idempotency.claim(key, ctx.fingerprint, req.stream, ctx.deadline,
-                                                       ctx.internal_id)
+                                                       ctx.internal_id, ctx.last_event_id if req.stream else 0)
                 if replay is not None:
                     # Nothing is generated for this caller: refund its charge, close its record.
                     await self._settle_usage(ctx, 0)
@@ -194,24 +195,25 @@ class Serving:
             done_ttl_s=self._settings.journal_done_ttl_s, budget=budget, plan_bytes=len(raw_plan),
             fingerprint=ctx.fingerprint)
         first = writer.subscribe(self._readers.tail)
-        ending = _Ending(lambda outcome: self._end_stream(upstreams, ctx.record, ctx, outcome), owner)
+        ending = _Ending(lambda: _close(upstreams), lambda outcome: self._end_stream(upstreams, ctx.record, ctx, outcome),
+                         ctx.record, owner)
         tap = LineTap(lines)
         events = sse_events(kind, req, tap.lines(), ctx.record, ending.end, chunks, shape=shape)
-        await self._start_producer(writer, events, abandon, tap, ending)
+        await self._start_producer(writer, events, tap, ending)
         return SSEResponse(first.events(), self._keepalive, first.close, headers)
 
-    async def _start_producer(
-        self, writer: JournalWriter, events: AsyncIterator[bytes], abandon: Callable[[], Awaitable[None]],
-        tap: LineTap, ending: _Ending,
-    ) -> None:
-        """Produce the stream; once its journal is written, its owner settles the key (done,
-        or forgotten after a failure), if it still owns it: a producer that lost the stream
-        to a take-over leaves the key to the gateway that produces it now."""
-        producer = await start_producer(writer, events, abandon, tap.take)
+    async def _start_producer(self, writer: JournalWriter, events: AsyncIterator[bytes], tap: LineTap,
+                              ending: _Ending) -> None:
+        """Produce the stream; once its journal is written, bill it (see :class:`_Ending`)
+        and its owner settles the key (done, or forgotten after a failure), if it still owns
+        it: a producer that lost the stream to a take-over leaves the key to the gateway that
+        produces it now."""
+        producer = await start_producer(writer, events, ending.abandon, tap.take)
         self._keep(producer)
 
         async def settle() -> None:
             await asyncio.wait([producer])
+            await ending.bill(writer.ended)
             if producer.cancelled() or producer.exception() is not None:
                 # Lost to a take-over (JournalLost), or its journal failed (logged by the
                 # producer): the key stays with the journal, for whoever continues it.
@@ -273,19 +275,20 @@ class Serving:
             fingerprint=plan.fingerprint, tenant=plan.tenant, cost=plan.cost,
             internal_id=f"{plan.internal_id}-t{owner[:6]}", record=record,
         )
+        # Billed once (see _Ending): if this gateway ends the stream, the tenant's TPM is
+        # charged for all of it; the producer before it refunded its charge.
+        with contextlib.suppress(RedisError, OSError):
+            ctx.charge = await self._tenancy.charge_after(plan.tenant, ctx.internal_id)
         log.info("request %s: taking over its resumable stream after event %d (%d choice(s) to continue)",
                  plan.request_id, state.last, len(state.progress))
         payloads = worker_payloads(req, ctx.internal_id)
         upstreams: list[Upstream | None] = [None] * len(payloads)
         tap = LineTap(self._migrator.lines(req.model, upstreams, payloads, ctx, state.progress))
-        ending = _Ending(lambda outcome: self._end_stream(upstreams, record, ctx, outcome), owner)
-
-        async def abandon() -> None:
-            await self._end_stream(upstreams, record, ctx, ClientGone("the take-over ended before it began"))
-
+        ending = _Ending(lambda: _close(upstreams), lambda outcome: self._end_stream(upstreams, record, ctx, outcome),
+                         record, owner)
         events = sse_events(kind, req, tap.lines(), record, ending.end, chunks, state.offsets)
         writer.continue_after(state.last)
-        await self._start_producer(writer, events, abandon, tap, ending)
+        await self._start_producer(writer, events, tap, ending)
         return True
 
     async def _open_all(
@@ -320,6 +323,11 @@ class Serving:
         deadline = time.monotonic() + self._settings.queue_timeout_s + self._settings.ttft_timeout_s
         while True:
             record = await self._idempotency.lookup(key)
+            if (record is None or (record.get("state", "pending") == "pending" and not record["live"])) \
+                    and await self._redis.exists(stream_key(key)):
+                # Redis lost the record (and ``:live``) of a stream whose journal it kept: follow
+                # the journal; its reader takes the stream over if its producer is gone.
+                break
             if record is None:
                 raise RouteNotFound(f"no resumable stream for Idempotency-Key {key!r}")
             if record.get("stream", "1") != "1":
@@ -333,7 +341,7 @@ class Serving:
             if time.monotonic() > deadline:
                 raise DeadlineExceeded(f"the stream for Idempotency-Key {key!r} has not begun yet")
             await asyncio.sleep(0.05)  # its first request is still being admitted
-        if state == "done" and not await self._redis.exists(stream_key(key)):
+        if record is not None and record.get("state") == "done" and not await self._redis.exists(stream_key(key)):
             raise RouteNotFound(f"the stream for Idempotency-Key {key!r} is no longer kept")
         return SSEResponse(self._readers.tail(key, after), self._keepalive)
 
@@ -365,18 +373,44 @@ class Serving:
 
 
 class _Ending:
-    """How a resumable stream's generation ended: its ``end`` settles like any stream's and
-    notes whether it completed, for its owner's decision on the key once the journal is
-    written."""
+    """How a resumable stream's generation ended, and who bills it.
 
-    def __init__(self, settle: Callable[[str | SluiceError], Awaitable[None]], owner: str) -> None:
-        self._settle = settle
+    Billing rule: the gateway whose producer writes a stream's ``[DONE]`` to its journal
+    bills the whole stream, once: every token in the journal, its own and those of the
+    producers before it (a take-over's record starts with the journal's counts). A
+    producer whose journal did not end (it lost the stream to a take-over, its journal
+    writes failed, it was cut off) bills none of it, in its access-log line and in its
+    caller's TPM charge (refunded): whoever ends the stream later bills those tokens, and
+    tokens that never reached the journal reached no client. So across gateways each
+    token a client was served is billed exactly once (a stream nobody ends is not billed).
+
+    ``end`` (the generation's end, from the renderer) closes the upstreams at once, so
+    their slots go back; the record is finished, and the charge settled, only by ``bill``,
+    once the journal's fate is known."""
+
+    def __init__(self, close: Callable[[], Awaitable[None]], finish: Callable[[str | SluiceError], Awaitable[None]],
+                 record: RequestRecord, owner: str) -> None:
+        self._close = close
+        self._finish = finish
+        self._record = record
         self.owner = owner
         self.completed = False
+        self._outcome: str | SluiceError | None = None
 
     async def end(self, outcome: str | SluiceError, completed: bool) -> None:
         self.completed = self.completed or completed  # a later clean-up call does not undo it
-        await self._settle(outcome)
+        self._outcome = self._outcome or outcome
+        await self._close()
+
+    async def abandon(self) -> None:
+        """The generation's clean-up (also when it never ran): close its upstreams."""
+        self._outcome = self._outcome or ClientGone("the stream ended before it began")
+        await self._close()
+
+    async def bill(self, ended: bool) -> None:
+        if not ended:
+            self._record.prompt_tokens = self._record.completion_tokens = self._record.cached_tokens = 0
+        await self._finish(self._outcome or "ok")
 
 
 async def _close(upstreams: list[Upstream | None]) -> None:

@@ -26,6 +26,9 @@ re-claims ``:live`` too (gateway/streams/journal.py, at most ~0.5 s later). Mean
 waits (``:live`` held, no record: pending), so it attaches to the one generation.
 
 - first caller: claims the key (and drops the journal of an earlier, failed attempt);
+  never a caller with a ``Last-Event-ID`` (it holds events of a generation Redis lost:
+  ``stream_history_lost``), nor one that finds an unfinished journal without its record
+  (Redis lost the record while the producer was silent: it attaches, see ``CLAIM``);
 - a later caller with the same body: waits while the key is pending and its owner lives;
   gets the stored body once done; re-attaches to a stream (see gateway/streams/journal.py), from
   ``Last-Event-ID`` on;
@@ -45,9 +48,9 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.responses import Response
 
-from gateway.streams.journal import LIVE_TTL_MS
+from gateway.streams.journal import DONE, LIVE_TTL_MS
 from sluice import keys
-from sluice.errors import Conflict, DeadlineExceeded, InvalidRequest
+from sluice.errors import Conflict, DeadlineExceeded, InvalidRequest, UpstreamFailed
 
 log = logging.getLogger("sluice.gateway")
 
@@ -56,11 +59,22 @@ MAX_KEY_LENGTH = 255
 _WAIT_S = 0.05
 
 #: KEYS: record, journal, plan, live, head. ARGV: owner, fp, stream, record ttl ms, live
-#: ttl ms. The one way a request claims a key, and with it the key's stream: only if it is
-#: free (no record, or a pending one, and no ``:live``: nobody admits or produces it). Then,
-#: having won, it drops an earlier attempt's journal, plan and head, never under a producer
-#: that still writes them. Else returns {fp, state, stream}: a record Redis lost while its
-#: owner lives (``:live`` held) reads as pending, the owner restores it (gateway/streams/journal.py).
+#: ttl ms, the caller's Last-Event-ID. The one way a request claims a key, and with it the
+#: key's stream: only if it is free (no record, or a pending one, and no ``:live``: nobody
+#: admits or produces it). Then, having won, it drops an earlier attempt's journal, plan and
+#: head, never under a producer that still writes them. Else returns {fp, state, stream}: a
+#: record Redis lost while its owner lives (``:live`` held) reads as pending, the owner
+#: restores it (gateway/streams/journal.py).
+#: A free key never starts a second generation over events a client may hold:
+#: - its journal has events, has not ended and has its plan (Redis lost the record and
+#:   ``:live`` while its producer was silent or dead: a key forgotten after a failure has
+#:   no plan), or the caller holds events (Last-Event-ID > 0): "streaming", the caller
+#:   attaches (its reader takes the stream over if the producer is gone, or gets the
+#:   journal's end);
+#: - the caller holds events but the journal is gone: "lost", an explicit error (its
+#:   events came from a generation a new one would not continue).
+#: Only a caller with no events, on a key whose journal ended or was forgotten after a
+#: failure, or has none, starts a generation.
 CLAIM = """
 local found = redis.call('HMGET', KEYS[1], 'fp', 'state', 'stream')
 if redis.call('EXISTS', KEYS[4]) == 1 then
@@ -68,6 +82,11 @@ if redis.call('EXISTS', KEYS[4]) == 1 then
   return {false, 'pending', ARGV[3]}
 end
 if found[2] and (found[2] ~= 'pending' or found[1] ~= ARGV[2]) then return found end
+local top = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+if top[1] and (tonumber(ARGV[6]) > 0 or (top[1][2][2] ~= ARGV[7] and redis.call('EXISTS', KEYS[3]) == 1)) then
+  return {false, 'streaming', ARGV[3]}
+end
+if tonumber(ARGV[6]) > 0 then return {false, 'lost', ARGV[3]} end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[5])
 redis.call('HSET', KEYS[1], 'fp', ARGV[2], 'stream', ARGV[3], 'state', 'pending', 'owner', ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
@@ -166,20 +185,26 @@ class Idempotency:
         return key
 
     async def claim(
-        self, key: str, fp: str, stream: bool, deadline: float, owner: str,
+        self, key: str, fp: str, stream: bool, deadline: float, owner: str, after: int = 0,
     ) -> Response | Literal["attach"] | None:
         """None when ``owner`` now owns the key and must generate (its ``:live`` is renewed
         until :meth:`promote` or :meth:`settle`); "attach" to re-attach to the key's stream;
-        else the stored answer to send."""
+        else the stored answer to send. ``after``: the caller's Last-Event-ID; a caller that
+        holds events never starts a new generation (``stream_history_lost`` instead)."""
         names = [keys.idempotency(key), keys.journal(key), keys.journal_plan(key), keys.journal_live(key),
                  keys.journal_head(key)]
         while True:
             ttl_ms = self._ttl_ms + int(max(0.0, deadline - time.monotonic()) * 1000)
-            found = await self._claim(keys=names, args=[owner, fp, int(stream), ttl_ms, LIVE_TTL_MS])
+            found = await self._claim(keys=names, args=[owner, fp, int(stream), ttl_ms, LIVE_TTL_MS, after, DONE])
             if found == 1:
                 self._hold(key, owner)
                 return None
             stored_fp, state, stored_stream = (_text(v) for v in found)
+            if state == "lost":
+                raise UpstreamFailed(
+                    f"the stream this Last-Event-ID ({after}) belongs to is no longer known (Redis lost it, or it "
+                    "failed): it cannot be resumed; send the request without Last-Event-ID to run it again",
+                    code="stream_history_lost")
             if (stored_fp is not None and stored_fp != fp) or stored_stream != str(int(stream)):
                 raise Conflict("this Idempotency-Key was used with a different request body")
             if state == "done" and not stream:

@@ -450,6 +450,11 @@ class JournalWriter:
         self._progress.set()
 
     @property
+    def ended(self) -> bool:
+        """Whether this producer wrote the stream's ``[DONE]`` to its journal."""
+        return self._ended
+
+    @property
     def dirty(self) -> bool:
         return bool(self._pending)
 

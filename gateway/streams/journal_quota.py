@@ -18,7 +18,8 @@ A journal (gateway/streams/journal.py) is never trimmed, so it must be bounded a
 
 The reservations live in one Redis Cluster slot (``keys.JOURNAL_QUOTA``), so one script
 checks the tenant's bound and the total together; each call also drops up to 64
-expired reservations. Redis losing them (a restart without persistence) loses the
+expired reservations, and sets the keys' TTL to the latest reservation's expiry (so an
+idle system's quota keys expire with the journals they counted). Redis losing them (a restart without persistence) loses the
 journals they counted too.
 
 >>> quota = JournalQuota(redis, settings)
@@ -60,6 +61,17 @@ end
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 for _, scope in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, 64)) do release(scope) end
+-- The quota's keys live as long as their latest reservation (plus a second), refreshed on
+-- every write, so an idle system's keys expire; with no reservation left they hold nothing.
+local function keep()
+  local top = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+  if not top[2] then
+    redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+    return
+  end
+  local ttl = math.max(1000, tonumber(top[2]) - now + 1000)
+  for i = 1, 5 do redis.call('PEXPIRE', KEYS[i], ttl) end
+end
 """
 
 #: Reserve ``bytes`` more for a stream, if its tenant and the total stay within their
@@ -71,8 +83,8 @@ if ARGV[7] == '1' then release(ARGV[1]) end
 local add = tonumber(ARGV[3])
 local mine = tonumber(redis.call('HGET', KEYS[4], ARGV[2]) or '0')
 local all = tonumber(redis.call('GET', KEYS[5]) or '0')
-if mine + add > tonumber(ARGV[5]) then return {0, mine} end
-if all + add > tonumber(ARGV[6]) then return {-1, all} end
+if mine + add > tonumber(ARGV[5]) then keep() return {0, mine} end
+if all + add > tonumber(ARGV[6]) then keep() return {-1, all} end
 redis.call('HINCRBY', KEYS[2], ARGV[1], add)
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
 redis.call('HINCRBY', KEYS[4], ARGV[2], add)
@@ -80,6 +92,7 @@ redis.call('INCRBY', KEYS[5], add)
 local expiry = now + tonumber(ARGV[4])
 local held = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not held or tonumber(held) < expiry then redis.call('ZADD', KEYS[1], expiry, ARGV[1]) end
+keep()
 return {1, mine + add}
 """
 
@@ -87,14 +100,15 @@ return {1, mine + add}
 #: bytes: dropped). KEYS: keys.JOURNAL_QUOTA. ARGV: scope, bytes, hold ms.
 SETTLE = _RELEASE + """
 local tenant = redis.call('HGET', KEYS[3], ARGV[1])
-if not tenant then return 0 end
+if not tenant then keep() return 0 end
 local size = tonumber(ARGV[2])
-if size <= 0 then release(ARGV[1]) return 1 end
+if size <= 0 then release(ARGV[1]) keep() return 1 end
 local delta = size - tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
 redis.call('HSET', KEYS[2], ARGV[1], size)
 redis.call('HINCRBY', KEYS[4], tenant, delta)
 redis.call('INCRBY', KEYS[5], delta)
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+keep()
 return 1
 """
 

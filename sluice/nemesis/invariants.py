@@ -1,8 +1,8 @@
 """What must hold once the load and the faults are over.
 
 - no slot in flight, no lease, no queued request (after the leases' TTL and a reap);
-- no Redis key without a TTL other than the registry (``sl:models``, the registered model's
-  ``sl:{model}:*`` admission keys) and the API keys (``sl:apikeys``, ``sl:apikey:*``);
+- no Redis key without a TTL other than the registry (``sl:models``, ``sl:epoch``, the
+  registered model's ``sl:{model}:*`` admission keys) and the API keys (``sl:apikeys``, ``sl:apikey:*``);
 - Redis memory within ``redis_bound_mib`` of what it used before the load;
 - every gateway process's RSS under ``rss_bound_mib``;
 - usage: every exact request was billed (the gateways' access logs, by request id) exactly
@@ -29,7 +29,9 @@ from sluice.nemesis.system import System
 from sluice.nemesis.workload import Reference, RequestSpec
 
 _ACCESS = re.compile(r"access request_id=(\S+) .*?key_id=(\S+) .*?completion_tokens=(\d+)")
-_ALLOWED_NO_TTL = re.compile(r"^(sl:models|sl:apikeys|sl:apikey:.*|sl:\{" + re.escape(MODEL) + r"\}:.*)$")
+#: Registry state (the models, their admission keys, ``sl:epoch``: the registry's generation,
+#: which must never expire lest an idle Redis read as one that lost its data) and API keys.
+_ALLOWED_NO_TTL = re.compile(r"^(sl:models|sl:epoch|sl:apikeys|sl:apikey:.*|sl:\{" + re.escape(MODEL) + r"\}:.*)$")
 
 
 @dataclass(slots=True)

@@ -61,6 +61,20 @@ async def test_reservations_expire_with_their_journals(redis: RedisClient) -> No
     assert int(await redis.hget(keys.JOURNAL_QUOTA.tenants, "t")) == CHUNK_BYTES
 
 
+async def test_the_quota_keys_expire_with_their_latest_reservation(redis: RedisClient) -> None:
+    """Regression (nemesis invariant "no key without TTL"): the five ``sl:{journals}:*``
+    keys lived forever, past every journal they counted."""
+    quota = JournalQuota(redis, _settings())
+    short = await quota.open(uuid.uuid4().hex, "t", 0, hold_s=30)
+    await quota.open(uuid.uuid4().hex, "t", 0, hold_s=600)
+    names = [keys.JOURNAL_QUOTA.held, keys.JOURNAL_QUOTA.size, keys.JOURNAL_QUOTA.owner,
+             keys.JOURNAL_QUOTA.tenants, keys.JOURNAL_QUOTA.total]
+    for name in names:
+        assert 590_000 < await redis.pttl(name) <= 601_000, name  # the latest reservation's, not the first's
+    await short.settle(1000, 60_000)  # a later write keeps the longest
+    assert all([590_000 < await redis.pttl(name) <= 601_000 for name in names])
+
+
 def test_a_request_whose_max_tokens_cannot_fit_is_refused() -> None:
     settings = GatewaySettings(journal_max_events=1000)
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}

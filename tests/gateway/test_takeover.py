@@ -136,18 +136,14 @@ def _chunk_ids(events: list[tuple[int | None, str]]) -> set[str]:
     return {orjson.loads(d)["id"] for _, d in events if d.startswith("{") and '"id"' in d}
 
 
-def test_a_gateway_that_lost_its_stream_to_a_take_over_leaves_the_key_alone(two_gateways, start_gateway) -> None:
-    """Regression: a gateway stalled past ``:live``'s TTL (SIGSTOP here; a GC pause or a
-    Redis blip in life) lost its stream to a take-over, woke, and forgot the
-    Idempotency-Key while the other gateway still produced the stream: the client's retry
-    started a second generation, spliced into the journal the re-attached reader follows."""
-    first, other = two_gateways
-    stalled = start_gateway()
-    body = {"model": "takeover", "messages": [{"role": "user", "content": "stall, then wake"}],
-            "max_tokens": 400, "ignore_eos": True, "stream": True}
-    key = uuid.uuid4().hex
+def stall_while_taken_over(stalled, other, body: dict[str, object],
+                           key: str) -> tuple[Events, Events, threading.Thread, str]:
+    """Stream ``body`` from ``stalled`` for 20 events, then SIGSTOP it until a reader
+    re-attached on ``other`` got 5 events of its take-over, then SIGCONT it. Returns the
+    events seen, the reader's (still filling), the reader's thread, and the request id."""
     with httpx.stream("POST", stalled.url + "/v1/chat/completions", json=body,
                       headers={"Idempotency-Key": key}, timeout=60) as r:
+        request_id = r.headers["x-request-id"]
         lines = r.iter_lines()  # keep a reference: a dropped iterator closes the stream
         seen = _events(lines, lambda events: len(events) >= 20)
         os.kill(stalled.pid, signal.SIGSTOP)
@@ -165,6 +161,20 @@ def test_a_gateway_that_lost_its_stream_to_a_take_over_leaves_the_key_alone(two_
         wait_for(lambda: len(rest) >= 5, 30, "the other gateway to take the stream over")
     finally:
         os.kill(stalled.pid, signal.SIGCONT)
+    return seen, rest, reader, request_id
+
+
+def test_a_gateway_that_lost_its_stream_to_a_take_over_leaves_the_key_alone(two_gateways, start_gateway) -> None:
+    """Regression: a gateway stalled past ``:live``'s TTL (SIGSTOP here; a GC pause or a
+    Redis blip in life) lost its stream to a take-over, woke, and forgot the
+    Idempotency-Key while the other gateway still produced the stream: the client's retry
+    started a second generation, spliced into the journal the re-attached reader follows."""
+    first, other = two_gateways
+    stalled = start_gateway()
+    body = {"model": "takeover", "messages": [{"role": "user", "content": "stall, then wake"}],
+            "max_tokens": 400, "ignore_eos": True, "stream": True}
+    key = uuid.uuid4().hex
+    seen, rest, reader, _ = stall_while_taken_over(stalled, other, body, key)
     wait_for(lambda: "taken over by another gateway" in stalled.log_path.read_text(), 10,
              "the stalled gateway to find its stream taken over")
     wait_for(lambda: "sluice.access" in stalled.log_path.read_text(), 10, "the stalled gateway to end its part")

@@ -1,0 +1,109 @@
+"""A resumable stream whose Redis state was lost, in part or whole, never starts a second
+generation under a client that holds events of the first; and a stream produced by two
+gateways is billed once."""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+import httpx
+import orjson
+import pytest
+
+from gateway.streams.idempotency import scoped
+from sluice import keys
+from tests.conftest import wait_for
+from tests.gateway.test_resumable import _events
+from tests.gateway.test_takeover import stall_while_taken_over
+
+Events = list[tuple[int | None, str]]
+_ACCESS = re.compile(r"access request_id=(\S+) .*?completion_tokens=(\d+)")
+BODY = {"model": "lossy", "messages": [{"role": "user", "content": "a story Redis forgets"}],
+        "max_tokens": 150, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+
+@pytest.fixture(scope="module")
+def gateways(start_worker, start_gateway):
+    start_worker("lossy", sim_token_ms=20, sim_ttft_ms=0)
+    return start_gateway(), start_gateway()
+
+
+def _chunk_ids(events: Events) -> set[str]:
+    return {orjson.loads(d)["id"] for _, d in events if d.startswith("{") and '"id"' in d}
+
+
+def _start_and_kill(gateway, key: str, events: int = 20) -> Events:
+    with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=BODY,
+                      headers={"Idempotency-Key": key}, timeout=60) as r:
+        lines = r.iter_lines()  # keep a reference: a dropped iterator closes the stream
+        seen = _events(lines, lambda out: len(out) >= events)
+        gateway.kill()
+    return seen
+
+
+def test_a_repost_holding_events_of_a_stream_redis_lost_does_not_start_a_second_generation(
+        gateways, start_gateway, redis_client) -> None:
+    """Regression (nemesis seed 7, nem-14/16/24/215/242): Redis lost a stream's record and
+    journal (a lossy restart, FLUSHALL) after its gateway died; the client's retry, with
+    its Last-Event-ID, claimed the free key and got a second generation from event 1,
+    spliced after the events it had."""
+    _, other = gateways
+    key = uuid.uuid4().hex
+    seen = _start_and_kill(start_gateway(), key)
+    scope = scoped("-", key)
+    redis_client.delete(keys.idempotency(scope), keys.journal(scope), keys.journal_live(scope),
+                        keys.journal_plan(scope), keys.journal_head(scope))
+    last = max(i for i, _ in seen if i is not None)
+    with httpx.stream("POST", other.url + "/v1/chat/completions", json=BODY,
+                      headers={"Idempotency-Key": key, "Last-Event-ID": str(last)}, timeout=60) as r:
+        r.read()
+    assert r.status_code == 502, r.text
+    assert orjson.loads(r.text)["error"]["code"] == "stream_history_lost"
+    assert redis_client.exists(keys.journal(scope)) == 0, "a generation started"
+
+
+def test_a_retry_after_redis_lost_the_record_and_live_follows_the_journal(
+        gateways, start_gateway, redis_client) -> None:
+    """Regression: Redis lost a stream's record and ``:live`` but kept its journal (a
+    failover or a restart from a snapshot while its producer was silent or dead); the
+    retry's claim found the key free, dropped the journal and started a second generation."""
+    _, other = gateways
+    key = uuid.uuid4().hex
+    seen = _start_and_kill(start_gateway(), key)
+    scope = scoped("-", key)
+    redis_client.delete(keys.idempotency(scope), keys.journal_live(scope))
+    last = max(i for i, _ in seen if i is not None)
+    with httpx.stream("POST", other.url + "/v1/chat/completions", json=BODY,
+                      headers={"Idempotency-Key": key, "Last-Event-ID": str(last)}, timeout=60) as r:
+        assert r.status_code == 200
+        rest = _events(r.iter_lines())
+    whole = seen + rest
+    assert _chunk_ids(whole) == _chunk_ids(seen), "a second generation started"
+    ids = [i for i, _ in whole if i is not None]
+    assert ids == list(range(1, len(ids) + 1)), "an event was repeated or skipped"
+    assert whole[-1][1] == "[DONE]" and not any('"error"' in d for _, d in whole)
+    assert orjson.loads(whole[-2][1])["usage"]["completion_tokens"] == 150
+
+
+def _billed(gateway, request_id: str) -> list[int]:
+    return [int(m.group(2)) for m in _ACCESS.finditer(gateway.log_path.read_text(errors="replace"))
+            if m.group(1) == request_id]
+
+
+def test_a_stream_taken_over_from_a_stalled_gateway_is_billed_once(gateways, start_gateway) -> None:
+    """Regression (nemesis: 14 requests billed exactly twice): the stalled gateway woke, found
+    its stream taken over and logged the tokens it had generated, while the take-over's
+    record, which starts with the journal's tokens, logged the whole stream again."""
+    _, other = gateways
+    stalled = start_gateway()
+    key = uuid.uuid4().hex
+    _, rest, reader, request_id = stall_while_taken_over(stalled, other, BODY, key)
+    reader.join(60)
+    assert rest and rest[-1][1] == "[DONE]"
+    served = orjson.loads(rest[-2][1])["usage"]["completion_tokens"]
+    assert served == 150
+    wait_for(lambda: _billed(stalled, request_id), 15, "the stalled gateway to log its part")
+    wait_for(lambda: _billed(other, request_id), 15, "the take-over to log its part")
+    assert sum(_billed(stalled, request_id)) + sum(_billed(other, request_id)) == served, \
+        (_billed(stalled, request_id), _billed(other, request_id))
