@@ -37,10 +37,11 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
-from typing import Any, TypeAlias
+from typing import Any, NoReturn, TypeAlias
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
+from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.exceptions import ClusterDownError, ReadOnlyError, RedisClusterException, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -191,6 +192,13 @@ class BoundedRedisCluster(RedisCluster):
         # CLUSTER SLOTS over a pool of its own, beside that node's command pool.
         super().__init__(max_connections=max_connections - 1, **kwargs)
         self.bound = _Bound(max_connections - 1, POOL_TIMEOUT_S)
+        # redis-py fixes the connection class in __init__; the nodes found later are made
+        # from connection_kwargs, the startup nodes (no connection yet) already exist.
+        plain = self.connection_kwargs["connection_class"]
+        closed_safe = _ClosedSafeSSLConnection if issubclass(plain, SSLConnection) else _ClosedSafeConnection
+        self.connection_kwargs["connection_class"] = closed_safe
+        for node in [*self.startup_nodes, *self.nodes_manager.startup_nodes.values()]:
+            node.connection_class = closed_safe
 
     async def execute_command(self, *args: EncodableT, **kwargs: Any) -> Any:
         async with self.bound.permit():
@@ -209,6 +217,45 @@ class _BoundedPipeline(ClusterPipeline):
     async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list[Any]:
         async with self.cluster_client.bound.permit():
             return await super().execute(raise_on_error, allow_redirections)
+
+
+def _is_closed_transport(exc: BaseException) -> bool:
+    """Whether ``exc`` is how a connection that another task closed mid-command fails:
+    its stream attributes are ``None`` already (``AttributeError`` on ``None``), or
+    the event loop refuses the closed transport (uvloop's ``RuntimeError``)."""
+    if isinstance(exc, AttributeError):
+        return exc.obj is None
+    return isinstance(exc, RuntimeError) and "closed" in str(exc)
+
+
+class _ClosedSafeConnection(Connection):
+    """A cluster node connection on which a transport closed underneath a command is a
+    ``ConnectionError``. During a failover redis-py's cluster client disconnects a node's
+    connections while other tasks are mid-command on them; those commands then fail
+    with whatever the closed stream raises, which no ``except (RedisError, OSError)``
+    catches and which skips the client's own reconnect-and-refresh handling."""
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        try:
+            await super().send_packed_command(command, check_health)
+        except (AttributeError, RuntimeError) as exc:
+            await self._closed_underneath(exc, "writing to")
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)
+        except (AttributeError, RuntimeError) as exc:
+            await self._closed_underneath(exc, "reading from")
+
+    async def _closed_underneath(self, exc: AttributeError | RuntimeError, doing: str) -> NoReturn:
+        if not _is_closed_transport(exc):
+            raise exc
+        await self.disconnect(nowait=True)
+        raise RedisConnectionError(f"connection closed while {doing} {self.host}:{self.port}: {exc}") from exc
+
+
+class _ClosedSafeSSLConnection(_ClosedSafeConnection, SSLConnection):
+    pass
 
 
 def _sentinel_master(url: str, options: dict[str, Any]) -> Redis:

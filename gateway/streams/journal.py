@@ -544,10 +544,16 @@ class JournalCommitter:
             return
         for writer, result in zip(writers, results, strict=True):
             if isinstance(result, NoScriptError):  # Redis restarted or failed over
-                await self.redis.script_load(APPEND)
+                try:
+                    await self.redis.script_load(APPEND)
+                except (RedisError, OSError) as exc:
+                    writer.failed(exc)
+                    continue
                 self.schedule(writer)
-            elif isinstance(result, (RedisError, OSError)):
-                writer.failed(result)
+            elif isinstance(result, BaseException):
+                # Whatever a gathered call failed with (not only Redis's errors) fails that
+                # writer's write, to be retried; it is never a result to read.
+                writer.failed(result if isinstance(result, (RedisError, OSError)) else RedisError(repr(result)))
             else:
                 writer.written(result)
 

@@ -382,3 +382,27 @@ async def test_a_streams_plan_lives_as_long_as_its_journal_and_goes_with_its_end
     assert not await redis.exists(keys.journal_plan(key))
     assert 0 < await redis.pttl(stream_key(key)) <= 5000
     await redis.delete(stream_key(key))
+
+
+async def test_the_committer_survives_an_exception_object_in_a_result(
+    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter, idem: Idempotency
+) -> None:
+    """On a Cluster, the APPENDs are gathered with ``return_exceptions``: a call that failed
+    with something other than a Redis error (redis-py's closed-transport ``RuntimeError``
+    mid-failover) used to be read as a result (``TypeError``), killing the committer and
+    ending every stream of the gateway. It is a failed write, retried."""
+    key = uuid.uuid4().hex
+    assert await _claim(idem, key, "t")
+    append_all, failed_rounds = committer._append_all, []
+
+    async def first_round_fails(batches: list[tuple[list[str], list[bytes | str | int]]]) -> list[object]:
+        if not failed_rounds:  # as gather returns a call that raised, nothing written
+            failed_rounds.append(batches)
+            return [RuntimeError("unable to perform operation on <TCPTransport closed=True>") for _ in batches]
+        return await append_all(batches)
+
+    committer._append_all = first_round_fails  # type: ignore[method-assign]
+    writer = JournalWriter(committer, key, ttl_s=60, owner="t")
+    await writer.run(_events(50), _nothing)
+    assert failed_rounds
+    assert [event async for event in readers.tail(key, 0)] == _expected(50)

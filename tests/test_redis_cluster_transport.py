@@ -1,0 +1,85 @@
+"""A Cluster connection closed underneath a command (what redis-py's cluster client does to
+a node's connections while it re-learns the topology after a failover) fails that command
+as a ``ConnectionError``, never as the ``AttributeError``/``RuntimeError`` of the closed
+stream, which the gateway's ``except (RedisError, OSError)`` would let through as a 500.
+Run on uvloop, the loop the gateway runs on (its closed transports raise ``RuntimeError``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import redis
+import uvloop
+from redis.asyncio.cluster import RedisCluster
+
+from sluice.embedded_failover import ReplicatedCluster
+from sluice.redis_pool import create_pool
+
+INCR = "return redis.call('INCR', KEYS[1])"
+
+
+def test_cluster_connection_closed_underneath_a_command_is_a_connection_error(redis_cluster_url: str) -> None:
+    uvloop.run(_closed_underneath(redis_cluster_url))
+
+
+async def _closed_underneath(redis_cluster_url: str) -> None:
+    client = await create_pool(redis_cluster_url)
+    assert isinstance(client, RedisCluster)
+    key = "sl:{closed}:n"
+    try:
+        await client.set(key, "1")
+        node = client.get_node_from_key(key)
+        assert node is not None
+        connection = node.acquire_connection()
+        node.release(connection)  # the idle connection the next command on this node takes
+        assert connection.is_connected
+        connection._writer.transport.close()  # closed by another task; redis-py has not noticed
+        await asyncio.sleep(0)
+        # The closed connection fails as a lost one: the client reconnects and serves it.
+        assert await client.get(key) == b"1"
+    finally:
+        await client.aclose()
+
+
+def test_cluster_master_killed_under_concurrent_scripts_raises_only_connection_errors(
+    replicated_cluster: ReplicatedCluster,
+) -> None:
+    uvloop.run(_master_killed_under_load(replicated_cluster))
+
+
+async def _master_killed_under_load(replicated_cluster: ReplicatedCluster) -> None:
+    client = await create_pool(replicated_cluster.url, max_connections=16)
+    incr = client.register_script(INCR)
+    names = [f"sl:{{kill{n}}}:n" for n in range(12)]  # spread over every master
+    foreign: list[BaseException] = []
+    killed = asyncio.Event()
+    served_after = {name: 0 for name in names}
+
+    async def hammer(name: str) -> None:
+        deadline = time.monotonic() + 30
+        while served_after[name] < 20 and time.monotonic() < deadline:
+            try:
+                await incr(keys=[name])
+                if killed.is_set():
+                    served_after[name] += 1
+            except redis.RedisError:
+                await asyncio.sleep(0.01)
+            except Exception as exc:  # what the gateway cannot tell from a bug
+                foreign.append(exc)
+
+    try:
+        for name in names:
+            await incr(keys=[name])
+        with redis.Redis(port=replicated_cluster.master_ports()[0]) as direct:
+            direct.wait(1, 2000)
+        workers = [asyncio.create_task(hammer(name)) for name in names for _ in range(4)]
+        await asyncio.sleep(0.3)
+        old = replicated_cluster.kill_master(0)
+        killed.set()
+        await asyncio.gather(*workers)
+        replicated_cluster.wait_promoted(old)
+        assert foreign == []
+        assert all(count >= 20 for count in served_after.values())  # every slot served again
+    finally:
+        await client.aclose()
