@@ -110,7 +110,7 @@ class EmbeddedSentinel:
         hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
         return f"redis+sentinel://{hosts}/{self.service}"
 
-    def start(self, timeout_s: float = 30.0) -> Self:
+    def start(self, timeout_s: float = 90.0) -> Self:
         try:
             for server in self.servers:
                 server.start(timeout_s)
@@ -122,6 +122,10 @@ class EmbeddedSentinel:
             self.stop()
             raise
         return self
+
+    def linked(self, port: int) -> bool:
+        """Whether the replica on ``port`` has its link to the master up."""
+        return self._linked(port)
 
     def _linked(self, port: int) -> bool:
         with redis.Redis(port=port, socket_timeout=1) as client:
@@ -236,7 +240,7 @@ class ReplicatedCluster(EmbeddedCluster):
         self.masters = list(self.servers)
         self.replicas = [EmbeddedRedis(free_cluster_port(), args=self.masters[0].args) for _ in range(masters)]
 
-    def start(self, timeout_s: float = 30.0) -> Self:
+    def start(self, timeout_s: float = 90.0) -> Self:
         super().start(timeout_s)
         try:
             for replica in self.replicas:
