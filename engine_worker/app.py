@@ -13,11 +13,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
 from engine_worker.metrics import metrics_text
+from engine_worker.pooling import TASK_OF, PoolRequest, encode_line
 from engine_worker.protocol import GenerateRequest
 from engine_worker.stream import NDJSONStream
 from sluice.errors import (
     AuthenticationFailed,
     ModelNotFound,
+    RouteNotFound,
     SluiceError,
     Unavailable,
     error_response,
@@ -55,12 +57,32 @@ def create_app(worker: Worker) -> FastAPI:
         body = GenerateRequest.parse(await request.body())
         if body.model != worker.model:
             raise ModelNotFound(f"this worker serves {worker.model!r}")
+        if not worker.serves("generate"):  # a 404: the gateway tries a worker that generates
+            raise RouteNotFound(f"this worker does not generate (its tasks: {', '.join(worker.tasks)})")
         span = tracer.start_span("worker.generate", context=extract(request.headers), kind=SpanKind.SERVER,
                                  attributes={"sluice.worker_id": worker.settings.worker_id,
                                              "gen_ai.request.model": body.model,
                                              "sluice.resumed_tokens": len(body.resume_token_ids)})
         body.trace_headers = inject(trace.set_span_in_context(span)) or None
         return worker.open_stream(body, span)
+
+    @app.post("/internal/pool")
+    async def pool(request: Request) -> Response:
+        """Embed, score, tokenize or detokenize: one NDJSON line (engine_worker/pooling.py)."""
+        check_caller(request)
+        if worker.draining:
+            raise Unavailable("worker is draining", retry_after_s=1)
+        body = PoolRequest.parse(await request.body())
+        if body.model != worker.model:
+            raise ModelNotFound(f"this worker serves {worker.model!r}")
+        if not worker.serves(TASK_OF[body.op]):
+            raise RouteNotFound(f"this worker does not serve task {TASK_OF[body.op]!r}")
+        with tracer.start_as_current_span("worker.pool", context=extract(request.headers), kind=SpanKind.SERVER,
+                                          attributes={"sluice.worker_id": worker.settings.worker_id,
+                                                      "gen_ai.request.model": body.model,
+                                                      "gen_ai.operation.name": body.op}):
+            line = await worker.pool(body)
+        return Response(encode_line(line), media_type="application/x-ndjson")
 
     @app.get("/health")
     async def health() -> Response:
