@@ -110,8 +110,9 @@ class ScoreRequest(_PoolingFields):
 
     @model_validator(mode="after")
     def _one_pairing(self) -> ScoreRequest:
-        given = [p for p in _PAIRINGS if getattr(self, p[0]) is not None or getattr(self, p[1]) is not None]
-        if len(given) != 1 or any(getattr(self, f) is None for f in given[0]):
+        complete = [p for p in _PAIRINGS if getattr(self, p[0]) is not None and getattr(self, p[1]) is not None]
+        named = {f for p in _PAIRINGS for f in p if getattr(self, f) is not None}
+        if len(complete) != 1 or named != set(complete[0]):
             raise ValueError("give exactly one pair of fields: queries and documents (or items), data_1 and "
                              "data_2, or text_1 and text_2")
         pairs(*self.sides())  # 1:1, 1:N or N:N
