@@ -49,16 +49,22 @@ def create_app(worker: Worker) -> FastAPI:
         if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
             raise AuthenticationFailed("this worker answers gateways only (internal token missing or wrong)")
 
-    @app.post("/internal/generate", response_model=None)
-    async def generate(request: Request) -> NDJSONStream:
+    def check_request(request: Request, model: str, task: str) -> None:
+        """A gateway's request this worker takes: not draining, its model, a task it serves
+        (a 404 otherwise: the gateway tries another worker)."""
         check_caller(request)
         if worker.draining:
             raise Unavailable("worker is draining", retry_after_s=1)
-        body = GenerateRequest.parse(await request.body())
-        if body.model != worker.model:
+        if model != worker.model:
             raise ModelNotFound(f"this worker serves {worker.model!r}")
-        if not worker.serves("generate"):  # a 404: the gateway tries a worker that generates
-            raise RouteNotFound(f"this worker does not generate (its tasks: {', '.join(worker.tasks)})")
+        if not worker.serves(task):
+            raise RouteNotFound(f"this worker does not serve task {task!r} (its tasks: {', '.join(worker.tasks)})")
+
+    @app.post("/internal/generate", response_model=None)
+    async def generate(request: Request) -> NDJSONStream:
+        check_caller(request)
+        body = GenerateRequest.parse(await request.body())
+        check_request(request, body.model, "generate")
         span = tracer.start_span("worker.generate", context=extract(request.headers), kind=SpanKind.SERVER,
                                  attributes={"sluice.worker_id": worker.settings.worker_id,
                                              "gen_ai.request.model": body.model,
@@ -70,13 +76,8 @@ def create_app(worker: Worker) -> FastAPI:
     async def pool(request: Request) -> Response:
         """Embed, score, tokenize or detokenize: one NDJSON line (engine_worker/pooling.py)."""
         check_caller(request)
-        if worker.draining:
-            raise Unavailable("worker is draining", retry_after_s=1)
         body = PoolRequest.parse(await request.body())
-        if body.model != worker.model:
-            raise ModelNotFound(f"this worker serves {worker.model!r}")
-        if not worker.serves(TASK_OF[body.op]):
-            raise RouteNotFound(f"this worker does not serve task {TASK_OF[body.op]!r}")
+        check_request(request, body.model, TASK_OF[body.op])
         with tracer.start_as_current_span("worker.pool", context=extract(request.headers), kind=SpanKind.SERVER,
                                           attributes={"sluice.worker_id": worker.settings.worker_id,
                                                       "gen_ai.request.model": body.model,

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import orjson
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, model_validator
 
-from sluice.errors import InvalidRequest
+from engine_worker.protocol import parse_body
 
 #: Inputs one request may carry (texts to embed, pairs to score): the gateway's cap too.
 MAX_POOL_INPUTS = 2048
@@ -70,12 +70,7 @@ class PoolRequest(BaseModel):
 
     @classmethod
     def parse(cls, body: bytes) -> PoolRequest:
-        try:
-            return cls.model_validate_json(body)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            raise InvalidRequest(f"invalid pool request: {first['msg']}",
-                                 param=".".join(str(p) for p in first["loc"]) or None) from None
+        return parse_body(cls, body, "pool")
 
 
 @dataclass(slots=True)

@@ -233,8 +233,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 record.finish(as_sluice_error(exc))
                 raise
 
-        for path in paths:
-            app.add_api_route(path, route, methods=["POST"], name=f"{name}{path}", openapi_extra=_body_schema(model))
+        for index, path in enumerate(paths):  # vLLM's aliases answer too, documented once
+            app.add_api_route(path, route, methods=["POST"], name=f"{name}{path}", openapi_extra=_body_schema(model),
+                              include_in_schema=index == 0)
 
     pooling_route(("/v1/embeddings",), EmbeddingRequest, "embeddings")
     pooling_route(("/v1/score", "/score"), ScoreRequest, "score")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 
 import anyio
-from redis.exceptions import RedisError
 from starlette.responses import Response
 
 from gateway.admission.tenancy import Tenancy
@@ -65,10 +64,4 @@ class PoolingServing:
 
     async def _settle(self, ctx: RequestContext, used_tokens: int) -> None:
         """Correct the key's TPM charge with the prompt tokens really used; once."""
-        charge = ctx.take_charge()
-        if charge is None:
-            return
-        try:
-            await self._tenancy.settle(charge, used_tokens)
-        except (RedisError, OSError) as exc:
-            log.warning("could not settle the rate-limit charge of %s: %s", ctx.request_id, exc)
+        await self._tenancy.settle_quietly(ctx.take_charge(), used_tokens, ctx.request_id)
