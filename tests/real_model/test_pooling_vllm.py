@@ -1,8 +1,8 @@
 """The default model as an embedding model: vLLM on CPU with ``--task embed`` (``runner=
 "pooling", convert="embed"``), through the gateway and the official SDK.
 
-One module-scoped worker (its own model name) beside the shared generating one; a few
-requests. SmolLM2-135M was trained to generate, not to embed: its pooled last-token state
+One module-scoped worker (a pooling runner: its own engine, its own model name) beside the
+shared generating one, behind the shared gateway; a few requests. SmolLM2-135M was trained to generate, not to embed: its pooled last-token state
 still puts a paraphrase nearer than an unrelated sentence, which is what is checked, with
 the shapes, the base64 encoding, the scores and the tokenizer round trip.
 """
@@ -17,7 +17,8 @@ import openai
 import pytest
 
 from sluice.models import default_model_dir, is_prepared
-from tests.conftest import Proc, StartGateway, StartWorker
+from tests.conftest import Proc, StartWorker
+from tests.real_model.conftest import MODEL as GENERATING
 
 pytestmark = [
     pytest.mark.real_model,
@@ -32,9 +33,9 @@ MARKETS = "Stock markets fell sharply after the central bank raised interest rat
 
 
 @pytest.fixture(scope="module")
-def gateway(start_worker: StartWorker, start_gateway: StartGateway) -> Proc:
+def gateway(start_worker: StartWorker, vllm_gateway: Proc) -> Proc:
     start_worker(MODEL, engine="vllm", task="embed", vllm_max_num_seqs=8, env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
-    return start_gateway()
+    return vllm_gateway
 
 
 @pytest.fixture
@@ -76,3 +77,8 @@ def test_rerank_score_and_tokenize(gateway: Proc) -> None:
         assert http.post("/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}).json()["prompt"] == CAT
         refused = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "task_not_served"
+        # The generating worker tokenizes too (its chat template), and embeds nothing.
+        chat = http.post("/tokenize", json={"model": GENERATING, "messages": [{"role": "user", "content": CAT}]}).json()
+        assert chat["count"] > tokens["count"]
+        assert CAT in http.post("/detokenize", json={"model": GENERATING, "tokens": chat["tokens"]}).json()["prompt"]
+        assert http.post("/v1/embeddings", json={"model": GENERATING, "input": CAT}).status_code == 400
