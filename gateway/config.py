@@ -70,6 +70,11 @@ class GatewaySettings(RedisSettings):
     #: Cache routing, hot-spot guard: a worker this share of its slots busier than the
     #: least-loaded one gets no credit for its cached prefix.
     route_hot_share: float = Field(default=0.75, ge=0, le=1)
+    #: Least-loaded routing: a request granted but not yet past its first token counts as
+    #: 1 + this many requests in flight (its prefill is ahead of the next request's first
+    #: token); 0 counts slots only, which sent a returning batch of a closed loop back to
+    #: one worker whole (gateway/admission/scripts.py).
+    route_least_pending_weight: float = Field(default=3.0, ge=0)
     #: Cache routing's index (``SLUICE_PREFIX_INDEX``, shared with the workers): ``approx``
     #: names blocks of 64 words and learns from routing and ``cached_tokens``; ``precise``
     #: names blocks of 64 token ids (the ``tokenizer`` folder's tokenizer and chat template,
