@@ -28,6 +28,8 @@ from sluice.embedded_redis import EmbeddedRedis, free_port
 ARMS: dict[str, dict[str, str]] = {
     "rr": {"SLUICE_GATEWAY_ROUTING": "rr"},
     "least": {"SLUICE_GATEWAY_ROUTING": "least"},
+    # least as it was before issue 24's fix: slots in use only (a returning batch goes back whole)
+    "least-slots": {"SLUICE_GATEWAY_ROUTING": "least", "SLUICE_GATEWAY_ROUTE_LEAST_PENDING_WEIGHT": "0"},
     "cache-approx": {"SLUICE_GATEWAY_ROUTING": "cache", "SLUICE_PREFIX_INDEX": "approx"},
     "cache-precise": {"SLUICE_GATEWAY_ROUTING": "cache", "SLUICE_PREFIX_INDEX": "precise"},
 }
@@ -131,7 +133,7 @@ class Fleet:
             client.close()
 
     def start_gateways(self, arms: list[str], tokenizer: str) -> None:
-        for arm in arms:
+        for arm in dict.fromkeys(arms):  # an arm named twice (a repeat) shares its gateway
             port = free_port()
             env = {"SLUICE_GATEWAY_QUEUE_TIMEOUT_S": "600", "SLUICE_GATEWAY_TTFT_TIMEOUT_S": "300",
                    "SLUICE_GATEWAY_CONNECT_TIMEOUT_S": "10", "SLUICE_GATEWAY_MAX_QUEUE": "20000",

@@ -55,7 +55,7 @@ def gap_across(times: list[float], at: float) -> float | None:
 
 def migration_phase(args: argparse.Namespace, shape: FleetShape, out: Path, logs: Path) -> list[dict[str, Any]]:
     env = dict(kv.split("=", 1) for kv in args.migration_env.split(",") if "=" in kv)
-    shape = dataclasses.replace(shape, worker_env=env)
+    shape = dataclasses.replace(shape, worker_env=env, max_num_seqs=args.migration_max_num_seqs)
     mlogs = logs / "migration"
     mlogs.mkdir(parents=True, exist_ok=True)
     rng = random.Random(5)

@@ -2,8 +2,9 @@
 
 Phase ``routing``: the workers start once (dummy weights, a fixed number of KV blocks
 each, KV events published for the precise index); one gateway per arm (rr, least,
-cache-approx, cache-precise; ``--gateway-procs`` processes each); then, per workload
-(overflow, easy, chat, w5: loadtest/gpu/workloads.py), every arm in turn on prompts of its
+least-slots = least before issue 24's fix, cache-approx, cache-precise; ``--gateway-procs``
+processes each); then, per workload (overflow, easy, w5, chat: loadtest/gpu/workloads.py),
+every arm in turn on prompts of its
 own (no arm finds another's blocks). Per arm, one JSON line: hit rate (sum of
 ``cached_tokens`` / sum of prompt tokens), the router's predicted hit and its error
 (the gateway's ``prefix_expected`` / ``prefix_error`` counters), TTFT p50/p90/p99, output
@@ -168,23 +169,25 @@ def main() -> int:
     p.add_argument("--tokenizer", default="", help="folder the precise gateway tokenizes with (default: --model)")
     p.add_argument("--served", default="m1b")
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--arms", default="rr,least,cache-approx,cache-precise")
-    p.add_argument("--workloads", default="overflow,easy,chat,w5")
+    p.add_argument("--arms", default="rr,least,least-slots,cache-approx,cache-precise")
+    p.add_argument("--workloads", default="overflow,easy,w5,chat")
     p.add_argument("--requests", type=int, default=640, help="requests per arm and workload")
-    p.add_argument("--users", type=int, default=128, help="closed-loop users")
+    p.add_argument("--users", type=int, default=64, help="closed-loop users")
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--prefix-words", type=int, default=1000, help="~1 token each with the SmolLM2 tokenizer")
+    p.add_argument("--prefix-words", type=int, default=1500, help="~1 token each with the SmolLM2 tokenizer")
     p.add_argument("--overflow-x", type=float, default=1.75, help="overflow prefixes / the four caches together")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-batched", type=int, default=8192)
-    p.add_argument("--kv-blocks", type=int, default=1024, help="KV blocks (16 tokens) per worker")
+    p.add_argument("--kv-blocks", type=int, default=2048, help="KV blocks (16 tokens) per worker")
     p.add_argument("--block-bytes", type=int, default=512 * 1024, help="one block: 1B Llama shape, bf16")
     p.add_argument("--gpu-util", type=float, default=0.2)
     p.add_argument("--eager", action="store_true", help="vLLM without graph compilation (faster start)")
     p.add_argument("--gateway-procs", type=int, default=4)
     p.add_argument("--streams", type=int, default=256, help="migration: greedy streams at once")
     p.add_argument("--stream-tokens", type=int, default=192, help="migration: max_tokens of each stream")
+    p.add_argument("--migration-max-num-seqs", type=int, default=128,
+                   help="migration: room on the survivors for every stream of the killed worker")
     p.add_argument("--migration-env", default="VLLM_BATCH_INVARIANT=1", help="workers' env for the migration phase")
     p.add_argument("--sim-prefill-ms", type=float, default=0.05, help="sim: prefill ms per uncached token")
     p.add_argument("--sim-token-ms", type=float, default=8.0, help="sim: ms per engine step")
