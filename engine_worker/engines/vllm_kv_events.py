@@ -108,7 +108,9 @@ class BlockTranslator:
         """One decoded ``KVEventBatch`` (``[ts, events, dp_rank]``) as index events."""
         out: list[KVEvent] = []
         for event in batch[1] if len(batch) > 1 else ():
-            kind = event.get("type") if isinstance(event, dict) else None
+            if not isinstance(event, dict):
+                continue
+            kind = event.get("type")
             if event.get("group_idx") not in (None, 0) or event.get("medium") not in (None, "GPU", "CPU"):
                 continue  # another attention group's or an offloading tier's blocks
             if kind == "BlockStored":
