@@ -119,6 +119,8 @@ class Fleet:
             self.workers.append(child)
             if i == 0:
                 log(f"worker argv: {' '.join(argv[2:])}; env {env}")
+            if s.engine == "vllm":
+                time.sleep(2)  # the kit's spacing: engines that start at one instant race for GPU memory checks
         deadline = time.monotonic() + timeout_s
         client = sync_client(self.redis_url)
         try:
