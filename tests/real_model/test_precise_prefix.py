@@ -1,8 +1,8 @@
 """The precise prefix index on the real model (vLLM on CPU): the worker's KV events and the
 gateway's tokenizer name the same blocks, and the router predicts ``cached_tokens`` exactly.
 
-One worker of its own (``SLUICE_PREFIX_INDEX=precise``: vLLM publishes its KV events on a
-private socket) and a gateway that tokenizes prompts with the model's tokenizer.
+The shared worker publishes its KV events (``SLUICE_PREFIX_INDEX=precise``, conftest.py); a
+gateway of this module's own tokenizes prompts with the model's tokenizer.
 """
 
 from __future__ import annotations
@@ -21,27 +21,26 @@ from engine_worker.protocol import GenerateRequest
 from sluice import keys
 from sluice.models import default_model_dir, is_prepared
 from sluice.prefix_tokens import TOKEN_BLOCK, token_block_hashes
-from tests.conftest import Proc, StartGateway, StartWorker, wait_for
+from tests.conftest import Proc, StartGateway, wait_for
+from tests.real_model.conftest import MODEL
 
 pytestmark = [
     pytest.mark.real_model,
     pytest.mark.skipif(not is_prepared(default_model_dir()), reason="run 'sluice model prepare' first"),
 ]
 
-MODEL = "smol-precise"
-PRECISE = {"SLUICE_PREFIX_INDEX": "precise", "VLLM_CPU_OMP_THREADS_BIND": "0"}
 SYSTEM = ("You are the lock keeper of the Sluice canal. Boats arrive from the north and the south; "
           "you open the upper gate, let the water settle, and lower each boat gently. ") * 6
 
 
 @pytest.fixture(scope="module")
-def worker(start_worker: StartWorker) -> Proc:
-    return start_worker(MODEL, engine="vllm", vllm_max_num_seqs=4, env=PRECISE)
+def worker(vllm_worker: Proc) -> Proc:
+    return vllm_worker
 
 
 @pytest.fixture(scope="module")
 def gateway(worker: Proc, start_gateway: StartGateway) -> Proc:
-    return start_gateway(env={**PRECISE, "SLUICE_GATEWAY_TOKENIZER": str(default_model_dir())})
+    return start_gateway(env={"SLUICE_PREFIX_INDEX": "precise", "SLUICE_GATEWAY_TOKENIZER": str(default_model_dir())})
 
 
 @pytest.fixture(scope="module")
