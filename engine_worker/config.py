@@ -6,7 +6,7 @@ import socket
 import uuid
 from typing import Literal
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 from pydantic_settings import SettingsConfigDict
 
 from sluice.settings import RedisSettings
@@ -67,6 +67,12 @@ class WorkerSettings(RedisSettings):
     #: vLLM: the vLLM tool-call parser (``hermes``, ``llama3_json``...) for tool_choice "auto";
     #: unset, a request that needs one is a 400.
     tool_call_parser: str | None = None
+    #: Which prefix index the gateways keep (``SLUICE_PREFIX_INDEX``, shared with them):
+    #: ``precise`` makes a vLLM worker publish its engine's KV-cache events, renamed into
+    #: token-block hashes (sluice/prefix_tokens.py); ``approx`` (word blocks) needs nothing.
+    prefix_index: Literal["approx", "precise"] = Field(
+        default="approx",
+        validation_alias=AliasChoices("SLUICE_PREFIX_INDEX", "SLUICE_WORKER_PREFIX_INDEX", "prefix_index"))
     #: vLLM: extra AsyncEngineArgs as a JSON object, e.g. '{"dtype": "float32"}'.
     vllm_engine_args: dict[str, object] = Field(default_factory=dict)
     #: TensorRT-LLM: sequences batched at once (untested here).

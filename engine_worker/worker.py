@@ -85,6 +85,7 @@ def build_engine(settings: WorkerSettings) -> Engine:
     model_dir = resolve(settings.model)
     if settings.engine == "vllm":
         from engine_worker.engines.vllm_engine import VllmEngine, has_gpu
+        from engine_worker.engines.vllm_kv_events import kv_events_endpoint
 
         gpu = has_gpu()
         seqs = settings.vllm_max_num_seqs or (256 if gpu else 16)
@@ -99,6 +100,7 @@ def build_engine(settings: WorkerSettings) -> Engine:
             trtllm_kernels=settings.vllm_trtllm_kernels,
             tensor_parallel_size=settings.vllm_tensor_parallel_size,
             tool_call_parser=settings.tool_call_parser,
+            kv_events_endpoint=kv_events_endpoint() if settings.prefix_index == "precise" else None,
             extra_args=settings.vllm_engine_args,
             task=settings.task,
         )

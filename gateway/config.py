@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from sluice import keys
@@ -70,6 +70,21 @@ class GatewaySettings(RedisSettings):
     #: Cache routing, hot-spot guard: a worker this share of its slots busier than the
     #: least-loaded one gets no credit for its cached prefix.
     route_hot_share: float = Field(default=0.75, ge=0, le=1)
+    #: Least-loaded routing: a request granted but not yet past its first token counts as
+    #: 1 + this many requests in flight (its prefill is ahead of the next request's first
+    #: token); 0 counts slots only, which sent a returning batch of a closed loop back to
+    #: one worker whole (gateway/admission/scripts.py).
+    route_least_pending_weight: float = Field(default=3.0, ge=0)
+    #: Cache routing's index (``SLUICE_PREFIX_INDEX``, shared with the workers): ``approx``
+    #: names blocks of 64 words and learns from routing and ``cached_tokens``; ``precise``
+    #: names blocks of 64 token ids (the ``tokenizer`` folder's tokenizer and chat template,
+    #: as the worker applies them) and learns what vLLM workers really cache from their
+    #: engines' KV events (sluice/prefix_tokens.py).
+    prefix_index: Literal["approx", "precise"] = Field(
+        default="approx",
+        validation_alias=AliasChoices("SLUICE_PREFIX_INDEX", "SLUICE_GATEWAY_PREFIX_INDEX", "prefix_index"))
+    #: The model folder (tokenizer and chat template) the precise index tokenizes prompts with.
+    tokenizer: str | None = None
     #: Share of each worker's slots only urgent requests may fill (headroom under overload;
     #: a request that needs more than the rest may fill them all, see gateway/admission/scripts.py).
     reserved_slots: float = Field(default=0.125, ge=0, lt=1)
@@ -112,3 +127,10 @@ class GatewaySettings(RedisSettings):
     max_stop_chars: int = Field(default=256, ge=1)
     #: Seconds uvicorn waits for open streams on shutdown.
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+
+    @model_validator(mode="after")
+    def _precise_needs_tokenizer(self) -> GatewaySettings:
+        if self.prefix_index == "precise" and self.routing == "cache" and not self.tokenizer:
+            raise ValueError("SLUICE_PREFIX_INDEX=precise needs SLUICE_GATEWAY_TOKENIZER (the model folder "
+                             "whose tokenizer and chat template the workers use)")
+        return self

@@ -37,6 +37,9 @@ def priority_class(priority: int) -> str:
 class GatewayMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        # Which process answered: a --procs gateway's processes share one port, and each
+        # scrape reaches one of them (benchmarks sum them by this label).
+        Gauge("sluice_gateway_process", "This gateway process", ["pid"], registry=r).labels(pid=str(os.getpid())).set(1)
         self.requests = Counter("sluice_gateway_requests", "Requests finished, by status", ["model", "status"], registry=r)
         self.errors = Counter("sluice_gateway_errors", "Errors by OpenAI error type", ["model", "type"], registry=r)
         self.rejections = Counter("sluice_gateway_rejections", "Requests turned away (429/503) by reason",

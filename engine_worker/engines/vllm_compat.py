@@ -26,7 +26,9 @@ Everything else Sluice touches is the same across the range: ``AsyncLLM.from_eng
 ``convert="embed"`` for ``--task embed``), ``AsyncLLM.encode`` and ``PoolingParams(task=,
 dimensions=)`` with ``PoolingRequestOutput.outputs.data``, ``SamplingParams`` and
 ``StructuredOutputsParams`` fields, ``RequestOutput`` / ``CompletionOutput`` / ``Logprob``
-fields, ``StatLoggerBase.record``'s signature and the ``SchedulerStats`` fields, the tool-parser
+fields, ``KVEventsConfig`` (``vllm.config``) and the KV events' wire form (read by field name:
+the order of ``BlockStored``'s fields differs between 0.26 and 0.32, see
+:mod:`engine_worker.engines.vllm_kv_events`), ``VLLM_BATCH_INVARIANT``, ``StatLoggerBase.record``'s signature and the ``SchedulerStats`` fields, the tool-parser
 manager and parser interface, ``ChatCompletionRequest``, the renderer's ``render_cmpl``.
 
 Names are resolved on first use, not at import: importing vLLM takes seconds and reads the
@@ -64,6 +66,8 @@ class VllmApi:
     AsyncEngineArgs: Any
     UsageContext: Any
     StructuredOutputsConfig: Any
+    #: The engine core's KV-cache event publisher settings (the precise prefix index).
+    KVEventsConfig: Any
     SamplingParams: Any
     #: Embedding requests' parameters (``task="embed"``, ``dimensions``).
     PoolingParams: Any
@@ -126,6 +130,7 @@ def vllm_api() -> VllmApi:
         AsyncEngineArgs=_required("vllm.engine.arg_utils", "AsyncEngineArgs"),
         UsageContext=_required("vllm.usage.usage_lib", "UsageContext"),
         StructuredOutputsConfig=_required("vllm.config", "StructuredOutputsConfig"),
+        KVEventsConfig=_required("vllm.config", "KVEventsConfig"),
         SamplingParams=_required("vllm.sampling_params", "SamplingParams"),
         PoolingParams=_required("vllm.pooling_params", "PoolingParams"),
         RequestOutputKind=_required("vllm.sampling_params", "RequestOutputKind"),

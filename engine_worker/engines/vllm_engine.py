@@ -30,6 +30,7 @@ from engine_worker.engines.prompts import (
 from engine_worker.engines.resume import ResumedText
 from engine_worker.engines.tool_calls import ForcedCalls, decoding_constraint
 from engine_worker.engines.vllm_compat import vllm_api
+from engine_worker.engines.vllm_kv_events import KVEventListener
 from engine_worker.engines.vllm_tools import AutoToolCalls, check_parser
 from engine_worker.protocol import Delta, GenerateRequest, KVEvent, Usage
 from sluice.errors import InvalidRequest, UpstreamFailed
@@ -57,6 +58,7 @@ class VllmEngine:
         trtllm_kernels: bool = False,
         tensor_parallel_size: int = 1,
         tool_call_parser: str | None = None,
+        kv_events_endpoint: str | None = None,
         extra_args: dict[str, Any] | None = None,
         task: str = "generate",
     ) -> None:
@@ -75,6 +77,9 @@ class VllmEngine:
         #: ``embed``: the model runs as an embedding model (its last token's hidden state,
         #: normalised: vLLM's pooling runner converting a causal LM), and generates nothing.
         self.task = task
+        #: Precise prefix index: the engine core publishes its KV-cache events here and the
+        #: worker re-names them into token-block hashes (engines/vllm_kv_events.py).
+        self._kv_events = KVEventListener(kv_events_endpoint) if kv_events_endpoint else None
         self._engine: Any = None
         self._tokenizer: Any = None
         self._stats = EngineStats()
@@ -114,6 +119,9 @@ class VllmEngine:
             args["tensor_parallel_size"] = self._tensor_parallel_size
         if self._trtllm_kernels:
             args.update(trtllm_kernel_args())
+        if self._kv_events is not None:
+            args["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                        "endpoint": self._kv_events.endpoint, "topic": ""}
         args.update(self._extra)
         return args
 
@@ -128,6 +136,10 @@ class VllmEngine:
         log.info("starting vLLM %s with %s", vllm.version, args)
         if isinstance(args.get("structured_outputs_config"), dict):  # AsyncEngineArgs wants the object
             args["structured_outputs_config"] = vllm.StructuredOutputsConfig(**args["structured_outputs_config"])
+        if isinstance(args.get("kv_events_config"), dict):
+            args["kv_events_config"] = vllm.KVEventsConfig(**args["kv_events_config"])
+        if self._kv_events is not None:
+            self._kv_events.start()
         if self._trtllm_kernels:
             report_trtllm_kernels()
         # On a GPU, the API server's usage context: the defaults vLLM's own server picks for
@@ -154,15 +166,17 @@ class VllmEngine:
         return self._tokenizer
 
     async def shutdown(self) -> None:
+        if self._kv_events is not None:
+            await self._kv_events.stop()
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
 
     def take_kv_events(self) -> list[KVEvent]:
-        # vLLM names its blocks by hashes of token ids, which the gateways' word-block index cannot
-        # match without the tokenizer; its truth reaches the index through each response's
-        # cached_tokens (gateway/admission/routing.py).
-        return []
+        # Without the precise index (kv_events_endpoint unset) vLLM's blocks are named by hashes
+        # the gateways' word-block index cannot match; its truth then reaches the index through
+        # each response's cached_tokens (gateway/admission/routing.py).
+        return self._kv_events.take() if self._kv_events is not None else []
 
     def stats(self) -> EngineStats:
         return self._stats

@@ -296,7 +296,9 @@ class Admission:
                             self._s.max_queue, orjson.dumps(list(ask.exclude)).decode(),
                             int(ask.boost), _tenant_name(ask.tenant), ask.cost,
                             orjson.dumps(ask.blocks).decode(), self._s.routing, self._s.route_load_blocks,
-                            self._s.route_hot_share, self._s.route_prefill_weight, ask.task),
+                            self._s.route_hot_share,
+                            self._s.route_least_pending_weight if self._s.routing == "least"
+                            else self._s.route_prefill_weight, ask.task),
         ))
         try:
             return cast(list[Any], await asyncio.shield(call))

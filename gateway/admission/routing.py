@@ -1,7 +1,8 @@
 """Cache routing at the gateway: a prompt's prefix blocks, and the check of the router's guess.
 
 The admission scripts choose the worker (gateway/admission/scripts.py); this module gives them
-the prompt's block hashes (:class:`PromptPrefix`), and when the engine answers, it
+the prompt's block hashes (:class:`PromptPrefix`: blocks of words for the approximate index,
+blocks of the model's token ids for the precise one), and when the engine answers, it
 compares what the index expected the worker to hold with the ``cached_tokens`` the
 engine reported (:class:`RouteCheck`): the difference is the routing accuracy metric,
 and blocks the worker turned out not to hold leave the index (:class:`PrefixIndex`).
@@ -14,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from sluice import prefix_tokens
 from sluice.prefix import (
     BLOCK_TOKENS,
     block_hashes_of_words,
@@ -25,15 +27,22 @@ from sluice.prefix_index import PrefixIndex
 
 @dataclass(frozen=True, slots=True)
 class PromptPrefix:
-    """A prompt's block hashes and its length in words (the gateway's stand-in for tokens)."""
+    """A prompt's block hashes and its length: in words (the approximate index's stand-in
+    for tokens), or, when ``precise``, in the model's tokens (blocks of
+    :data:`sluice.prefix_tokens.TOKEN_BLOCK` token ids)."""
 
     blocks: tuple[str, ...]
     words: int
+    precise: bool = False
 
     @classmethod
     def of(cls, payload: dict[str, Any]) -> PromptPrefix:
         words = payload_text(payload).split()
         return cls(tuple(block_hashes_of_words(words)), len(words))
+
+    @classmethod
+    def of_tokens(cls, ids: list[int]) -> PromptPrefix:
+        return cls(tuple(prefix_tokens.token_block_hashes(ids)), len(ids), precise=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +63,13 @@ class RouteCheck:
         # A resumed request's prompt holds the tokens already generated; the prefix does not.
         prompt_tokens = max(0, int(usage.get("prompt_tokens", 0)) - resumed)
         reported = min(int(usage.get("cached_tokens", 0)), prompt_tokens)
+        if prefix.precise:  # blocks of the engine's own tokens: nothing to scale
+            expected = prefix_tokens.expected_cached_tokens(matched_blocks, prompt_tokens)
+            # Short of the expectation by less than a block: the engine rounds its hit down to
+            # its own (smaller) blocks, the last one of a prompt it holds whole included.
+            held = matched_blocks if expected - reported < prefix_tokens.TOKEN_BLOCK \
+                else reported // prefix_tokens.TOKEN_BLOCK
+            return cls(expected=expected, reported=reported, held_blocks=held)
         expected = expected_cached_tokens(matched_blocks, prefix.words, prompt_tokens)
         held = math.floor(reported * prefix.words / prompt_tokens / BLOCK_TOKENS) if prompt_tokens else 0
         return cls(expected=expected, reported=reported, held_blocks=held)

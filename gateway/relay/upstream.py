@@ -27,6 +27,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from gateway.admission.queue import REGISTRY_REBUILDING, Admission, Ask, Lease
+from gateway.admission.prompt_tokens import PromptTokenizer
 from gateway.admission.routing import IndexCorrections, PromptPrefix, RouteCheck
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
@@ -265,6 +266,9 @@ class Dispatcher:
     ) -> None:
         self._settings = settings
         self._corrections = corrections
+        self._tokenizer = (PromptTokenizer(settings.tokenizer)
+                           if settings.routing == "cache" and settings.prefix_index == "precise" and settings.tokenizer
+                           else None)
         self._admission = admission
         self._http = http
         self._workers = workers
@@ -279,6 +283,9 @@ class Dispatcher:
         """The prompt's blocks when routing by cache (hashing costs nothing otherwise)."""
         if self._settings.routing != "cache":
             return PromptPrefix((), 0)
+        if self._tokenizer is not None:
+            ids = self._tokenizer.ids(payload)
+            return PromptPrefix.of_tokens(ids) if ids is not None else PromptPrefix((), 0, precise=True)
         return PromptPrefix.of(payload)
 
     async def admit(

@@ -214,13 +214,46 @@ async def test_generations_on_one_worker_count_their_prefill_once(fleet: Fleet) 
     assert await _prefill(fleet) == {}
 
 
-async def test_least_and_round_robin_count_no_prefill(fleet: Fleet) -> None:
+async def test_round_robin_counts_no_prefill_and_least_counts_requests(fleet: Fleet) -> None:
     await fleet.worker(capacity=4, worker_id="a")
-    for routing in ("least", "rr"):
-        gw = await fleet.gateway(routing=routing)
-        (lease,) = await gw.acquire(fleet.ask(blocks=_blocks("q")))
-        assert await _prefill(fleet) == {}
-        await gw.release(lease)
+    rr = await fleet.gateway(routing="rr")
+    (lease,) = await rr.acquire(fleet.ask(blocks=_blocks("q")))
+    assert await _prefill(fleet) == {}
+    await rr.release(lease)
+    least = await fleet.gateway(routing="least")
+    (lease,) = await least.acquire(fleet.ask(blocks=_blocks("q")))
+    assert (lease.prefill_blocks, await _prefill(fleet)) == (1, {"a": 1})  # one request, not its blocks
+    await least.release(lease)
+    assert await _prefill(fleet) == {}
+
+
+async def test_least_does_not_send_a_returning_batch_back_to_one_worker(fleet: Fleet) -> None:
+    """Regression for least's 3.4x round robin's TTFT on one H200 (issue 24): in a closed
+    loop, the requests that started together on a worker finish together; their users come
+    back at once and the worker they just left is the least loaded for each of them, so
+    counting slots alone sent the whole batch back to it -- one worker prefilling eight
+    prompts while the other decodes, a batch that never broke up. A request not yet past
+    its first token now weighs more than one that decodes: the batch is shared."""
+    await fleet.worker(capacity=32, worker_id="a")
+    await fleet.worker(capacity=32, worker_id="b")
+    gw = await fleet.gateway(routing="least")
+    first = [(await gw.acquire(fleet.ask()))[0] for _ in range(16)]
+    assert sorted(x.worker_id for x in first) == ["a"] * 8 + ["b"] * 8
+    for lease in first:
+        gw.prefilled(lease)  # every first token is out: they all decode
+    for _ in range(200):
+        if await _prefill(fleet) == {}:
+            break
+        await asyncio.sleep(0.01)
+    assert await _prefill(fleet) == {}
+    for lease in first:
+        if lease.worker_id == "a":
+            await gw.release(lease)  # a's batch ends; its eight users come back at once
+    back = [(await gw.acquire(fleet.ask()))[0].worker_id for _ in range(8)]
+    assert back.count("b") >= 3, back
+    for lease in first:
+        if lease.worker_id == "b":
+            await gw.release(lease)
 
 
 async def test_the_reaper_gives_back_a_dead_gateways_prefill_and_recounts(fleet: Fleet) -> None:

@@ -23,8 +23,10 @@ MODEL = "smol-shared"
 @pytest.fixture(scope="session")
 def vllm_worker(start_worker: StartWorker) -> Proc:
     # A tool-call parser for tool_choice "auto"; float32 is the CPU default (engines/vllm_engine.py).
+    # Its KV events feed the precise prefix index (test_precise_prefix.py); gateways in the
+    # default approximate mode never match those token-block hashes, so the rest is unchanged.
     worker = start_worker(MODEL, engine="vllm", vllm_max_num_seqs=8, tool_call_parser="hermes",
-                          env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
+                          env={"VLLM_CPU_OMP_THREADS_BIND": "0", "SLUICE_PREFIX_INDEX": "precise"})
     worker.shared = True
     return worker
 

@@ -1,0 +1,64 @@
+"""The prompt's token ids at the gateway, for the precise prefix index.
+
+The precise index names blocks by the token ids the engine will see
+(:mod:`sluice.prefix_tokens`), so the gateway tokenizes each prompt exactly as the worker
+does: the same tokenizer folder, the same chat template, the same function
+(:func:`engine_worker.engines.prompts.prompt_token_ids`). The other way, asking the worker
+to tokenize, costs the gateway an HTTP round trip per request and the worker the same
+tokenization; ``python -m loadtest.gpu.tokenize_cost`` measures both (README-ready figures in
+the report of the change that brought this module).
+
+A prompt the tokenizer or template refuses routes with no blocks: the worker answers it
+with the 400 it deserves.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, cast
+
+from engine_worker.engines.prompts import prompt_token_ids
+from engine_worker.protocol import GenerateRequest
+from sluice.errors import InvalidRequest
+
+log = logging.getLogger("sluice.gateway.prefix")
+
+#: The payload fields that decide the prompt's token ids.
+_PROMPT_FIELDS = ("messages", "prompt", "prompt_token_ids", "tools", "tool_mode")
+
+
+@dataclass(frozen=True, slots=True)
+class _PromptFields:
+    """What of a GenerateRequest decides its prompt's token ids."""
+
+    messages: list[dict[str, Any]] | None
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    tools: list[dict[str, Any]] | None
+    tool_mode: str | dict[str, str] | None
+
+
+class PromptTokenizer:
+    """One model folder's tokenizer, loaded once per gateway process."""
+
+    def __init__(self, folder: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.folder = folder
+        self._tokenizer = AutoTokenizer.from_pretrained(folder)
+
+    def __repr__(self) -> str:
+        return f"PromptTokenizer({self.folder})"
+
+    def ids(self, payload: dict[str, Any]) -> list[int] | None:
+        """The prompt's token ids as the worker will compute them (resumed tokens excluded:
+        they are not part of the shared prefix); None if the tokenizer refuses it."""
+        # The few fields prompt_token_ids reads; GenerateRequest.model_construct cost a
+        # quarter of this call (pydantic inspects every default factory's signature).
+        request = _PromptFields(**{k: payload.get(k) for k in _PROMPT_FIELDS})
+        try:
+            return prompt_token_ids(self._tokenizer, cast(GenerateRequest, request))
+        except InvalidRequest as exc:
+            log.debug("no precise prefix for this prompt: %s", exc)
+            return None

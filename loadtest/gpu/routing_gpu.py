@@ -1,0 +1,240 @@
+"""Routing and migration at GPU speed: 4 vLLM workers sharing one GPU, one gateway per arm.
+
+Phase ``routing``: the workers start once (dummy weights, a fixed number of KV blocks
+each, KV events published for the precise index); one gateway per arm (rr, least,
+least-slots = least before issue 24's fix, cache-approx, cache-precise; ``--gateway-procs``
+processes each); then, per workload (overflow, easy, w5, chat: loadtest/gpu/workloads.py),
+every arm in turn on prompts of its
+own (no arm finds another's blocks). Per arm, one JSON line: hit rate (sum of
+``cached_tokens`` / sum of prompt tokens), the router's predicted hit and its error
+(the gateway's ``prefix_expected`` / ``prefix_error`` counters), TTFT p50/p90/p99, output
+tok/s, errors, and CPU: the arm's gateway (all its processes) per request and per chunk,
+beside the vLLM workers' (worker + engine core) per request.
+
+Phase ``migration``: fresh workers (``--migration-env``, e.g. ``VLLM_BATCH_INVARIANT=1``),
+``--streams`` greedy completions at once, run twice without a fault (the reference, and its
+repeat to show the reference is deterministic), then once more with one worker SIGKILLed
+(its process group: worker and engine core) when the streams are a third through. Every
+stream must finish with the reference's text exactly (no gap, no repeat, the continuation
+conditioned on exactly the prompt plus the tokens sent); the pause is each migrated
+stream's gap across the kill.
+
+    python -m loadtest.gpu.routing_gpu --phase routing --engine vllm --model /tmp/m_1b --out $OUT   (device)
+    python -m loadtest.gpu.routing_gpu --phase routing,migration --engine sim --out /tmp/o --quick  (rehearsal)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loadtest.gpu import procstat
+from loadtest.gpu.chart import draw
+from loadtest.gpu.client import Recorder, closed_loop
+from loadtest.gpu.fleet import ARMS, Fleet, FleetShape, log
+from loadtest.gpu.workloads import Sizes, describe, plan, text
+from sluice.commands.bench_report import quantile, table
+
+LIMITS = httpx.Limits(max_connections=2048, max_keepalive_connections=2048)
+
+
+def metric(body: str, name: str) -> float:
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", body, re.M))
+
+
+def summarize(workload: str, arm: str, records: list[dict[str, Any]], wall: float, cpu: dict[str, float],
+              counters: dict[str, float]) -> dict[str, Any]:
+    ok = [r for r in records if r["error"] is None]
+    prompt = sum(r["prompt"] for r in ok)
+    cached = sum(r["cached"] for r in ok)
+    ttfts = [r["ttft"] for r in ok]
+    chunks = sum(r["chunks"] for r in ok)
+    out = {
+        "phase": "routing", "workload": workload, "arm": arm, "requests": len(records), "ok": len(ok),
+        "errors": len(records) - len(ok),
+        "error_kinds": sorted({str(r["error"])[:80] for r in records if r["error"]})[:5],
+        "hit_pct": round(100 * cached / max(prompt, 1), 2),
+        "prompt_tok_avg": round(prompt / max(len(ok), 1), 1),
+        "ttft_p50_ms": round(quantile(ttfts, 0.5) * 1000, 1), "ttft_p90_ms": round(quantile(ttfts, 0.9) * 1000, 1),
+        "ttft_p99_ms": round(quantile(ttfts, 0.99) * 1000, 1),
+        "out_tok_s": round(sum(r["completion"] for r in ok) / wall, 1),
+        "req_s": round(len(ok) / wall, 2), "wall_s": round(wall, 2), "chunks": chunks,
+        "gateway_cpu_s": round(cpu["gateway"], 2), "workers_cpu_s": round(cpu["workers"], 2),
+        "gateway_cpu_ms_per_req": round(1000 * cpu["gateway"] / max(len(records), 1), 3),
+        "gateway_cpu_us_per_chunk": round(1e6 * cpu["gateway"] / max(chunks, 1), 1),
+        "workers_cpu_ms_per_req": round(1000 * cpu["workers"] / max(len(records), 1), 3),
+    }
+    if arm.startswith("cache") and counters.get("prompt"):
+        # The router's prediction against the engines' report, over this arm's requests.
+        out["predicted_hit_pct"] = round(100 * counters["expected"] / counters["prompt"], 2)
+        out["reported_hit_pct"] = round(100 * counters["cached"] / counters["prompt"], 2)
+        out["index_error_pct"] = round(100 * counters["error"] / counters["prompt"], 2)
+    return out
+
+
+async def run_arm(fleet: Fleet, workload: str, arm: str, sizes: Sizes, args: argparse.Namespace,
+                  seed: int) -> dict[str, Any]:
+    url = fleet.gateways[arm][1]
+    tag = f"{workload}-{arm}-{seed}"
+    async with httpx.AsyncClient(timeout=600, limits=LIMITS) as http:
+        warm = Recorder(http, url, args.served)
+        rng = random.Random(seed)
+        await asyncio.gather(*(warm.send({"messages": [{"role": "user", "content": f"warm {tag} {i} " + text(rng, 32)}],
+                                          "max_tokens": 4}) for i in range(8)))
+        # Counters per process: a --procs gateway answers /metrics from whichever process
+        # took the connection, so the arm's counters are read by scraping until every
+        # process was seen (their pids differ in the process_* series).
+        before = await scrape_all(http, url, args.gateway_procs)
+        cpu0 = {"gateway": procstat.tree_cpu_s(fleet.gateway_pid(arm)),
+                "workers": procstat.trees_cpu_s(fleet.worker_pids())}
+        recorder = Recorder(http, url, args.served)
+        sessions = plan(workload, tag, sizes, seed)
+        started = time.perf_counter()
+        recorder.t0 = started
+        await closed_loop(recorder, sessions, args.users, args.max_tokens)
+        wall = time.perf_counter() - started
+        cpu = {"gateway": procstat.tree_cpu_s(fleet.gateway_pid(arm)) - cpu0["gateway"],
+               "workers": procstat.trees_cpu_s(fleet.worker_pids()) - cpu0["workers"]}
+        after = await scrape_all(http, url, args.gateway_procs)
+    counters = {k: after[k] - before[k] for k in after}
+    row = summarize(workload, arm, recorder.records, wall, cpu, counters)
+    return row | describe(workload, sizes)
+
+
+#: Gateway counters the bench reads: name in results -> Prometheus series.
+COUNTERS = {"expected": "sluice_gateway_prefix_expected_tokens_total",
+            "error": "sluice_gateway_prefix_error_tokens_total",
+            "prompt": "sluice_gateway_prompt_tokens_total", "cached": "sluice_gateway_cached_tokens_total",
+            "migrations": "sluice_gateway_migrations_total"}
+
+
+async def scrape_all(http: httpx.AsyncClient, url: str, procs: int) -> dict[str, float]:
+    """The gateway's counters summed over its processes: each new connection lands on one of
+    them, told apart by the ``sluice_gateway_process`` pid label."""
+    seen: dict[str, dict[str, float]] = {}
+    for _ in range(40 * procs):
+        async with httpx.AsyncClient(timeout=10) as fresh:  # a new connection: maybe a new process
+            body = (await fresh.get(url + "/metrics")).text
+        pid = re.search(r'^sluice_gateway_process{pid="([0-9]+)"}', body, re.M)
+        seen[pid.group(1) if pid else str(len(seen))] = {k: metric(body, name) for k, name in COUNTERS.items()}
+        if len(seen) >= procs:
+            break
+    return {k: sum(v[k] for v in seen.values()) for k in COUNTERS}
+
+
+def emit(out: Path, row: dict[str, Any]) -> None:
+    with open(out / "results.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    log(json.dumps(row))
+
+
+def routing_phase(args: argparse.Namespace, shape: FleetShape, out: Path, logs: Path) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    arms = args.arms.split(",")
+    with Fleet(shape, logs) as fleet:
+        t0 = time.monotonic()
+        fleet.start_gateways(arms, args.tokenizer)  # start while the workers load (gateways wait for none)
+        fleet.start_workers(args.start_timeout_s)
+        log(f"{shape.workers} workers registered after {time.monotonic() - t0:.1f} s")
+        sizes = Sizes(cache_tokens=shape.cache_tokens, prefix_words=args.prefix_words, requests=args.requests,
+                      overflow_x=args.overflow_x)
+        longest = 0.0
+        for w, workload in enumerate(args.workloads.split(",")):
+            for a, arm in enumerate(arms):
+                if args.deadline and time.time() + 1.3 * longest + 10 > args.deadline:
+                    log(f"deadline: {workload} {arm} and later not started")
+                    return rows
+                ta = time.monotonic()
+                row = asyncio.run(run_arm(fleet, workload, arm, sizes, args, seed=100 * w + a))
+                longest = max(longest, time.monotonic() - ta)
+                row["kv_blocks_per_worker"], row["cache_tokens_per_worker"] = shape.kv_blocks, shape.cache_tokens
+                rows.append(row)
+                emit(out, row)
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--phase", default="routing", help="routing, migration, or both (comma-separated)")
+    p.add_argument("--engine", default="vllm", choices=["vllm", "sim"])
+    p.add_argument("--model", default="/tmp/m_1b")
+    p.add_argument("--tokenizer", default="", help="folder the precise gateway tokenizes with (default: --model)")
+    p.add_argument("--served", default="m1b")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--arms", default="rr,least,least-slots,cache-approx,cache-precise")
+    p.add_argument("--workloads", default="overflow,easy,w5,chat")
+    p.add_argument("--requests", type=int, default=640, help="requests per arm and workload")
+    p.add_argument("--users", type=int, default=64, help="closed-loop users")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prefix-words", type=int, default=1500, help="~1 token each with the SmolLM2 tokenizer")
+    p.add_argument("--overflow-x", type=float, default=1.75, help="overflow prefixes / the four caches together")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-batched", type=int, default=8192)
+    p.add_argument("--kv-blocks", type=int, default=2048, help="KV blocks (16 tokens) per worker")
+    p.add_argument("--block-bytes", type=int, default=512 * 1024, help="one block: 1B Llama shape, bf16")
+    p.add_argument("--gpu-util", type=float, default=0.2)
+    p.add_argument("--eager", action="store_true", help="vLLM without graph compilation (faster start)")
+    p.add_argument("--gateway-procs", type=int, default=4)
+    p.add_argument("--streams", type=int, default=256, help="migration: greedy streams at once")
+    p.add_argument("--stream-tokens", type=int, default=192, help="migration: max_tokens of each stream")
+    p.add_argument("--migration-max-num-seqs", type=int, default=128,
+                   help="migration: room on the survivors for every stream of the killed worker")
+    p.add_argument("--migration-env", default="VLLM_BATCH_INVARIANT=1", help="workers' env for the migration phase")
+    p.add_argument("--sim-prefill-ms", type=float, default=0.05, help="sim: prefill ms per uncached token")
+    p.add_argument("--sim-token-ms", type=float, default=8.0, help="sim: ms per engine step")
+    p.add_argument("--start-timeout-s", type=float, default=300)
+    p.add_argument("--deadline", type=float, default=0, help="epoch s: start no arm that may not end before it")
+    p.add_argument("--quick", action="store_true", help="CPU rehearsal sizes")
+    p.add_argument("--out", default="/tmp/routing_gpu_out")
+    args = p.parse_args()
+    args.tokenizer = args.tokenizer or args.model
+    if args.quick:
+        args.requests, args.users, args.kv_blocks, args.prefix_words = 48, 16, 64, 200
+        args.streams, args.stream_tokens, args.max_tokens, args.gateway_procs = 16, 48, 8, 2
+    out = Path(args.out)
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log(f"settings: {json.dumps(vars(args))}")
+    shape = FleetShape(engine=args.engine, model=args.model, served=args.served, workers=args.workers,
+                       max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, max_batched=args.max_batched,
+                       kv_blocks=args.kv_blocks, block_bytes=args.block_bytes, gpu_util=args.gpu_util,
+                       enforce_eager=args.eager, gateway_procs=args.gateway_procs,
+                       sim_prefill_ms=args.sim_prefill_ms, sim_token_ms=args.sim_token_ms,
+                       block_tokens=16 if args.engine == "vllm" else 64)
+    rows: list[dict[str, Any]] = []
+    try:
+        for phase in args.phase.split(","):
+            if phase == "routing":
+                rows += routing_phase(args, shape, out, logs)
+            elif phase == "migration":
+                from loadtest.gpu.migration import migration_phase
+
+                rows += migration_phase(args, shape, out, logs)
+            else:
+                raise SystemExit(f"unknown phase {phase}")
+    except Exception as exc:  # noqa: BLE001 - report, keep what was measured and the logs
+        log(f"FAILED: {type(exc).__name__}: {exc}")
+    finally:
+        every = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()] \
+            if (out / "results.jsonl").exists() else []
+        if every:
+            draw(every, out / "routing_gpu.png")
+    routing = [r for r in rows if r["phase"] == "routing"]
+    if routing:
+        cols = ["workload", "arm", "requests", "errors", "hit_pct", "predicted_hit_pct", "ttft_p50_ms", "ttft_p90_ms",
+                "out_tok_s", "gateway_cpu_ms_per_req", "gateway_cpu_us_per_chunk", "workers_cpu_ms_per_req"]
+        print(table([{c: r.get(c, "") for c in cols} for r in routing]), flush=True)
+    return 0 if rows and not any(r.get("errors") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,129 @@
+"""The routing bench's workloads, as lists of conversations a closed loop of users sends.
+
+Sizes are in words (about one token each with the default model's tokenizer, see
+``loadtest/prefix_vllm.py``'s WORDS) and relative to the fleet's KV cache: ``cache_tokens``
+is one worker's cache, so the four caches hold ``4 * cache_tokens``.
+
+- easy: ``groups`` system prefixes together about half the fleet's caches, every group
+  asked in turn, round after round (the issue's first regime);
+- overflow: prefixes together ``overflow_x`` times the fleet's caches, Zipf popularity,
+  a share of requests continuing multi-turn sessions (their history grows turn by turn);
+- w5: no shared prefix (every prompt new): the control, where routing can only balance;
+- chat: multi-turn sessions on one short system prompt, each turn adds the answer and a
+  new question.
+
+Every item is (tag, messages) where messages may end with a callback marker: for
+multi-turn items the client appends the model's answer to the session before the
+session's next turn is sent (:class:`Session`).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from loadtest.prefix_vllm import WORDS
+
+
+def text(rng: random.Random, count: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(count))
+
+
+@dataclass
+class Session:
+    """A conversation whose turns are sent one after another by the same user."""
+
+    system: str
+    questions: list[str]
+    history: list[dict[str, str]] = field(default_factory=list)
+    turn: int = 0
+
+    def messages(self) -> list[dict[str, str]]:
+        return [{"role": "system", "content": self.system}, *self.history,
+                {"role": "user", "content": self.questions[self.turn]}]
+
+    def answered(self, answer: str) -> None:
+        self.history += [{"role": "user", "content": self.questions[self.turn]},
+                         {"role": "assistant", "content": answer}]
+        self.turn += 1
+
+    @property
+    def done(self) -> bool:
+        return self.turn >= len(self.questions)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    cache_tokens: int
+    prefix_words: int = 1000
+    requests: int = 512
+    overflow_x: float = 1.75
+    easy_share: float = 0.5
+    zipf_s: float = 0.9
+    session_share: float = 0.25
+    turns: int = 4
+    question_words: int = 24
+
+
+def zipf_weights(n: int, s: float) -> list[float]:
+    return [1 / (k + 1) ** s for k in range(n)]
+
+
+def plan(name: str, tag: str, sizes: Sizes, seed: int) -> list[Session]:
+    """The workload as sessions (a single-turn request is a session of one turn), in the
+    order users pick them up."""
+    rng = random.Random(seed)
+    fleet = 4 * sizes.cache_tokens
+
+    def prefix(g: int) -> str:
+        return f"{tag} group {g}. " + text(random.Random(f"{tag}-{g}"), sizes.prefix_words)
+
+    def question() -> str:
+        return text(rng, sizes.question_words) + "?"
+
+    if name == "easy":
+        groups = max(2, round(sizes.easy_share * fleet / sizes.prefix_words))
+        rounds = max(1, sizes.requests // groups)
+        out = []
+        for _ in range(rounds):
+            order = list(range(groups))
+            rng.shuffle(order)
+            out += [Session(prefix(g), [question()]) for g in order]
+        return out
+    if name == "overflow":
+        groups = max(2, round(sizes.overflow_x * fleet / sizes.prefix_words))
+        weights = zipf_weights(groups, sizes.zipf_s)
+        out = []
+        sent = 0
+        while sent < sizes.requests:
+            (g,) = rng.choices(range(groups), weights)
+            if rng.random() < sizes.session_share:
+                out.append(Session(prefix(g), [question() for _ in range(sizes.turns)]))
+                sent += sizes.turns
+            else:
+                out.append(Session(prefix(g), [question()]))
+                sent += 1
+        return out
+    if name == "w5":
+        return [Session(f"{tag} unique {i}. " + text(rng, sizes.prefix_words), [question()])
+                for i in range(sizes.requests)]
+    if name == "chat":
+        system = f"{tag}. You are a helpful assistant. " + text(random.Random(tag), 64)
+        sessions = max(1, sizes.requests // sizes.turns)
+        return [Session(system, [text(rng, 4 * sizes.question_words) + "?" for _ in range(sizes.turns)])
+                for _ in range(sessions)]
+    raise ValueError(f"unknown workload {name}")
+
+
+def describe(name: str, sizes: Sizes) -> dict[str, Any]:
+    """What the workload's shared prefixes weigh against the fleet's caches."""
+    fleet = 4 * sizes.cache_tokens
+    if name == "easy":
+        groups = max(2, round(sizes.easy_share * fleet / sizes.prefix_words))
+    elif name == "overflow":
+        groups = max(2, round(sizes.overflow_x * fleet / sizes.prefix_words))
+    else:
+        return {"groups": 0, "prefix_x_fleet_cache": 0.0}
+    return {"groups": groups, "prefix_words": sizes.prefix_words,
+            "prefix_x_fleet_cache": round(groups * sizes.prefix_words / fleet, 2)}
