@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.admission.affinity import session_header, session_of
 from gateway.admission.caps import check_caps, generations, queue_cost, token_estimate
 from gateway.admission.queue import Admission, as_sluice_error
 from gateway.admission.routing import IndexCorrections
@@ -298,6 +299,7 @@ def _context(
         last_event_id=last_event_id(request.headers.get("last-event-id")),
         tenant=owner,
         cost=queue_cost(req, settings.fair_output_tokens),
+        session=session_of(req.prompt_cache_key, session_header(request.headers), req.user),
         headers=headers,
         record=record,
     )

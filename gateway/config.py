@@ -70,6 +70,16 @@ class GatewaySettings(RedisSettings):
     #: Cache routing, hot-spot guard: a worker this share of its slots busier than the
     #: least-loaded one gets no credit for its cached prefix.
     route_hot_share: float = Field(default=0.75, ge=0, le=1)
+    #: Session affinity (``prompt_cache_key``, ``x-session-id`` or ``user``): "bounded"
+    #: (consistent hashing with bounded loads), "cost" (a term in cache routing's cost) or
+    #: "off". See gateway/admission/affinity.py.
+    session_affinity: Literal["bounded", "cost", "off"] = "bounded"
+    #: Bounded affinity: a session's worker may carry at most this many times the fleet's
+    #: mean load (share of slots, with this request) before the session spills to its next one.
+    session_load_bound: float = Field(default=1.25, ge=1)
+    #: Cost affinity: prompt blocks (of 64 tokens) that sending a session elsewhere than its
+    #: home worker costs, against the cache routing's cost.
+    session_cost_blocks: float = Field(default=8.0, ge=0)
     #: Share of each worker's slots only urgent requests may fill (headroom under overload;
     #: a request that needs more than the rest may fill them all, see gateway/admission/scripts.py).
     reserved_slots: float = Field(default=0.125, ge=0, lt=1)

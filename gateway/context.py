@@ -43,6 +43,8 @@ class RequestContext:
     #: The caller's rate-limit charge (None when the gateway runs without API keys);
     #: settled once, through :meth:`take_charge`.
     charge: Charge | None = None
+    #: The session's routing key (gateway/admission/affinity.py), "" when it names none.
+    session: str = ""
     #: Headers every answer to this request carries (rate limits, effective priority).
     headers: dict[str, str] = field(default_factory=dict)
     #: Workers whose connection broke while serving this request (see lost_a_worker).

@@ -144,7 +144,8 @@ class Ask:
     ``need`` slots at once (a request's generations); ``cost`` in tokens, charged to
     ``tenant``'s fair share; ``boost`` for retries and migrations (first in line,
     never refused for queue length); ``exclude`` names workers that already failed it;
-    ``blocks``: the prompt's block hashes (:mod:`sluice.prefix`), for cache routing.
+    ``blocks``: the prompt's block hashes (:mod:`sluice.prefix`), for cache routing;
+    ``session``: the session's routing key (:mod:`gateway.admission.affinity`), "" for none.
     """
 
     model: str
@@ -157,6 +158,7 @@ class Ask:
     boost: bool = False
     exclude: tuple[str, ...] = ()
     blocks: tuple[str, ...] = ()
+    session: str = ""
 
 
 @dataclass(eq=False, slots=True)
@@ -289,7 +291,9 @@ class Admission:
                             self._s.max_queue, orjson.dumps(list(ask.exclude)).decode(),
                             int(ask.boost), _tenant_name(ask.tenant), ask.cost,
                             orjson.dumps(ask.blocks).decode(), self._s.routing, self._s.route_load_blocks,
-                            self._s.route_hot_share, self._s.route_prefill_weight),
+                            self._s.route_hot_share, self._s.route_prefill_weight,
+                            ask.session if self._s.session_affinity != "off" else "", self._s.session_affinity,
+                            self._s.session_load_bound, self._s.session_cost_blocks),
         ))
         try:
             return cast(list[Any], await asyncio.shield(call))

@@ -86,9 +86,10 @@ in the same script: routing costs no Redis call on the request's path beyond ACQ
 
 from __future__ import annotations
 
+from gateway.admission import affinity
 from sluice import keys, prefix_index
 
-_PRELUDE = f"local GRANTS_KEPT = {keys.GRANTS_KEPT}\n" + prefix_index.FUNCTIONS + r"""
+_PRELUDE = f"local GRANTS_KEPT = {keys.GRANTS_KEPT}\n" + prefix_index.FUNCTIONS + affinity.FUNCTIONS + r"""
 local K_WORKERS, K_ALIVE, K_INFLIGHT, K_LEASES, K_OWNER = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local K_QURGENT, K_QNORMAL, K_META, K_DEPTH, K_GRANTS = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local K_GATEWAYS, K_FAIR, K_DONE, K_URGENT_SEEN, K_HEADS = KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15]
@@ -187,6 +188,7 @@ local function best_pick(ws, excluded, full, route, matched)
         local m = matched[w.id] or 0
         if w.used / w.cap - coolest > route.hot then m = 0 end
         cost = (n - m) + route.prefill * w.prefill + route.load * w.used * total_cap / (#ws * w.cap)
+        if route.home and w.id ~= route.home then cost = cost + route.away end
       end
       if best == nil or cost < best_cost or (cost == best_cost and w.used / w.cap < best.used / best.cap) then
         best, best_cost = w, cost
@@ -208,9 +210,13 @@ local function choose(ws, excluded, priority, need, route)
   if n > 0 then matched = prefix_matches(K_PREFIX, route.blocks) end
   local picks, prefill, seen = {}, {}, {}
   local full = may_fill(ws, excluded, priority, need)
+  if route.session and route.affinity == 'cost' then route.home = session_home(ws, route.session) end
+  local function ok(w) return eligible(w, excluded, full) end
   for _ = 1, need do
     local best
-    if route.mode == 'rr' then best = rr_pick(ws, excluded, full)
+    if route.session and route.affinity == 'bounded' then best = session_pick(ws, ok, excluded, route) end
+    if best ~= nil then
+    elseif route.mode == 'rr' then best = rr_pick(ws, excluded, full)
     else best = best_pick(ws, excluded, full, route, matched) end
     if best == nil then
       for i, p in ipairs(picks) do
@@ -233,7 +239,9 @@ end
 
 local function route_of(meta)
   return {mode = meta.mode or 'least', blocks = meta.blocks, load = tonumber(meta.load) or 0,
-          prefill = tonumber(meta.prefill) or 0, hot = tonumber(meta.hot) or 1}
+          prefill = tonumber(meta.prefill) or 0, hot = tonumber(meta.hot) or 1,
+          session = meta.session, affinity = meta.affinity, bound = tonumber(meta.bound) or 1,
+          away = tonumber(meta.away) or 0}
 end
 
 -- Whether the live workers not excluded hold `need` slots in all: a waiting request that
@@ -449,7 +457,9 @@ end
 #: ARGV 7 request id, 8 priority, 9 slots needed, 10 queue timeout (ms), 11 max queue length,
 #: 12 excluded worker ids (JSON list), 13 boosted (1: a retry or migration), 14 tenant, 15 cost,
 #: 16 prompt block hashes (JSON list), 17 routing (least | rr | cache), 18 load (blocks per
-#: request in flight), 19 hot-spot guard (share of slots), 20 weight of a pending prefill block.
+#: request in flight), 19 hot-spot guard (share of slots), 20 weight of a pending prefill block,
+#: 21 session key ('': none; :mod:`gateway.admission.affinity`), 22 affinity (bounded | cost),
+#: 23 its load bound (x the mean share), 24 its cost for a worker other than the session's home.
 #: Returns {'granted', leases JSON [[lease, worker, url, matched blocks, prefill blocks], ...]}
 #: | {'queued', position, the grant stream's last id (its grant can only come after it)}
 #: | {'full', length} | {'none'} | {'too_big', slots of the live workers it may use}.
@@ -480,6 +490,9 @@ if not boost and length >= tonumber(ARGV[11]) then return {'full', length} end
 local meta = {deadline = now + tonumber(ARGV[10]), exclude = exclude, priority = priority, need = need,
               gw = gateway, mode = ARGV[17], load = tonumber(ARGV[18]), hot = tonumber(ARGV[19]),
               prefill = tonumber(ARGV[20])}
+if ARGV[21] ~= '' then
+  meta.session, meta.affinity, meta.bound, meta.away = ARGV[21], ARGV[22], tonumber(ARGV[23]), tonumber(ARGV[24])
+end
 -- The caller's blocks stay out of its stored meta unless it has to wait (no JSON round trip
 -- for a request granted at once).
 local direct_blocks = ARGV[17] == 'cache' and cjson.decode(ARGV[16]) or nil

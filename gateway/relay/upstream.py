@@ -294,7 +294,7 @@ class Dispatcher:
                     Ask(model=model, request_id=request_id, priority=ctx.priority, need=need,
                         timeout_s=max(0.001, min(self._settings.queue_timeout_s, ctx.remaining_s())),
                         tenant=ctx.tenant, cost=cost, boost=boost, exclude=tuple(exclude),
-                        blocks=prefix.blocks if prefix is not None else ()),
+                        blocks=prefix.blocks if prefix is not None else (), session=ctx.session),
                     ctx.disconnected,
                 )
             except ModelNotFound:
