@@ -17,7 +17,6 @@ from engine_worker.protocol import GenerateRequest
 from engine_worker.stream import NDJSONStream
 from sluice.errors import (
     AuthenticationFailed,
-    ModelNotFound,
     SluiceError,
     Unavailable,
     error_response,
@@ -53,8 +52,9 @@ def create_app(worker: Worker) -> FastAPI:
         if worker.draining:
             raise Unavailable("worker is draining", retry_after_s=1)
         body = GenerateRequest.parse(await request.body())
-        if body.model != worker.model:
-            raise ModelNotFound(f"this worker serves {worker.model!r}")
+        if body.model != worker.model:  # a LoRA adapter of the model, or a mistake (404)
+            await worker.adapters.ensure(body.model, worker.redis)
+            body.adapter = body.model
         span = tracer.start_span("worker.generate", context=extract(request.headers), kind=SpanKind.SERVER,
                                  attributes={"sluice.worker_id": worker.settings.worker_id,
                                              "gen_ai.request.model": body.model,

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.admission.adapters import AdapterDirectory
 from gateway.admission.affinity import session_header, session_of
 from gateway.admission.caps import check_caps, generations, queue_cost, token_estimate
 from gateway.admission.queue import Admission, as_sluice_error
@@ -82,6 +83,7 @@ class Services:
     tenancy: Tenancy
     metrics: GatewayMetrics
     readers: JournalReaders
+    adapters: AdapterDirectory
 
     async def aclose(self) -> None:
         await self.admission.close()
@@ -108,13 +110,14 @@ async def open_services(settings: GatewaySettings) -> Services:
     await admission.start()
     readers = JournalReaders(redis)  # one reader loop for every re-attached stream of this process
     metrics = GatewayMetrics()
+    adapters = AdapterDirectory(redis)
     serving = Serving(
-        settings, Dispatcher(settings, admission, http, workers, IndexCorrections(PrefixIndex(redis))),
+        settings, Dispatcher(settings, admission, http, workers, IndexCorrections(PrefixIndex(redis)), adapters),
         Idempotency(redis, settings.idempotency_ttl_s), redis, tenancy, readers, metrics,
     )
     readers.adopt = serving.take_over  # a re-attached reader whose producer died: continue it here
     return Services(redis=redis, http=http, workers=workers, admission=admission, serving=serving,
-                    tenancy=tenancy, metrics=metrics, readers=readers)
+                    tenancy=tenancy, metrics=metrics, readers=readers, adapters=adapters)
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -208,13 +211,17 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def list_models(request: Request) -> Response:
         await svc(request).tenancy.authenticate(request.headers.get("authorization"))
         models = await svc(request).admission.live_models()
-        return _json({"object": "list", "data": [_model_card(m) for m in models]})
+        adapters = [_adapter_card(a) for a in await svc(request).adapters.listed() if a["parent"] in models]
+        return _json({"object": "list", "data": [_model_card(m) for m in models] + adapters})
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str, request: Request) -> Response:
         await svc(request).tenancy.authenticate(request.headers.get("authorization"))
         if keys.model_name_problem(model) is not None:
             raise ModelNotFound("no model has this name", param="model")  # the name may be megabytes
+        adapter = next((a for a in await svc(request).adapters.listed() if a["name"] == model), None)
+        if adapter is not None and await svc(request).admission.live_workers(adapter["parent"]) > 0:
+            return _json(_adapter_card(adapter))
         if await svc(request).admission.live_workers(model) == 0:
             raise await svc(request).admission.missing_model(model)
         return _json(_model_card(model))
@@ -257,6 +264,11 @@ def svc(request: Request) -> Services:
 
 def _model_card(model: str) -> dict[str, Any]:
     return {"id": model, "object": "model", "created": 0, "owned_by": "sluice"}
+
+
+def _adapter_card(adapter: dict[str, Any]) -> dict[str, Any]:
+    """A LoRA adapter as vLLM's server lists one: its base model as ``parent``."""
+    return {**_model_card(adapter["name"]), "parent": adapter["parent"], "root": adapter["path"]}
 
 
 def _json(obj: object, status: int = 200) -> Response:

@@ -70,10 +70,12 @@ class GatewaySettings(RedisSettings):
     #: Cache routing, hot-spot guard: a worker this share of its slots busier than the
     #: least-loaded one gets no credit for its cached prefix.
     route_hot_share: float = Field(default=0.75, ge=0, le=1)
-    #: Session affinity (``prompt_cache_key``, ``x-session-id`` or ``user``): "bounded"
-    #: (consistent hashing with bounded loads), "cost" (a term in cache routing's cost) or
-    #: "off". See gateway/admission/affinity.py.
-    session_affinity: Literal["bounded", "cost", "off"] = "bounded"
+    #: Session affinity (``prompt_cache_key``, ``x-session-id`` or ``user``): "cost" (a term
+    #: in cache routing's cost; with the other routings it is "bounded"), "bounded"
+    #: (consistent hashing with bounded loads) or "off". "cost" by measurement: on the
+    #: multi-turn bench it kept cache routing's hit rate, "bounded" lost 2.4 points of it
+    #: (loadtest/README.md, "Session affinity"; gateway/admission/affinity.py).
+    session_affinity: Literal["bounded", "cost", "off"] = "cost"
     #: Bounded affinity: a session's worker may carry at most this many times the fleet's
     #: mean load (share of slots, with this request) before the session spills to its next one.
     session_load_bound: float = Field(default=1.25, ge=1)

@@ -145,7 +145,8 @@ class Ask:
     ``tenant``'s fair share; ``boost`` for retries and migrations (first in line,
     never refused for queue length); ``exclude`` names workers that already failed it;
     ``blocks``: the prompt's block hashes (:mod:`sluice.prefix`), for cache routing;
-    ``session``: the session's routing key (:mod:`gateway.admission.affinity`), "" for none.
+    ``session``: the session's routing key (:mod:`gateway.admission.affinity`), "" for none;
+    ``adapter``: the LoRA adapter asked for, served by ``model`` (its parent), "" for none.
     """
 
     model: str
@@ -159,6 +160,7 @@ class Ask:
     exclude: tuple[str, ...] = ()
     blocks: tuple[str, ...] = ()
     session: str = ""
+    adapter: str = ""
 
 
 @dataclass(eq=False, slots=True)
@@ -293,7 +295,7 @@ class Admission:
                             orjson.dumps(ask.blocks).decode(), self._s.routing, self._s.route_load_blocks,
                             self._s.route_hot_share, self._s.route_prefill_weight,
                             ask.session if self._s.session_affinity != "off" else "", self._s.session_affinity,
-                            self._s.session_load_bound, self._s.session_cost_blocks),
+                            self._s.session_load_bound, self._s.session_cost_blocks, ask.adapter),
         ))
         try:
             return cast(list[Any], await asyncio.shield(call))

@@ -86,10 +86,10 @@ in the same script: routing costs no Redis call on the request's path beyond ACQ
 
 from __future__ import annotations
 
-from gateway.admission import affinity
+from gateway.admission import adapters, affinity
 from sluice import keys, prefix_index
 
-_PRELUDE = f"local GRANTS_KEPT = {keys.GRANTS_KEPT}\n" + prefix_index.FUNCTIONS + affinity.FUNCTIONS + r"""
+_PRELUDE = f"local GRANTS_KEPT = {keys.GRANTS_KEPT}\n" + prefix_index.FUNCTIONS + affinity.FUNCTIONS + adapters.FUNCTIONS + r"""
 local K_WORKERS, K_ALIVE, K_INFLIGHT, K_LEASES, K_OWNER = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local K_QURGENT, K_QNORMAL, K_META, K_DEPTH, K_GRANTS = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local K_GATEWAYS, K_FAIR, K_DONE, K_URGENT_SEEN, K_HEADS = KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15]
@@ -118,7 +118,8 @@ local function live_workers()
       local r = cjson.decode(rec)
       out[#out + 1] = {id = id, url = r.url, cap = math.max(tonumber(r.capacity) or 1, 1),
                        used = tonumber(redis.call('HGET', K_INFLIGHT, id) or '0'),
-                       prefill = math.max(prefill[id] or 0, 0)}
+                       prefill = math.max(prefill[id] or 0, 0),
+                       loras = r.loras or {}, lora_max = tonumber(r.lora_max) or 0}
     else
       redis.call('HDEL', K_WORKERS, id)
       redis.call('HDEL', K_ALIVE, id)
@@ -210,14 +211,20 @@ local function choose(ws, excluded, priority, need, route)
   if n > 0 then matched = prefix_matches(K_PREFIX, route.blocks) end
   local picks, prefill, seen = {}, {}, {}
   local full = may_fill(ws, excluded, priority, need)
-  if route.session and route.affinity == 'cost' then route.home = session_home(ws, route.session) end
-  local function ok(w) return eligible(w, excluded, full) end
+  -- The cost variant needs cache routing's cost; under the other routings affinity is bounded.
+  local bounded = route.affinity == 'bounded' or route.mode ~= 'cache'
+  if route.session and not bounded then route.home = session_home(ws, route.session) end
   for _ = 1, need do
+    local ex = excluded
+    if route.adapter then
+      ex = adapter_choice(ws, excluded, route.adapter, function(w) return eligible(w, excluded, full) end)
+    end
+    local function ok(w) return eligible(w, ex, full) end
     local best
-    if route.session and route.affinity == 'bounded' then best = session_pick(ws, ok, excluded, route) end
+    if route.session and bounded then best = session_pick(ws, ok, ex, route) end
     if best ~= nil then
-    elseif route.mode == 'rr' then best = rr_pick(ws, excluded, full)
-    else best = best_pick(ws, excluded, full, route, matched) end
+    elseif route.mode == 'rr' then best = rr_pick(ws, ex, full)
+    else best = best_pick(ws, ex, full, route, matched) end
     if best == nil then
       for i, p in ipairs(picks) do
         p.used = p.used - 1
@@ -241,7 +248,7 @@ local function route_of(meta)
   return {mode = meta.mode or 'least', blocks = meta.blocks, load = tonumber(meta.load) or 0,
           prefill = tonumber(meta.prefill) or 0, hot = tonumber(meta.hot) or 1,
           session = meta.session, affinity = meta.affinity, bound = tonumber(meta.bound) or 1,
-          away = tonumber(meta.away) or 0}
+          away = tonumber(meta.away) or 0, adapter = meta.adapter}
 end
 
 -- Whether the live workers not excluded hold `need` slots in all: a waiting request that
@@ -352,6 +359,7 @@ local function verdict(ws, meta)
   if (tonumber(meta.deadline) or 0) < now or not gateway_alive(meta.gw or '') then return 'drop' end
   local excluded = {}
   for _, id in ipairs(meta.exclude or {}) do excluded[id] = true end
+  excluded = adapter_unfit(ws, excluded, meta.adapter)
   if not serviceable(ws, excluded, tonumber(meta.need) or 1) then return 'none' end
   return choose(ws, excluded, tonumber(meta.priority) or 0, tonumber(meta.need) or 1, route_of(meta))
 end
@@ -459,7 +467,8 @@ end
 #: 16 prompt block hashes (JSON list), 17 routing (least | rr | cache), 18 load (blocks per
 #: request in flight), 19 hot-spot guard (share of slots), 20 weight of a pending prefill block,
 #: 21 session key ('': none; :mod:`gateway.admission.affinity`), 22 affinity (bounded | cost),
-#: 23 its load bound (x the mean share), 24 its cost for a worker other than the session's home.
+#: 23 its load bound (x the mean share), 24 its cost for a worker other than the session's home,
+#: 25 LoRA adapter ('': the base model; :mod:`gateway.admission.adapters`).
 #: Returns {'granted', leases JSON [[lease, worker, url, matched blocks, prefill blocks], ...]}
 #: | {'queued', position, the grant stream's last id (its grant can only come after it)}
 #: | {'full', length} | {'none'} | {'too_big', slots of the live workers it may use}.
@@ -475,6 +484,8 @@ local ws = live_workers()
 if #ws == 0 then return {'none'} end
 local excluded = {}
 for _, id in ipairs(exclude) do excluded[id] = true end
+local adapter = ARGV[25] ~= '' and ARGV[25] or nil
+excluded = adapter_unfit(ws, excluded, adapter)
 -- Capacity alone decides whether `need` is valid: never the urgent reserve, which other
 -- traffic switches on and off (the same n flipped between 400 and 200).
 local room = 0
@@ -490,6 +501,7 @@ if not boost and length >= tonumber(ARGV[11]) then return {'full', length} end
 local meta = {deadline = now + tonumber(ARGV[10]), exclude = exclude, priority = priority, need = need,
               gw = gateway, mode = ARGV[17], load = tonumber(ARGV[18]), hot = tonumber(ARGV[19]),
               prefill = tonumber(ARGV[20])}
+meta.adapter = adapter
 if ARGV[21] ~= '' then
   meta.session, meta.affinity, meta.bound, meta.away = ARGV[21], ARGV[22], tonumber(ARGV[23]), tonumber(ARGV[24])
 end

@@ -27,6 +27,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from gateway.admission.queue import REGISTRY_REBUILDING, Admission, Ask, Lease
+from gateway.admission.adapters import AdapterDirectory
 from gateway.admission.routing import IndexCorrections, PromptPrefix, RouteCheck
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
@@ -260,9 +261,10 @@ def _error_line(line: Line) -> SluiceError:
 class Dispatcher:
     def __init__(
         self, settings: GatewaySettings, admission: Admission, http: httpx.AsyncClient, workers: Http1Pool,
-        corrections: IndexCorrections,
+        corrections: IndexCorrections, adapters: AdapterDirectory,
     ) -> None:
         self._settings = settings
+        self._adapters = adapters
         self._corrections = corrections
         self._admission = admission
         self._http = http
@@ -287,6 +289,9 @@ class Dispatcher:
         """``need`` slots for this request, all at once (queueing if they are not free),
         on workers chosen by the gateway's routing (``prefix``: the prompt, for cache routing)."""
         waited = time.monotonic()
+        # An adapter waits in its parent model's queue for its slots (gateway/admission/adapters.py).
+        parent = await self._adapters.parent(model)
+        model, adapter = (parent, model) if parent is not None else (model, "")
         with tracer.start_as_current_span("queue.wait", context=ctx.record.context()) as queue_span:
             queue_span.set_attribute("sluice.priority", ctx.priority)
             try:
@@ -294,7 +299,8 @@ class Dispatcher:
                     Ask(model=model, request_id=request_id, priority=ctx.priority, need=need,
                         timeout_s=max(0.001, min(self._settings.queue_timeout_s, ctx.remaining_s())),
                         tenant=ctx.tenant, cost=cost, boost=boost, exclude=tuple(exclude),
-                        blocks=prefix.blocks if prefix is not None else (), session=ctx.session),
+                        blocks=prefix.blocks if prefix is not None else (), session=ctx.session,
+                        adapter=adapter),
                     ctx.disconnected,
                 )
             except ModelNotFound:

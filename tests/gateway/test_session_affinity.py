@@ -13,6 +13,7 @@ import re
 
 import httpx
 import openai
+import pytest
 import redis
 
 from sluice import keys
@@ -50,10 +51,11 @@ SESSIONS: list[dict[str, object]] = [
 ] + [{"extra_headers": {"x-session-id": f"sid-{i}"}} for i in range(3)] + [{"user": f"user-{i}"} for i in range(3)]
 
 
-def test_a_session_sticks_to_one_worker_through_either_gateway(start_worker, start_gateway) -> None:
-    model = "affinity-sticks"
+@pytest.mark.parametrize("variant", ["cost", "bounded"])
+def test_a_session_sticks_to_one_worker_through_either_gateway(start_worker, start_gateway, variant: str) -> None:
+    model = f"affinity-sticks-{variant}"
     workers = {w.name: w.url for w in (start_worker(model, sim_ttft_ms=0, sim_token_ms=1) for _ in range(3))}
-    gateways = [start_gateway(), start_gateway()]
+    gateways = [start_gateway(env={"SLUICE_GATEWAY_SESSION_AFFINITY": variant}) for _ in range(2)]
     clients = [openai.OpenAI(base_url=g.url + "/v1", api_key="unused", max_retries=0) for g in gateways]
     homes = set()
     for session in SESSIONS:
@@ -94,7 +96,7 @@ async def test_bounded_load_spills_a_busy_session_to_its_next_worker(
     model = "affinity-bounded"
     for _ in range(2):
         start_worker(model, sim_max_seqs=4, sim_ttft_ms=0, sim_token_ms=20)
-    gateway = start_gateway()
+    gateway = start_gateway(env={"SLUICE_GATEWAY_SESSION_AFFINITY": "bounded"})
 
     def inflight() -> dict[str, int]:
         return {k.decode(): int(v) for k, v in redis_client.hgetall(keys.inflight(model)).items() if int(v)}
