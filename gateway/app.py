@@ -160,8 +160,17 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         ctx = _context(request, req, body, settings, key, record)
         if ctx.idempotency_key is not None and req.stream:
             journal_events(req, settings, typed=shape is not None)  # 400 before any work when it cannot fit
+        limit = settings.name_limits.get(req.model)
+        if limit is not None:  # the name's own budget first: headers below are the key's
+            ctx.name_charge = await s.tenancy.admit(limit.as_key(req.model), token_estimate(req),
+                                                    ctx.internal_id, generations(req))
         if key is not None:
-            ctx.charge = await s.tenancy.admit(key, token_estimate(req), ctx.internal_id, generations(req))
+            try:
+                ctx.charge = await s.tenancy.admit(key, token_estimate(req), ctx.internal_id, generations(req))
+            except SluiceError:
+                if (charge := ctx.take_name_charge()) is not None:
+                    await s.tenancy.settle(charge, 0)  # not served: the name's budget gets it back
+                raise
             ctx.headers.update(ctx.charge.headers)
         ctx.headers["x-sluice-priority"] = str(ctx.priority)
         record.describe(req.model, req.n, ctx.priority, key.prefix if key else None)
@@ -295,7 +304,9 @@ def _context(
 ) -> RequestContext:
     owner = key.prefix if key else "-"
     idem = request.headers.get("idempotency-key")
-    priority = resolve_priority(req.priority, req.service_tier, request.headers, settings)
+    limit = settings.name_limits.get(req.model)
+    priority = resolve_priority(req.priority, req.service_tier, request.headers, settings,
+                                limit.priority if limit is not None else None)
     headers: dict[str, str] = {}
     if key is not None and priority < key.priority_ceiling:
         headers["x-sluice-priority-clamped"] = "true"

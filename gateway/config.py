@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from gateway.admission.name_limits import NameLimit
 from sluice import keys
 from sluice.settings import RedisSettings
 
@@ -82,6 +83,9 @@ class GatewaySettings(RedisSettings):
     #: Cost affinity: prompt blocks (of 64 tokens) that sending a session elsewhere than its
     #: home worker costs, against the cache routing's cost.
     session_cost_blocks: float = Field(default=8.0, ge=0)
+    #: Per model or adapter name: a budget shared by every caller and a default priority,
+    #: as JSON (gateway/admission/name_limits.py).
+    name_limits: dict[str, NameLimit] = Field(default_factory=dict)
     #: Share of each worker's slots only urgent requests may fill (headroom under overload;
     #: a request that needs more than the rest may fill them all, see gateway/admission/scripts.py).
     reserved_slots: float = Field(default=0.125, ge=0, lt=1)

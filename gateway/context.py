@@ -43,6 +43,8 @@ class RequestContext:
     #: The caller's rate-limit charge (None when the gateway runs without API keys);
     #: settled once, through :meth:`take_charge`.
     charge: Charge | None = None
+    #: The charge against the model name's own budget, if it has one; settled likewise.
+    name_charge: Charge | None = None
     #: The session's routing key (gateway/admission/affinity.py), "" when it names none.
     session: str = ""
     #: Headers every answer to this request carries (rate limits, effective priority).
@@ -64,6 +66,11 @@ class RequestContext:
         charge, self.charge = self.charge, None
         return charge
 
+    def take_name_charge(self) -> Charge | None:
+        """The model name's charge (gateway/admission/name_limits.py), exactly once."""
+        charge, self.name_charge = self.name_charge, None
+        return charge
+
     def detach_from_client(self) -> None:
         """The generation now outlives this client (a resumable stream): stop watching it."""
         self.disconnected = None
@@ -73,9 +80,11 @@ class RequestContext:
 
 
 def resolve_priority(
-    body_priority: int | None, service_tier: str | None, headers: Mapping[str, str], s: GatewaySettings
+    body_priority: int | None, service_tier: str | None, headers: Mapping[str, str], s: GatewaySettings,
+    default: int | None = None,
 ) -> int:
-    """Body ``priority``, else header ``X-Sluice-Priority``, else ``service_tier``; clamped."""
+    """Body ``priority``, else header ``X-Sluice-Priority``, else ``service_tier``, else
+    ``default`` (the model name's); clamped."""
     priority = body_priority
     if priority is None and "x-sluice-priority" in headers:
         raw = headers["x-sluice-priority"]
@@ -90,6 +99,8 @@ def resolve_priority(
                 param="service_tier",
             )
         priority = SERVICE_TIERS[service_tier]
+    if priority is None:
+        priority = default
     return max(s.min_priority, min(s.max_priority, priority or 0))
 
 

@@ -356,14 +356,15 @@ class Serving:
         await self._settle_usage(ctx, record.prompt_tokens + record.completion_tokens)
 
     async def _settle_usage(self, ctx: RequestContext, used_tokens: int) -> None:
-        """Correct the key's TPM charge with what the request really used; once."""
-        charge = ctx.take_charge()
-        if charge is None:
-            return
-        try:
-            await self._tenancy.settle(charge, used_tokens)
-        except (RedisError, OSError) as exc:
-            log.warning("could not settle the rate-limit charge of %s: %s", ctx.request_id, exc)
+        """Correct the key's and the model name's TPM charges with what the request really
+        used; once."""
+        for charge in (ctx.take_charge(), ctx.take_name_charge()):
+            if charge is None:
+                continue
+            try:
+                await self._tenancy.settle(charge, used_tokens)
+            except (RedisError, OSError) as exc:
+                log.warning("could not settle the rate-limit charge of %s: %s", ctx.request_id, exc)
 
     async def _end_json(self, upstreams: list[Upstream | None], ctx: RequestContext) -> None:
         """A JSON answer's clean-up: close upstreams, finish the record, settle the charge."""

@@ -96,3 +96,19 @@ def test_an_adapter_nobody_registered_is_a_404(fleet) -> None:
         with pytest.raises(openai.NotFoundError) as err:
             client.chat.completions.create(model="no-such-adapter", messages=[{"role": "user", "content": "x"}])
     assert err.value.code == "model_not_found"
+
+
+def test_an_adapter_has_its_own_budget_and_default_priority(fleet, start_gateway) -> None:
+    gateway = start_gateway(env={"SLUICE_GATEWAY_NAME_LIMITS": '{"sql": {"rpm": 2, "priority": 7}}'})
+    ask = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 2}
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0) as client:
+        for _ in range(2):
+            raw = client.chat.completions.with_raw_response.create(model="sql", **ask)
+            assert raw.headers["x-sluice-priority"] == "7"
+        with pytest.raises(openai.RateLimitError) as err:
+            client.chat.completions.create(model="sql", **ask)
+        assert "model:sql" in err.value.message
+        # Its base model and an explicit priority are the adapter's business only.
+        for _ in range(3):
+            raw = client.chat.completions.with_raw_response.create(model=BASE, **ask)
+            assert raw.headers["x-sluice-priority"] == "0"
