@@ -62,6 +62,15 @@ def create_app(worker: Worker) -> FastAPI:
         body.trace_headers = inject(trace.set_span_in_context(span)) or None
         return worker.open_stream(body, span)
 
+    @app.delete("/internal/adapters/{name}")
+    async def unload_adapter(name: str, request: Request) -> Response:
+        """Unload a LoRA adapter (vLLM's remove_lora): routing stops preferring this worker
+        for it, and its room under --max-loras is free for another."""
+        check_caller(request)
+        unloaded = await worker.adapters.unload(name)
+        return Response(orjson.dumps({"name": name, "unloaded": unloaded}), status_code=200 if unloaded else 404,
+                        media_type="application/json")
+
     @app.get("/health")
     async def health() -> Response:
         status = 503 if worker.draining else 200

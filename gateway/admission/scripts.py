@@ -82,6 +82,12 @@ worker gets traffic as soon as the others fill up or owe enough prefill. The sam
 choice serves a request granted from the queue by a release, so queued requests keep
 their affinity. A granted request's blocks are marked held by its worker in the index,
 in the same script: routing costs no Redis call on the request's path beyond ACQUIRE.
+
+Sessions (:mod:`gateway.admission.affinity`): a request naming a session goes to the first
+worker of the session's rendezvous rank within a load bound (``bounded``), or cache routing
+charges every worker but the session's home a few blocks more (``cost``). LoRA adapters
+(:mod:`gateway.admission.adapters`): the workers that cannot hold the adapter are excluded,
+and each pick is among its holders while one may take it, else among the workers with room.
 """
 
 from __future__ import annotations

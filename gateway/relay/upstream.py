@@ -299,8 +299,10 @@ class Dispatcher:
                     Ask(model=model, request_id=request_id, priority=ctx.priority, need=need,
                         timeout_s=max(0.001, min(self._settings.queue_timeout_s, ctx.remaining_s())),
                         tenant=ctx.tenant, cost=cost, boost=boost, exclude=tuple(exclude),
-                        blocks=prefix.blocks if prefix is not None else (), session=ctx.session,
-                        adapter=adapter),
+                        # Not an adapter's: engines cache its blocks apart from the base
+                        # model's, and the index (per base model) has no name for them.
+                        blocks=prefix.blocks if prefix is not None and not adapter else (),
+                        session=ctx.session, adapter=adapter),
                     ctx.disconnected,
                 )
             except ModelNotFound:

@@ -14,6 +14,7 @@ import redis
 
 from sluice import keys
 from tests.conftest import wait_for
+from tests.long_streams import busy_slots, hold
 
 BASE = "lora-base"
 
@@ -59,20 +60,14 @@ async def test_a_busy_holder_spills_the_adapter_to_a_worker_with_room(fleet, red
     holder, spare, plain, gateway = fleet
 
     def inflight() -> dict[str, int]:
-        return {k.decode(): int(v) for k, v in redis_client.hgetall(keys.inflight(BASE)).items() if int(v)}
-
-    async def stream(client: httpx.AsyncClient) -> None:
-        body = {"model": "sql", "prompt": "long", "max_tokens": 5000, "ignore_eos": True, "stream": True}
-        async with client.stream("POST", "/v1/completions", json=body) as resp:
-            async for _ in resp.aiter_lines():
-                pass
+        return busy_slots(redis_client, BASE)
 
     streams: list[asyncio.Task[None]] = []
     async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
         try:
-            streams.append(asyncio.create_task(stream(client)))
+            streams.append(asyncio.create_task(hold(client, "sql")))
             await asyncio.to_thread(wait_for, lambda: inflight() == {holder.name: 1}, 20, "the holder busy")
-            streams.append(asyncio.create_task(stream(client)))
+            streams.append(asyncio.create_task(hold(client, "sql")))
             await asyncio.to_thread(wait_for, lambda: inflight() == {holder.name: 1, spare.name: 1}, 20,
                                     "the spare loading it")
             # Both are full (one slot each), and the plain worker has no LoRA: the next waits.
@@ -112,3 +107,10 @@ def test_an_adapter_has_its_own_budget_and_default_priority(fleet, start_gateway
         for _ in range(3):
             raw = client.chat.completions.with_raw_response.create(model=BASE, **ask)
             assert raw.headers["x-sluice-priority"] == "0"
+
+
+def test_an_unloaded_adapter_leaves_the_workers_record(fleet, redis_client: redis.Redis) -> None:
+    holder = fleet[0]
+    assert httpx.delete(holder.url + "/internal/adapters/nothing-here").status_code == 404
+    assert httpx.delete(holder.url + "/internal/adapters/sql").json() == {"name": "sql", "unloaded": True}
+    assert _records(redis_client)[holder.name]["loras"] == []

@@ -16,8 +16,8 @@ import openai
 import pytest
 import redis
 
-from sluice import keys
 from tests.conftest import wait_for
+from tests.long_streams import busy_slots, hold
 
 
 def _served(worker_urls: dict[str, str]) -> dict[str, float]:
@@ -99,20 +99,13 @@ async def test_bounded_load_spills_a_busy_session_to_its_next_worker(
     gateway = start_gateway(env={"SLUICE_GATEWAY_SESSION_AFFINITY": "bounded"})
 
     def inflight() -> dict[str, int]:
-        return {k.decode(): int(v) for k, v in redis_client.hgetall(keys.inflight(model)).items() if int(v)}
-
-    async def stream(client: httpx.AsyncClient) -> None:
-        body = {"model": model, "prompt": "hi", "max_tokens": 5000, "ignore_eos": True, "stream": True,
-                "prompt_cache_key": "hot-session"}
-        async with client.stream("POST", "/v1/completions", json=body) as resp:
-            async for _ in resp.aiter_lines():
-                pass
+        return busy_slots(redis_client, model)
 
     streams: list[asyncio.Task[None]] = []
     async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
         try:
             for n in range(1, 5):
-                streams.append(asyncio.create_task(stream(client)))
+                streams.append(asyncio.create_task(hold(client, model, prompt_cache_key="hot-session")))
                 await asyncio.to_thread(wait_for, lambda n=n: sum(inflight().values()) == n, 20, f"{n} streams")
                 if n == 2:
                     assert len(inflight()) == 1, f"two streams of a session left its home: {inflight()}"
