@@ -63,7 +63,7 @@ def parse_loras(specs: list[str]) -> dict[str, str]:
 
 
 class Adapters:
-    def __init__(self, engine: Any, model: str, configured: dict[str, str], max_loaded: int) -> None:
+    def __init__(self, engine: AdapterEngine, model: str, configured: dict[str, str], max_loaded: int) -> None:
         self._engine = engine
         self.model = model
         self._configured = configured

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
 from opentelemetry.trace import Span
 from redis.exceptions import RedisError
 
-from engine_worker.adapters import Adapters, parse_loras
+from engine_worker.adapters import AdapterEngine, Adapters, parse_loras
 from engine_worker.config import WorkerSettings
 from engine_worker.engines.base import Engine
 from engine_worker.protocol import GenerateRequest
@@ -126,7 +126,9 @@ class Worker:
         self.model = served_name(settings)
         self.engine = engine or build_engine(settings)
         try:
-            self.adapters = Adapters(self.engine, self.model, parse_loras(settings.lora), settings.max_loras)
+            # Checked below: an engine without load_adapter refuses any adapter at start.
+            self.adapters = Adapters(cast(AdapterEngine, self.engine), self.model, parse_loras(settings.lora),
+                                     settings.max_loras)
         except ValueError as exc:
             raise ModelError(str(exc)) from None
         if self.adapters.enabled and not hasattr(self.engine, "load_adapter"):
