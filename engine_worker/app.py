@@ -49,22 +49,23 @@ def create_app(worker: Worker) -> FastAPI:
         if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
             raise AuthenticationFailed("this worker answers gateways only (internal token missing or wrong)")
 
-    def check_request(request: Request, model: str, task: str) -> None:
-        """A gateway's request this worker takes: not draining, its model, a task it serves
-        (a 404 otherwise: the gateway tries another worker)."""
+    def check_request(request: Request, task: str) -> None:
+        """A gateway's request this worker takes: not draining, a task it serves (a 404
+        otherwise: the gateway tries another worker). The model is checked by each route: a
+        generate may name a LoRA adapter of it."""
         check_caller(request)
         if worker.draining:
             raise Unavailable("worker is draining", retry_after_s=1)
-        if model != worker.model:
-            raise ModelNotFound(f"this worker serves {worker.model!r}")
         if not worker.serves(task):
             raise RouteNotFound(f"this worker does not serve task {task!r} (its tasks: {', '.join(worker.tasks)})")
 
     @app.post("/internal/generate", response_model=None)
     async def generate(request: Request) -> NDJSONStream:
-        check_caller(request)
+        check_request(request, "generate")
         body = GenerateRequest.parse(await request.body())
-        check_request(request, body.model, "generate")
+        if body.model != worker.model:  # a LoRA adapter of the model, or a mistake (404)
+            await worker.adapters.ensure(body.model, worker.redis)
+            body.adapter = body.model
         span = tracer.start_span("worker.generate", context=extract(request.headers), kind=SpanKind.SERVER,
                                  attributes={"sluice.worker_id": worker.settings.worker_id,
                                              "gen_ai.request.model": body.model,
@@ -77,13 +78,24 @@ def create_app(worker: Worker) -> FastAPI:
         """Embed, score, tokenize or detokenize: one NDJSON line (engine_worker/pooling.py)."""
         check_caller(request)
         body = PoolRequest.parse(await request.body())
-        check_request(request, body.model, TASK_OF[body.op])
+        check_request(request, TASK_OF[body.op])
+        if body.model != worker.model:  # adapters generate only: no pooling with one
+            raise ModelNotFound(f"this worker serves {worker.model!r}")
         with tracer.start_as_current_span("worker.pool", context=extract(request.headers), kind=SpanKind.SERVER,
                                           attributes={"sluice.worker_id": worker.settings.worker_id,
                                                       "gen_ai.request.model": body.model,
                                                       "gen_ai.operation.name": body.op}):
             line = await worker.pool(body)
         return Response(encode_line(line), media_type="application/x-ndjson")
+
+    @app.delete("/internal/adapters/{name}")
+    async def unload_adapter(name: str, request: Request) -> Response:
+        """Unload a LoRA adapter (vLLM's remove_lora): routing stops preferring this worker
+        for it, and its room under --max-loras is free for another."""
+        check_caller(request)
+        unloaded = await worker.adapters.unload(name)
+        return Response(orjson.dumps({"name": name, "unloaded": unloaded}), status_code=200 if unloaded else 404,
+                        media_type="application/json")
 
     @app.get("/health")
     async def health() -> Response:

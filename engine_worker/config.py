@@ -75,6 +75,13 @@ class WorkerSettings(RedisSettings):
         validation_alias=AliasChoices("SLUICE_PREFIX_INDEX", "SLUICE_WORKER_PREFIX_INDEX", "prefix_index"))
     #: vLLM: extra AsyncEngineArgs as a JSON object, e.g. '{"dtype": "float32"}'.
     vllm_engine_args: dict[str, object] = Field(default_factory=dict)
+    #: LoRA adapters to load at start, ``name=path`` (engine_worker/adapters.py).
+    lora: list[str] = Field(default_factory=list)
+    #: LoRA adapters this worker may hold (loading more on demand up to it); 0 with no
+    #: ``lora``: adapters off. At least the number of ``lora`` given.
+    max_loras: int = Field(default=0, ge=0)
+    #: vLLM: the largest LoRA rank an adapter may have.
+    max_lora_rank: int = Field(default=16, ge=1)
     #: TensorRT-LLM: sequences batched at once (untested here).
     trtllm_max_batch_size: int = Field(default=64, ge=1)
     #: TensorRT-LLM: context length.

@@ -55,6 +55,9 @@ class GenerateRequest(BaseModel):
     #: Log-probabilities per token: None = off, k = the sampled token plus the top k.
     logprobs: int | None = Field(default=None, ge=0, le=20)
     priority: int = Field(default=0, ge=-1000, le=1000)
+    #: The LoRA adapter this request runs with (its ``model`` when that is not the worker's
+    #: base model); set by the worker once it holds the adapter, never sent.
+    adapter: str | None = Field(default=None, exclude=True)
     #: W3C trace context for the engine; set by the worker from its own span, never sent.
     trace_headers: dict[str, str] | None = Field(default=None, exclude=True)
     #: Token ids already delivered to the client by an earlier worker (migration).

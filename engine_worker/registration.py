@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -54,13 +54,17 @@ class Registration:
         stats: Callable[[], dict[str, float]],
         healthy: Callable[[], bool] = lambda: True,
         tasks: tuple[str, ...] = ("generate",),
+        record: Callable[[], dict[str, object]] = dict,
+        also: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        """``record``: fields added to the registry record at every beat (the LoRA adapters
+        held); ``also``: a write to other keys at every beat (the adapter directory)."""
         self._redis = redis
         self.model = model
         self.worker_id = worker_id
-        self._record = orjson.dumps(
-            {"id": worker_id, "url": url, "engine": engine, "capacity": capacity, "tasks": list(tasks)}
-        )
+        self._record = {"id": worker_id, "url": url, "engine": engine, "capacity": capacity, "tasks": list(tasks)}
+        self._extra = record
+        self._also = also
         self._period_s = heartbeat_ms / 1000
         self._ttl_ms = heartbeat_ms * keys.HEARTBEAT_MISSES
         self._stats = stats
@@ -76,7 +80,10 @@ class Registration:
         # The directory and the epoch live in other slots: separate, idempotent writes.
         self._epoch = (await self._directory.register(self.model, self._epoch)).id
         await self._beat(keys=keys.worker_keys(self.model),
-                         args=[self.worker_id, self._record, orjson.dumps(self._stats()), self._ttl_ms])
+                         args=[self.worker_id, orjson.dumps({**self._record, **self._extra()}),
+                               orjson.dumps(self._stats()), self._ttl_ms])
+        if self._also is not None:
+            await self._also()
 
     async def start(self) -> None:
         await self.beat()

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any, cast
 
 from opentelemetry.trace import Span
 from redis.exceptions import RedisError
 
+from engine_worker.adapters import AdapterEngine, Adapters, parse_loras
 from engine_worker.config import WorkerSettings
 from engine_worker.engines.base import Engine
 from engine_worker.pooling import PoolingEngine, PoolRequest, answer
@@ -103,6 +105,8 @@ def build_engine(settings: WorkerSettings) -> Engine:
             kv_events_endpoint=kv_events_endpoint() if settings.prefix_index == "precise" else None,
             extra_args=settings.vllm_engine_args,
             task=settings.task,
+            max_loras=max(settings.max_loras, len(settings.lora)),
+            max_lora_rank=settings.max_lora_rank,
         )
     from engine_worker.engines.trtllm_engine import TrtllmEngine
 
@@ -133,12 +137,25 @@ class Worker:
         self.tasks = (GENERATE,) if settings.relay == "direct" else SERVED[settings.task]
         #: The engine's embed/tokenize half: the simulator's is a separate object.
         self.pooling: PoolingEngine | None = self._pooling_half()
+        try:
+            # Checked below: an engine without load_adapter refuses any adapter at start.
+            self.adapters = Adapters(cast(AdapterEngine, self.engine), self.model, parse_loras(settings.lora),
+                                     settings.max_loras)
+        except ValueError as exc:
+            raise ModelError(str(exc)) from None
+        if self.adapters.enabled and not hasattr(self.engine, "load_adapter"):
+            raise ModelError(f"the {self.engine.name} engine serves no LoRA adapters")
+        if self.adapters.enabled and GENERATE not in self.tasks:
+            # Adapters only generate (vLLM's pooling runner takes no LoRA): refuse at start.
+            raise ModelError(f"--lora/--max-loras need a generating worker, not --task {settings.task}")
         self.draining = False
         self.in_flight = 0
         self.served = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self._registration: Registration | None = None
+        #: Set while running: adapters loaded on demand read their path from the directory.
+        self.redis: Any = None
 
     def __repr__(self) -> str:
         return (
@@ -247,10 +264,13 @@ class Worker:
         s = self.settings
         redis = await create_pool(s.redis_url, max_connections=s.redis_max_connections,
                                   client_name=f"sluice-worker-{s.worker_id}")
+        self.redis = redis
         try:
             await self.engine.start()
             if not self.model:  # an upstream server's own model name
                 self.model = checked_name(str(getattr(self.engine, "model", "") or "model"))
+            self.adapters.model = self.model
+            await self.adapters.start()
             server = Server(uvicorn_config(create_app(self), s.host, s.port, graceful_s=1), self.drain)
             serving = asyncio.create_task(server.serve())
             while not server.started:
@@ -269,7 +289,10 @@ class Worker:
                 stats=lambda: self.engine.stats().as_dict(),
                 healthy=lambda: self.engine.healthy,
                 tasks=tuple(t for t in self.tasks if self.serves(t)),
+                record=self.adapters.record,
+                also=lambda: self.adapters.publish(redis),
             )
+            self.adapters.changed = self._registration.beat
             await self._registration.start()
             reporting = asyncio.create_task(self._report_kv_events(PrefixIndex(redis)), name="kv-events")
             log.info("worker %s serving %r at %s (gateways call %s)", s.worker_id, self.model, s.url(),

@@ -28,6 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.admission.adapters import AdapterDirectory
+from gateway.admission.affinity import session_header, session_of
 from gateway.admission.caps import check_caps, generations, queue_cost, token_estimate
 from gateway.admission.queue import Admission, as_sluice_error
 from gateway.admission.routing import IndexCorrections
@@ -91,6 +93,7 @@ class Services:
     tenancy: Tenancy
     metrics: GatewayMetrics
     readers: JournalReaders
+    adapters: AdapterDirectory
 
     async def aclose(self) -> None:
         await self.admission.close()
@@ -117,14 +120,15 @@ async def open_services(settings: GatewaySettings) -> Services:
     await admission.start()
     readers = JournalReaders(redis)  # one reader loop for every re-attached stream of this process
     metrics = GatewayMetrics()
-    dispatcher = Dispatcher(settings, admission, http, workers, IndexCorrections(PrefixIndex(redis)))
+    adapters = AdapterDirectory(redis)
+    dispatcher = Dispatcher(settings, admission, http, workers, IndexCorrections(PrefixIndex(redis)), adapters)
     serving = Serving(
         settings, dispatcher, Idempotency(redis, settings.idempotency_ttl_s), redis, tenancy, readers, metrics,
     )
     readers.adopt = serving.take_over  # a re-attached reader whose producer died: continue it here
     return Services(redis=redis, http=http, workers=workers, admission=admission, serving=serving,
                     pooling=PoolingServing(settings, dispatcher, tenancy), tenancy=tenancy, metrics=metrics,
-                    readers=readers)
+                    readers=readers, adapters=adapters)
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -142,6 +146,23 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                   openapi_url=None)
     app.add_middleware(RequestIdMiddleware)
     _install_error_handlers(app)
+
+    async def charge(s: Services, ctx: RequestContext, key: ApiKey | None, model: str, estimate: int,
+                     weight: int) -> None:
+        """Charge the model name's own budget (if it has one) and the key's limits; the
+        answer's headers carry the key's and the effective priority."""
+        limit = settings.name_limits.get(model)
+        if limit is not None:  # the name's own budget first: headers below are the key's
+            ctx.name_charge = await s.tenancy.admit(limit.as_key(model), estimate, ctx.internal_id, weight)
+        if key is not None:
+            try:
+                ctx.charge = await s.tenancy.admit(key, estimate, ctx.internal_id, weight)
+            except SluiceError:
+                for taken in ctx.take_charges():
+                    await s.tenancy.settle(taken, 0)  # not served: the name's budget gets it back
+                raise
+            ctx.headers.update(ctx.charge.headers)
+        ctx.headers["x-sluice-priority"] = str(ctx.priority)
 
     async def admitted(
         request: Request, model: type[ChatCompletionRequest | CompletionRequest | ResponsesRequest],
@@ -165,12 +186,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         req = parsed
         check_caps(req, settings)
         ctx = _context(request, req, body, settings, key, record, queue_cost(req, settings.fair_output_tokens))
+        ctx.session = session_of(req.prompt_cache_key, session_header(request.headers), req.user)
         if ctx.idempotency_key is not None and req.stream:
             journal_events(req, settings, typed=shape is not None)  # 400 before any work when it cannot fit
-        if key is not None:
-            ctx.charge = await s.tenancy.admit(key, token_estimate(req), ctx.internal_id, generations(req))
-            ctx.headers.update(ctx.charge.headers)
-        ctx.headers["x-sluice-priority"] = str(ctx.priority)
+        await charge(s, ctx, key, req.model, token_estimate(req), generations(req))
         record.describe(req.model, req.n, ctx.priority, key.prefix if key else None)
         return req, ctx, shape
 
@@ -216,10 +235,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                                  param="input", code="context_length_exceeded")
         estimate = chars // 4 + 1
         ctx = _context(request, req, body, settings, key, record, estimate)
-        if key is not None:
-            ctx.charge = await s.tenancy.admit(key, estimate, ctx.internal_id)
-            ctx.headers.update(ctx.charge.headers)
-        ctx.headers["x-sluice-priority"] = str(ctx.priority)
+        await charge(s, ctx, key, req.model, estimate, 1)
         record.describe(req.model, 1, ctx.priority, key.prefix if key else None)
         return req, ctx
 
@@ -266,13 +282,17 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def list_models(request: Request) -> Response:
         await svc(request).tenancy.authenticate(request.headers.get("authorization"))
         models = await svc(request).admission.live_models()
-        return _json({"object": "list", "data": [_model_card(m) for m in models]})
+        adapters = [_adapter_card(a) for a in await svc(request).adapters.listed() if a["parent"] in models]
+        return _json({"object": "list", "data": [_model_card(m) for m in models] + adapters})
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str, request: Request) -> Response:
         await svc(request).tenancy.authenticate(request.headers.get("authorization"))
         if keys.model_name_problem(model) is not None:
             raise ModelNotFound("no model has this name", param="model")  # the name may be megabytes
+        adapter = next((a for a in await svc(request).adapters.listed() if a["name"] == model), None)
+        if adapter is not None and await svc(request).admission.live_workers(adapter["parent"]) > 0:
+            return _json(_adapter_card(adapter))
         if await svc(request).admission.live_workers(model) == 0:
             raise await svc(request).admission.missing_model(model)
         return _json(_model_card(model))
@@ -318,6 +338,11 @@ def _model_card(model: str) -> dict[str, Any]:
     return {"id": model, "object": "model", "created": 0, "owned_by": "sluice"}
 
 
+def _adapter_card(adapter: dict[str, Any]) -> dict[str, Any]:
+    """A LoRA adapter as vLLM's server lists one: its base model as ``parent``."""
+    return {**_model_card(adapter["name"]), "parent": adapter["parent"], "root": adapter["path"]}
+
+
 def _json(obj: object, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
@@ -342,7 +367,9 @@ def _context(
 ) -> RequestContext:
     owner = key.prefix if key else "-"
     idem = request.headers.get("idempotency-key")
-    priority = resolve_priority(req.priority, req.service_tier, request.headers, settings)
+    limit = settings.name_limits.get(req.model)
+    priority = resolve_priority(req.priority, req.service_tier, request.headers, settings,
+                                limit.priority if limit is not None else None)
     headers: dict[str, str] = {}
     if key is not None and priority < key.priority_ceiling:
         headers["x-sluice-priority-clamped"] = "true"

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from gateway.admission.name_limits import NameLimit
 from sluice import keys
 from sluice.settings import RedisSettings
 
@@ -85,6 +86,21 @@ class GatewaySettings(RedisSettings):
         validation_alias=AliasChoices("SLUICE_PREFIX_INDEX", "SLUICE_GATEWAY_PREFIX_INDEX", "prefix_index"))
     #: The model folder (tokenizer and chat template) the precise index tokenizes prompts with.
     tokenizer: str | None = None
+    #: Session affinity (``prompt_cache_key``, ``x-session-id`` or ``user``): "cost" (a term
+    #: in cache routing's cost; with the other routings it is "bounded"), "bounded"
+    #: (consistent hashing with bounded loads) or "off". "cost" by measurement: on the
+    #: multi-turn bench it kept cache routing's hit rate, "bounded" lost 2.4 points of it
+    #: (loadtest/README.md, "Session affinity"; gateway/admission/affinity.py).
+    session_affinity: Literal["bounded", "cost", "off"] = "cost"
+    #: Bounded affinity: a session's worker may carry at most this many times the fleet's
+    #: mean load (share of slots, with this request) before the session spills to its next one.
+    session_load_bound: float = Field(default=1.25, ge=1)
+    #: Cost affinity: prompt blocks (of 64 tokens) that sending a session elsewhere than its
+    #: home worker costs, against the cache routing's cost.
+    session_cost_blocks: float = Field(default=8.0, ge=0)
+    #: Per model or adapter name: a budget shared by every caller and a default priority,
+    #: as JSON (gateway/admission/name_limits.py).
+    name_limits: dict[str, NameLimit] = Field(default_factory=dict)
     #: Share of each worker's slots only urgent requests may fill (headroom under overload;
     #: a request that needs more than the rest may fill them all, see gateway/admission/scripts.py).
     reserved_slots: float = Field(default=0.125, ge=0, lt=1)

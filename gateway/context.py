@@ -43,6 +43,10 @@ class RequestContext:
     #: The caller's rate-limit charge (None when the gateway runs without API keys);
     #: settled once, through :meth:`take_charge`.
     charge: Charge | None = None
+    #: The charge against the model name's own budget, if it has one; settled likewise.
+    name_charge: Charge | None = None
+    #: The session's routing key (gateway/admission/affinity.py), "" when it names none.
+    session: str = ""
     #: Headers every answer to this request carries (rate limits, effective priority).
     headers: dict[str, str] = field(default_factory=dict)
     #: Workers whose connection broke while serving this request (see lost_a_worker).
@@ -57,10 +61,12 @@ class RequestContext:
         self.workers_lost += 1
         return self.workers_lost < 2
 
-    def take_charge(self) -> Charge | None:
-        """The charge to settle, exactly once: every later call gets None."""
-        charge, self.charge = self.charge, None
-        return charge
+    def take_charges(self) -> list[Charge]:
+        """The charges to settle (the key's, the model name's: gateway/admission/name_limits.py),
+        exactly once: every later call gets none."""
+        charges = [c for c in (self.charge, self.name_charge) if c is not None]
+        self.charge = self.name_charge = None
+        return charges
 
     def detach_from_client(self) -> None:
         """The generation now outlives this client (a resumable stream): stop watching it."""
@@ -71,9 +77,11 @@ class RequestContext:
 
 
 def resolve_priority(
-    body_priority: int | None, service_tier: str | None, headers: Mapping[str, str], s: GatewaySettings
+    body_priority: int | None, service_tier: str | None, headers: Mapping[str, str], s: GatewaySettings,
+    default: int | None = None,
 ) -> int:
-    """Body ``priority``, else header ``X-Sluice-Priority``, else ``service_tier``; clamped."""
+    """Body ``priority``, else header ``X-Sluice-Priority``, else ``service_tier``, else
+    ``default`` (the model name's); clamped."""
     priority = body_priority
     if priority is None and "x-sluice-priority" in headers:
         raw = headers["x-sluice-priority"]
@@ -88,6 +96,8 @@ def resolve_priority(
                 param="service_tier",
             )
         priority = SERVICE_TIERS[service_tier]
+    if priority is None:
+        priority = default
     return max(s.min_priority, min(s.max_priority, priority or 0))
 
 

@@ -68,6 +68,12 @@ MODELS = "sl:models"
 API_KEYS = "sl:apikeys"
 EPOCH = "sl:epoch"
 REAPER = "sl:reaper"
+#: LoRA adapters (gateway/admission/adapters.py): name -> {parent, path, until (ms, Redis
+#: time)}, written by the workers that hold them at every beat; an entry its holders stopped
+#: renewing is dropped by the next worker beat that writes adapters.
+ADAPTERS = "sl:adapters"
+#: An adapter entry outlives its holders' last beat by this long.
+ADAPTER_TTL_MS = 30_000
 
 #: A model name is part of every key of its model (and of its Cluster hash tag): at most
 #: this long, of these characters (Hugging Face ids, folder names, ``name:tag``).

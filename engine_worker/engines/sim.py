@@ -67,8 +67,10 @@ class SimSequence:
 
     __slots__ = ("_base", "natural_length")
 
-    def __init__(self, prompt: str, seed: int | None) -> None:
-        digest = hashlib.blake2b(f"{seed or 0}\x00{prompt}".encode(), digest_size=16).digest()
+    def __init__(self, prompt: str, seed: int | None, adapter: str | None = None) -> None:
+        # A LoRA adapter changes the output as a real one would: the same prompt, another stream.
+        salt = f"{seed or 0}\x00lora:{adapter}" if adapter else f"{seed or 0}"
+        digest = hashlib.blake2b(f"{salt}\x00{prompt}".encode(), digest_size=16).digest()
         self._base = digest
         self.natural_length = MIN_NATURAL + int.from_bytes(digest[:4], "little") % NATURAL_SPAN
 
@@ -139,6 +141,8 @@ class SimEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.aborted = 0
+        #: LoRA adapters loaded: name -> path (the simulator reads no weights).
+        self.adapters: dict[str, str] = {}
 
     def __repr__(self) -> str:
         return f"SimEngine(running={len(self._running)} waiting={len(self._waiting)} aborted={self.aborted})"
@@ -166,6 +170,12 @@ class SimEngine:
     def take_kv_events(self) -> list[KVEvent]:
         return self.cache.take_events()
 
+    async def load_adapter(self, name: str, path: str) -> None:
+        self.adapters[name] = path
+
+    async def unload_adapter(self, name: str) -> None:
+        self.adapters.pop(name, None)
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
         if self._crash_on and self._crash_on in prompt_text(request):
             os._exit(70)
@@ -174,7 +184,9 @@ class SimEngine:
             raise RuntimeError("simulated engine failure before the first token")
         prompt = prompt_text(request)
         checked_bias(request.logit_bias, len(VOCAB))  # the simulator samples nothing, but checks as vLLM does
-        tokens = SimSequence(prompt, request.seed)
+        if request.adapter and request.adapter not in self.adapters:
+            raise RuntimeError(f"adapter {request.adapter!r} is not loaded")
+        tokens = SimSequence(prompt, request.seed, request.adapter)
         resumed = len(request.resume_token_ids)
         # The simulated end-of-sequence, unless ignored; never before min_tokens.
         end = tokens.natural_length

@@ -22,9 +22,11 @@ name                                  0.26        0.27–0.32        here
 
 Everything else Sluice touches is the same across the range: ``AsyncLLM.from_engine_args`` /
 ``generate(..., priority=, trace_headers=)`` / ``abort`` / ``get_tokenizer`` / ``renderer`` /
-``model_config`` / ``vllm_config``, the ``AsyncEngineArgs`` fields (``runner="pooling"`` and
-``convert="embed"`` for ``--task embed``), ``AsyncLLM.encode`` and ``PoolingParams(task=,
-dimensions=)`` with ``PoolingRequestOutput.outputs.data``, ``SamplingParams`` and
+``model_config`` / ``vllm_config``, ``add_lora`` / ``remove_lora`` and ``generate(lora_request=)``
+with ``vllm.lora.request.LoRARequest(lora_name, lora_int_id, lora_path)``, the ``AsyncEngineArgs``
+fields (``enable_lora``, ``max_loras``, ``max_lora_rank``, ``max_cpu_loras`` among them;
+``runner="pooling"`` and ``convert="embed"`` for ``--task embed``), ``AsyncLLM.encode`` and
+``PoolingParams(task=, dimensions=)`` with ``PoolingRequestOutput.outputs.data``, ``SamplingParams`` and
 ``StructuredOutputsParams`` fields, ``RequestOutput`` / ``CompletionOutput`` / ``Logprob``
 fields, ``KVEventsConfig`` (``vllm.config``) and the KV events' wire form (read by field name:
 the order of ``BlockStored``'s fields differs between 0.26 and 0.32, see
@@ -74,6 +76,8 @@ class VllmApi:
     RequestOutputKind: Any
     StructuredOutputsParams: Any
     TokensPrompt: Any
+    #: A LoRA adapter for ``AsyncLLM.add_lora`` / ``generate(lora_request=)`` / ``remove_lora``.
+    LoRARequest: Any
     StatLoggerBase: Any
     ToolParserManager: Any
     ChatCompletionRequest: Any
@@ -136,6 +140,7 @@ def vllm_api() -> VllmApi:
         RequestOutputKind=_required("vllm.sampling_params", "RequestOutputKind"),
         StructuredOutputsParams=_required("vllm.sampling_params", "StructuredOutputsParams"),
         TokensPrompt=_required("vllm.inputs", "TokensPrompt"),
+        LoRARequest=_required("vllm.lora.request", "LoRARequest"),
         StatLoggerBase=_required("vllm.v1.metrics.loggers", "StatLoggerBase"),
         ToolParserManager=_required("vllm.tool_parsers", "ToolParserManager"),
         ChatCompletionRequest=_required("vllm.entrypoints.openai.chat_completion.protocol",

@@ -61,6 +61,8 @@ class VllmEngine:
         kv_events_endpoint: str | None = None,
         extra_args: dict[str, Any] | None = None,
         task: str = "generate",
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
     ) -> None:
         if tool_call_parser is not None:
             check_parser(tool_call_parser)
@@ -80,6 +82,11 @@ class VllmEngine:
         #: Precise prefix index: the engine core publishes its KV-cache events here and the
         #: worker re-names them into token-block hashes (engines/vllm_kv_events.py).
         self._kv_events = KVEventListener(kv_events_endpoint) if kv_events_endpoint else None
+        self._max_loras = max_loras
+        self._max_lora_rank = max_lora_rank
+        #: Adapter name -> its LoRARequest (ids are this engine's own, never reused).
+        self._loras: dict[str, Any] = {}
+        self._lora_ids = 0
         self._engine: Any = None
         self._tokenizer: Any = None
         self._stats = EngineStats()
@@ -115,6 +122,10 @@ class VllmEngine:
                                              "disable_additional_properties": True}
         if self.task == "embed":
             args["runner"], args["convert"] = "pooling", "embed"
+        if self._max_loras:
+            # Every adapter held may run in one batch: the routing's cap is vLLM's too.
+            args.update(enable_lora=True, max_loras=self._max_loras, max_cpu_loras=self._max_loras,
+                        max_lora_rank=self._max_lora_rank)
         if self._tensor_parallel_size > 1:
             args["tensor_parallel_size"] = self._tensor_parallel_size
         if self._trtllm_kernels:
@@ -222,6 +233,18 @@ class VllmEngine:
             return AutoToolCalls(self._tool_call_parser, self._tokenizer, request)
         return ForcedCalls(request.tool_mode)
 
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load LoRA adapter ``name`` from the folder ``path`` (a PEFT adapter)."""
+        self._lora_ids += 1
+        lora = vllm_api().LoRARequest(lora_name=name, lora_int_id=self._lora_ids, lora_path=path)
+        await self._engine.add_lora(lora)
+        self._loras[name] = lora
+
+    async def unload_adapter(self, name: str) -> None:
+        lora = self._loras.pop(name, None)
+        if lora is not None:
+            await self._engine.remove_lora(lora.lora_int_id)
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
         vllm = vllm_api()
         prompt = prompt_token_ids(self._tokenizer, request)
@@ -243,6 +266,7 @@ class VllmEngine:
             request_id=request_id,
             priority=request.priority,
             trace_headers=request.trace_headers,
+            lora_request=self._loras.get(request.adapter) if request.adapter else None,
         )
         try:
             async for out in stream:

@@ -146,7 +146,9 @@ class Ask:
     ``tenant``'s fair share; ``boost`` for retries and migrations (first in line,
     never refused for queue length); ``exclude`` names workers that already failed it;
     ``blocks``: the prompt's block hashes (:mod:`sluice.prefix`), for cache routing;
-    ``task``: only workers serving it are granted (:mod:`sluice.tasks`).
+    ``task``: only workers serving it are granted (:mod:`sluice.tasks`);
+    ``session``: the session's routing key (:mod:`gateway.admission.affinity`), "" for none;
+    ``adapter``: the LoRA adapter asked for, served by ``model`` (its parent), "" for none.
     """
 
     model: str
@@ -160,6 +162,8 @@ class Ask:
     exclude: tuple[str, ...] = ()
     blocks: tuple[str, ...] = ()
     task: Task = GENERATE
+    session: str = ""
+    adapter: str = ""
 
 
 @dataclass(eq=False, slots=True)
@@ -298,7 +302,9 @@ class Admission:
                             orjson.dumps(ask.blocks).decode(), self._s.routing, self._s.route_load_blocks,
                             self._s.route_hot_share,
                             self._s.route_least_pending_weight if self._s.routing == "least"
-                            else self._s.route_prefill_weight, ask.task),
+                            else self._s.route_prefill_weight, ask.task,
+                            ask.session if self._s.session_affinity != "off" else "", self._s.session_affinity,
+                            self._s.session_load_bound, self._s.session_cost_blocks, ask.adapter),
         ))
         try:
             return cast(list[Any], await asyncio.shield(call))

@@ -89,13 +89,20 @@ worker gets traffic as soon as the others fill up or owe enough prefill. The sam
 choice serves a request granted from the queue by a release, so queued requests keep
 their affinity. A granted request's blocks are marked held by its worker in the index,
 in the same script: routing costs no Redis call on the request's path beyond ACQUIRE.
+
+Sessions (:mod:`gateway.admission.affinity`): a request naming a session goes to the first
+worker of the session's rendezvous rank within a load bound (``bounded``), or cache routing
+charges every worker but the session's home a few blocks more (``cost``). LoRA adapters
+(:mod:`gateway.admission.adapters`): the workers that cannot hold the adapter are excluded,
+and each pick is among its holders while one may take it, else among the workers with room.
 """
 
 from __future__ import annotations
 
+from gateway.admission import adapters, affinity
 from sluice import keys, prefix_index
 
-_PRELUDE = f"local GRANTS_KEPT = {keys.GRANTS_KEPT}\n" + prefix_index.FUNCTIONS + r"""
+_PRELUDE = f"local GRANTS_KEPT = {keys.GRANTS_KEPT}\n" + prefix_index.FUNCTIONS + affinity.FUNCTIONS + adapters.FUNCTIONS + r"""
 local K_WORKERS, K_ALIVE, K_INFLIGHT, K_LEASES, K_OWNER = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local K_QURGENT, K_QNORMAL, K_META, K_DEPTH, K_GRANTS = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local K_GATEWAYS, K_FAIR, K_DONE, K_URGENT_SEEN, K_HEADS = KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15]
@@ -126,7 +133,8 @@ local function live_workers()
       for _, t in ipairs(r.tasks or {'generate'}) do serves[t] = true end
       out[#out + 1] = {id = id, url = r.url, cap = math.max(tonumber(r.capacity) or 1, 1),
                        used = tonumber(redis.call('HGET', K_INFLIGHT, id) or '0'),
-                       prefill = math.max(prefill[id] or 0, 0), serves = serves}
+                       prefill = math.max(prefill[id] or 0, 0), serves = serves,
+                       loras = r.loras or {}, lora_max = tonumber(r.lora_max) or 0}
     else
       redis.call('HDEL', K_WORKERS, id)
       redis.call('HDEL', K_ALIVE, id)
@@ -219,6 +227,7 @@ local function best_pick(ws, excluded, full, route, matched)
         local m = matched[w.id] or 0
         if w.used / w.cap - coolest > route.hot then m = 0 end
         cost = (n - m) + route.prefill * w.prefill + route.load * w.used * total_cap / (#ws * w.cap)
+        if route.home and w.id ~= route.home then cost = cost + route.away end
       end
       if best == nil or cost < best_cost or (cost == best_cost and w.used / w.cap < best.used / best.cap) then
         best, best_cost = w, cost
@@ -240,10 +249,20 @@ local function choose(ws, excluded, priority, need, route)
   if n > 0 then matched = prefix_matches(K_PREFIX, route.blocks) end
   local picks, prefill, seen = {}, {}, {}
   local full = may_fill(ws, excluded, priority, need)
+  -- The cost variant needs cache routing's cost; under the other routings affinity is bounded.
+  local bounded = route.affinity == 'bounded' or route.mode ~= 'cache'
+  if route.session and not bounded then route.home = session_home(ws, route.session, excluded) end
   for _ = 1, need do
+    local ex = excluded
+    if route.adapter then
+      ex = adapter_choice(ws, excluded, route.adapter, function(w) return eligible(w, excluded, full) end)
+    end
+    local function ok(w) return eligible(w, ex, full) end
     local best
-    if route.mode == 'rr' then best = rr_pick(ws, excluded, full)
-    else best = best_pick(ws, excluded, full, route, matched) end
+    if route.session and bounded then best = session_pick(ws, ok, ex, route) end
+    if best ~= nil then
+    elseif route.mode == 'rr' then best = rr_pick(ws, ex, full)
+    else best = best_pick(ws, ex, full, route, matched) end
     if best == nil then
       for i, p in ipairs(picks) do
         p.used = p.used - 1
@@ -267,7 +286,9 @@ end
 
 local function route_of(meta)
   return {mode = meta.mode or 'least', blocks = meta.blocks, load = tonumber(meta.load) or 0,
-          prefill = tonumber(meta.prefill) or 0, hot = tonumber(meta.hot) or 1}
+          prefill = tonumber(meta.prefill) or 0, hot = tonumber(meta.hot) or 1,
+          session = meta.session, affinity = meta.affinity, bound = tonumber(meta.bound) or 1,
+          away = tonumber(meta.away) or 0, adapter = meta.adapter}
 end
 
 -- Whether the live workers not excluded hold `need` slots in all: a waiting request that
@@ -376,7 +397,7 @@ end
 -- 'none' (nothing live can ever serve it), its slots (a list of workers), or nil (wait),
 -- and the workers closed to it. `held`: workers an entry passed over waits for (not taken).
 local function verdict(ws, meta, held)
-  local excluded = exclusions(ws, meta.exclude, meta.task)
+  local excluded = adapter_unfit(ws, exclusions(ws, meta.exclude, meta.task), meta.adapter)
   if (tonumber(meta.deadline) or 0) < now or not gateway_alive(meta.gw or '') then return 'drop', excluded end
   if not serviceable(ws, excluded, tonumber(meta.need) or 1) then return 'none', excluded end
   local closed = excluded
@@ -507,7 +528,9 @@ end
 #: 16 prompt block hashes (JSON list), 17 routing (least | rr | cache), 18 load (blocks per
 #: request in flight), 19 hot-spot guard (share of slots), 20 weight of a pending prefill block
 #: (cache) or of a request not yet past its first token (least), 21 the task (generate, embed,
-#: score, tokenize).
+#: score, tokenize), 22 session key ('': none; :mod:`gateway.admission.affinity`), 23 affinity
+#: (bounded | cost), 24 its load bound (x the mean share), 25 its cost for a worker other than
+#: the session's home, 26 LoRA adapter ('': the base model; :mod:`gateway.admission.adapters`).
 #: Returns {'granted', leases JSON [[lease, worker, url, matched blocks, prefill blocks], ...]}
 #: | {'queued', position, the grant stream's last id (its grant can only come after it)}
 #: | {'full', length} | {'none'} | {'too_big', slots of the live workers it may use}
@@ -523,7 +546,8 @@ if is_urgent(priority) and redis.call('EXISTS', K_WORKERS) == 1 then
 end
 local ws = live_workers()
 if #ws == 0 then return {'none'} end
-local excluded = exclusions(ws, exclude, task)
+local adapter = ARGV[26] ~= '' and ARGV[26] or nil
+local excluded = adapter_unfit(ws, exclusions(ws, exclude, task), adapter)
 local serving = false
 for _, w in ipairs(ws) do serving = serving or w.serves[task] == true end
 if not serving then return {'untasked'} end
@@ -543,6 +567,10 @@ local meta = {deadline = now + tonumber(ARGV[10]), exclude = exclude, priority =
               gw = gateway, mode = ARGV[17], load = tonumber(ARGV[18]), hot = tonumber(ARGV[19]),
               prefill = tonumber(ARGV[20])}
 if task ~= 'generate' then meta.task = task end
+meta.adapter = adapter
+if ARGV[22] ~= '' then
+  meta.session, meta.affinity, meta.bound, meta.away = ARGV[22], ARGV[23], tonumber(ARGV[24]), tonumber(ARGV[25])
+end
 -- The caller's blocks stay out of its stored meta unless it has to wait (no JSON round trip
 -- for a request granted at once).
 local direct_blocks = ARGV[17] == 'cache' and cjson.decode(ARGV[16]) or nil

@@ -63,5 +63,7 @@ class PoolingServing:
         return Response(body, media_type="application/json", headers=headers)
 
     async def _settle(self, ctx: RequestContext, used_tokens: int) -> None:
-        """Correct the key's TPM charge with the prompt tokens really used; once."""
-        await self._tenancy.settle_quietly(ctx.take_charge(), used_tokens, ctx.request_id)
+        """Correct the key's and the model name's TPM charges with the prompt tokens really
+        used; once."""
+        for charge in ctx.take_charges():
+            await self._tenancy.settle_quietly(charge, used_tokens, ctx.request_id)

@@ -356,8 +356,10 @@ class Serving:
         await self._settle_usage(ctx, record.prompt_tokens + record.completion_tokens)
 
     async def _settle_usage(self, ctx: RequestContext, used_tokens: int) -> None:
-        """Correct the key's TPM charge with what the request really used; once."""
-        await self._tenancy.settle_quietly(ctx.take_charge(), used_tokens, ctx.request_id)
+        """Correct the key's and the model name's TPM charges with what the request really
+        used; once."""
+        for charge in ctx.take_charges():
+            await self._tenancy.settle_quietly(charge, used_tokens, ctx.request_id)
 
     async def _end_json(self, upstreams: list[Upstream | None], ctx: RequestContext) -> None:
         """A JSON answer's clean-up: close upstreams, finish the record, settle the charge."""

@@ -28,6 +28,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from gateway.admission.queue import REGISTRY_REBUILDING, Admission, Ask, Lease
 from gateway.admission.prompt_tokens import PromptTokenizer
+from gateway.admission.adapters import AdapterDirectory
 from gateway.admission.routing import IndexCorrections, PromptPrefix, RouteCheck
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
@@ -36,6 +37,7 @@ from gateway.relay.direct import DeltaLines, DirectRelay
 from sluice.engine_server import RELAY_SCHEME
 from sluice.errors import (
     DeadlineExceeded,
+    InvalidRequest,
     ModelNotFound,
     SluiceError,
     Unavailable,
@@ -262,9 +264,10 @@ def _error_line(line: Line) -> SluiceError:
 class Dispatcher:
     def __init__(
         self, settings: GatewaySettings, admission: Admission, http: httpx.AsyncClient, workers: Http1Pool,
-        corrections: IndexCorrections,
+        corrections: IndexCorrections, adapters: AdapterDirectory,
     ) -> None:
         self._settings = settings
+        self._adapters = adapters
         self._corrections = corrections
         self._tokenizer = (PromptTokenizer(settings.tokenizer)
                            if settings.routing == "cache" and settings.prefix_index == "precise" and settings.tokenizer
@@ -297,6 +300,12 @@ class Dispatcher:
         on workers serving ``task``, chosen by the gateway's routing (``prefix``: the prompt,
         for cache routing)."""
         waited = time.monotonic()
+        # An adapter waits in its parent model's queue for its slots (gateway/admission/adapters.py).
+        parent = await self._adapters.parent(model)
+        model, adapter = (parent, model) if parent is not None else (model, "")
+        if adapter and task != GENERATE:  # the workers' adapters generate; pooling runs the base model
+            raise InvalidRequest(f"'{adapter}' is a LoRA adapter of '{model}': it serves generation only, "
+                                 f"not task '{task}'", param="model", code="task_not_served")
         with tracer.start_as_current_span("queue.wait", context=ctx.record.context()) as queue_span:
             queue_span.set_attribute("sluice.priority", ctx.priority)
             try:
@@ -304,7 +313,10 @@ class Dispatcher:
                     Ask(model=model, request_id=request_id, priority=ctx.priority, need=need,
                         timeout_s=max(0.001, min(self._settings.queue_timeout_s, ctx.remaining_s())),
                         tenant=ctx.tenant, cost=cost, boost=boost, exclude=tuple(exclude),
-                        blocks=prefix.blocks if prefix is not None else (), task=task),
+                        # Not an adapter's: engines cache its blocks apart from the base
+                        # model's, and the index (per base model) has no name for them.
+                        blocks=prefix.blocks if prefix is not None and not adapter else (),
+                        task=task, session=ctx.session, adapter=adapter),
                     ctx.disconnected,
                 )
             except ModelNotFound:

@@ -160,6 +160,9 @@ class _SamplingFields(BaseModel):
     #: Choices per prompt; each runs as its own generation (seed + i when a seed is given).
     n: int = Field(default=1, ge=1)
     user: UserId | None = None
+    #: OpenAI's cache key: requests sharing it are a session, routed to one worker
+    #: (gateway/admission/affinity.py); bounded like ``user``.
+    prompt_cache_key: UserId | None = None
     #: Lower runs first (vLLM's convention); also header X-Sluice-Priority or service_tier.
     priority: int | None = None
     service_tier: str | None = None

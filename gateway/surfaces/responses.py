@@ -66,6 +66,8 @@ class ResponsesRequest(BaseModel):
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = \
         Field(default=None, max_length=16)
     user: UserId | None = None
+    #: A session for routing (gateway/admission/affinity.py), as on chat completions.
+    prompt_cache_key: UserId | None = None
     service_tier: str | None = None
     #: Lower runs first; as on chat completions.
     priority: int | None = None
@@ -91,6 +93,7 @@ class ResponsesRequest(BaseModel):
             "model": self.model, "messages": messages, "max_tokens": self.max_output_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream,
             "priority": self.priority, "service_tier": self.service_tier, "user": self.user,
+            "prompt_cache_key": self.prompt_cache_key,
         }
         if self.tools:
             body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}

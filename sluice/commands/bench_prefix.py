@@ -9,7 +9,10 @@ Each arm runs one workload on a fresh stack (Redis, 4 sim workers with a prefix 
   (about 80% of it: llm-d's shape), open loop: every round each group sends one request,
   in a shuffled order, at a fixed rate (above what round robin's prefill can serve).
 - ``w5``: no shared prefix (control), closed loop.
-- ``chat``: users x rounds, each round re-sends the whole history plus a new message.
+- ``chat``: users x rounds, each round re-sends the whole history plus a new message,
+  with the user's conversation as its ``prompt_cache_key``. A routing arm ``R+bounded`` or
+  ``R+cost`` runs routing R with that session affinity (gateway/admission/affinity.py); a
+  plain arm runs with affinity off.
 
 The simulator is scaled to run in minutes on two cores: words are tokens; prefill costs
 ``--prefix-prefill-ms`` per uncached token in chunks of 512 per step; a decode step
@@ -86,11 +89,13 @@ class Client:
         self._turn = 0
         self.tally = Tally()
 
-    async def chat(self, messages: Messages) -> str:
+    async def chat(self, messages: Messages, session: str | None = None) -> str:
         url = self._urls[self._turn % len(self._urls)]
         self._turn += 1
         body = {"model": MODEL, "messages": messages, "max_tokens": self.max_tokens, "stream": True,
                 "ignore_eos": True, "stream_options": {"include_usage": True}}
+        if session is not None:
+            body["prompt_cache_key"] = session
         started, first, text = time.perf_counter(), 0.0, []
         try:
             async with self._http.stream("POST", url + "/v1/chat/completions", json=body) as response:
@@ -165,7 +170,7 @@ def workload(name: str, args: argparse.Namespace) -> Callable[[Client], Awaitabl
             history: Messages = [{"role": "system", "content": _words(f"c{u}s", 512)}]
             for r in range(args.chat_rounds):
                 history.append({"role": "user", "content": _words(f"c{u}r{r}w", 64)})
-                history.append({"role": "assistant", "content": await client.chat(history)})
+                history.append({"role": "assistant", "content": await client.chat(history, f"c{u}")})
 
         return lambda c: asyncio.gather(*(user(c, u) for u in range(args.chat_users)))  # type: ignore[return-value]
     raise SystemExit(f"sluice bench: unknown workload {name!r}")
@@ -204,7 +209,9 @@ def _busiest_share(client: Any) -> float:
 async def run_arm(arm: Arm, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     worker_args = [f"--sim-max-seqs={SLOTS}", f"--sim-token-ms={args.prefix_token_ms}", "--sim-ttft-ms=0",
                    f"--sim-prefill-ms-per-token={args.prefix_prefill_ms}", f"--sim-cache-blocks={CACHE_BLOCKS}"]
-    env = {"SLUICE_GATEWAY_ROUTING": arm.routing, "SLUICE_GATEWAY_MAX_QUEUE": "10000",
+    routing, _, affinity = arm.routing.partition("+")
+    env = {"SLUICE_GATEWAY_ROUTING": routing, "SLUICE_GATEWAY_SESSION_AFFINITY": affinity or "off",
+           "SLUICE_GATEWAY_MAX_QUEUE": "10000",
            "SLUICE_GATEWAY_QUEUE_TIMEOUT_S": "300"}
     if args.route_hot_share is not None:
         env["SLUICE_GATEWAY_ROUTE_HOT_SHARE"] = str(args.route_hot_share)
@@ -238,7 +245,7 @@ async def run_arm(arm: Arm, args: argparse.Namespace, logs: Path) -> dict[str, A
         "busiest_pct": 100 * busiest,
         # Only cache routing expects anything; the other arms are not checked.
         "accuracy": 1 - counters["error"] / counters["prompt"]
-        if counters["prompt"] and arm.routing == "cache" else float("nan"),
+        if counters["prompt"] and arm.routing.startswith("cache") else float("nan"),
         "acquire_p99_ms": acquire_ms, "redis_calls_per_req": calls, "wall_s": wall,
     }
 
@@ -262,6 +269,12 @@ def _ratios(rows: dict[str, dict[str, Any]]) -> list[str]:
         f"W5 output tok/s, cache / least loaded: {get('w5 cache x1gw', 'out_tok_s') / get('w5 least x1gw', 'out_tok_s'):.3f} (goal within 5%)",
         f"W5 P90 TTFT, cache / least loaded: {get('w5 cache x1gw', 'ttft_p90_ms') / get('w5 least x1gw', 'ttft_p90_ms'):.3f}",
     ]
+    for variant in ("least+bounded", "cache+bounded", "cache+cost"):
+        if f"chat {variant} x1gw" in rows:
+            plain = variant.split("+")[0]
+            ttft = get(f"chat {variant} x1gw", "ttft_p90_ms") / get(f"chat {plain} x1gw", "ttft_p90_ms")
+            points = 100 * (get(f"chat {variant} x1gw", "hit_rate") - get(f"chat {plain} x1gw", "hit_rate"))
+            lines.append(f"CHAT session affinity, {variant} / {plain}: P90 TTFT {ttft:.2f}x, hit rate {points:+.1f} points")
     for w in ("w1", "w3", "chat"):
         if f"{w} cache x3gw" in rows:
             points = 100 * (get(f"{w} cache x3gw", "hit_rate") - get(f"{w} cache x1gw", "hit_rate"))
@@ -298,8 +311,8 @@ def main(args: argparse.Namespace) -> int:
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     routings = [r.strip() for r in args.routings.split(",") if r.strip()]
     arms = [Arm(w, r) for w in workloads for r in routings]
-    if "cache" in routings and args.replicas > 1:
-        arms += [Arm(w, "cache", args.replicas) for w in workloads if w != "w5"]
+    if args.replicas > 1:
+        arms += [Arm(w, r, args.replicas) for r in routings if r.startswith("cache") for w in workloads if w != "w5"]
     logs = Path(tempfile.mkdtemp(prefix="sluice-prefix-"))
     print(f"sluice bench --scenario prefix: {WORKERS} sim workers x {SLOTS} slots, {CACHE_BLOCKS} cache blocks "
           f"each; prefill {args.prefix_prefill_ms} ms/token, decode step {args.prefix_token_ms} ms, "

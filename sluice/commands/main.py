@@ -88,6 +88,12 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="sim fault injection: a prompt containing TEXT kills the worker (a query of death)")
     wk.add_argument("--sim-fail-first", type=int,
                     help="sim fault injection: the first N requests fail before their first token")
+    wk.add_argument("--lora", action="append", metavar="NAME=PATH",
+                    help="a LoRA adapter to serve as model NAME (repeatable; vllm, sim, openai engines)")
+    wk.add_argument("--max-loras", type=int,
+                    help="LoRA adapters this worker may hold, loading more on demand up to it "
+                         "(default: the number of --lora)")
+    wk.add_argument("--max-lora-rank", type=int, help="vllm: the largest LoRA rank (default 16)")
     wk.add_argument("--vllm-max-model-len", type=int, help="vllm: context length (default 2048)")
     wk.add_argument("--vllm-max-num-seqs", type=int,
                     help="vllm: batch size = capacity (default 16 on CPU, 256 on a GPU)")
@@ -170,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
                 "sim_prefill_chunk", "sim_cache_blocks", "redis_url", "vllm_max_model_len",
                 "vllm_max_num_seqs", "vllm_kv_cache_gib", "vllm_tensor_parallel_size", "vllm_enforce_eager",
                 "vllm_trtllm_kernels", "tool_call_parser", "upstream_url", "upstream_model", "upstream_capacity",
-                "upstream_token_ids", "upstream_poll_ms", "relay", "task",
+                "upstream_token_ids", "upstream_poll_ms", "relay", "task", "lora", "max_loras", "max_lora_rank",
             )
             from sluice.models import ModelError
             from sluice.settings import is_loopback

@@ -9,10 +9,12 @@ upstream, a second worker to kill) start them, and those stop with their module.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
 
+from sluice.models import default_model_dir
 from tests.conftest import Proc, StartGateway, StartWorker
 
 #: The shared worker's served name (distinct from the upstream module's, which registers
@@ -20,12 +22,33 @@ from tests.conftest import Proc, StartGateway, StartWorker
 MODEL = "smol-shared"
 
 
+#: The LoRA adapter the shared worker serves (tests/real_model/test_lora.py), made at start.
+ADAPTER = "smol-tiny-lora"
+
+
+def make_adapter(out: Path) -> Path:
+    """A rank-8 adapter of the default model on the attention projections, with random (not
+    zero) weights, so it visibly changes what the model says."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(str(default_model_dir()), dtype=torch.float32)
+    config = LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(base, config).save_pretrained(str(out))
+    return out
+
+
 @pytest.fixture(scope="session")
-def vllm_worker(start_worker: StartWorker) -> Proc:
+def vllm_worker(start_worker: StartWorker, tmp_path_factory: pytest.TempPathFactory) -> Proc:
     # A tool-call parser for tool_choice "auto"; float32 is the CPU default (engines/vllm_engine.py).
     # Its KV events feed the precise prefix index (test_precise_prefix.py); gateways in the
     # default approximate mode never match those token-block hashes, so the rest is unchanged.
-    worker = start_worker(MODEL, engine="vllm", vllm_max_num_seqs=8, tool_call_parser="hermes",
+    # One LoRA adapter (peft, the dev extra): base-model requests run as before beside it.
+    adapter = make_adapter(tmp_path_factory.mktemp("lora") / "tiny")
+    worker = start_worker(MODEL, "--lora", f"{ADAPTER}={adapter}", engine="vllm", vllm_max_num_seqs=8,
+                          tool_call_parser="hermes",
                           env={"VLLM_CPU_OMP_THREADS_BIND": "0", "SLUICE_PREFIX_INDEX": "precise"})
     worker.shared = True
     return worker
