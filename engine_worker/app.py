@@ -1,4 +1,5 @@
-"""The worker's HTTP surface: ``POST /internal/generate``, ``GET /health``, ``GET /metrics``."""
+"""The worker's HTTP surface: ``POST /internal/generate``, ``POST /internal/prompt_tokens``,
+``GET /health``, ``GET /metrics``."""
 
 from __future__ import annotations
 
@@ -61,6 +62,16 @@ def create_app(worker: Worker) -> FastAPI:
                                              "sluice.resumed_tokens": len(body.resume_token_ids)})
         body.trace_headers = inject(trace.set_span_in_context(span)) or None
         return worker.open_stream(body, span)
+
+    @app.post("/internal/prompt_tokens")
+    async def prompt_tokens(request: Request) -> Response:
+        """The size of a generate request's prompt as the engine counts it; nothing generated."""
+        check_caller(request)
+        body = GenerateRequest.parse(await request.body())
+        if body.model != worker.model:
+            raise ModelNotFound(f"this worker serves {worker.model!r}")
+        count = await worker.engine.prompt_tokens(body)
+        return Response(orjson.dumps({"prompt_tokens": count}), media_type="application/json")
 
     @app.get("/health")
     async def health() -> Response:

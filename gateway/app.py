@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import os
@@ -15,6 +16,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import anyio
 import httpx
 import orjson
 from fastapi import FastAPI, Request
@@ -36,6 +38,7 @@ from gateway.config import GatewaySettings
 from gateway.context import RequestContext, resolve_deadline, resolve_priority
 from gateway.metrics import GatewayMetrics
 from gateway.record import RequestRecord
+from gateway.relay.counting import PromptCounter
 from gateway.relay.serving import Serving
 from gateway.relay.sse import SSEResponse
 from gateway.relay.upstream import Dispatcher
@@ -44,7 +47,7 @@ from gateway.streams.journal import last_event_id
 from gateway.streams.journal_quota import journal_events
 from gateway.streams.journal_readers import JournalReaders
 from gateway.surfaces import messages
-from gateway.surfaces.messages import MessageShape, MessagesRequest
+from gateway.surfaces.messages import CountTokensRequest, MessageShape, MessagesRequest
 from gateway.surfaces.openai import ChatCompletionRequest, CompletionRequest
 from gateway.surfaces.responses import ResponseShape, ResponsesRequest
 from gateway.surfaces.shape import Shape
@@ -85,6 +88,7 @@ class Services:
     tenancy: Tenancy
     metrics: GatewayMetrics
     readers: JournalReaders
+    counter: PromptCounter
 
     async def aclose(self) -> None:
         await self.admission.close()
@@ -111,13 +115,13 @@ async def open_services(settings: GatewaySettings) -> Services:
     await admission.start()
     readers = JournalReaders(redis)  # one reader loop for every re-attached stream of this process
     metrics = GatewayMetrics()
-    serving = Serving(
-        settings, Dispatcher(settings, admission, http, workers, IndexCorrections(PrefixIndex(redis))),
-        Idempotency(redis, settings.idempotency_ttl_s), redis, tenancy, readers, metrics,
-    )
+    dispatcher = Dispatcher(settings, admission, http, workers, IndexCorrections(PrefixIndex(redis)))
+    serving = Serving(settings, dispatcher, Idempotency(redis, settings.idempotency_ttl_s), redis, tenancy, readers,
+                      metrics)
     readers.adopt = serving.take_over  # a re-attached reader whose producer died: continue it here
     return Services(redis=redis, http=http, workers=workers, admission=admission, serving=serving,
-                    tenancy=tenancy, metrics=metrics, readers=readers)
+                    tenancy=tenancy, metrics=metrics, readers=readers,
+                    counter=PromptCounter(settings, dispatcher, http, workers))
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -137,7 +141,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     _install_error_handlers(app)
 
     async def admitted(
-        request: Request, model: type[ChatCompletionRequest | CompletionRequest | ResponsesRequest | MessagesRequest],
+        request: Request,
+        model: type[ChatCompletionRequest | CompletionRequest | ResponsesRequest | MessagesRequest | CountTokensRequest],
         record: RequestRecord,
     ) -> tuple[ChatCompletionRequest | CompletionRequest, RequestContext, Shape | None]:
         """Authenticate, parse, cap, clamp priority, charge the key's limits. A Responses
@@ -146,7 +151,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         key = await s.tenancy.authenticate(_credential(request))
         parsed, body = await _parse(request, model, settings.max_body_bytes)
         shape: Shape | None = None
-        if isinstance(parsed, ResponsesRequest | MessagesRequest):
+        if isinstance(parsed, ResponsesRequest | MessagesRequest | CountTokensRequest):
             refused = parsed.refusal()
             if refused is not None:
                 raise InvalidRequest(f"{refused[0]}: {refused[1]}", param=refused[0])
@@ -194,6 +199,26 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     completion_route("/v1/completions", CompletionRequest, "completions")
     completion_route("/v1/responses", ResponsesRequest, "responses")
     completion_route("/v1/messages", MessagesRequest, "messages", messages.anthropic_frames)
+
+    @app.post("/v1/messages/count_tokens", openapi_extra=_body_schema(CountTokensRequest))
+    async def count_tokens(request: Request) -> Response:
+        """The prompt's tokens as a worker of the model counts them. Admitted like a
+        generation (a request against the key's RPM); no tokens are charged to its TPM."""
+        record = begin(request, "messages.count_tokens")
+        try:
+            req, ctx, _ = await admitted(request, CountTokensRequest, record)
+            try:
+                count = await svc(request).counter.count(req, ctx)
+            finally:
+                charge = ctx.take_charge()
+                if charge is not None:
+                    with anyio.CancelScope(shield=True), contextlib.suppress(RedisError, OSError):
+                        await svc(request).tenancy.settle(charge, 0)
+        except BaseException as exc:
+            record.finish(as_sluice_error(exc))
+            raise
+        record.finish()
+        return Response(orjson.dumps({"input_tokens": count}), media_type="application/json", headers=ctx.headers)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics(request: Request) -> Response:

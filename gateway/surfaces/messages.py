@@ -295,7 +295,7 @@ class MessageShape:
 
     kind: Literal["messages"] = "messages"
 
-    def __init__(self, req: MessagesRequest) -> None:
+    def __init__(self, req: MessagesRequest | CountTokensRequest) -> None:
         self.id = "msg_" + uuid.uuid4().hex
         self.model = req.model
 
