@@ -37,7 +37,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.responses import Response
 
-from gateway.surfaces.openai import ChatCompletionRequest, ModelName, ToolCallAssembler, UserId, first_refused
+from gateway.surfaces.openai import DONE, ChatCompletionRequest, ModelName, ToolCallAssembler, UserId, first_refused
 from sluice.errors import InvalidRequest, SluiceError, UpstreamFailed
 
 #: Fields that change what a Messages request means and that this gateway cannot honour.
@@ -432,7 +432,6 @@ def error_response(exc: SluiceError, headers: dict[str, str] | None = None) -> R
 
 
 _ERROR_DATA = b'data: {"error":'
-DONE = b"data: [DONE]\n\n"
 
 
 def _error_frame(frame: bytes) -> bytes:

@@ -245,3 +245,43 @@ def test_a_resumable_stream_reattaches_with_its_idempotency_key(stack) -> None:
     cut = next(i for i, line in enumerate(first) if line == "id: 4")
     assert again == first[cut:]
     assert not any("[DONE]" in line for line in first + again)
+
+
+async def test_journal_errors_and_done_are_rewritten_for_anthropic_clients() -> None:
+    """A resumable stream's journal ends readers with OpenAI-shaped errors and ``[DONE]``
+    (gateway/streams/journal.py); a Messages client gets ``event: error`` and no [DONE]."""
+    from gateway.streams.journal import DONE, frame, history_lost, producer_gone
+    from gateway.surfaces.messages import anthropic_frames
+
+    async def journal():
+        yield frame(1, b'event: ping\ndata: {"type":"ping"}\n\n')
+        yield history_lost(1, 5)
+        yield producer_gone()
+        yield DONE
+
+    out = [f async for f in anthropic_frames(journal())]
+    assert out[0] == b'id: 1\nevent: ping\ndata: {"type":"ping"}\n\n'
+    assert out[1].startswith(b'event: error\ndata: {"type":"error","error":{"type":"api_error","message":"events 2..4')
+    assert out[2].startswith(b'event: error\ndata: {"type":"error","error":{"type":"api_error"')
+    assert len(out) == 3
+
+
+def test_tool_results_keep_their_place_in_the_conversation() -> None:
+    from gateway.surfaces.messages import MessagesRequest
+
+    req = MessagesRequest.model_validate({"model": MODEL, "max_tokens": 5, "system": [
+        {"type": "text", "text": "Be brief."}, {"type": "text", "text": "Use tools."}], "messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "text", "text": "Here:"},
+                                     {"type": "tool_result", "tool_use_id": "t1",
+                                      "content": [{"type": "text", "text": "Sunny"}]},
+                                     {"type": "text", "text": "Thanks"}]}]})
+    chat = req.to_chat()
+    assert [(m.role, m.content) for m in chat.messages] == [
+        ("system", "Be brief.\nUse tools."), ("user", "Weather?"), ("assistant", None), ("user", "Here:"),
+        ("tool", "Sunny"), ("user", "Thanks")]
+    call = chat.messages[2].tool_calls[0]
+    assert (call.id, call.function.name, call.function.arguments) == ("t1", "get_weather", '{"city":"Paris"}')
+    assert chat.messages[4].tool_call_id == "t1"
