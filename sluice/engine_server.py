@@ -182,7 +182,11 @@ class EngineServer:
         return orjson.loads(response.content)
 
     async def prompt_tokens(self, request: GenerateRequest) -> int:
-        """The prompt's size as this server counts it: its ``/tokenize``, its chat template."""
+        """The prompt's size as this server counts it: its ``/tokenize``, its chat template
+        (vLLM's; a server without token ids has none)."""
+        if not self.token_ids:
+            raise InvalidRequest(f"model {request.model!r} is served by a server that cannot count tokens "
+                                 "(it has no /tokenize)", code="count_unsupported")
         if request.messages is not None:
             body: dict[str, Any] = {"model": self.model, "messages": request.messages, "add_generation_prompt": True}
             if request.tools:
