@@ -34,7 +34,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.responses import Response
 
 from gateway.surfaces.openai import DONE, ChatCompletionRequest, ModelName, ToolCallAssembler, UserId, first_refused
@@ -96,7 +96,13 @@ class OutputConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     format: OutputFormat | None = None
-    effort: None = Field(default=None, description="this gateway's models have one effort level")
+    effort: str | None = None
+
+    @field_validator("effort")
+    @classmethod
+    def _one_effort(cls, value: str | None) -> None:
+        if value is not None:
+            raise ValueError("effort levels are not supported: this gateway's models have one")
 
 
 class MessagesMetadata(BaseModel):

@@ -5,6 +5,7 @@ sending the key, and a resumable stream."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ import httpx
 import pytest
 
 from sluice.embedded_redis import EmbeddedRedis
-from tests.conftest import ROOT
+from tests.conftest import ROOT, streaming
 
 MODEL = "msim"
 SLOW = "mslow"
@@ -32,14 +33,19 @@ def _create_key(redis_url: str, *flags: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def stack(start_worker, start_gateway):
+def messages_redis():
     with EmbeddedRedis() as server:
-        start_worker(MODEL, redis_at=server.url, sim_token_ms=0, sim_ttft_ms=0)
-        start_worker(SLOW, redis_at=server.url, sim_token_ms=100, sim_ttft_ms=0)
-        gateway = start_gateway(redis_at=server.url)
-        key, limited = _create_key(server.url), _create_key(server.url, "--rpm", "1")
-        time.sleep(2.1)  # "auto" auth re-checks for keys every 2 s
-        yield gateway.url, key, limited
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def stack(messages_redis, start_worker, start_gateway):
+    start_worker(MODEL, redis_at=messages_redis, sim_token_ms=0, sim_ttft_ms=0)
+    start_worker(SLOW, redis_at=messages_redis, sim_token_ms=100, sim_ttft_ms=0)
+    gateway = start_gateway(redis_at=messages_redis)
+    key, limited = _create_key(messages_redis), _create_key(messages_redis, "--rpm", "1")
+    time.sleep(2.1)  # "auto" auth re-checks for keys every 2 s
+    return gateway.url, key, limited
 
 
 @pytest.fixture
@@ -134,6 +140,15 @@ def test_stop_sequences_end_with_stop_sequence(client) -> None:
     assert client.messages.create(**body, stop_sequences=["never-generated"]).stop_reason == "max_tokens"
 
 
+def test_output_config_format_is_structured_output(client) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "sunny": {"type": "boolean"}},
+              "required": ["city", "sunny"], "additionalProperties": False}
+    message = client.messages.create(model=MODEL, max_tokens=200, messages=ASK,
+                                     output_config={"format": {"type": "json_schema", "schema": schema}})
+    answer = json.loads(message.content[0].text)
+    assert set(answer) == {"city", "sunny"} and isinstance(answer["sunny"], bool)
+
+
 def test_count_tokens_is_the_prompt_the_worker_counts(client) -> None:
     body = {"model": MODEL, "messages": ASK, "system": "Be brief.", "tools": [WEATHER]}
     counted = client.messages.count_tokens(**body)
@@ -175,6 +190,8 @@ def test_both_auth_headers_are_accepted_and_a_bad_key_is_401(stack) -> None:
      400, "invalid_request_error", "server tools"),
     ({"model": MODEL, "max_tokens": 5, "messages": ASK, "temperature": 1.5}, 400, "invalid_request_error",
      "temperature"),
+    ({"model": MODEL, "max_tokens": 5, "messages": ASK, "output_config": {"effort": "high"}}, 400,
+     "invalid_request_error", "effort levels are not supported"),
 ])
 def test_bad_input_is_an_anthropic_error(stack, body, status, kind, says) -> None:
     url, key, _ = stack
@@ -245,6 +262,28 @@ def test_a_resumable_stream_reattaches_with_its_idempotency_key(stack) -> None:
     cut = next(i for i, line in enumerate(first) if line == "id: 4")
     assert again == first[cut:]
     assert not any("[DONE]" in line for line in first + again)
+
+
+def test_a_stream_migrates_when_its_worker_dies(stack, client, messages_redis, start_worker) -> None:
+    """Migration is the chat path's: the worker dies mid-stream, the other one continues it,
+    and the client's text is the uninterrupted generation's, with no error event."""
+    model = "mmig"
+    workers = [start_worker(model, redis_at=messages_redis, sim_token_ms=40, sim_ttft_ms=0) for _ in range(2)]
+    body = {"model": model, "max_tokens": 30, "messages": [{"role": "user", "content": "Tell me about locks."}]}
+    reference = client.messages.create(**body)
+    assert reference.usage.output_tokens == 30, "a natural end before 30 tokens would test nothing"
+    pieces: list[str] = []
+    killed = []
+    with client.messages.stream(**body) as stream:
+        for piece in stream.text_stream:
+            pieces.append(piece)
+            if len(pieces) == 3:
+                (serving,) = [w for w in workers if streaming(w) == 1]
+                serving.kill()
+                killed.append(serving)
+        final = stream.get_final_message()
+    assert killed and "".join(pieces) == reference.content[0].text
+    assert (final.stop_reason, final.usage.output_tokens) == ("max_tokens", 30)
 
 
 async def test_journal_errors_and_done_are_rewritten_for_anthropic_clients() -> None:
