@@ -1,5 +1,5 @@
 """The worker's HTTP surface: ``POST /internal/generate``, ``POST /internal/prompt_tokens``,
-``GET /health``, ``GET /metrics``."""
+``POST /internal/pool``, ``GET /health``, ``GET /metrics``."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
 from engine_worker.metrics import metrics_text
+from engine_worker.pooling import TASK_OF, PoolRequest, encode_line
 from engine_worker.protocol import GenerateRequest
 from engine_worker.stream import NDJSONStream
 from sluice.errors import (
     AuthenticationFailed,
     ModelNotFound,
+    RouteNotFound,
     SluiceError,
     Unavailable,
     error_response,
@@ -48,14 +50,22 @@ def create_app(worker: Worker) -> FastAPI:
         if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
             raise AuthenticationFailed("this worker answers gateways only (internal token missing or wrong)")
 
-    @app.post("/internal/generate", response_model=None)
-    async def generate(request: Request) -> NDJSONStream:
+    def check_request(request: Request, model: str, task: str) -> None:
+        """A gateway's request this worker takes: not draining, its model, a task it serves
+        (a 404 otherwise: the gateway tries another worker)."""
         check_caller(request)
         if worker.draining:
             raise Unavailable("worker is draining", retry_after_s=1)
-        body = GenerateRequest.parse(await request.body())
-        if body.model != worker.model:
+        if model != worker.model:
             raise ModelNotFound(f"this worker serves {worker.model!r}")
+        if not worker.serves(task):
+            raise RouteNotFound(f"this worker does not serve task {task!r} (its tasks: {', '.join(worker.tasks)})")
+
+    @app.post("/internal/generate", response_model=None)
+    async def generate(request: Request) -> NDJSONStream:
+        check_caller(request)
+        body = GenerateRequest.parse(await request.body())
+        check_request(request, body.model, "generate")
         span = tracer.start_span("worker.generate", context=extract(request.headers), kind=SpanKind.SERVER,
                                  attributes={"sluice.worker_id": worker.settings.worker_id,
                                              "gen_ai.request.model": body.model,
@@ -65,13 +75,25 @@ def create_app(worker: Worker) -> FastAPI:
 
     @app.post("/internal/prompt_tokens")
     async def prompt_tokens(request: Request) -> Response:
-        """The size of a generate request's prompt as the engine counts it; nothing generated."""
-        check_caller(request)
+        """The size of a generate request's prompt as the engine counts it (its chat template,
+        its tools); nothing generated."""
         body = GenerateRequest.parse(await request.body())
-        if body.model != worker.model:
-            raise ModelNotFound(f"this worker serves {worker.model!r}")
+        check_request(request, body.model, "generate")
         count = await worker.engine.prompt_tokens(body)
         return Response(orjson.dumps({"prompt_tokens": count}), media_type="application/json")
+
+    @app.post("/internal/pool")
+    async def pool(request: Request) -> Response:
+        """Embed, score, tokenize or detokenize: one NDJSON line (engine_worker/pooling.py)."""
+        check_caller(request)
+        body = PoolRequest.parse(await request.body())
+        check_request(request, body.model, TASK_OF[body.op])
+        with tracer.start_as_current_span("worker.pool", context=extract(request.headers), kind=SpanKind.SERVER,
+                                          attributes={"sluice.worker_id": worker.settings.worker_id,
+                                                      "gen_ai.request.model": body.model,
+                                                      "gen_ai.operation.name": body.op}):
+            line = await worker.pool(body)
+        return Response(encode_line(line), media_type="application/x-ndjson")
 
     @app.get("/health")
     async def health() -> Response:
