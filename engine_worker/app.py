@@ -1,4 +1,5 @@
-"""The worker's HTTP surface: ``POST /internal/generate``, ``GET /health``, ``GET /metrics``."""
+"""The worker's HTTP surface: ``POST /internal/generate``, ``POST /internal/prompt_tokens``,
+``POST /internal/pool``, ``GET /health``, ``GET /metrics``."""
 
 from __future__ import annotations
 
@@ -72,6 +73,15 @@ def create_app(worker: Worker) -> FastAPI:
                                              "sluice.resumed_tokens": len(body.resume_token_ids)})
         body.trace_headers = inject(trace.set_span_in_context(span)) or None
         return worker.open_stream(body, span)
+
+    @app.post("/internal/prompt_tokens")
+    async def prompt_tokens(request: Request) -> Response:
+        """The size of a generate request's prompt as the engine counts it (its chat template,
+        its tools); nothing generated."""
+        body = GenerateRequest.parse(await request.body())
+        check_request(request, body.model, "generate")
+        count = await worker.engine.prompt_tokens(body)
+        return Response(orjson.dumps({"prompt_tokens": count}), media_type="application/json")
 
     @app.post("/internal/pool")
     async def pool(request: Request) -> Response:

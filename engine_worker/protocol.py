@@ -121,6 +121,9 @@ class Delta:
     tool_calls: list[dict[str, Any]] | None = None
     #: The prompt's text, sent back before the completion (completions' ``echo``).
     echo: str | None = None
+    #: The stop string that ended the generation (finish reason "stop"), when one did:
+    #: Anthropic's ``stop_sequence`` (an end of sequence is none).
+    stop_sequence: str | None = None
 
     def encode(self) -> bytes:
         return orjson.dumps(self.line()) + b"\n"
@@ -138,4 +141,13 @@ class Delta:
             line["finish_reason"] = self.finish_reason
         if self.usage is not None:
             line["usage"] = self.usage.as_dict()
+        if self.stop_sequence is not None:
+            line["stop_sequence"] = self.stop_sequence
         return line
+
+
+def stop_string(finish_reason: str | None, stop_reason: object) -> str | None:
+    """The stop string an engine says ended a generation: vLLM, TensorRT-LLM and vLLM's
+    server name it in ``stop_reason`` (a stop token's id, or nothing for an end of
+    sequence, is no string)."""
+    return stop_reason if finish_reason == "stop" and isinstance(stop_reason, str) and stop_reason else None

@@ -10,11 +10,12 @@ import logging
 import os
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import anyio
 import httpx
 import orjson
 from fastapi import FastAPI, Request
@@ -38,13 +39,17 @@ from gateway.config import GatewaySettings
 from gateway.context import RequestContext, resolve_deadline, resolve_priority
 from gateway.metrics import GatewayMetrics
 from gateway.record import RequestRecord
+from gateway.relay.counting import PromptCounter
 from gateway.relay.pooling import PoolingServing
 from gateway.relay.serving import Serving
+from gateway.relay.sse import SSEResponse
 from gateway.relay.upstream import Dispatcher
 from gateway.streams.idempotency import Idempotency, fingerprint, scoped
 from gateway.streams.journal import last_event_id
 from gateway.streams.journal_quota import journal_events
 from gateway.streams.journal_readers import JournalReaders
+from gateway.surfaces import messages
+from gateway.surfaces.messages import CountTokensRequest, MessageShape, MessagesRequest
 from gateway.surfaces.openai import ChatCompletionRequest, CompletionRequest
 from gateway.surfaces.pooling import (
     DetokenizeRequest,
@@ -55,6 +60,7 @@ from gateway.surfaces.pooling import (
     TokenizeRequest,
 )
 from gateway.surfaces.responses import ResponseShape, ResponsesRequest
+from gateway.surfaces.shape import Shape
 from sluice import keys
 from sluice.apikeys import ApiKey
 from sluice.errors import (
@@ -94,6 +100,7 @@ class Services:
     metrics: GatewayMetrics
     readers: JournalReaders
     adapters: AdapterDirectory
+    counter: PromptCounter
 
     async def aclose(self) -> None:
         await self.admission.close()
@@ -128,7 +135,8 @@ async def open_services(settings: GatewaySettings) -> Services:
     readers.adopt = serving.take_over  # a re-attached reader whose producer died: continue it here
     return Services(redis=redis, http=http, workers=workers, admission=admission, serving=serving,
                     pooling=PoolingServing(settings, dispatcher, tenancy), tenancy=tenancy, metrics=metrics,
-                    readers=readers, adapters=adapters)
+                    readers=readers, adapters=adapters,
+                    counter=PromptCounter(settings, dispatcher, http, workers))
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -165,20 +173,21 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         ctx.headers["x-sluice-priority"] = str(ctx.priority)
 
     async def admitted(
-        request: Request, model: type[ChatCompletionRequest | CompletionRequest | ResponsesRequest],
+        request: Request,
+        model: type[ChatCompletionRequest | CompletionRequest | ResponsesRequest | MessagesRequest | CountTokensRequest],
         record: RequestRecord,
-    ) -> tuple[ChatCompletionRequest | CompletionRequest, RequestContext, ResponseShape | None]:
+    ) -> tuple[ChatCompletionRequest | CompletionRequest, RequestContext, Shape | None]:
         """Authenticate, parse, cap, clamp priority, charge the key's limits. A Responses
-        request goes on as the chat completion it is generated as, with its shape."""
+        or Messages request goes on as the chat completion it is generated as, with its shape."""
         s = svc(request)
-        key = await s.tenancy.authenticate(request.headers.get("authorization"))
+        key = await s.tenancy.authenticate(_credential(request))
         parsed, body = await _parse(request, model, settings.max_body_bytes)
-        shape = None
-        if isinstance(parsed, ResponsesRequest):
+        shape: Shape | None = None
+        if isinstance(parsed, ResponsesRequest | MessagesRequest | CountTokensRequest):
             refused = parsed.refusal()
             if refused is not None:
                 raise InvalidRequest(f"{refused[0]}: {refused[1]}", param=refused[0])
-            shape = ResponseShape(parsed)
+            shape = ResponseShape(parsed) if isinstance(parsed, ResponsesRequest) else MessageShape(parsed)
             try:
                 parsed = parsed.to_chat()
             except ValidationError as exc:
@@ -197,22 +206,48 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return RequestRecord.begin(_request_id(request), svc(request).metrics, extract(request.headers), route)
 
     def completion_route(
-        path: str, model: type[ChatCompletionRequest | CompletionRequest | ResponsesRequest], name: str,
+        path: str, model: type[ChatCompletionRequest | CompletionRequest | ResponsesRequest | MessagesRequest],
+        name: str, frames: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]] | None = None,
     ) -> None:
+        """``frames``: the surface's own framing of a stream's events (Messages: Anthropic's)."""
+
         async def route(request: Request) -> Response:
             record = begin(request, name)
             try:
                 req, ctx, shape = await admitted(request, model, record)
-                return await svc(request).serving.serve(req, ctx, shape)
+                response = await svc(request).serving.serve(req, ctx, shape)
             except BaseException as exc:
                 record.finish(as_sluice_error(exc))
                 raise
+            if frames is not None and isinstance(response, SSEResponse):
+                response.map_events(frames)
+            return response
 
         app.add_api_route(path, route, methods=["POST"], name=name, openapi_extra=_body_schema(model))
 
     completion_route("/v1/chat/completions", ChatCompletionRequest, "chat.completions")
     completion_route("/v1/completions", CompletionRequest, "completions")
     completion_route("/v1/responses", ResponsesRequest, "responses")
+    completion_route("/v1/messages", MessagesRequest, "messages", messages.anthropic_frames)
+
+    @app.post("/v1/messages/count_tokens", openapi_extra=_body_schema(CountTokensRequest))
+    async def count_tokens(request: Request) -> Response:
+        """The prompt's tokens as a worker of the model counts them. Admitted like a
+        generation (a request against the key's RPM); no tokens are charged to its TPM."""
+        record = begin(request, "messages.count_tokens")
+        try:
+            req, ctx, _ = await admitted(request, CountTokensRequest, record)
+            try:
+                count = await svc(request).counter.count(req, ctx)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    for charge in ctx.take_charges():
+                        await svc(request).tenancy.settle_quietly(charge, 0, ctx.request_id)
+        except BaseException as exc:
+            record.finish(as_sluice_error(exc))
+            raise
+        record.finish()
+        return Response(orjson.dumps({"input_tokens": count}), media_type="application/json", headers=ctx.headers)
 
     async def admitted_pooling(request: Request, model: type[PoolingRequest], record: RequestRecord,
                                ) -> tuple[PoolingRequest, RequestContext]:
@@ -321,8 +356,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             raise Unavailable("no live worker", retry_after_s=2)
         return _json({"status": "ready", "models": models})
 
-    _install_openapi(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest, EmbeddingRequest,
-                           ScoreRequest, RerankRequest, TokenizeRequest, DetokenizeRequest])
+    _install_openapi(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest, MessagesRequest,
+                           EmbeddingRequest, ScoreRequest, RerankRequest, TokenizeRequest, DetokenizeRequest])
     return app
 
 
@@ -388,6 +423,22 @@ def _context(
         headers=headers,
         record=record,
     )
+
+
+def _credential(request: Request) -> str | None:
+    """The API key as ``Authorization`` carries it; the Messages routes also take Anthropic's
+    ``x-api-key``."""
+    if _is_messages(request):
+        return messages.credential(request.headers)
+    return request.headers.get("authorization")
+
+
+def _is_messages(request: Request) -> bool:
+    return request.url.path.startswith(MESSAGES_PATH)
+
+
+#: Routes under this path answer in the Anthropic Messages API's shapes, errors included.
+MESSAGES_PATH = "/v1/messages"
 
 
 def _request_id(request: Request) -> str:
@@ -519,30 +570,34 @@ def _install_openapi(app: FastAPI, models: list[type[BaseModel]]) -> None:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
+    def render(request: Request, exc: SluiceError, headers: dict[str, str] | None = None) -> Response:
+        """OpenAI's error shape; Anthropic's on the Messages routes."""
+        return (messages.error_response if _is_messages(request) else error_response)(exc, headers)
+
     @app.exception_handler(SluiceError)
     async def sluice_error(request: Request, exc: SluiceError) -> Response:
-        return error_response(exc, {"x-request-id": _request_id(request)})
+        return render(request, exc, {"x-request-id": _request_id(request)})
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return error_response(_validation_error(exc.errors()))
+        return render(request, _validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 404:
-            return error_response(RouteNotFound(f"no route {request.method} {request.url.path}"))
+            return render(request, RouteNotFound(f"no route {request.method} {request.url.path}"))
         if exc.status_code == 405:
-            return error_response(MethodNotAllowed(f"method {request.method} not allowed here"))
+            return render(request, MethodNotAllowed(f"method {request.method} not allowed here"))
         err = SluiceError(str(exc.detail))
         err.status = exc.status_code
-        return error_response(err)
+        return render(request, err)
 
     @app.exception_handler(RedisError)
     async def redis_error(request: Request, exc: RedisError) -> Response:
         log.warning("redis error: %s", exc)
-        return error_response(Unavailable("the gateway's state store is unreachable", retry_after_s=2))
+        return render(request, Unavailable("the gateway's state store is unreachable", retry_after_s=2))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(SluiceError("internal error in the gateway"))
+        return render(request, SluiceError("internal error in the gateway"))

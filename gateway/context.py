@@ -41,7 +41,7 @@ class RequestContext:
     #: the same X-Request-Id can never share a slot.
     internal_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     #: The caller's rate-limit charge (None when the gateway runs without API keys);
-    #: settled once, through :meth:`take_charge`.
+    #: settled once, through :meth:`take_charges`.
     charge: Charge | None = None
     #: The charge against the model name's own budget, if it has one; settled likewise.
     name_charge: Charge | None = None

@@ -24,7 +24,7 @@ from urllib.parse import parse_qs, quote, urlsplit
 import httpx
 import orjson
 
-from engine_worker.protocol import Delta, GenerateRequest, Usage
+from engine_worker.protocol import Delta, GenerateRequest, Usage, stop_string
 from sluice.errors import (
     Conflict,
     InvalidRequest,
@@ -101,7 +101,8 @@ def _delta(choice: dict[str, Any], chat: bool) -> Delta:
         text = choice.get("text") or ""
         logprobs = _text_logprobs(choice.get("logprobs"))
     ids = choice.get("token_ids") or []
-    return Delta(ids, text, choice.get("finish_reason"), None, logprobs)
+    finish = choice.get("finish_reason")
+    return Delta(ids, text, finish, None, logprobs, stop_sequence=stop_string(finish, choice.get("stop_reason")))
 
 
 def _usage(usage: dict[str, Any]) -> Usage:
@@ -179,6 +180,20 @@ class EngineServer:
         if response.status_code != 200:
             raise upstream_error(response.status_code, response.content)
         return orjson.loads(response.content)
+
+    async def prompt_tokens(self, request: GenerateRequest) -> int:
+        """The prompt's size as this server counts it: its ``/tokenize``, its chat template
+        (vLLM's; a server without token ids has none)."""
+        if not self.token_ids:
+            raise InvalidRequest(f"model {request.model!r} is served by a server that cannot count tokens "
+                                 "(it has no /tokenize)", code="count_unsupported")
+        if request.messages is not None:
+            body: dict[str, Any] = {"model": self.model, "messages": request.messages, "add_generation_prompt": True}
+            if request.tools:
+                body["tools"] = request.tools
+        else:
+            body = {"model": self.model, "prompt": request.prompt or ""}
+        return len((await self._post_json("/tokenize", body))["tokens"])
 
     async def _resume_body(self, request: GenerateRequest) -> tuple[str, dict[str, Any], str]:
         """A migrated stream: the server's own prompt ids + the ids already sent, as a token

@@ -45,6 +45,11 @@ class Engine(Protocol):
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]: ...
 
+    async def prompt_tokens(self, request: GenerateRequest) -> int:
+        """The prompt's size in tokens, counted as ``generate`` counts it (its usage's
+        ``prompt_tokens``), without generating: Anthropic's ``count_tokens``."""
+        ...
+
     def stats(self) -> EngineStats: ...
 
     def take_kv_events(self) -> list[KVEvent]:

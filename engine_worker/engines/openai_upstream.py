@@ -223,6 +223,11 @@ class OpenAIUpstreamEngine:
 
     # -- requests ---------------------------------------------------------------------
 
+    async def prompt_tokens(self, request: GenerateRequest) -> int:
+        if not self.healthy or self.server is None:
+            raise Unavailable("the upstream server is not healthy", retry_after_s=1)
+        return await self.server.prompt_tokens(request)
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
         if not self.healthy or self.server is None:
             raise Unavailable("the upstream server is not healthy", retry_after_s=1)

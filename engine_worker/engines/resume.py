@@ -48,6 +48,8 @@ class ResumedText:
         self._read = read
         self._prefix = max(0, read - _CONTEXT_TOKENS)
         self._stop = [s for s in stop if s]
+        #: The stop string that ended the generation, once one did.
+        self.stopped_by: str | None = None
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._min_tokens = min_tokens
         self._new_tokens = 0
@@ -88,8 +90,11 @@ class ResumedText:
 
     def _find_stop(self, start: int) -> int | None:
         """Where the first stop string begins in the unsent text, looking from ``start``."""
-        found = [i for s in self._stop if (i := self._unsent.find(s, start)) >= 0]
-        return min(found) if found else None
+        found = [(i, s) for s in self._stop if (i := self._unsent.find(s, start)) >= 0]
+        if not found:
+            return None
+        at, self.stopped_by = min(found, key=lambda hit: hit[0])
+        return at
 
     def step(self, ids: list[int], finished: bool) -> tuple[list[int], str, bool]:
         """One engine step: the ids kept (none after the token that completed a stop

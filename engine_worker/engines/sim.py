@@ -176,6 +176,9 @@ class SimEngine:
     async def unload_adapter(self, name: str) -> None:
         self.adapters.pop(name, None)
 
+    async def prompt_tokens(self, request: GenerateRequest) -> int:
+        return len(prompt_text(request).split())  # a prompt's words are its tokens, as in generate
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
         if self._crash_on and self._crash_on in prompt_text(request):
             os._exit(70)
@@ -296,11 +299,12 @@ class SimEngine:
         finish: str | None = None
         before = len(seq.text)
         seq.text += piece
+        stopped_by: str | None = None
         for stop in seq.request.stop:
             idx = seq.text.find(stop, max(0, before - len(stop) + 1))
             if idx >= 0:
                 piece = seq.text[before:idx] if idx >= before else ""
-                finish = "stop"
+                finish, stopped_by = "stop", stop
                 break
         if finish is None and seq.next_index >= seq.limit:
             finish = seq.end_reason
@@ -315,5 +319,6 @@ class SimEngine:
         calls = None
         if seq.tools is not None:
             piece, calls, finish = seq.tools.step(piece, [token_id], finish)
-        seq.queue.put_nowait(Delta([token_id], piece, finish, usage, lps, calls, seq.echo))
+        seq.queue.put_nowait(Delta([token_id], piece, finish, usage, lps, calls, seq.echo,
+                                   stopped_by if finish == "stop" else None))
         seq.echo = None

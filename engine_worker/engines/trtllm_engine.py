@@ -31,7 +31,7 @@ from typing import Any
 from engine_worker.engines.base import EngineStats
 from engine_worker.engines.prompts import completion_budget, prompt_token_ids
 from engine_worker.engines.resume import ResumedText
-from engine_worker.protocol import Delta, GenerateRequest, KVEvent, Usage
+from engine_worker.protocol import Delta, GenerateRequest, KVEvent, Usage, stop_string
 from sluice.errors import InvalidRequest
 
 log = logging.getLogger("sluice.worker.trtllm")
@@ -137,6 +137,9 @@ class TrtllmEngine:
             fields["stop"] = list(request.stop)
         return SamplingParams(**fields)
 
+    async def prompt_tokens(self, request: GenerateRequest) -> int:
+        return len(prompt_token_ids(self._tokenizer, request))
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
         prompt = prompt_token_ids(self._tokenizer, request)
         full = prompt + list(request.resume_token_ids)
@@ -169,7 +172,9 @@ class TrtllmEngine:
                         cached_tokens=int(getattr(step, "cached_tokens", 0) or 0),
                     )
                 if ids or text or finish:
-                    yield Delta(ids, text, finish, usage)
+                    stopped_by = (resumed_text.stopped_by if resumed_text is not None
+                                  else getattr(out, "stop_reason", None))
+                    yield Delta(ids, text, finish, usage, stop_sequence=stop_string(finish, stopped_by))
                 if finish is not None:
                     return
         finally:

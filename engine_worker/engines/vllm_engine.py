@@ -32,7 +32,7 @@ from engine_worker.engines.tool_calls import ForcedCalls, decoding_constraint
 from engine_worker.engines.vllm_compat import vllm_api
 from engine_worker.engines.vllm_kv_events import KVEventListener
 from engine_worker.engines.vllm_tools import AutoToolCalls, check_parser
-from engine_worker.protocol import Delta, GenerateRequest, KVEvent, Usage
+from engine_worker.protocol import Delta, GenerateRequest, KVEvent, Usage, stop_string
 from sluice.errors import InvalidRequest, UpstreamFailed
 
 log = logging.getLogger("sluice.worker.vllm")
@@ -245,6 +245,9 @@ class VllmEngine:
         if lora is not None:
             await self._engine.remove_lora(lora.lora_int_id)
 
+    async def prompt_tokens(self, request: GenerateRequest) -> int:
+        return len(prompt_token_ids(self._tokenizer, request))
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
         vllm = vllm_api()
         prompt = prompt_token_ids(self._tokenizer, request)
@@ -296,7 +299,8 @@ class VllmEngine:
                 calls = None
                 if tools is not None:
                     piece, calls, finish = tools.step(piece, ids, finish)
-                yield Delta(ids, piece, finish, usage, lps, calls, echo)
+                stopped_by = text.stopped_by if text is not None else choice.stop_reason
+                yield Delta(ids, piece, finish, usage, lps, calls, echo, stop_string(finish, stopped_by))
                 echo = None
                 if finish is not None:
                     return

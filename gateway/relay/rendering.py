@@ -28,28 +28,30 @@ from gateway.surfaces.openai import (
     ToolCallAssembler,
     completion_body,
 )
-from gateway.surfaces.responses import ResponseEvents, ResponseShape, response_body
+from gateway.surfaces.shape import Shape
 from sluice.errors import SluiceError, Unavailable, error_event
 
 log = logging.getLogger("sluice.gateway")
 
-Kind = Literal["chat", "text", "responses"]
+Kind = Literal["chat", "text", "responses", "messages"]
+#: Surfaces with their own typed events (a :class:`Shape` renders them).
+TYPED = ("responses", "messages")
 
 
 async def sse_events(
     kind: Kind, req: ChatCompletionRequest | CompletionRequest, lines: AsyncIterator[tuple[int, Line]],
     record: RequestRecord, end: Callable[[str | SluiceError, bool], Awaitable[None]],
     writer: ChunkWriter | None = None, offsets: dict[int, int] | None = None, *,
-    shape: ResponseShape | None = None,
+    shape: Shape | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE bytes of a streamed completion, ending with ``[DONE]`` whatever happens;
     ``end(outcome, completed)`` runs once, shielded, when the lines stop. With a
-    ``shape``: the Responses API's typed events instead of chunks.
+    ``shape``: that surface's typed events (Responses, Messages) instead of chunks.
 
     A stream taken over from another gateway passes its ``writer`` (same id) and the
     characters each choice already sent (``offsets``: no second role chunk)."""
     writer = writer or ChunkWriter("text" if kind == "text" else "chat", req.model)
-    response = None if shape is None else ResponseEvents(shape)
+    response = None if shape is None else shape.events()
     completed = False
     offsets = dict(offsets or {})
     outcome: str | SluiceError = "ok"
@@ -99,12 +101,13 @@ async def sse_events(
 async def json_response(
     kind: Kind, req: ChatCompletionRequest | CompletionRequest, lines: AsyncIterator[tuple[int, Line]],
     record: RequestRecord, headers: dict[str, str], disconnected: Callable[[], Awaitable[bool]] | None,
-    choices: int, end: Callable[[], Awaitable[None]], shape: ResponseShape | None = None,
+    choices: int, end: Callable[[], Awaitable[None]], shape: Shape | None = None,
 ) -> Response:
     """A whole completion as one JSON body; ``end()`` runs once, shielded, when the lines stop.
     A client that leaves meanwhile cancels the generation."""
     texts = [""] * choices
     finishes: list[str | None] = [None] * choices
+    stops: list[str | None] = [None] * choices  # the stop string that ended each, if one did
     entries: list[list[list[object]]] = [[] for _ in range(choices)]
     calls = [ToolCallAssembler() for _ in range(choices)]
 
@@ -114,6 +117,7 @@ async def json_response(
             texts[index] += line.get("echo", "") + line.get("text", "")
             calls[index].add(line.get("tc") or [])
             finishes[index] = line.get("finish_reason") or finishes[index]
+            stops[index] = line.get("stop_sequence") or stops[index]
             entries[index].extend(line.get("lp") or ())
 
     try:
@@ -128,7 +132,7 @@ async def json_response(
         with anyio.CancelScope(shield=True):
             await end()
     if shape is not None:
-        body = response_body(shape, texts[0], finishes[0], calls[0].calls(), record.usage())
+        body = shape.json_body(texts[0], finishes[0], stops[0], calls[0].calls(), record.usage())
         return Response(body, media_type="application/json", headers=headers)
     wants = req.logprobs_count() is not None
     rendered = [

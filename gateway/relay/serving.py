@@ -22,7 +22,7 @@ from gateway.config import GatewaySettings
 from gateway.context import RequestContext
 from gateway.metrics import GatewayMetrics
 from gateway.record import RequestRecord
-from gateway.relay.rendering import Kind, json_response, sse_events
+from gateway.relay.rendering import TYPED, Kind, json_response, sse_events
 from gateway.relay.sse import Keepalive, SSEResponse
 from gateway.relay.upstream import Dispatcher, Line, Upstream
 from gateway.streams.idempotency import Idempotency
@@ -42,7 +42,7 @@ from gateway.surfaces.openai import (
     CompletionRequest,
     worker_payloads,
 )
-from gateway.surfaces.responses import ResponseShape
+from gateway.surfaces.shape import Shape
 from sluice.errors import (
     Conflict,
     DeadlineExceeded,
@@ -78,11 +78,11 @@ class Serving:
         await self._committer.close()
 
     async def serve(
-        self, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext, shape: ResponseShape | None = None,
+        self, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext, shape: Shape | None = None,
     ) -> Response:
         """A chat or text completion, as one JSON body or an SSE stream; with a ``shape``,
-        a chat completion rendered as the Responses API's ``response``."""
-        kind: Kind = "responses" if shape is not None else "chat" if isinstance(req, ChatCompletionRequest) else "text"
+        a chat completion rendered as that surface's answer (a ``response``, a ``message``)."""
+        kind: Kind = shape.kind if shape is not None else "chat" if isinstance(req, ChatCompletionRequest) else "text"
         return await self._serve(kind, req, ctx, shape)
 
     def _note_unknown(self, req: ChatCompletionRequest | CompletionRequest) -> None:
@@ -97,7 +97,7 @@ class Serving:
         kind: Kind,
         req: ChatCompletionRequest | CompletionRequest,
         ctx: RequestContext,
-        shape: ResponseShape | None,
+        shape: Shape | None,
     ) -> Response:
         self._note_unknown(req)
         key = ctx.idempotency_key
@@ -124,7 +124,7 @@ class Serving:
 
     async def _generate(
         self, kind: Kind, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext,
-        shape: ResponseShape | None,
+        shape: Shape | None,
     ) -> Response:
         record = ctx.record
         headers = {"x-request-id": ctx.request_id, **ctx.headers}
@@ -160,7 +160,7 @@ class Serving:
     async def _produce(
         self, kind: Kind, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext,
         upstreams: list[Upstream | None], lines: AsyncIterator[tuple[int, Line]],
-        abandon: Callable[[], Awaitable[None]], headers: dict[str, str], shape: ResponseShape | None,
+        abandon: Callable[[], Awaitable[None]], headers: dict[str, str], shape: Shape | None,
     ) -> Response:
         """A resumable stream: the generation feeds the journal, independent of this client
         (a migration must not give up because the first reader left), and this client is
@@ -191,7 +191,7 @@ class Serving:
             raise
         writer = JournalWriter(
             self._committer, key, ttl_s=self._settings.idempotency_ttl_s, owner=owner,
-            max_events=journal_events(req, self._settings, typed=kind == "responses"), head=chunks.head,
+            max_events=journal_events(req, self._settings, typed=kind in TYPED), head=chunks.head,
             done_ttl_s=self._settings.journal_done_ttl_s, budget=budget, plan_bytes=len(raw_plan),
             fingerprint=ctx.fingerprint)
         first = writer.subscribe(self._readers.tail)
@@ -239,10 +239,10 @@ class Serving:
                 # Its producer journaled the end but died before settling the key.
                 await self._idempotency.settle(key, owner, completed=True)
                 return True
-            if found is None or found[0].kind == "responses":
-                # No plan; or a Responses stream, whose typed events (item ids, sequence numbers)
-                # lived only in the dead gateway: journaled and re-attachable, not continued
-                # elsewhere. Its readers get an error; the key is forgotten, so a retry runs again.
+            if found is None or found[0].kind in TYPED:
+                # No plan; or a Responses or Messages stream, whose typed events (item ids,
+                # sequence numbers, open content blocks) lived only in the dead gateway:
+                # journaled and re-attachable, not continued elsewhere. Its readers get an error; the key is forgotten, so a retry runs again.
                 await self._idempotency.settle(key, owner, completed=False)
                 return False
             plan, state = found

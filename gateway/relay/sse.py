@@ -89,6 +89,11 @@ class SSEResponse(Response):
         self.sending = False
         self._open = False
 
+    def map_events(self, wrap: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]]) -> None:
+        """Send the events through ``wrap`` (a surface's own framing, see
+        gateway/surfaces/messages.py); closing what it returns must close what it got."""
+        self._events = wrap(self._events)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
         assert task is not None

@@ -182,6 +182,15 @@ def _function_call(item_id: str, call: dict[str, Any], status: str) -> dict[str,
 class ResponseShape:
     """One response's identity and the request fields a ``response`` object echoes."""
 
+    kind: Literal["responses"] = "responses"
+
+    def events(self) -> ResponseEvents:
+        return ResponseEvents(self)
+
+    def json_body(self, text: str, finish_reason: str | None, stop_sequence: str | None,
+                  calls: list[dict[str, Any]], usage: dict[str, Any]) -> bytes:
+        return response_body(self, text, finish_reason, calls, usage)
+
     def __init__(self, req: ResponsesRequest) -> None:
         self.id = "resp_" + uuid.uuid4().hex
         self.created_at = int(time.time())

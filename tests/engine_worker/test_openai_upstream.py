@@ -207,6 +207,19 @@ def test_error_mapping() -> None:
     assert upstream_error(429, b"{}").status == 503  # another worker may have room
 
 
+def test_count_tokens_is_the_servers_own_count(gateway) -> None:
+    """Anthropic's count_tokens: a vLLM-like server's own /tokenize (its chat template);
+    a server without one is a clear 400, not a retry on every worker."""
+    messages = [{"role": "user", "content": "how many tokens is this"}]
+    r = httpx.post(gateway.url + "/v1/messages/count_tokens", json={"model": "mockv", "messages": messages},
+                   timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"input_tokens": len(tokenize(chat_template(messages)))}
+    r = httpx.post(gateway.url + "/v1/messages/count_tokens", json={"model": "mockg", "messages": messages},
+                   timeout=30)
+    assert r.status_code == 400 and "cannot count tokens" in r.json()["error"]["message"], r.text
+
+
 def test_embeddings_scores_and_tokens_pass_through(mocks, start_worker, gateway) -> None:
     """``--task embed`` in front of a server with a pooling model: embeddings, scores (the
     server's own, not a cosine) and tokens are the server's; a server without a route is a
