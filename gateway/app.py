@@ -34,6 +34,7 @@ from gateway.admission.routing import IndexCorrections
 from gateway.admission.tenancy import Tenancy
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext, resolve_deadline, resolve_priority
+from gateway.lean_routes import LeanRoutes
 from gateway.metrics import GatewayMetrics
 from gateway.record import RequestRecord
 from gateway.relay.serving import Serving
@@ -129,6 +130,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     # /docs and /openapi.json are routes of ours: behind the API key once keys exist.
     app = FastAPI(title="Sluice", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
+    lean = LeanRoutes()  # the completion paths skip FastAPI's per-request layers
+    lean.install(app)
     app.add_middleware(RequestIdMiddleware)
     _install_error_handlers(app)
 
@@ -179,6 +182,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 raise
 
         app.add_api_route(path, route, methods=["POST"], name=name, openapi_extra=_body_schema(model))
+        lean.add(path, route)  # served from here; FastAPI's route documents it
 
     completion_route("/v1/chat/completions", ChatCompletionRequest, "chat.completions")
     completion_route("/v1/completions", CompletionRequest, "completions")

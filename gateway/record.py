@@ -157,6 +157,17 @@ class RequestRecord:
         m.route_error_tokens.labels(model).inc(self.route_error_tokens)
         m.retries.labels(model).inc(self.retries)
         m.migrations.labels(model).inc(self.migrations)
+        self.span.set_attributes({
+            "http.response.status_code": int(status) if status.isdigit() else 200,
+            "sluice.status": status, "gen_ai.usage.input_tokens": self.prompt_tokens,
+            "gen_ai.usage.output_tokens": self.completion_tokens, "sluice.migrations": self.migrations,
+            "sluice.usage.cached_tokens": self.cached_tokens, "sluice.route.matched_blocks": self.route_matched_blocks,
+            "sluice.route.prompt_blocks": self.route_prompt_blocks,
+            "sluice.route.expected_cached_tokens": self.route_expected_tokens,
+        })
+        self.span.end()
+        if not access.isEnabledFor(logging.INFO):
+            return  # nobody reads the access line (a gateway logging at WARNING): not built
         fields = {
             "request_id": self.request_id, "model": model, "priority": self.priority, "key_id": self.key_id,
             "status": status, "queue_wait_ms": round(self.queue_wait_s * 1000, 1),
@@ -169,13 +180,4 @@ class RequestRecord:
         }
         if error is not None:
             fields["error"] = error.code or error.type
-        self.span.set_attributes({
-            "http.response.status_code": int(status) if status.isdigit() else 200,
-            "sluice.status": status, "gen_ai.usage.input_tokens": self.prompt_tokens,
-            "gen_ai.usage.output_tokens": self.completion_tokens, "sluice.migrations": self.migrations,
-            "sluice.usage.cached_tokens": self.cached_tokens, "sluice.route.matched_blocks": self.route_matched_blocks,
-            "sluice.route.prompt_blocks": self.route_prompt_blocks,
-            "sluice.route.expected_cached_tokens": self.route_expected_tokens,
-        })
-        self.span.end()
         access.info("access " + " ".join(f"{k}={v}" for k, v in fields.items()), extra={"fields": fields})
