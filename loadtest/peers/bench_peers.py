@@ -167,7 +167,8 @@ def start_sluice(procs: Procs, base: int, redis_url: str, upstream: str, model: 
 
 
 def start_all(procs: Procs, base: int, ttft_ms: float, token_ms: float, redis_url: str,
-              baseline: Path | None = None) -> list[Path_]:
+              baseline: Path | None = None, only: set[str] | None = None) -> list[Path_]:
+    """Every path's processes; a peer that ``only`` leaves out is not started (nor needs its venv)."""
     py = sys.executable
     mock_port = base
     procs.start("mock", [py, str(HERE / "mock_openai.py"), "--port", str(mock_port), "--vllm", "--no-eos",
@@ -176,11 +177,26 @@ def start_all(procs: Procs, base: int, ttft_ms: float, token_ms: float, redis_ur
     wait_ready(mock + "/health")
     paths = [Path_("direct", mock, "mock")]
 
+    if only is None or "vllm-router" in only:
+        _start_router(procs, base, mock, paths)
+    if only is None or "litellm" in only:
+        _start_litellm(procs, base, mock, paths)
+    paths += start_sluice(procs, base, redis_url, mock, "mock", sim=(ttft_ms, token_ms), baseline=baseline)
+    probe = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+    for p in paths:
+        if not p.name.startswith("sluice"):
+            wait_ready(p.url + "/v1/chat/completions", 180, {**probe, "model": p.model})
+    return paths
+
+
+def _start_router(procs: Procs, base: int, mock: str, paths: list[Path_]) -> None:
     router = VENVS / "vllm-router" / "bin" / "vllm-router"
     procs.start("vllm-router", [str(router), "--host", "127.0.0.1", "--port", str(base + 1), "--worker-urls", mock,
                                 "--policy", "round_robin", "--log-level", "warning"])
     paths.append(Path_("vllm-router", f"http://127.0.0.1:{base + 1}", "mock"))
 
+
+def _start_litellm(procs: Procs, base: int, mock: str, paths: list[Path_]) -> None:
     config = procs.logs / "litellm.yaml"
     config.write_text(
         "model_list:\n  - model_name: mock\n    litellm_params:\n      model: openai/mock\n"
@@ -191,12 +207,6 @@ def start_all(procs: Procs, base: int, ttft_ms: float, token_ms: float, redis_ur
                             "127.0.0.1", "--port", str(base + 2), "--num_workers", "1", "--telemetry", "False"],
                 env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"})
     paths.append(Path_("litellm", f"http://127.0.0.1:{base + 2}", "mock"))
-
-    paths += start_sluice(procs, base, redis_url, mock, "mock", sim=(ttft_ms, token_ms), baseline=baseline)
-    probe = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
-    for p in paths[:3]:
-        wait_ready(p.url + "/v1/chat/completions", 180, {**probe, "model": p.model})
-    return paths
 
 
 def summarize(win: Window, measure_s: float, cpu_s: dict[str, float]) -> dict[str, object]:
@@ -353,7 +363,8 @@ def main() -> None:
             if args.server == "vllm":
                 paths = start_vllm(procs, args.base_port, redis.url)
             else:
-                paths = start_all(procs, args.base_port, args.ttft_ms, args.token_ms, redis.url, args.baseline)
+                paths = start_all(procs, args.base_port, args.ttft_ms, args.token_ms, redis.url, args.baseline,
+                                  set(args.only.split(",")) if args.only else None)
             if args.only:
                 keep = set(args.only.split(","))
                 paths = [p for p in paths if p.name in keep or p.name == "direct"]
