@@ -521,10 +521,7 @@ class JournalCommitter:
     async def _rounds(self) -> None:
         while self._followed or self._due:
             with contextlib.suppress(TimeoutError):
-                # Not wait_for: on Python 3.11 it waits in a task of its own, one more turn
-                # of the event loop before every round (a turn is milliseconds under load).
-                async with asyncio.timeout(_LIVE_REFRESH_S / 2):
-                    await self._wake.wait()
+                await asyncio.wait_for(self._wake.wait(), _LIVE_REFRESH_S / 2)
             self._wake.clear()
             stale = time.monotonic() - _LIVE_REFRESH_S
             for writer in self._followed:
