@@ -13,11 +13,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
 from engine_worker.metrics import metrics_text
+from engine_worker.pooling import TASK_OF, PoolRequest, encode_line
 from engine_worker.protocol import GenerateRequest
 from engine_worker.stream import NDJSONStream
 from sluice.errors import (
     AuthenticationFailed,
     ModelNotFound,
+    RouteNotFound,
     SluiceError,
     Unavailable,
     error_response,
@@ -47,20 +49,41 @@ def create_app(worker: Worker) -> FastAPI:
         if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
             raise AuthenticationFailed("this worker answers gateways only (internal token missing or wrong)")
 
-    @app.post("/internal/generate", response_model=None)
-    async def generate(request: Request) -> NDJSONStream:
+    def check_request(request: Request, model: str, task: str) -> None:
+        """A gateway's request this worker takes: not draining, its model, a task it serves
+        (a 404 otherwise: the gateway tries another worker)."""
         check_caller(request)
         if worker.draining:
             raise Unavailable("worker is draining", retry_after_s=1)
-        body = GenerateRequest.parse(await request.body())
-        if body.model != worker.model:
+        if model != worker.model:
             raise ModelNotFound(f"this worker serves {worker.model!r}")
+        if not worker.serves(task):
+            raise RouteNotFound(f"this worker does not serve task {task!r} (its tasks: {', '.join(worker.tasks)})")
+
+    @app.post("/internal/generate", response_model=None)
+    async def generate(request: Request) -> NDJSONStream:
+        check_caller(request)
+        body = GenerateRequest.parse(await request.body())
+        check_request(request, body.model, "generate")
         span = tracer.start_span("worker.generate", context=extract(request.headers), kind=SpanKind.SERVER,
                                  attributes={"sluice.worker_id": worker.settings.worker_id,
                                              "gen_ai.request.model": body.model,
                                              "sluice.resumed_tokens": len(body.resume_token_ids)})
         body.trace_headers = inject(trace.set_span_in_context(span)) or None
         return worker.open_stream(body, span)
+
+    @app.post("/internal/pool")
+    async def pool(request: Request) -> Response:
+        """Embed, score, tokenize or detokenize: one NDJSON line (engine_worker/pooling.py)."""
+        check_caller(request)
+        body = PoolRequest.parse(await request.body())
+        check_request(request, body.model, TASK_OF[body.op])
+        with tracer.start_as_current_span("worker.pool", context=extract(request.headers), kind=SpanKind.SERVER,
+                                          attributes={"sluice.worker_id": worker.settings.worker_id,
+                                                      "gen_ai.request.model": body.model,
+                                                      "gen_ai.operation.name": body.op}):
+            line = await worker.pool(body)
+        return Response(encode_line(line), media_type="application/x-ndjson")
 
     @app.get("/health")
     async def health() -> Response:

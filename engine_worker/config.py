@@ -10,6 +10,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from sluice.settings import RedisSettings
+from sluice.tasks import WorkerTask
 
 
 class WorkerSettings(RedisSettings):
@@ -29,6 +30,10 @@ class WorkerSettings(RedisSettings):
     model: str | None = None
     #: Name clients use in the ``model`` field; default "sim", or the model folder's name.
     served_model_name: str | None = None
+    #: What the engine runs (sluice/tasks.py): ``generate`` (completions, and tokenize) or
+    #: ``embed`` (a pooling model: embeddings, scores, tokenize; vLLM runs the model with
+    #: ``runner="pooling"``); an ``openai`` worker passes that task's routes through.
+    task: WorkerTask = "generate"
     heartbeat_ms: int = Field(default=1000, ge=50)
     #: On SIGTERM: stop taking requests, wait this long for in-flight ones, then exit.
     drain_timeout_s: float = Field(default=30.0, ge=0)

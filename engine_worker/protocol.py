@@ -15,7 +15,7 @@ text, first line only). A failure after the stream started is one ``{"error": {.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, TypedDict, TypeVar
 
 import orjson
 from pydantic import BaseModel, Field, ValidationError
@@ -66,13 +66,20 @@ class GenerateRequest(BaseModel):
 
     @classmethod
     def parse(cls, body: bytes) -> GenerateRequest:
-        """The request from its JSON; a bad one is an :class:`InvalidRequest` naming the field."""
-        try:
-            return cls.model_validate_json(body)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            raise InvalidRequest(f"invalid generate request: {first['msg']}",
-                                 param=".".join(str(p) for p in first["loc"])) from None
+        return parse_body(cls, body, "generate")
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_body(model: type[M], body: bytes, what: str) -> M:
+    """An internal request from its JSON; a bad one is an :class:`InvalidRequest` naming the field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise InvalidRequest(f"invalid {what} request: {first['msg']}",
+                             param=".".join(str(p) for p in first["loc"]) or None) from None
 
 
 class KVEvent(TypedDict):

@@ -53,12 +53,13 @@ class Registration:
         heartbeat_ms: int,
         stats: Callable[[], dict[str, float]],
         healthy: Callable[[], bool] = lambda: True,
+        tasks: tuple[str, ...] = ("generate",),
     ) -> None:
         self._redis = redis
         self.model = model
         self.worker_id = worker_id
         self._record = orjson.dumps(
-            {"id": worker_id, "url": url, "engine": engine, "capacity": capacity}
+            {"id": worker_id, "url": url, "engine": engine, "capacity": capacity, "tasks": list(tasks)}
         )
         self._period_s = heartbeat_ms / 1000
         self._ttl_ms = heartbeat_ms * keys.HEARTBEAT_MISSES

@@ -11,6 +11,7 @@ from redis.exceptions import RedisError
 
 from engine_worker.config import WorkerSettings
 from engine_worker.engines.base import Engine
+from engine_worker.pooling import PoolingEngine, PoolRequest, answer
 from engine_worker.protocol import GenerateRequest
 from engine_worker.registration import Registration
 from engine_worker.stream import NDJSONStream
@@ -19,6 +20,7 @@ from sluice.models import ModelError, resolve
 from sluice.prefix_index import PrefixIndex
 from sluice.redis_pool import create_pool
 from sluice.serve import Server, run_async, uvicorn_config
+from sluice.tasks import GENERATE, SERVED
 from sluice.telemetry import setup_tracing
 
 log = logging.getLogger("sluice.worker")
@@ -98,9 +100,12 @@ def build_engine(settings: WorkerSettings) -> Engine:
             tensor_parallel_size=settings.vllm_tensor_parallel_size,
             tool_call_parser=settings.tool_call_parser,
             extra_args=settings.vllm_engine_args,
+            task=settings.task,
         )
     from engine_worker.engines.trtllm_engine import TrtllmEngine
 
+    if settings.task != GENERATE:
+        raise ModelError("--engine trtllm generates only: --task embed needs vllm, sim or openai")
     return TrtllmEngine(
         model_dir,
         max_batch_size=settings.trtllm_max_batch_size,
@@ -121,6 +126,11 @@ class Worker:
         self.settings = settings
         self.model = served_name(settings)
         self.engine = engine or build_engine(settings)
+        #: What this worker registers (sluice/tasks.py): a direct-relay worker's gateways call its
+        #: server's generate API themselves, and nothing else.
+        self.tasks = (GENERATE,) if settings.relay == "direct" else SERVED[settings.task]
+        #: The engine's embed/tokenize half: the simulator's is a separate object.
+        self.pooling: PoolingEngine | None = self._pooling_half()
         self.draining = False
         self.in_flight = 0
         self.served = 0
@@ -144,6 +154,36 @@ class Worker:
             "served": self.served,
             "stats": self.engine.stats().as_dict(),
         }
+
+    def _pooling_half(self) -> PoolingEngine | None:
+        if self.engine.name == "sim":
+            from engine_worker.engines.sim_pooling import SimPooling
+
+            return SimPooling()
+        if self.engine.name == "vllm":
+            from engine_worker.engines.vllm_engine import VllmEngine
+            from engine_worker.engines.vllm_pooling import VllmPooling
+
+            assert isinstance(self.engine, VllmEngine)
+            return VllmPooling(self.engine)
+        if self.engine.name == "openai":
+            from engine_worker.engines.openai_upstream import OpenAIUpstreamEngine
+            from engine_worker.engines.upstream_pooling import UpstreamPooling
+
+            assert isinstance(self.engine, OpenAIUpstreamEngine)
+            return UpstreamPooling(self.engine)
+        return None
+
+    def serves(self, task: str) -> bool:
+        return task in self.tasks and (task == GENERATE or self.pooling is not None)
+
+    async def pool(self, request: PoolRequest) -> dict[str, object]:
+        """Answer an embed, score or tokenize request (engine_worker/pooling.py)."""
+        self._stream_started()
+        try:
+            return await answer(self.pooling, request)
+        finally:
+            self._stream_done()
 
     def open_stream(self, request: GenerateRequest, span: Span) -> NDJSONStream:
         def done() -> None:
@@ -226,6 +266,7 @@ class Worker:
                 heartbeat_ms=s.heartbeat_ms,
                 stats=lambda: self.engine.stats().as_dict(),
                 healthy=lambda: self.engine.healthy,
+                tasks=tuple(t for t in self.tasks if self.serves(t)),
             )
             await self._registration.start()
             reporting = asyncio.create_task(self._report_kv_events(PrefixIndex(redis)), name="kv-events")

@@ -37,6 +37,7 @@ from gateway.context import RequestContext, resolve_deadline, resolve_priority
 from gateway.lean_routes import LeanRoutes
 from gateway.metrics import GatewayMetrics
 from gateway.record import RequestRecord
+from gateway.relay.pooling import PoolingServing
 from gateway.relay.serving import Serving
 from gateway.relay.upstream import Dispatcher
 from gateway.streams.idempotency import Idempotency, fingerprint, scoped
@@ -44,6 +45,14 @@ from gateway.streams.journal import last_event_id
 from gateway.streams.journal_quota import journal_events
 from gateway.streams.journal_readers import JournalReaders
 from gateway.surfaces.openai import ChatCompletionRequest, CompletionRequest
+from gateway.surfaces.pooling import (
+    DetokenizeRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+    TokenizeRequest,
+)
 from gateway.surfaces.responses import ResponseShape, ResponsesRequest
 from sluice import keys
 from sluice.apikeys import ApiKey
@@ -79,6 +88,7 @@ class Services:
     workers: Http1Pool
     admission: Admission
     serving: Serving
+    pooling: PoolingServing
     tenancy: Tenancy
     metrics: GatewayMetrics
     readers: JournalReaders
@@ -108,13 +118,14 @@ async def open_services(settings: GatewaySettings) -> Services:
     await admission.start()
     readers = JournalReaders(redis)  # one reader loop for every re-attached stream of this process
     metrics = GatewayMetrics()
+    dispatcher = Dispatcher(settings, admission, http, workers, IndexCorrections(PrefixIndex(redis)))
     serving = Serving(
-        settings, Dispatcher(settings, admission, http, workers, IndexCorrections(PrefixIndex(redis))),
-        Idempotency(redis, settings.idempotency_ttl_s), redis, tenancy, readers, metrics,
+        settings, dispatcher, Idempotency(redis, settings.idempotency_ttl_s), redis, tenancy, readers, metrics,
     )
     readers.adopt = serving.take_over  # a re-attached reader whose producer died: continue it here
     return Services(redis=redis, http=http, workers=workers, admission=admission, serving=serving,
-                    tenancy=tenancy, metrics=metrics, readers=readers)
+                    pooling=PoolingServing(settings, dispatcher, tenancy), tenancy=tenancy, metrics=metrics,
+                    readers=readers)
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -156,7 +167,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 raise _validation_error(exc.errors()) from None
         req = parsed
         check_caps(req, settings)
-        ctx = _context(request, req, body, settings, key, record)
+        ctx = _context(request, req, body, settings, key, record, queue_cost(req, settings.fair_output_tokens))
         if ctx.idempotency_key is not None and req.stream:
             journal_events(req, settings, typed=shape is not None)  # 400 before any work when it cannot fit
         if key is not None:
@@ -187,6 +198,55 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     completion_route("/v1/chat/completions", ChatCompletionRequest, "chat.completions")
     completion_route("/v1/completions", CompletionRequest, "completions")
     completion_route("/v1/responses", ResponsesRequest, "responses")
+
+    async def admitted_pooling(request: Request, model: type[PoolingRequest], record: RequestRecord,
+                               ) -> tuple[PoolingRequest, RequestContext]:
+        """As :func:`admitted`, for the requests of gateway/surfaces/pooling.py: charged their
+        prompt's estimate (corrected by the tokens the engine counted), one slot each."""
+        s = svc(request)
+        key = await s.tenancy.authenticate(request.headers.get("authorization"))
+        req, body = await _parse(request, model, settings.max_body_bytes)  # type: ignore[type-var]
+        refused = req.refusal()
+        if refused is not None:
+            raise InvalidRequest(f"{refused[0]}: {refused[1]}", param=refused[0])
+        if req.model is None:  # /tokenize and /detokenize may leave it out, as vLLM's may
+            live = await s.admission.live_models()
+            if len(live) != 1:
+                raise InvalidRequest("model: required here (this gateway serves several models)", param="model")
+            req.model = live[0]
+        chars = req.prompt_chars()
+        if chars > settings.max_prompt_chars:
+            raise InvalidRequest(f"the input has {chars} characters; the limit is {settings.max_prompt_chars}",
+                                 param="input", code="context_length_exceeded")
+        estimate = chars // 4 + 1
+        ctx = _context(request, req, body, settings, key, record, estimate)
+        if key is not None:
+            ctx.charge = await s.tenancy.admit(key, estimate, ctx.internal_id)
+            ctx.headers.update(ctx.charge.headers)
+        ctx.headers["x-sluice-priority"] = str(ctx.priority)
+        record.describe(req.model, 1, ctx.priority, key.prefix if key else None)
+        return req, ctx
+
+    def pooling_route(paths: tuple[str, ...], model: type[PoolingRequest], name: str) -> None:
+        async def route(request: Request) -> Response:
+            record = begin(request, name)
+            try:
+                req, ctx = await admitted_pooling(request, model, record)
+                return await svc(request).pooling.serve(req, ctx)
+            except BaseException as exc:
+                record.finish(as_sluice_error(exc))
+                raise
+
+        for index, path in enumerate(paths):  # vLLM's aliases answer too, documented once
+            app.add_api_route(path, route, methods=["POST"], name=f"{name}{path}", openapi_extra=_body_schema(model),
+                              include_in_schema=index == 0)
+            lean.add(path, route)  # short requests: the same lean path as completions
+
+    pooling_route(("/v1/embeddings",), EmbeddingRequest, "embeddings")
+    pooling_route(("/v1/score", "/score"), ScoreRequest, "score")
+    pooling_route(("/v1/rerank", "/rerank", "/v2/rerank"), RerankRequest, "rerank")
+    pooling_route(("/tokenize",), TokenizeRequest, "tokenize")
+    pooling_route(("/detokenize",), DetokenizeRequest, "detokenize")
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics(request: Request) -> Response:
@@ -246,7 +306,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             raise Unavailable("no live worker", retry_after_s=2)
         return _json({"status": "ready", "models": models})
 
-    _install_openapi(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest])
+    _install_openapi(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest, EmbeddingRequest,
+                           ScoreRequest, RerankRequest, TokenizeRequest, DetokenizeRequest])
     return app
 
 
@@ -281,8 +342,8 @@ def _check_admin(request: Request, settings: GatewaySettings, keys_enforced: boo
 
 
 def _context(
-    request: Request, req: ChatCompletionRequest | CompletionRequest, body: bytes,
-    settings: GatewaySettings, key: ApiKey | None, record: RequestRecord,
+    request: Request, req: ChatCompletionRequest | CompletionRequest | PoolingRequest, body: bytes,
+    settings: GatewaySettings, key: ApiKey | None, record: RequestRecord, cost: int,
 ) -> RequestContext:
     owner = key.prefix if key else "-"
     idem = request.headers.get("idempotency-key")
@@ -301,7 +362,7 @@ def _context(
         body=body if idem is not None else b"",
         last_event_id=last_event_id(request.headers.get("last-event-id")),
         tenant=owner,
-        cost=queue_cost(req, settings.fair_output_tokens),
+        cost=cost,
         headers=headers,
         record=record,
     )

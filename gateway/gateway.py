@@ -14,14 +14,17 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import shutil
 import socket
 import sys
+import tempfile
 import time
 from types import FrameType
 
 from gateway.admission.tenancy import StartupRefused, Tenancy
 from gateway.app import create_app
 from gateway.config import GatewaySettings
+from gateway.metrics import MULTIPROC_DIR_ENV, forget_process
 from sluice.processes import Child, default_procs
 from sluice.redis_pool import create_pool
 from sluice.serve import Server, run_async, uvicorn_config
@@ -77,12 +80,14 @@ def _supervise(settings: GatewaySettings, procs: int, log_level: str) -> int:
     if port == 0:  # every process must bind the same port: pick it here
         with listen_socket(settings.host, 0) as probe:
             port = probe.getsockname()[1]
+    metrics_dir = tempfile.mkdtemp(prefix="sluice-gateway-metrics-")  # one /metrics for all N
     env = {**os.environ, "SLUICE_GATEWAY_HOST": settings.host, "SLUICE_GATEWAY_PORT": str(port),
            "SLUICE_REDIS_URL": settings.redis_url, "SLUICE_GATEWAY_PROCS": "1",
-           "SLUICE_GATEWAY_REUSE_PORT": "true"}
+           "SLUICE_GATEWAY_REUSE_PORT": "true", MULTIPROC_DIR_ENV: metrics_dir}
     argv = [sys.executable, "-m", "sluice", "--log-level", log_level, "gateway"]
     children = [Child(f"gateway-{i}", argv, env=env) for i in range(procs)]
     stopping = False
+    forgotten: set[int] = set()
 
     def stop(signum: int, frame: FrameType | None) -> None:
         nonlocal stopping
@@ -98,6 +103,9 @@ def _supervise(settings: GatewaySettings, procs: int, log_level: str) -> int:
             time.sleep(0.2)
             for child in children:
                 if not child.alive() and not stopping:
+                    if child.process is not None and child.process.pid not in forgotten:
+                        forgotten.add(child.process.pid)
+                        forget_process(child.process.pid, metrics_dir)
                     child.restart_if_due()
     finally:
         for child in children:
@@ -106,5 +114,6 @@ def _supervise(settings: GatewaySettings, procs: int, log_level: str) -> int:
                 child.process.terminate()
         for child in children:
             child.stop(timeout_s=settings.shutdown_grace_s + 5)
+        shutil.rmtree(metrics_dir, ignore_errors=True)
     log.info("all gateway processes stopped")
     return 0

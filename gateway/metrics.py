@@ -2,10 +2,18 @@
 
 Per-request figures are recorded once, when the request ends (from its Tally);
 the only per-chunk work is one inter-token histogram observation.
+
+``sluice gateway --procs N`` runs N processes behind one port, and a scrape lands on
+any one of them. So that every scrape sees the whole gateway (not one process's
+counters, which would jump back and forth between scrapes), the supervisor gives its
+children a shared ``PROMETHEUS_MULTIPROC_DIR``: prometheus_client then keeps each
+value in a per-process file there, and ``render`` sums them. A dead process's
+counters stay counted; its live gauges (``in_flight``) are dropped by the supervisor.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +23,10 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
+    multiprocess,
 )
+
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -77,11 +88,12 @@ class GatewayMetrics:
         self.migrations = Counter("sluice_gateway_migrations", "Streams moved to another worker mid-stream",
                                   ["model"], registry=r)
         self.in_flight = Gauge("sluice_gateway_in_flight_requests", "Requests this gateway is serving",
-                               registry=r)
+                               registry=r, multiprocess_mode="livesum")
+        # Read from Redis by whichever process is scraped: the latest reading is the gateway's.
         self.queue_depth = Gauge("sluice_gateway_queue_depth", "Requests waiting in the shared queue",
-                                 ["model", "priority_class"], registry=r)
+                                 ["model", "priority_class"], registry=r, multiprocess_mode="mostrecent")
         self.live_workers = Gauge("sluice_gateway_live_workers", "Workers with a fresh heartbeat", ["model"],
-                                  registry=r)
+                                  registry=r, multiprocess_mode="mostrecent")
 
     def series(self, model: str) -> ModelSeries:
         found = self._series.get(model)
@@ -94,4 +106,13 @@ class GatewayMetrics:
         return found
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not os.environ.get(MULTIPROC_DIR_ENV):
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        multiprocess.MultiProcessCollector(merged)
+        return generate_latest(merged)
+
+
+def forget_process(pid: int, directory: str) -> None:
+    """Drop a dead gateway process's live gauges (its counters stay summed)."""
+    multiprocess.mark_process_dead(pid, directory)

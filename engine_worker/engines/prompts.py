@@ -91,12 +91,12 @@ def prompt_token_ids(tokenizer: Any, request: GenerateRequest) -> list[int]:
         raise InvalidRequest(f"the tokenizer refused this input: {exc}", param=param) from None
 
 
-def checked_ids(ids: list[int], vocab_size: int) -> list[int]:
+def checked_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> list[int]:
     """Token-id prompts are the client's ids: each must name a token of this model."""
     bad = next((i for i in ids if not 0 <= i < vocab_size), None)
     if bad is not None:
-        raise InvalidRequest(f"prompt: token id {bad} is outside this model's vocabulary (0..{vocab_size - 1})",
-                             param="prompt")
+        raise InvalidRequest(f"{param}: token id {bad} is outside this model's vocabulary (0..{vocab_size - 1})",
+                             param=param)
     return list(ids)
 
 

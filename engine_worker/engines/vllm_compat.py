@@ -22,7 +22,9 @@ name                                  0.26        0.27–0.32        here
 
 Everything else Sluice touches is the same across the range: ``AsyncLLM.from_engine_args`` /
 ``generate(..., priority=, trace_headers=)`` / ``abort`` / ``get_tokenizer`` / ``renderer`` /
-``model_config`` / ``vllm_config``, the ``AsyncEngineArgs`` fields, ``SamplingParams`` and
+``model_config`` / ``vllm_config``, the ``AsyncEngineArgs`` fields (``runner="pooling"`` and
+``convert="embed"`` for ``--task embed``), ``AsyncLLM.encode`` and ``PoolingParams(task=,
+dimensions=)`` with ``PoolingRequestOutput.outputs.data``, ``SamplingParams`` and
 ``StructuredOutputsParams`` fields, ``RequestOutput`` / ``CompletionOutput`` / ``Logprob``
 fields, ``StatLoggerBase.record``'s signature and the ``SchedulerStats`` fields, the tool-parser
 manager and parser interface, ``ChatCompletionRequest``, the renderer's ``render_cmpl``.
@@ -63,6 +65,8 @@ class VllmApi:
     UsageContext: Any
     StructuredOutputsConfig: Any
     SamplingParams: Any
+    #: Embedding requests' parameters (``task="embed"``, ``dimensions``).
+    PoolingParams: Any
     RequestOutputKind: Any
     StructuredOutputsParams: Any
     TokensPrompt: Any
@@ -123,6 +127,7 @@ def vllm_api() -> VllmApi:
         UsageContext=_required("vllm.usage.usage_lib", "UsageContext"),
         StructuredOutputsConfig=_required("vllm.config", "StructuredOutputsConfig"),
         SamplingParams=_required("vllm.sampling_params", "SamplingParams"),
+        PoolingParams=_required("vllm.pooling_params", "PoolingParams"),
         RequestOutputKind=_required("vllm.sampling_params", "RequestOutputKind"),
         StructuredOutputsParams=_required("vllm.sampling_params", "StructuredOutputsParams"),
         TokensPrompt=_required("vllm.inputs", "TokensPrompt"),

@@ -58,6 +58,7 @@ class VllmEngine:
         tensor_parallel_size: int = 1,
         tool_call_parser: str | None = None,
         extra_args: dict[str, Any] | None = None,
+        task: str = "generate",
     ) -> None:
         if tool_call_parser is not None:
             check_parser(tool_call_parser)
@@ -71,6 +72,9 @@ class VllmEngine:
         self._trtllm_kernels = trtllm_kernels
         self._tensor_parallel_size = tensor_parallel_size
         self._extra = dict(extra_args or {})
+        #: ``embed``: the model runs as an embedding model (its last token's hidden state,
+        #: normalised: vLLM's pooling runner converting a causal LM), and generates nothing.
+        self.task = task
         self._engine: Any = None
         self._tokenizer: Any = None
         self._stats = EngineStats()
@@ -104,6 +108,8 @@ class VllmEngine:
         # small model cannot spend its max_tokens on indentation or invented keys.
         args["structured_outputs_config"] = {"backend": "guidance", "disable_any_whitespace": True,
                                              "disable_additional_properties": True}
+        if self.task == "embed":
+            args["runner"], args["convert"] = "pooling", "embed"
         if self._tensor_parallel_size > 1:
             args["tensor_parallel_size"] = self._tensor_parallel_size
         if self._trtllm_kernels:
@@ -137,6 +143,15 @@ class VllmEngine:
         config = self._engine.vllm_config.scheduler_config
         log.info("vLLM scheduler: max_num_seqs=%s max_num_batched_tokens=%s", config.max_num_seqs,
                  config.max_num_batched_tokens)
+
+    @property
+    def llm(self) -> Any:
+        """The started ``AsyncLLM``."""
+        return self._engine
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
 
     async def shutdown(self) -> None:
         if self._engine is not None:

@@ -48,6 +48,7 @@ from sluice.errors import (
     Unavailable,
 )
 from sluice.script_channel import ScriptChannel, script_runner
+from sluice.tasks import GENERATE, ROUTES, Task
 
 log = logging.getLogger("sluice.admission")
 
@@ -144,7 +145,8 @@ class Ask:
     ``need`` slots at once (a request's generations); ``cost`` in tokens, charged to
     ``tenant``'s fair share; ``boost`` for retries and migrations (first in line,
     never refused for queue length); ``exclude`` names workers that already failed it;
-    ``blocks``: the prompt's block hashes (:mod:`sluice.prefix`), for cache routing.
+    ``blocks``: the prompt's block hashes (:mod:`sluice.prefix`), for cache routing;
+    ``task``: only workers serving it are granted (:mod:`sluice.tasks`).
     """
 
     model: str
@@ -157,6 +159,7 @@ class Ask:
     boost: bool = False
     exclude: tuple[str, ...] = ()
     blocks: tuple[str, ...] = ()
+    task: Task = GENERATE
 
 
 @dataclass(eq=False, slots=True)
@@ -259,6 +262,10 @@ class Admission:
                 return self._granted(ask, result[1])
             if status == "none":
                 raise await self._no_worker(model, bool(ask.exclude))
+            if status == "untasked":
+                raise InvalidRequest(
+                    f"no live worker of model '{model}' serves {ROUTES.get(ask.task, ask.task)}: task '{ask.task}' "
+                    "is not served", param="model", code="task_not_served")
             if status == "too_big":
                 raise InvalidRequest(
                     f"this request needs {ask.need} generations at once; the live workers of '{model}' "
@@ -289,7 +296,7 @@ class Admission:
                             self._s.max_queue, orjson.dumps(list(ask.exclude)).decode(),
                             int(ask.boost), _tenant_name(ask.tenant), ask.cost,
                             orjson.dumps(ask.blocks).decode(), self._s.routing, self._s.route_load_blocks,
-                            self._s.route_hot_share, self._s.route_prefill_weight),
+                            self._s.route_hot_share, self._s.route_prefill_weight, ask.task),
         ))
         try:
             return cast(list[Any], await asyncio.shield(call))

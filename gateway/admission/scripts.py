@@ -115,15 +115,38 @@ local function live_workers()
     local id, rec = entries[i], entries[i + 1]
     if tonumber(redis.call('HGET', K_ALIVE, id) or '0') >= now then
       local r = cjson.decode(rec)
+      local serves = {}
+      for _, t in ipairs(r.tasks or {'generate'}) do serves[t] = true end
       out[#out + 1] = {id = id, url = r.url, cap = math.max(tonumber(r.capacity) or 1, 1),
                        used = tonumber(redis.call('HGET', K_INFLIGHT, id) or '0'),
-                       prefill = math.max(prefill[id] or 0, 0)}
+                       prefill = math.max(prefill[id] or 0, 0), serves = serves}
     else
       redis.call('HDEL', K_WORKERS, id)
       redis.call('HDEL', K_ALIVE, id)
     end
   end
   return out
+end
+
+-- The workers a request may not use: those that already failed it (`exclude`), and those
+-- that do not serve its task (`task`: generate, embed, score, tokenize; see sluice/tasks.py).
+local function exclusions(ws, exclude, task)
+  local excluded = {}
+  for _, id in ipairs(exclude or {}) do excluded[id] = true end
+  local wanted = task or 'generate'
+  for _, w in ipairs(ws) do
+    if not w.serves[wanted] then excluded[w.id] = true end
+  end
+  return excluded
+end
+
+-- Whether some live worker is closed to this entry: then it may be passed over while it
+-- waits, since the slots it lacks are not the ones others could use.
+local function restricted(ws, excluded)
+  for _, w in ipairs(ws) do
+    if excluded[w.id] then return true end
+  end
+  return false
 end
 
 local urgent_recently = redis.call('EXISTS', K_URGENT_SEEN) == 1
@@ -339,13 +362,19 @@ local function refresh_head(t)
 end
 
 -- What a waiting entry gets now: 'drop' (its waiter gave up, or its gateway died),
--- 'none' (nothing live can ever serve it), its slots (a list of workers), or nil (wait).
-local function verdict(ws, meta)
-  if (tonumber(meta.deadline) or 0) < now or not gateway_alive(meta.gw or '') then return 'drop' end
-  local excluded = {}
-  for _, id in ipairs(meta.exclude or {}) do excluded[id] = true end
-  if not serviceable(ws, excluded, tonumber(meta.need) or 1) then return 'none' end
-  return choose(ws, excluded, tonumber(meta.priority) or 0, tonumber(meta.need) or 1, route_of(meta))
+-- 'none' (nothing live can ever serve it), its slots (a list of workers), or nil (wait),
+-- and the workers closed to it. `held`: workers an entry passed over waits for (not taken).
+local function verdict(ws, meta, held)
+  local excluded = exclusions(ws, meta.exclude, meta.task)
+  if (tonumber(meta.deadline) or 0) < now or not gateway_alive(meta.gw or '') then return 'drop', excluded end
+  if not serviceable(ws, excluded, tonumber(meta.need) or 1) then return 'none', excluded end
+  local closed = excluded
+  if held and next(held) ~= nil then
+    closed = {}
+    for id in pairs(excluded) do closed[id] = true end
+    for id in pairs(held) do closed[id] = true end
+  end
+  return choose(ws, closed, tonumber(meta.priority) or 0, tonumber(meta.need) or 1, route_of(meta)), excluded
 end
 
 -- Carry out a verdict that is not nil or 'drop', for an entry already dequeued. The
@@ -375,9 +404,9 @@ local function pump(ws, direct, direct_blocks)
     if free <= 0 then return result end
     local meta = cjson.decode(redis.call('HGET', K_META, req) or '{}')
     if req == direct then meta.blocks = direct_blocks end
-    local v = verdict(ws, meta)
+    local v, excluded = verdict(ws, meta)
     if v == nil then
-      if #(meta.exclude or {}) == 0 then return result end
+      if not restricted(ws, excluded) then return result end
     else
       dequeue(K_QURGENT, req, meta)
       if v == 'drop' or v == 'none' then
@@ -391,19 +420,35 @@ local function pump(ws, direct, direct_blocks)
       if v ~= 'drop' then result = deliver(v, req, meta, direct, result) end
     end
   end
+  -- A tenant's head that waits for workers closed to others (another task's, say) is
+  -- passed over, and the workers it may use are held for it: the requests behind it take
+  -- only slots it could never have used, so neither task's traffic blocks the other's.
+  local passed, npassed, held = {}, 0, {}
   for _ = 1, 256 do
     if free <= 0 then return result end
-    local top = redis.call('ZRANGE', K_HEADS, 0, 0)
-    if #top == 0 then return result end
-    local t = top[1]
+    local t = nil
+    for _, candidate in ipairs(redis.call('ZRANGE', K_HEADS, 0, npassed)) do
+      if not passed[candidate] then t = candidate break end
+    end
+    if t == nil then return result end
     local member = head_of(t)
+    local v, excluded, meta, req = nil, nil, nil, nil
     if member ~= nil then
-      local req = string.match(member, '[^|]*$')
-      local meta = cjson.decode(redis.call('HGET', K_META, req) or '{}')
+      req = string.match(member, '[^|]*$')
+      meta = cjson.decode(redis.call('HGET', K_META, req) or '{}')
       meta.member = member
       if req == direct then meta.blocks = direct_blocks end
-      local v = verdict(ws, meta)
-      if v == nil then return result end
+      v, excluded = verdict(ws, meta, held)
+      if v == nil then
+        if not restricted(ws, excluded) then return result end
+        for _, w in ipairs(ws) do
+          if not excluded[w.id] then held[w.id] = true end
+        end
+        passed[t] = true
+        npassed = npassed + 1
+      end
+    end
+    if member ~= nil and v ~= nil then
       dequeue(K_QNORMAL, req, meta)
       if v ~= 'drop' and v ~= 'none' then
         free = free - #v
@@ -412,7 +457,7 @@ local function pump(ws, direct, direct_blocks)
       end
       if v ~= 'drop' then result = deliver(v, req, meta, direct, result) end
     end
-    refresh_head(t)
+    if not passed[t] then refresh_head(t) end
   end
   return result
 end
@@ -449,22 +494,27 @@ end
 #: ARGV 7 request id, 8 priority, 9 slots needed, 10 queue timeout (ms), 11 max queue length,
 #: 12 excluded worker ids (JSON list), 13 boosted (1: a retry or migration), 14 tenant, 15 cost,
 #: 16 prompt block hashes (JSON list), 17 routing (least | rr | cache), 18 load (blocks per
-#: request in flight), 19 hot-spot guard (share of slots), 20 weight of a pending prefill block.
+#: request in flight), 19 hot-spot guard (share of slots), 20 weight of a pending prefill block,
+#: 21 the task (generate, embed, score, tokenize).
 #: Returns {'granted', leases JSON [[lease, worker, url, matched blocks, prefill blocks], ...]}
 #: | {'queued', position, the grant stream's last id (its grant can only come after it)}
-#: | {'full', length} | {'none'} | {'too_big', slots of the live workers it may use}.
+#: | {'full', length} | {'none'} | {'too_big', slots of the live workers it may use}
+#: | {'untasked'} (live workers, none of which serves the task).
 ACQUIRE = _PRELUDE + r"""
 local req, priority, need = ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9])
 local boost, tenant, cost = ARGV[13] == '1', ARGV[14], tonumber(ARGV[15])
 local exclude = cjson.decode(ARGV[12])
+local task = ARGV[21] or 'generate'
 if is_urgent(priority) and redis.call('EXISTS', K_WORKERS) == 1 then
   redis.call('SET', K_URGENT_SEEN, '1', 'PX', 60000)
   urgent_recently = true
 end
 local ws = live_workers()
 if #ws == 0 then return {'none'} end
-local excluded = {}
-for _, id in ipairs(exclude) do excluded[id] = true end
+local excluded = exclusions(ws, exclude, task)
+local serving = false
+for _, w in ipairs(ws) do serving = serving or w.serves[task] == true end
+if not serving then return {'untasked'} end
 -- Capacity alone decides whether `need` is valid: never the urgent reserve, which other
 -- traffic switches on and off (the same n flipped between 400 and 200).
 local room = 0
@@ -480,6 +530,7 @@ if not boost and length >= tonumber(ARGV[11]) then return {'full', length} end
 local meta = {deadline = now + tonumber(ARGV[10]), exclude = exclude, priority = priority, need = need,
               gw = gateway, mode = ARGV[17], load = tonumber(ARGV[18]), hot = tonumber(ARGV[19]),
               prefill = tonumber(ARGV[20])}
+if task ~= 'generate' then meta.task = task end
 -- The caller's blocks stay out of its stored meta unless it has to wait (no JSON round trip
 -- for a request granted at once).
 local direct_blocks = ARGV[17] == 'cache' and cjson.decode(ARGV[16]) or nil

@@ -242,6 +242,16 @@ class Tenancy:
         key = await self.keys.get(prefix)
         return None if key is None else Charge(key=key, stream_id=stream_id, estimate=0, weight=0, headers={})
 
+    async def settle_quietly(self, charge: Charge | None, used_tokens: int, request_id: str) -> None:
+        """:meth:`settle` a request's charge, if it has one; a Redis failure is logged, not
+        raised (the request is answered already, or failing for another reason)."""
+        if charge is None:
+            return
+        try:
+            await self.settle(charge, used_tokens)
+        except (RedisError, OSError) as exc:
+            log.warning("could not settle the rate-limit charge of %s: %s", request_id, exc)
+
     async def settle(self, charge: Charge, used_tokens: int) -> None:
         running = self._running.get(charge.key.prefix, {})
         running.pop(charge.stream_id, None)

@@ -357,13 +357,7 @@ class Serving:
 
     async def _settle_usage(self, ctx: RequestContext, used_tokens: int) -> None:
         """Correct the key's TPM charge with what the request really used; once."""
-        charge = ctx.take_charge()
-        if charge is None:
-            return
-        try:
-            await self._tenancy.settle(charge, used_tokens)
-        except (RedisError, OSError) as exc:
-            log.warning("could not settle the rate-limit charge of %s: %s", ctx.request_id, exc)
+        await self._tenancy.settle_quietly(ctx.take_charge(), used_tokens, ctx.request_id)
 
     async def _end_json(self, upstreams: list[Upstream | None], ctx: RequestContext) -> None:
         """A JSON answer's clean-up: close upstreams, finish the record, settle the charge."""

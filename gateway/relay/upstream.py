@@ -42,6 +42,7 @@ from sluice.errors import (
     from_body,
 )
 from sluice.http1 import Http1Pool, Http1Response
+from sluice.tasks import GENERATE, Task
 from sluice.telemetry import inject
 
 log = logging.getLogger("sluice.gateway")
@@ -283,9 +284,11 @@ class Dispatcher:
     async def admit(
         self, model: str, request_id: str, ctx: RequestContext, *, need: int = 1, cost: int = 1,
         exclude: list[str] | tuple[str, ...] = (), boost: bool = False, prefix: PromptPrefix | None = None,
+        task: Task = GENERATE,
     ) -> list[Lease]:
         """``need`` slots for this request, all at once (queueing if they are not free),
-        on workers chosen by the gateway's routing (``prefix``: the prompt, for cache routing)."""
+        on workers serving ``task``, chosen by the gateway's routing (``prefix``: the prompt,
+        for cache routing)."""
         waited = time.monotonic()
         with tracer.start_as_current_span("queue.wait", context=ctx.record.context()) as queue_span:
             queue_span.set_attribute("sluice.priority", ctx.priority)
@@ -294,7 +297,7 @@ class Dispatcher:
                     Ask(model=model, request_id=request_id, priority=ctx.priority, need=need,
                         timeout_s=max(0.001, min(self._settings.queue_timeout_s, ctx.remaining_s())),
                         tenant=ctx.tenant, cost=cost, boost=boost, exclude=tuple(exclude),
-                        blocks=prefix.blocks if prefix is not None else ()),
+                        blocks=prefix.blocks if prefix is not None else (), task=task),
                     ctx.disconnected,
                 )
             except ModelNotFound:
@@ -320,20 +323,23 @@ class Dispatcher:
         exclude: list[str] | tuple[str, ...] = (),
         boost: bool = False,
         cost: int = 1,
+        task: Task = GENERATE,
     ) -> Upstream:
         """Admit, route and connect, retrying on other workers until a first line arrives.
 
         ``lease``: a slot already granted for the first attempt (this call owns it);
         ``boost`` puts the request ahead of the queue (a migration); ``exclude``
         names workers that already failed it. Retries and migrations are routed on the
-        same prompt prefix, so they too prefer a worker that holds it.
+        same prompt prefix, so they too prefer a worker that holds it. ``task``: a worker
+        serving it answers ``POST /internal/generate`` (generate) or ``/internal/pool``.
         """
         s = self._settings
         payload["priority"] = ctx.priority
         body = orjson.dumps(payload)
-        prefix = self.prefix_of(payload)
+        prefix = self.prefix_of(payload) if task == GENERATE else PromptPrefix((), 0)
+        path = "/internal/generate" if task == GENERATE else "/internal/pool"
         # Only cache routing expects anything of the engine's cache: the others are not checked.
-        route = None if s.routing != "cache" else RouteFacts(
+        route = None if s.routing != "cache" or task != GENERATE else RouteFacts(
             prefix, len(payload.get("resume_token_ids") or ()), ctx.record, self._corrections)
         excluded: list[str] = list(exclude)
         reason = "no attempt made"
@@ -341,14 +347,15 @@ class Dispatcher:
         for attempt in range(1, s.max_attempts + 1):
             if lease is None:
                 (lease,) = await self.admit(model, f"{payload['request_id']}~{attempt}", ctx, cost=cost,
-                                            exclude=excluded, boost=boost or attempt > 1, prefix=prefix)
+                                            exclude=excluded, boost=boost or attempt > 1, prefix=prefix,
+                                            task=task)
             span = tracer.start_span("upstream", context=record.context(), kind=SpanKind.CLIENT,
                                      attributes={"sluice.worker_id": lease.worker_id, "sluice.attempt": attempt,
                                                  "sluice.route": s.routing,
                                                  "sluice.route.matched_blocks": lease.matched_blocks,
                                                  "sluice.route.prompt_blocks": len(prefix.blocks)})
             try:
-                upstream = await self._attempt(lease, body, ctx.deadline, span, route)
+                upstream = await self._attempt(lease, body, ctx.deadline, span, route, path)
                 self._admission.prefilled(lease)
                 record.admitted(attempt, lease.worker_id, lease.matched_blocks, len(prefix.blocks))
                 return upstream
@@ -375,6 +382,7 @@ class Dispatcher:
 
     async def _attempt(
         self, lease: Lease, body: bytes, deadline: float, span: Span, route: RouteFacts | None,
+        path: str = "/internal/generate",
     ) -> Upstream:
         s = self._settings
         ttft_s = max(0.0, min(s.ttft_timeout_s, deadline - time.monotonic()))
@@ -386,7 +394,7 @@ class Dispatcher:
                     upstream = Upstream(self._admission, lease, await self._open_direct(lease.url, body), span,
                                         route)
                 else:
-                    response = await self._send(lease.url, body, headers)
+                    response = await self._send(lease.url, path, body, headers)
                     upstream = Upstream(self._admission, lease, WorkerLines(response), span, route)
                     if response.status_code != 200:
                         detail = await response.aread()
@@ -429,12 +437,12 @@ class Dispatcher:
                 raise _Retryable(f"engine server: {exc.message}", lost=exc.code == "worker_lost") from None
             raise
 
-    async def _send(self, url: str, body: bytes, headers: dict[str, str]) -> Http1Response | httpx.Response:
+    async def _send(self, url: str, path: str, body: bytes, headers: dict[str, str]) -> Http1Response | httpx.Response:
         """Plain-HTTP workers through the lean HTTP/1.1 client (sluice/http1.py); a worker behind TLS
         through httpx."""
         if url.startswith("http://"):
-            return await self._workers.post(url, "/internal/generate", body, headers)
-        request = self._http.build_request("POST", url + "/internal/generate", content=body, headers=headers)
+            return await self._workers.post(url, path, body, headers)
+        request = self._http.build_request("POST", url + path, content=body, headers=headers)
         return await self._http.send(request, stream=True)
 
 

@@ -61,6 +61,18 @@ def chat_template(messages: list[dict[str, Any]]) -> str:
     return "".join(f"<|{m.get('role')}|> {m.get('content')} " for m in messages) + "<|assistant|>"
 
 
+def embedding(text: str) -> list[float]:
+    """The mock's embedding of ``text``: 8 numbers from its tokens' hashes."""
+    ids = tokenize(text)
+    return [(_hash(k, ids) % 2001 - 1000) / 1000 for k in range(8)]
+
+
+def score(text_1: str, text_2: str) -> float:
+    """The mock's relevance score (a cross-encoder's, not a cosine): shared words over all words."""
+    a, b = set(text_1.split()), set(text_2.split())
+    return len(a & b) / max(1, len(a | b))
+
+
 def next_token(seed: int, ids: list[int]) -> tuple[int, bool]:
     h = _hash(seed, ids[-2] if len(ids) > 1 else -1, ids[-1] if ids else -1)
     return h % len(VOCAB), (h >> 16) % 64 == 0
@@ -257,6 +269,27 @@ def create_app(engine: MockEngine) -> Starlette:
         body = orjson.loads(await request.body())
         return json({"prompt": detokenize(body["tokens"])})
 
+    async def embeddings(request: Request) -> Response:
+        body = orjson.loads(await request.body())
+        engine.received.append(body)
+        inputs = [body["input"]] if isinstance(body["input"], str) else body["input"]
+        if body.get("dimensions") is not None:
+            return error("this model does not support Matryoshka embeddings")
+        used = sum(len(tokenize(t)) for t in inputs)
+        return json({"object": "list", "model": MODEL, "usage": {"prompt_tokens": used, "total_tokens": used},
+                     "data": [{"object": "embedding", "index": i, "embedding": embedding(t)}
+                              for i, t in enumerate(inputs)]})
+
+    async def score_route(request: Request) -> Response:
+        if not engine.vllm:
+            return error("not found", 404)
+        body = orjson.loads(await request.body())
+        engine.received.append(body)
+        pairs = list(zip(body["text_1"], body["text_2"], strict=True))
+        used = sum(len(tokenize(a)) + len(tokenize(b)) for a, b in pairs)
+        return json({"object": "list", "model": MODEL, "usage": {"prompt_tokens": used, "total_tokens": used},
+                     "data": [{"index": i, "object": "score", "score": score(a, b)} for i, (a, b) in enumerate(pairs)]})
+
     async def received(request: Request) -> Response:
         return json(engine.received)
 
@@ -266,6 +299,7 @@ def create_app(engine: MockEngine) -> Starlette:
         Route("/v1/models", models), Route("/health", health, methods=["GET", "POST"]), Route("/version", version),
         Route("/metrics", metrics), Route("/tokenize", tokenize_route, methods=["POST"]),
         Route("/detokenize", detokenize_route, methods=["POST"]), Route("/mock/requests", received),
+        Route("/v1/embeddings", embeddings, methods=["POST"]), Route("/score", score_route, methods=["POST"]),
     ])
 
 

@@ -70,6 +70,10 @@ def _build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--worker-id", help="stable id in the registry (default host-random)")
     wk.add_argument("--model", help="local Hugging Face model folder (vllm/trtllm engines)")
     wk.add_argument("--served-model-name", help="name clients put in 'model'")
+    wk.add_argument("--task", choices=["generate", "embed"],
+                    help="what the engine runs (default generate: completions and tokenize); embed: a pooling "
+                         "model (vllm: the model as an embedding model) for /v1/embeddings, /v1/score, "
+                         "/v1/rerank and tokenize")
     wk.add_argument("--heartbeat-ms", type=int, help="heartbeat period (default 1000)")
     wk.add_argument("--drain-timeout-s", type=float, help="SIGTERM drain limit (default 30)")
     wk.add_argument("--sim-ttft-ms", type=float, help="sim: time to first token (default 20)")
@@ -166,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
                 "sim_prefill_chunk", "sim_cache_blocks", "redis_url", "vllm_max_model_len",
                 "vllm_max_num_seqs", "vllm_kv_cache_gib", "vllm_tensor_parallel_size", "vllm_enforce_eager",
                 "vllm_trtllm_kernels", "tool_call_parser", "upstream_url", "upstream_model", "upstream_capacity",
-                "upstream_token_ids", "upstream_poll_ms", "relay",
+                "upstream_token_ids", "upstream_poll_ms", "relay", "task",
             )
             from sluice.models import ModelError
             from sluice.settings import is_loopback

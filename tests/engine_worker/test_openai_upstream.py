@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from engine_worker.engines.openai_upstream import parse_metrics, upstream_error
-from loadtest.peers.mock_openai import chat_template, detokenize, next_token, tokenize
+from loadtest.peers.mock_openai import chat_template, detokenize, embedding, next_token, score, tokenize
 from sluice import keys
 from sluice.embedded_redis import free_port
 from tests.conftest import ROOT, Proc, wait_for, worker_alive
@@ -205,3 +205,27 @@ def test_error_mapping() -> None:
     assert upstream_error(404, b'{"detail": "no such model"}').status == 404
     assert upstream_error(503, b"garbage").status == 503
     assert upstream_error(429, b"{}").status == 503  # another worker may have room
+
+
+def test_embeddings_scores_and_tokens_pass_through(mocks, start_worker, gateway) -> None:
+    """``--task embed`` in front of a server with a pooling model: embeddings, scores (the
+    server's own, not a cosine) and tokens are the server's; a server without a route is a
+    400 naming it."""
+    start_worker("mocke", engine="openai", task="embed", upstream_url=mocks["vllm"][0].url, upstream_poll_ms=100)
+    start_worker("mockge", engine="openai", task="embed", upstream_url=mocks["generic"].url, upstream_poll_ms=100)
+    texts = ["alpha beta gamma", "beta gamma delta"]
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=30) as sdk:
+        got = sdk.embeddings.create(model="mocke", input=texts, encoding_format="float")
+        assert [d.embedding for d in got.data] == [embedding(t) for t in texts]
+        assert got.usage.prompt_tokens == 6
+        with pytest.raises(openai.BadRequestError) as refused:
+            sdk.embeddings.create(model="mocke", input="x", dimensions=4)
+        assert "Matryoshka" in refused.value.message
+    with httpx.Client(base_url=gateway.url, timeout=30) as http:
+        ranked = http.post("/v1/rerank", json={"model": "mocke", "query": texts[0], "documents": [texts[1], texts[0]]})
+        assert [(r["index"], r["relevance_score"]) for r in ranked.json()["results"]] == [
+            (1, 1.0), (0, score(texts[0], texts[1]))]
+        tokens = http.post("/tokenize", json={"model": "mocke", "prompt": texts[0]}).json()
+        assert tokens["tokens"] == tokenize(texts[0]) and tokens["max_model_len"] == 4096
+        generic = http.post("/v1/score", json={"model": "mockge", "text_1": "a", "text_2": "b"})
+        assert generic.status_code == 400 and "/score" in generic.json()["error"]["message"]

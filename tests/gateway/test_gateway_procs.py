@@ -50,6 +50,26 @@ def test_procs_share_the_port_and_a_dead_one_comes_back(start_worker, start_gate
     assert not any(_running(pid) for pid in children[1:])
 
 
+def _served(metrics_text: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
+               if line.startswith("sluice_gateway_requests_total{") and 'status="ok"' in line)
+
+
+def test_every_scrape_counts_every_process(start_worker, start_gateway) -> None:
+    """A scrape lands on one of the N processes; it must still count what all of them served
+    (was: each scrape showed one process's counters, so the series jumped between scrapes)."""
+    start_worker("procs-metrics")
+    gateway = start_gateway(processes=3)
+    body = {"model": "procs-metrics", "prompt": "x", "max_tokens": 2}
+    for _ in range(30):
+        assert httpx.post(gateway.url + "/v1/completions", json=body, headers={"connection": "close"}).status_code == 200
+    for _ in range(12):  # new connections: the kernel spreads the scrapes over the processes too
+        text = httpx.get(gateway.url + "/metrics", headers={"connection": "close"}).text
+        assert _served(text) == 30
+        assert "sluice_gateway_in_flight_requests 0.0" in text
+    assert gateway.stop(timeout_s=40) == 0
+
+
 def _running(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"

@@ -41,10 +41,11 @@ class Fleet:
         self._admissions: list[Admission] = []
         self._workers: list[Registration] = []
 
-    async def worker(self, capacity: int, worker_id: str | None = None) -> str:
+    async def worker(self, capacity: int, worker_id: str | None = None,
+                     tasks: tuple[str, ...] = ("generate",)) -> str:
         reg = Registration(self.redis, model=self.model, worker_id=worker_id or uuid.uuid4().hex[:6],
                            url="http://127.0.0.1:9", engine="sim", capacity=capacity, heartbeat_ms=60_000,
-                           stats=lambda: {"running": 0})
+                           stats=lambda: {"running": 0}, tasks=tasks)
         await reg.beat()
         self._workers.append(reg)
         return reg.worker_id
@@ -554,3 +555,41 @@ async def test_a_request_the_fleet_can_no_longer_hold_does_not_block_the_queue(f
     (lease,) = await asyncio.wait_for(one, 5)
     assert lease.worker_id != held.worker_id
     await gw.release(lease)
+
+
+async def test_requests_go_only_to_workers_serving_their_task(fleet: Fleet) -> None:
+    """A model served by a generating worker and an embedding one: each request is granted a
+    slot only on a worker serving its task, and a task nobody serves is a 400 naming it."""
+    await fleet.worker(capacity=4, worker_id="gen", tasks=("generate", "tokenize"))
+    await fleet.worker(capacity=4, worker_id="emb", tasks=("embed", "score", "tokenize"))
+    gw = await fleet.gateway(queue_timeout_s=5)
+    embeds = [lease for _ in range(4) for lease in await gw.acquire(fleet.ask(task="embed"))]
+    generations = [lease for _ in range(4) for lease in await gw.acquire(fleet.ask())]
+    assert {x.worker_id for x in embeds} == {"emb"}
+    assert {x.worker_id for x in generations} == {"gen"}
+    for lease in embeds + generations:
+        await gw.release(lease)
+    with pytest.raises(InvalidRequest) as refused:
+        await gw.acquire(fleet.ask(task="classify"))  # type: ignore[arg-type]
+    assert refused.value.code == "task_not_served" and "classify" in refused.value.message
+
+
+async def test_a_waiting_embedding_does_not_hold_back_generations(fleet: Fleet) -> None:
+    """Regression: the queue's scan stopped at the first tenant head it could not grant; an
+    embedding request waiting for the (full) embedding worker held back every generation
+    behind it while the generating worker sat idle. It is now passed over, and the slots it
+    waits for are kept for it: a release of the embedding worker goes to it."""
+    await fleet.worker(capacity=1, worker_id="gen")
+    await fleet.worker(capacity=1, worker_id="emb", tasks=("embed",))
+    gw = await fleet.gateway(queue_timeout_s=30)
+    (busy,) = await gw.acquire(fleet.ask(task="embed", tenant="A"))
+    waiting = asyncio.create_task(gw.acquire(fleet.ask(task="embed", tenant="A")))
+    await _queued(fleet, 1)
+    (generation,) = await asyncio.wait_for(gw.acquire(fleet.ask(tenant="B")), 5)
+    assert generation.worker_id == "gen"
+    assert not waiting.done()
+    await gw.release(busy)
+    (embedding,) = await asyncio.wait_for(waiting, 5)
+    assert embedding.worker_id == "emb"
+    await gw.release(embedding)
+    await gw.release(generation)

@@ -1,0 +1,67 @@
+"""Serving one embeddings, score, rerank or tokenize request: admit it on a worker that
+serves its task, send it, render the one answer.
+
+The worker's answer is one line ending as a generation's last line ends
+(engine_worker/pooling.py), so the request rides the completion path's machinery: the
+dispatcher's admission (the task's workers only, the model's priority queue, the
+tenant's fair share), its retries on another worker until that line arrives (a worker
+that is unreachable, answers 5xx, or is too slow before the answer), its deadline; the
+lease's release corrects the fair-share charge with the real usage, and the key's TPM
+charge is settled with the prompt tokens the engine counted.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+from starlette.responses import Response
+
+from gateway.admission.tenancy import Tenancy
+from gateway.config import GatewaySettings
+from gateway.context import RequestContext
+from gateway.relay.upstream import Dispatcher, Line
+from gateway.surfaces.pooling import PoolingRequest, render
+from sluice.errors import UpstreamFailed
+
+log = logging.getLogger("sluice.gateway")
+
+
+class PoolingServing:
+    def __init__(self, settings: GatewaySettings, dispatcher: Dispatcher, tenancy: Tenancy) -> None:
+        self._settings = settings
+        self._dispatcher = dispatcher
+        self._tenancy = tenancy
+
+    async def serve(self, req: PoolingRequest, ctx: RequestContext) -> Response:
+        names = req.unknown_fields()
+        if names:
+            log.info("ignoring %d unknown request field(s): %s", len(names), ", ".join(names[:8])[:200])
+        record = ctx.record
+        payload = {"request_id": ctx.internal_id, "model": req.model, **req.payload()}
+        answer: Line | None = None
+        try:
+            upstream = await self._dispatcher.open(req.model, payload, ctx, cost=ctx.cost, task=req.TASK)
+            try:
+                headers = {"x-request-id": ctx.request_id, **ctx.headers,
+                           "x-sluice-queue-ms": str(round(record.queue_wait_s * 1000))}
+                async for line in upstream.lines(self._settings.stall_timeout_s, ctx.deadline):
+                    record.add(0, line)
+                    answer = line
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await upstream.aclose()
+            if answer is None:
+                raise UpstreamFailed("the worker sent no answer", code="worker_lost")
+            body = render(req, answer)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._settle(ctx, 0)
+            raise
+        record.finish()
+        await self._settle(ctx, record.prompt_tokens)
+        return Response(body, media_type="application/json", headers=headers)
+
+    async def _settle(self, ctx: RequestContext, used_tokens: int) -> None:
+        """Correct the key's TPM charge with the prompt tokens really used; once."""
+        await self._tenancy.settle_quietly(ctx.take_charge(), used_tokens, ctx.request_id)
