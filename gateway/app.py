@@ -37,6 +37,7 @@ from gateway.admission.routing import IndexCorrections
 from gateway.admission.tenancy import Tenancy
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext, resolve_deadline, resolve_priority
+from gateway.lean_routes import LeanRoutes
 from gateway.metrics import GatewayMetrics
 from gateway.record import RequestRecord
 from gateway.relay.counting import PromptCounter
@@ -152,6 +153,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     # /docs and /openapi.json are routes of ours: behind the API key once keys exist.
     app = FastAPI(title="Sluice", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
+    lean = LeanRoutes()  # the completion paths skip FastAPI's per-request layers
+    lean.install(app)
     app.add_middleware(RequestIdMiddleware)
     _install_error_handlers(app)
 
@@ -224,6 +227,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return response
 
         app.add_api_route(path, route, methods=["POST"], name=name, openapi_extra=_body_schema(model))
+        lean.add(path, route)  # served from here; FastAPI's route documents it
 
     completion_route("/v1/chat/completions", ChatCompletionRequest, "chat.completions")
     completion_route("/v1/completions", CompletionRequest, "completions")
@@ -287,6 +291,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         for index, path in enumerate(paths):  # vLLM's aliases answer too, documented once
             app.add_api_route(path, route, methods=["POST"], name=f"{name}{path}", openapi_extra=_body_schema(model),
                               include_in_schema=index == 0)
+            lean.add(path, route)  # short requests: the same lean path as completions
 
     pooling_route(("/v1/embeddings",), EmbeddingRequest, "embeddings")
     pooling_route(("/v1/score", "/score"), ScoreRequest, "score")

@@ -14,6 +14,8 @@ counters stay counted; its live gauges (``in_flight``) are dropped by the superv
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -34,8 +36,26 @@ def priority_class(priority: int) -> str:
     return "urgent" if priority < 0 else "default" if priority == 0 else "low"
 
 
+@dataclass(frozen=True, slots=True)
+class ModelSeries:
+    """The per-model series every finished request records into, looked up once per model:
+    ``labels()`` takes a lock and builds a key each time, a dozen times per request."""
+
+    ttft: Any
+    e2e: Any
+    prompt_tokens: Any
+    completion_tokens: Any
+    cached_tokens: Any
+    route_expected_tokens: Any
+    route_error_tokens: Any
+    retries: Any
+    migrations: Any
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
+        #: By model label: what admission has seen exist, or "unknown" (bounded like the series).
+        self._series: dict[str, ModelSeries] = {}
         r = self.registry = CollectorRegistry(auto_describe=True)
         # Which process answered: a --procs gateway's processes share one port, and each
         # scrape reaches one of them (benchmarks sum them by this label).
@@ -77,6 +97,16 @@ class GatewayMetrics:
                                  ["model", "priority_class"], registry=r, multiprocess_mode="mostrecent")
         self.live_workers = Gauge("sluice_gateway_live_workers", "Workers with a fresh heartbeat", ["model"],
                                   registry=r, multiprocess_mode="mostrecent")
+
+    def series(self, model: str) -> ModelSeries:
+        found = self._series.get(model)
+        if found is None:
+            found = self._series[model] = ModelSeries(
+                self.ttft.labels(model), self.e2e.labels(model), self.prompt_tokens.labels(model),
+                self.completion_tokens.labels(model), self.cached_tokens.labels(model),
+                self.route_expected_tokens.labels(model), self.route_error_tokens.labels(model),
+                self.retries.labels(model), self.migrations.labels(model))
+        return found
 
     def render(self) -> bytes:
         if not os.environ.get(MULTIPROC_DIR_ENV):

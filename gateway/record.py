@@ -145,18 +145,31 @@ class RequestRecord:
             if error.code in REJECTIONS:
                 m.rejections.labels(model, error.code).inc()
             self.span.set_status(Status(StatusCode.ERROR, error.message))
+        series = m.series(model)  # every series exists from the model's first request on, at 0
         if self.first_token_s is not None:
-            m.ttft.labels(model).observe(self.first_token_s)
+            series.ttft.observe(self.first_token_s)
         if self.workers:
             m.queue_wait.labels(model, priority_class(self.priority)).observe(self.queue_wait_s)
-        m.e2e.labels(model).observe(total)
-        m.prompt_tokens.labels(model).inc(self.prompt_tokens)
-        m.completion_tokens.labels(model).inc(self.completion_tokens)
-        m.cached_tokens.labels(model).inc(self.cached_tokens)
-        m.route_expected_tokens.labels(model).inc(self.route_expected_tokens)
-        m.route_error_tokens.labels(model).inc(self.route_error_tokens)
-        m.retries.labels(model).inc(self.retries)
-        m.migrations.labels(model).inc(self.migrations)
+        series.e2e.observe(total)
+        for counter, amount in ((series.prompt_tokens, self.prompt_tokens),
+                                (series.completion_tokens, self.completion_tokens),
+                                (series.cached_tokens, self.cached_tokens),
+                                (series.route_expected_tokens, self.route_expected_tokens),
+                                (series.route_error_tokens, self.route_error_tokens),
+                                (series.retries, self.retries), (series.migrations, self.migrations)):
+            if amount:
+                counter.inc(amount)
+        self.span.set_attributes({
+            "http.response.status_code": int(status) if status.isdigit() else 200,
+            "sluice.status": status, "gen_ai.usage.input_tokens": self.prompt_tokens,
+            "gen_ai.usage.output_tokens": self.completion_tokens, "sluice.migrations": self.migrations,
+            "sluice.usage.cached_tokens": self.cached_tokens, "sluice.route.matched_blocks": self.route_matched_blocks,
+            "sluice.route.prompt_blocks": self.route_prompt_blocks,
+            "sluice.route.expected_cached_tokens": self.route_expected_tokens,
+        })
+        self.span.end()
+        if not access.isEnabledFor(logging.INFO):
+            return  # nobody reads the access line (a gateway logging at WARNING): not built
         fields = {
             "request_id": self.request_id, "model": model, "priority": self.priority, "key_id": self.key_id,
             "status": status, "queue_wait_ms": round(self.queue_wait_s * 1000, 1),
@@ -169,13 +182,4 @@ class RequestRecord:
         }
         if error is not None:
             fields["error"] = error.code or error.type
-        self.span.set_attributes({
-            "http.response.status_code": int(status) if status.isdigit() else 200,
-            "sluice.status": status, "gen_ai.usage.input_tokens": self.prompt_tokens,
-            "gen_ai.usage.output_tokens": self.completion_tokens, "sluice.migrations": self.migrations,
-            "sluice.usage.cached_tokens": self.cached_tokens, "sluice.route.matched_blocks": self.route_matched_blocks,
-            "sluice.route.prompt_blocks": self.route_prompt_blocks,
-            "sluice.route.expected_cached_tokens": self.route_expected_tokens,
-        })
-        self.span.end()
         access.info("access " + " ".join(f"{k}={v}" for k, v in fields.items()), extra={"fields": fields})

@@ -6,9 +6,16 @@ connection out of the pool, packs its 26-40 arguments one by one, runs retry and
 deprecation wrappers and checks the connection back in: about a quarter of a gateway's CPU
 per request in the request-bound profile (loadtest/peers/README.md). Here a call packs its
 arguments once (the keys' part is cached per key set), writes them on a connection that
-stays open and waits for its reply, which a reader task hands out in order (Redis answers
-one connection's commands in the order they were sent). Calls from many requests share the
-connection without waiting for each other's round trips, as in a pipeline.
+stays open and waits for its reply, which the connection's read callback hands out in order
+(Redis answers one connection's commands in the order they were sent). Calls from many
+requests share the connection without waiting for each other's round trips, as in a pipeline.
+
+A call is a future, not a coroutine, and replies are handed out from the read callback, not
+by a reader task; one timer per connection watches for an overdue reply, not an
+``asyncio.timeout`` per call. Each task hop is one more turn of a busy event loop before a
+request goes on: with a reader task, and admission running its call as a task of its own
+(it must see the reply even when cancelled), ACQUIRE took three turns more than a plain
+await of its reply (loadtest/peers/README.md: what those turns cost under load).
 
 For a plain single Redis server (``redis://``) and for the master Redis Sentinel names
 (``redis+sentinel://``): there each new connection asks the sentinels where the master is,
@@ -51,7 +58,7 @@ log = logging.getLogger("sluice.redis")
 
 
 class Script(Protocol):
-    async def __call__(self, keys: Sequence[str] = (), args: Sequence[Any] = ()) -> Any: ...
+    def __call__(self, keys: Sequence[str] = (), args: Sequence[Any] = ()) -> Awaitable[Any]: ...
 
 
 class ScriptRunner(Protocol):
@@ -103,18 +110,22 @@ _HEADS_BYTES = 1 << 20
 
 
 class ChannelScript:
-    """One Lua script on a :class:`ScriptChannel`, called like redis-py's."""
+    """One Lua script on a :class:`ScriptChannel`, called like redis-py's.
+
+    A call on a connected channel returns the reply's future itself, not a coroutine: no
+    frame or task of its own per call, and a caller that must not lose the reply when it is
+    cancelled (admission's ACQUIRE) shields that future directly."""
 
     def __init__(self, channel: ScriptChannel, source: str) -> None:
         self._channel = channel
-        self._source = source
+        self.source = source
         self._sha = hashlib.sha1(source.encode()).hexdigest()
         #: The packed "EVALSHA sha numkeys key..." part, per key set (keys name what clients
         #: name: bounded by bytes, emptied when full).
         self._heads: dict[tuple[str, ...], bytes] = {}
         self._head_bytes = 0
 
-    async def __call__(self, keys: Sequence[str] = (), args: Sequence[Any] = ()) -> Any:
+    def __call__(self, keys: Sequence[str] = (), args: Sequence[Any] = ()) -> asyncio.Future[Any]:
         key_set = tuple(keys)
         head = self._heads.get(key_set)
         if head is None:
@@ -125,29 +136,65 @@ class ChannelScript:
             self._heads[key_set] = head
             self._head_bytes += len(head)
         packed = b"*%d\r\n%b%b" % (3 + len(key_set) + len(args), head, b"".join(_bulk(a) for a in args))
-        reply = await self._channel.request(packed)
-        if isinstance(reply, hiredis.ReplyError) and str(reply).startswith("NOSCRIPT"):
-            # EVAL runs it and leaves it cached for the next EVALSHA.
-            reply = await self._channel.request(_command("EVAL", self._source, len(key_set), *key_set, *args))
-        if isinstance(reply, hiredis.ReplyError):
-            if is_demotion(str(reply)):
-                # The server is a replica now (a failover demoted it): nothing more on this
-                # connection can succeed; the next call finds the master again.
-                raise self._channel.demoted()
-            raise ResponseError(str(reply))
-        return reply
+        call = _Call(self, key_set, args)
+        if self._channel.connected():
+            return self._channel.submit(packed, call)
+        return asyncio.ensure_future(self._channel.request(packed, call))
+
+    def evaluate(self, keys: Sequence[str], args: Sequence[Any]) -> bytes:
+        """EVAL with the source: runs it, and leaves it cached for the next EVALSHA."""
+        return _command("EVAL", self.source, len(keys), *keys, *args)
 
 
-async def _one_reply(reader: asyncio.StreamReader) -> Any:
-    parser = hiredis.Reader()
-    reply: Any = False
-    while reply is False:
-        data = await reader.read(4096)
-        if not data:
-            raise ConnectionResetError("Redis closed the connection")
-        parser.feed(data)
-        reply = parser.gets()
-    return reply
+class _Call:
+    """What a script call's reply becomes: NOSCRIPT sends it again as EVAL (Redis restarted
+    or flushed its scripts), an error reply raises redis-py's error."""
+
+    __slots__ = ("args", "keys", "retried", "script")
+
+    def __init__(self, script: ChannelScript, keys: tuple[str, ...], args: Sequence[Any],
+                 retried: bool = False) -> None:
+        self.script, self.keys, self.args, self.retried = script, keys, args, retried
+
+    def settle(self, channel: ScriptChannel, future: asyncio.Future[Any], reply: Any) -> None:
+        if not isinstance(reply, hiredis.ReplyError):
+            future.set_result(reply)
+            return
+        text = str(reply)
+        if text.startswith("NOSCRIPT") and not self.retried:
+            channel.resubmit(future, self.script.evaluate(self.keys, self.args),
+                             _Call(self.script, self.keys, self.args, retried=True))
+            return
+        if is_demotion(text):
+            # The server is a replica now (a failover demoted it): nothing more on this
+            # connection can succeed; the next call finds the master again.
+            future.set_exception(channel.demoted())
+            return
+        future.set_exception(ResponseError(text))
+
+
+class _Replies(asyncio.Protocol):
+    """A connection's read side: replies parsed as bytes arrive and handed out in order,
+    from the event loop's read callback (no reader task to wake per reply)."""
+
+    def __init__(self, channel: ScriptChannel) -> None:
+        self._channel = channel
+        self._parser = hiredis.Reader()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self._parser.feed(data)
+        try:
+            while (reply := self._parser.gets()) is not False:
+                self._channel.replied(self, reply)
+        except (hiredis.ProtocolError, IndexError) as exc:  # the replies it owed are gone too
+            self._channel.lost(self, exc)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._channel.lost(self, exc or ConnectionResetError("Redis closed the connection"))
 
 
 class ScriptChannel:
@@ -169,10 +216,13 @@ class ScriptChannel:
         if db:
             self._hello.append(_command("SELECT", db))
         self._timeout_s = timeout_s
-        self._writer: asyncio.StreamWriter | None = None
-        self._reader_task: asyncio.Task[None] | None = None
-        self._pending: collections.deque[asyncio.Future[Any]] = collections.deque()
+        self._protocol: _Replies | None = None
+        self._ready = False  # connected, and its hello (AUTH, SELECT, ROLE) answered
+        #: Per command sent or in the outbox, in order: its future, when it was sent (the
+        #: loop's clock) and what its reply becomes (None: the reply itself).
+        self._pending: collections.deque[tuple[asyncio.Future[Any], float, _Call | None]] = collections.deque()
         self._outbox: list[bytes] = []
+        self._watch: asyncio.TimerHandle | None = None
         self._connecting: asyncio.Lock | None = None
 
     @classmethod
@@ -193,45 +243,90 @@ class ScriptChannel:
         self._drop(error)
         return error
 
-    async def request(self, packed: bytes) -> Any:
-        """Send one packed command; its reply (a ``hiredis.ReplyError`` for an error reply)."""
-        writer = self._writer
-        if writer is None or writer.is_closing():
-            if writer is not None:  # closed under us: fail what it owed before anything new is sent
+    def connected(self) -> bool:
+        protocol = self._protocol
+        return self._ready and protocol is not None and protocol.transport is not None \
+            and not protocol.transport.is_closing()
+
+    async def request(self, packed: bytes, call: _Call | None = None) -> Any:
+        """Send one packed command; its reply (a ``hiredis.ReplyError`` for an error reply,
+        unless ``call`` says what the reply becomes)."""
+        if not self.connected():
+            if self._protocol is not None and self._ready:  # closed under us: fail what it owed first
                 self._drop(RedisConnectionError("connection to Redis lost"))
             await self._connect()
-            if self._writer is None:  # connected, and lost again at once
-                raise RedisConnectionError("connection to Redis lost")
-        # Invariant: the bytes in the outbox and on the wire belong, in order, to the futures
+        return await self.submit(packed, call)
+
+    def submit(self, packed: bytes, call: _Call | None = None) -> asyncio.Future[Any]:
+        """Queue one packed command on the open connection; its reply's future. A caller
+        cancelled meanwhile cancels only its own future: its reply is skipped."""
+        # Invariant: the bytes in the outbox and on the wire belong, in order, to the entries
         # in ``_pending``, all on the current connection (``_drop`` clears all three).
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending.append(future)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._enqueue(loop, future, packed, call)
+        return future
+
+    def resubmit(self, future: asyncio.Future[Any], packed: bytes, call: _Call | None) -> None:
+        """Send another command whose reply settles ``future`` (a script sent again)."""
+        if self.connected():
+            self._enqueue(asyncio.get_running_loop(), future, packed, call)
+        else:
+            future.set_exception(RedisConnectionError("connection to Redis lost"))
+
+    def _enqueue(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], packed: bytes,
+                 call: _Call | None) -> None:
+        now = loop.time()
+        self._pending.append((future, now, call))
         # Calls made in one turn of the event loop leave in one write (one system call).
         if not self._outbox:
-            asyncio.get_running_loop().call_soon(self._flush)
+            loop.call_soon(self._flush)
         self._outbox.append(packed)
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                # A caller cancelled meanwhile cancels only its own future: the reader skips it.
-                return await future
-        except TimeoutError:
-            # Redis did not answer in time: this connection's replies can no longer be trusted
-            # to arrive; every call on it fails and the next one connects again.
-            self._drop(RedisTimeoutError(f"no reply from Redis within {self._timeout_s:g}s"))
-            raise RedisTimeoutError(f"no reply from Redis within {self._timeout_s:g}s") from None
+        if self._watch is None:
+            self._watch = loop.call_at(now + self._timeout_s, self._check)
+
+    def _check(self) -> None:
+        """The oldest reply owed is overdue: Redis did not answer in time, so this
+        connection's replies can no longer be trusted to arrive; every call on it fails and
+        the next one connects again. (Replies come in order: the oldest is due first.)"""
+        self._watch = None
+        if not self._pending:
+            return
+        due = self._pending[0][1] + self._timeout_s
+        loop = asyncio.get_running_loop()
+        if loop.time() < due:
+            self._watch = loop.call_at(due, self._check)
+            return
+        self._drop(RedisTimeoutError(f"no reply from Redis within {self._timeout_s:g}s"))
 
     def _flush(self) -> None:
         outbox, self._outbox = self._outbox, []
-        if outbox and self._writer is not None:
-            self._writer.write(b"".join(outbox))
+        protocol = self._protocol
+        if outbox and protocol is not None and protocol.transport is not None:
+            protocol.transport.write(b"".join(outbox))
+
+    def replied(self, protocol: _Replies, reply: Any) -> None:
+        if protocol is not self._protocol:
+            return
+        future, _, call = self._pending.popleft()
+        if future.done():
+            return  # its caller was cancelled
+        if call is None:
+            future.set_result(reply)
+        else:
+            call.settle(self, future, reply)
+
+    def lost(self, protocol: _Replies, exc: BaseException) -> None:
+        if protocol is self._protocol:
+            log.warning("script connection to Redis lost: %s", exc)
+            self._drop(RedisConnectionError(f"connection to Redis lost: {type(exc).__name__}"))
 
     async def _connect(self) -> None:
         if self._connecting is None:
             self._connecting = asyncio.Lock()
         async with self._connecting:
-            if self._writer is not None and not self._writer.is_closing():
+            if self.connected():
                 return
-            writer = None
             if self._locate is not None:
                 now = asyncio.get_running_loop().time()
                 if now < self._no_master_until:  # mid-failover: do not ask the sentinels per call
@@ -241,60 +336,44 @@ class ScriptChannel:
                 except RedisConnectionError:
                     self._no_master_until = now + NO_MASTER_BACKOFF_S
                     raise
+            protocol: _Replies | None = None
             try:
                 async with asyncio.timeout(SOCKET_CONNECT_TIMEOUT_S):
-                    reader, writer = await asyncio.open_connection(*self._address)
+                    _, protocol = await asyncio.get_running_loop().create_connection(
+                        lambda: _Replies(self), *self._address)
+                    self._protocol, self._ready = protocol, False
                     for command in self._hello:  # AUTH, SELECT, ROLE
-                        writer.write(command)
-                        reply = await _one_reply(reader)
+                        reply = await self.submit(command)
                         if isinstance(reply, hiredis.ReplyError):
                             raise RedisConnectionError(f"Redis refused the connection: {reply}")
                         if isinstance(reply, list) and reply and reply[0] != b"master":
                             raise RedisConnectionError(f"{self._address[0]}:{self._address[1]} is a "
                                                        f"{reply[0].decode()}, not the master (mid-failover)")
             except BaseException as exc:
-                if writer is not None:
-                    writer.close()
+                if protocol is not None:
+                    if protocol is self._protocol:
+                        self._drop(RedisConnectionError("connection to Redis failed"))
+                    elif protocol.transport is not None:
+                        protocol.transport.close()
                 if isinstance(exc, OSError | TimeoutError):
                     raise RedisConnectionError(f"cannot reach Redis at {self._address[0]}:{self._address[1]}: "
                                                f"{type(exc).__name__}") from None
                 raise
-            self._writer = writer
-            self._reader_task = asyncio.get_running_loop().create_task(self._read(reader, writer),
-                                                                       name="script-channel")
-
-    async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        parser = hiredis.Reader()
-        try:
-            while True:
-                data = await reader.read(65536)
-                if not data:
-                    raise ConnectionResetError("Redis closed the connection")
-                parser.feed(data)
-                while (reply := parser.gets()) is not False:
-                    future = self._pending.popleft()
-                    if not future.done():
-                        future.set_result(reply)
-        except (OSError, hiredis.ProtocolError, IndexError) as exc:  # the replies it owed are gone too
-            if self._writer is writer:
-                log.warning("script connection to Redis lost: %s", exc)
-                self._drop(RedisConnectionError(f"connection to Redis lost: {type(exc).__name__}"))
+            self._ready = True
 
     def _drop(self, error: Exception) -> None:
         self._outbox = []  # unsent: their calls fail below
-        writer, self._writer = self._writer, None
-        if writer is not None:
-            writer.close()
-        task, self._reader_task = self._reader_task, None
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()
+        protocol, self._protocol = self._protocol, None
+        self._ready = False
+        if protocol is not None and protocol.transport is not None:
+            protocol.transport.close()
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         pending, self._pending = self._pending, collections.deque()
-        for future in pending:
+        for future, _, _ in pending:
             if not future.done():
                 future.set_exception(error)
 
     async def aclose(self) -> None:
-        task = self._reader_task
         self._drop(RedisConnectionError("closed"))
-        if task is not None:
-            await asyncio.gather(task, return_exceptions=True)

@@ -8,7 +8,6 @@ their ``end`` callback (close upstreams, settle) runs once, shielded from cancel
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, Literal
@@ -147,17 +146,31 @@ async def json_response(
 async def _unless_disconnected(
     work: Coroutine[Any, Any, None], disconnected: Callable[[], Awaitable[bool]] | None
 ) -> None:
-    """Run ``work``; if the client goes away first, cancel it (the engine then aborts)."""
-    task = asyncio.ensure_future(work)
-    try:
+    """Run ``work`` in this task; if the client goes away first, cancel it (the engine then
+    aborts). A watcher task looks for the client every half second; the work itself is not
+    a task of its own: waiting on one cost two more turns of a busy event loop per request."""
+    if disconnected is None:
+        await work
+        return
+    task = asyncio.current_task()
+    assert task is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
         while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if disconnected is not None and await disconnected():
-                raise ClientGone("client disconnected while its completion was generated")
+            await asyncio.sleep(0.5)
+            if await disconnected():
+                gone = True
+                task.cancel()
+                return
+
+    watcher = asyncio.get_running_loop().create_task(watch())
+    try:
+        await work
+    except asyncio.CancelledError:
+        if gone and task.uncancel() == 0:
+            raise ClientGone("client disconnected while its completion was generated") from None
+        raise
     finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        watcher.cancel()  # in the step that ends the work: it cannot cancel anything after it

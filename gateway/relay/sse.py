@@ -23,6 +23,8 @@ import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from gateway.surfaces.openai import DONE
+
 log = logging.getLogger("sluice.gateway")
 
 PING = b": ping\n\n"
@@ -104,13 +106,23 @@ class SSEResponse(Response):
         self._keepalive.add(self)
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            # ``[DONE]`` is held back and leaves with the body's end, in one write: every
+            # stream ends with it, and its producers end right after it (one write of the
+            # few per short request fewer; see loadtest/peers/README.md).
+            last = b""
             async for chunk in self._events:
                 self.sending = True
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if last:
+                    await send({"type": "http.response.body", "body": last, "more_body": True})
+                    last = b""
+                if chunk == DONE:
+                    last = chunk
+                else:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 self.sending = False
                 self.sends += 1
             self._open = False
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.body", "body": last, "more_body": False})
         except asyncio.CancelledError:
             # Our own cancellation (the client left) ends the response quietly; any other
             # (shutdown, the server's timeout) goes on up.

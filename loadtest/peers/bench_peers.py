@@ -167,7 +167,8 @@ def start_sluice(procs: Procs, base: int, redis_url: str, upstream: str, model: 
 
 
 def start_all(procs: Procs, base: int, ttft_ms: float, token_ms: float, redis_url: str,
-              baseline: Path | None = None) -> list[Path_]:
+              baseline: Path | None = None, only: set[str] | None = None) -> list[Path_]:
+    """Every path's processes; a peer that ``only`` leaves out is not started (nor needs its venv)."""
     py = sys.executable
     mock_port = base
     procs.start("mock", [py, str(HERE / "mock_openai.py"), "--port", str(mock_port), "--vllm", "--no-eos",
@@ -176,11 +177,26 @@ def start_all(procs: Procs, base: int, ttft_ms: float, token_ms: float, redis_ur
     wait_ready(mock + "/health")
     paths = [Path_("direct", mock, "mock")]
 
+    if only is None or "vllm-router" in only:
+        _start_router(procs, base, mock, paths)
+    if only is None or "litellm" in only:
+        _start_litellm(procs, base, mock, paths)
+    paths += start_sluice(procs, base, redis_url, mock, "mock", sim=(ttft_ms, token_ms), baseline=baseline)
+    probe = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+    for p in paths:
+        if not p.name.startswith("sluice"):
+            wait_ready(p.url + "/v1/chat/completions", 180, {**probe, "model": p.model})
+    return paths
+
+
+def _start_router(procs: Procs, base: int, mock: str, paths: list[Path_]) -> None:
     router = VENVS / "vllm-router" / "bin" / "vllm-router"
     procs.start("vllm-router", [str(router), "--host", "127.0.0.1", "--port", str(base + 1), "--worker-urls", mock,
                                 "--policy", "round_robin", "--log-level", "warning"])
     paths.append(Path_("vllm-router", f"http://127.0.0.1:{base + 1}", "mock"))
 
+
+def _start_litellm(procs: Procs, base: int, mock: str, paths: list[Path_]) -> None:
     config = procs.logs / "litellm.yaml"
     config.write_text(
         "model_list:\n  - model_name: mock\n    litellm_params:\n      model: openai/mock\n"
@@ -192,18 +208,14 @@ def start_all(procs: Procs, base: int, ttft_ms: float, token_ms: float, redis_ur
                 env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"})
     paths.append(Path_("litellm", f"http://127.0.0.1:{base + 2}", "mock"))
 
-    paths += start_sluice(procs, base, redis_url, mock, "mock", sim=(ttft_ms, token_ms), baseline=baseline)
-    probe = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
-    for p in paths[:3]:
-        wait_ready(p.url + "/v1/chat/completions", 180, {**probe, "model": p.model})
-    return paths
-
 
 def summarize(win: Window, measure_s: float, cpu_s: dict[str, float]) -> dict[str, object]:
     return {
         # CPU µs per streamed chunk of each Sluice process in the window (whatever path ran).
         "cpu_us_per_chunk": {k: (1e6 * v / win.chunks if win.chunks else None) for k, v in cpu_s.items()},
+        "cpu_us_per_request": {k: (1e6 * v / win.requests if win.requests else None) for k, v in cpu_s.items()},
         "chunks_per_s": win.chunks / measure_s,
+        "requests_per_s": win.requests / measure_s,
         "ttft_p50_ms": None if not win.ttfts else 1000 * (percentile(win.ttfts, 0.5) or 0),
         "ttft_p99_ms": None if not win.ttfts else 1000 * (percentile(win.ttfts, 0.99) or 0),
         "requests": win.requests,
@@ -212,10 +224,30 @@ def summarize(win: Window, measure_s: float, cpu_s: dict[str, float]) -> dict[st
     }
 
 
+def median_of(runs: list[dict[str, object]]) -> dict[str, object]:
+    """One path's figures over repeated windows: the median of each, errors summed."""
+    def mid(values: list[float | None]) -> float | None:
+        known = sorted(v for v in values if v is not None)
+        return None if not known else known[len(known) // 2]
+
+    merged: dict[str, object] = {"runs": len(runs), "errors": sum(int(r["errors"]) for r in runs)}  # type: ignore[call-overload]
+    for name in ("chunks_per_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms"):
+        merged[name] = mid([r.get(name) for r in runs])  # type: ignore[misc]
+    for name in ("cpu_us_per_chunk", "cpu_us_per_request"):
+        groups = {g for r in runs for g in r.get(name) or {}}  # type: ignore[attr-defined]
+        merged[name] = {g: mid([(r.get(name) or {}).get(g) for r in runs]) for g in groups}  # type: ignore[attr-defined]
+    kinds: dict[str, int] = {}
+    for r in runs:
+        for kind, count in (r.get("error_kinds") or {}).items():  # type: ignore[attr-defined]
+            kinds[kind] = kinds.get(kind, 0) + count
+    merged["error_kinds"] = kinds
+    return merged
+
+
 def table(results: dict[str, dict[str, dict[str, object]]], levels: list[int]) -> str:
-    lines = [("| path | streams | chunks/s | × direct | TTFT p50 ms | +p50 over direct | TTFT p99 ms | errors "
-              "| gateway CPU µs/chunk | openai worker CPU µs/chunk |"),
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [("| path | streams | chunks/s | req/s | × direct | TTFT p50 ms | +p50 over direct | TTFT p99 ms | errors "
+              "| gateway CPU µs/chunk | gateway CPU µs/request | openai worker CPU µs/chunk |"),
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for level in levels:
         direct = results["direct"][str(level)]
         for name, by_level in results.items():
@@ -225,12 +257,16 @@ def table(results: dict[str, dict[str, dict[str, object]]], levels: list[int]) -
                      else r["ttft_p50_ms"] - direct["ttft_p50_ms"])
             fmt = lambda v: "-" if v is None else f"{v:,.1f}"
             cpu = r.get("cpu_us_per_chunk") or {}
+            per_request = r.get("cpu_us_per_request") or {}
             group = "gateway x2" if "2 gateway procs" in name else "gateway baseline" if " at " in name else "gateway"
             gw = cpu.get(group) if name.startswith("sluice") else None
+            gw_req = per_request.get(group) if name.startswith("sluice") else None
             wk = cpu.get("openai worker") if name.startswith("sluice (openai") else None
-            lines.append(f"| {name} | {level} | {r['chunks_per_s']:,.0f} | {ratio:.2f} | {fmt(r['ttft_p50_ms'])} | "
+            lines.append(f"| {name} | {level} | {r['chunks_per_s']:,.0f} | {r.get('requests_per_s') or 0:,.0f} "
+                         f"| {ratio:.2f} | {fmt(r['ttft_p50_ms'])} | "
                          f"{'-' if added is None else f'{added:+.1f}'} | {fmt(r['ttft_p99_ms'])} | {r['errors']} "
-                         f"| {'-' if gw is None else f'{gw:.0f}'} | {'-' if wk is None else f'{wk:.0f}'} |")
+                         f"| {'-' if gw is None else f'{gw:.0f}'} | {'-' if gw_req is None else f'{gw_req:.0f}'} "
+                         f"| {'-' if wk is None else f'{wk:.0f}'} |")
     return "\n".join(lines)
 
 
@@ -271,18 +307,26 @@ async def window_cpu(groups: dict[str, int], warmup_s: float, measure_s: float) 
 
 
 async def measure(paths: list[Path_], levels: list[int], warmup_s: float, measure_s: float,
-                  max_tokens: int, groups: dict[str, int]) -> dict[str, dict[str, dict[str, object]]]:
+                  max_tokens: int, groups: dict[str, int], repeat: int = 1,
+                  stream: bool = True) -> dict[str, dict[str, dict[str, object]]]:
+    """Each path at each level; with ``repeat`` > 1 the paths take turns ``repeat`` times per
+    level and each figure is the median of its windows (errors summed)."""
     results: dict[str, dict[str, dict[str, object]]] = {p.name: {} for p in paths}
     for level in levels:
-        for p in paths:
-            win, cpu = await asyncio.gather(run(p.url, p.model, level, warmup_s, measure_s, max_tokens),
-                                            window_cpu(groups, warmup_s, measure_s))
-            results[p.name][str(level)] = summarize(win, measure_s, cpu)
-            r = results[p.name][str(level)]
-            print(f"  {p.name:24s} {level:4d} streams: {r['chunks_per_s']:8,.0f} chunks/s  TTFT p50 "
-                  f"{r['ttft_p50_ms'] or 0:7.1f} ms  p99 {r['ttft_p99_ms'] or 0:7.1f} ms  errors {r['errors']}",
-                  flush=True)
-            await asyncio.sleep(1)  # let the last streams drain
+        runs: dict[str, list[dict[str, object]]] = {p.name: [] for p in paths}
+        for _ in range(repeat):
+            for p in paths:
+                win, cpu = await asyncio.gather(run(p.url, p.model, level, warmup_s, measure_s, max_tokens,
+                                                    stream=stream),
+                                                window_cpu(groups, warmup_s, measure_s))
+                r = summarize(win, measure_s, cpu)
+                runs[p.name].append(r)
+                print(f"  {p.name:24s} {level:4d} streams: {r['chunks_per_s']:8,.0f} chunks/s "
+                      f"{r['requests_per_s']:7,.0f} req/s  TTFT p50 {r['ttft_p50_ms'] or 0:7.1f} ms  "
+                      f"p99 {r['ttft_p99_ms'] or 0:7.1f} ms  errors {r['errors']}", flush=True)
+                await asyncio.sleep(1)  # let the last streams drain
+        for name, windows in runs.items():
+            results[name][str(level)] = windows[0] if repeat == 1 else median_of(windows)
     return results
 
 
@@ -296,6 +340,10 @@ def main() -> None:
     parser.add_argument("--token-ms", type=float, default=5.0)
     parser.add_argument("--base-port", type=int, default=18520)
     parser.add_argument("--only", help="comma-separated path names to run (default: all)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="windows per path and level, taken in turns; figures are their medians")
+    parser.add_argument("--no-stream", action="store_true",
+                        help="non-streaming requests (one JSON body each; TTFT is the whole answer)")
     parser.add_argument("--server", choices=["mock", "vllm"], default="mock",
                         help="the engine server: the mock (all peers), or vLLM's own server on CPU with the "
                         "default model (direct and Sluice only)")
@@ -315,17 +363,20 @@ def main() -> None:
             if args.server == "vllm":
                 paths = start_vllm(procs, args.base_port, redis.url)
             else:
-                paths = start_all(procs, args.base_port, args.ttft_ms, args.token_ms, redis.url, args.baseline)
+                paths = start_all(procs, args.base_port, args.ttft_ms, args.token_ms, redis.url, args.baseline,
+                                  set(args.only.split(",")) if args.only else None)
             if args.only:
                 keep = set(args.only.split(","))
                 paths = [p for p in paths if p.name in keep or p.name == "direct"]
             print(f"logs in {logs}; {len(paths)} paths x {levels} streams, {args.measure_s:g} s each", flush=True)
             groups = {k: procs.groups[name] for k, name in CPU_GROUPS.items() if name in procs.groups}
-            results = asyncio.run(measure(paths, levels, args.warmup_s, args.measure_s, args.max_tokens, groups))
+            results = asyncio.run(measure(paths, levels, args.warmup_s, args.measure_s, args.max_tokens, groups,
+                                          args.repeat, stream=not args.no_stream))
     finally:
         procs.stop()
     print(table(results, levels))
     meta = {"server": args.server, "levels": levels, "max_tokens": args.max_tokens, "ttft_ms": args.ttft_ms,
+            "repeat": args.repeat, "stream": not args.no_stream,
             "token_ms": args.token_ms, "measure_s": args.measure_s, "cpus": os.cpu_count(), "at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     out = Path(args.out)
     out.with_suffix(".json").write_bytes(orjson.dumps({"meta": meta, "results": results}, option=orjson.OPT_INDENT_2))

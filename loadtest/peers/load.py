@@ -44,7 +44,33 @@ async def _read_chunked(reader: asyncio.StreamReader) -> bytes | None:
     return data[:-2]
 
 
-async def _one(host: str, port: int, path: str, body: bytes, headers: bytes, win: Window) -> None:
+async def _json_answer(reader: asyncio.StreamReader, head: bytes, chunked: bool, sent: float, counted: bool,
+                       win: Window) -> None:
+    """A non-streaming answer: one JSON body, counted as one chunk; its TTFT is the whole answer's time."""
+    if chunked:
+        parts = []
+        while (part := await _read_chunked(reader)) is not None:
+            parts.append(part)
+        data = b"".join(parts)
+    else:
+        length = int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+        data = await reader.readexactly(length)
+    now = time.monotonic()
+    obj = orjson.loads(data)
+    choices = obj.get("choices") or ()
+    if not counted or sent > win.end:
+        return
+    win.requests += 1
+    if not choices or not (choices[0].get("message") or {}).get("content"):
+        win.error("no content")
+        return
+    win.ttfts.append(now - sent)
+    if win.start <= now <= win.end:
+        win.chunks += 1
+
+
+async def _one(host: str, port: int, path: str, body: bytes, headers: bytes, win: Window,
+               stream: bool = True) -> None:
     sent = time.monotonic()
     counted = sent >= win.start
     first: float | None = None
@@ -67,6 +93,9 @@ async def _one(host: str, port: int, path: str, body: bytes, headers: bytes, win
         chunked = b"transfer-encoding: chunked" in lowered
         buffer = b""
         done = False
+        if not stream:
+            await _json_answer(reader, lowered, chunked, sent, counted, win)
+            return
         while True:
             data = await (_read_chunked(reader) if chunked else reader.read(65536))
             if not data:
@@ -107,20 +136,21 @@ async def _one(host: str, port: int, path: str, body: bytes, headers: bytes, win
 
 
 async def run(url: str, model: str, streams: int, warmup_s: float, measure_s: float, max_tokens: int,
-              api_key: str | None = None) -> Window:
-    """``streams`` closed loops against ``url`` for warmup + measure seconds."""
+              api_key: str | None = None, stream: bool = True) -> Window:
+    """``streams`` closed loops against ``url`` for warmup + measure seconds (``stream``: SSE,
+    else one JSON answer per request)."""
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     path = (parts.path.rstrip("/") or "") + "/v1/chat/completions"
     body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "Tell me a long story."}],
-                         "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True})
+                         "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": stream})
     headers = f"Authorization: Bearer {api_key}\r\n".encode() if api_key else b""
     now = time.monotonic()
     win = Window(start=now + warmup_s, end=now + warmup_s + measure_s)
 
     async def loop() -> None:
         while time.monotonic() < win.end:
-            await _one(host, port, path, body, headers, win)
+            await _one(host, port, path, body, headers, win, stream)
 
     await asyncio.gather(*(loop() for _ in range(streams)))
     return win

@@ -3,7 +3,7 @@ the ``--engine openai`` tests.
 
     python loadtest/peers/mock_openai.py --port 18501 [--ttft-ms 20 --token-ms 5] [--vllm]
 
-Timing: the first token ``ttft_ms`` after the request arrives, then one token every
+Timing (streamed, or one body at the end with ``stream: false``): the first token ``ttft_ms`` after the request arrives, then one token every
 ``token_ms``, for every stream at once (one ticker serves them all, so 64 streams cost
 what one batched engine step would). Tokens are words; token ``k+1`` is a hash of the
 seed and the two tokens before it, so a stream continued from prompt + the tokens it
@@ -157,6 +157,26 @@ def _chunk(rid: str, chat: bool, created: int, token: int | None, finish: str | 
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
+async def _whole(stream: _Stream, rid: str, chat: bool, created: int, prompt_len: int) -> dict[str, Any]:
+    """A non-streaming answer: the same tokens at the same pace, in one body at the end."""
+    tokens: list[int] = []
+    finish = None
+    while finish is None:
+        item = await stream.queue.get()
+        if item is None:
+            raise ConnectionResetError("MOCK_FAIL_MIDWAY")
+        token, finish = item
+        tokens.append(token)
+    text = "".join(" " + VOCAB[t] for t in tokens)
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": MODEL, "choices": [choice], "usage": _usage(prompt_len, len(tokens))}
+
+
 def create_app(engine: MockEngine) -> Starlette:
     def json(obj: Any, status: int = 200) -> Response:
         return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
@@ -187,9 +207,9 @@ def create_app(engine: MockEngine) -> Starlette:
         stream = _Stream(ids, body, engine.ttft_s)
         want_ids = bool(body.get("return_token_ids")) and engine.vllm
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        if not body.get("stream"):
-            return error("the mock streams only")
         engine.add(stream)
+        if not body.get("stream"):
+            return json(await _whole(stream, rid, chat, created, prompt_len))
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
         async def events() -> AsyncIterator[bytes]:

@@ -112,6 +112,22 @@ def test_disconnect_while_queued_and_while_streaming(start_worker, start_gateway
     assert backend.client.zcard(keys.leases(model)) == 0
 
 
+def test_non_streaming_client_that_hangs_up_frees_its_slot(start_worker, start_gateway, backend) -> None:
+    """A JSON request runs in the request's own task, with a watcher for its client
+    (gateway/relay/rendering.py): a client gone mid-generation still aborts it."""
+    model = "cancel-json"
+    worker = start_worker(model, redis_at=backend.url, sim_max_seqs=1, sim_token_ms=20, sim_ttft_ms=0)
+    gateway = start_gateway(redis_at=backend.url)
+    body = {"model": model, "prompt": "long", "max_tokens": 500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gateway.url + "/v1/completions", json=body, timeout=1.0)
+    wait_for(lambda: _inflight(backend.client, model) == 0, 3, "the slot to come back")
+    wait_for(lambda: running(worker) == 0, 1, "the abort")
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0) as client:
+        done = client.completions.create(model=model, prompt="x", max_tokens=2)
+    assert done.choices[0].finish_reason == "length"
+
+
 def test_worker_500_before_first_token_is_retried_elsewhere(start_worker, start_gateway, backend) -> None:
     model = "flaky"
     start_worker(model, redis_at=backend.url, sim_fail_first=1000)
