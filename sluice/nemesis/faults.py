@@ -42,6 +42,9 @@ class FaultRun:
     #: Failovers: per gateway port, seconds from the fault's start until a request was
     #: served there again (None: not within ``SERVING_WAIT_S``).
     serving_s: dict[int, float | None] = field(default_factory=dict)
+    #: Failovers: per gateway port, what its probes got, each change of answer once:
+    #: ``[seconds since the fault began, "200" | "503 service_unavailable" | "ReadTimeout"...]``.
+    probes: dict[int, list[tuple[float, str]]] = field(default_factory=dict)
 
     def public(self) -> dict[str, object]:
         out = asdict(self)
@@ -52,6 +55,21 @@ class FaultRun:
 #: How long the serving watcher waits after a failover, per port.
 SERVING_WAIT_S = 60.0
 FAILOVERS = frozenset({"sentinel_failover", "cluster_failover"})
+
+
+async def _probe(http: httpx.AsyncClient, url: str, body: dict[str, object], headers: dict[str, str]) -> str:
+    """One serving probe's answer: ``"200"``, the status and error code, or the exception's name."""
+    try:
+        resp = await http.post(url, json=body, headers=headers)
+    except httpx.HTTPError as exc:
+        return type(exc).__name__
+    if resp.status_code == 200:
+        return "200"
+    code = ""
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        error = resp.json()["error"]
+        code = str(error.get("code") or error.get("type") or "")
+    return f"{resp.status_code} {code}".strip()
 
 
 class Nemesis:
@@ -72,29 +90,34 @@ class Nemesis:
         await asyncio.gather(*self._watchers)
         return self.runs
 
-    async def _watch_serving(self, run: FaultRun, done: asyncio.Event) -> None:
+    async def _watch_serving(self, run: FaultRun, promoted: asyncio.Event) -> None:
         """Fill ``run.serving_s``: per port, when the first probe of the last unbroken run of
         served ones came back (a probe that waits out the failover and is then served counts
-        at its answer), once the failover is done and three in a row were served. The watcher does
-        not hold the Redis target's lock, so the next Redis fault is not delayed by it (and
-        may, rarely, lengthen what it measures)."""
+        at its answer), once the new master is in place (``promoted``: the sentinels name it,
+        or the cluster serves every slot without the killed master) and three in a row were
+        served since. What follows the promotion (Sentinel demoting the old master some ten
+        seconds later, a killed Cluster master rejoining as a replica) holds the Redis
+        target's lock, so the next Redis fault waits for it and does not lengthen what this
+        measures. The watcher does not hold that lock itself."""
         body = {"model": MODEL, "messages": [{"role": "user", "content": "serving?"}], "max_tokens": 1}
         headers = {"Authorization": f"Bearer {self.system.api_keys[-1]}"}  # the priority tenant: queues least
 
         async def port(http: httpx.AsyncClient, number: int) -> None:
             run.serving_s[number] = None
+            seen = run.probes.setdefault(number, [])
             since, streak = None, 0
             while self.now_s() - run.started_s < SERVING_WAIT_S:
-                ok = False
-                with contextlib.suppress(httpx.HTTPError):
-                    ok = (await http.post(f"http://127.0.0.1:{number}/v1/chat/completions", json=body,
-                                          headers=headers)).status_code == 200
+                sent = self.now_s() - run.started_s
+                answer = await _probe(http, f"http://127.0.0.1:{number}/v1/chat/completions", body, headers)
+                ok = answer == "200"
+                if not seen or seen[-1][1] != answer:
+                    seen.append((round(sent, 2), answer))
                 at = self.now_s() - run.started_s
                 if not ok:
                     since, streak = None, 0
                 else:
                     since = at if since is None else since
-                    streak += done.is_set()
+                    streak += promoted.is_set()
                     if streak >= 3:
                         run.serving_s[number] = round(since, 2)
                         return
@@ -139,12 +162,14 @@ class Nemesis:
         elif kind == "redis_stop":
             await asyncio.to_thread(s.topology.stall, f.duration_s)
         elif kind in FAILOVERS:
-            done = asyncio.Event()
-            self._watchers.append(asyncio.create_task(self._watch_serving(run, done)))
+            promoted = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            self._watchers.append(asyncio.create_task(self._watch_serving(run, promoted)))
             try:
-                await asyncio.to_thread(s.topology.failover)
+                phases = await asyncio.to_thread(s.topology.failover, lambda: loop.call_soon_threadsafe(promoted.set))
+                run.note = ", ".join(f"{step} {seconds}" for step, seconds in phases.items())
             finally:
-                done.set()
+                promoted.set()
         elif kind in ("link_delay", "link_cut"):
             assert s.proxy is not None
             if kind == "link_delay":
