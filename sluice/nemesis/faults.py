@@ -21,10 +21,12 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
 import httpx
+from redis.exceptions import RedisError
 
 from sluice.nemesis.clients import Cutter
 from sluice.nemesis.schedule import DATA_LOSS, Fault
 from sluice.nemesis.system import MODEL, System
+from sluice.redis_pool import create_pool
 
 log = logging.getLogger("sluice.nemesis")
 
@@ -37,6 +39,10 @@ class FaultRun:
     ended_s: float = 0.0
     #: Data-loss faults: when the API keys were written back.
     restored_s: float | None = None
+    #: A Redis fault whose kind loses nothing, after which Redis had lost data all the same
+    #: (on Sentinel or Cluster, a failover it set off promoted a server without the data):
+    #: the checker treats it as a data-loss fault (``Nemesis._keep_keys``).
+    lost_data: bool = False
     note: str = ""
     error: str | None = None
     #: Failovers: per gateway port, seconds from the fault's start until a request was
@@ -86,9 +92,48 @@ class Nemesis:
 
     async def run(self, schedule: list[Fault]) -> list[FaultRun]:
         self.runs = [FaultRun(f) for f in schedule]
-        await asyncio.gather(*(self._one(r) for r in self.runs))
-        await asyncio.gather(*self._watchers)
+        done = asyncio.Event()
+        keeper = asyncio.create_task(self._keep_keys(done)) if self.system.topology.name != "single" else None
+        try:
+            await asyncio.gather(*(self._one(r) for r in self.runs))
+            await asyncio.gather(*self._watchers)
+        finally:
+            done.set()
+            if keeper is not None:
+                await keeper
         return self.runs
+
+    async def _keep_keys(self, done: asyncio.Event) -> None:
+        """On Sentinel and Cluster a restart or a stall past the failure timeout is a
+        failover, and a failover can promote a server without the data: Sentinel promotes
+        an old master that came back empty from a restart without persistence and was still
+        a master when the next failover began (the hazard Redis's Sentinel documentation
+        describes for masters without persistence). An operator writes the API keys back as
+        after any data loss: the harness checks them every quarter second, restores them
+        when missing, and counts the loss against the Redis fault that led to it."""
+        client = await create_pool(self.system.topology.url, retries=1000, delay_s=0.25)
+        try:
+            while not done.is_set():
+                with contextlib.suppress(RedisError, OSError):
+                    if await self.system.api_keys_lost(client):
+                        await self.system.write_keys(client)
+                        self._blame_data_loss(self.now_s())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(done.wait(), 0.25)
+        finally:
+            await client.aclose()
+
+    def _blame_data_loss(self, restored_s: float) -> None:
+        """The latest Redis fault begun lost data; its keys are back at ``restored_s``."""
+        begun = [r for r in self.runs if r.fault.target == "redis" and 0 < r.started_s <= restored_s]
+        if not begun:
+            return
+        run = max(begun, key=lambda r: r.started_s)
+        if run.fault.kind not in DATA_LOSS and not run.lost_data:
+            run.lost_data = True
+            run.note = (run.note + "; " if run.note else "") + "Redis lost data (API keys restored)"
+            log.warning("%s lost Redis data: the API keys were restored", run.fault)
+        run.restored_s = max(run.restored_s or 0.0, restored_s)
 
     async def _watch_serving(self, run: FaultRun, promoted: asyncio.Event) -> None:
         """Fill ``run.serving_s``: per port, when the first probe of the last unbroken run of
