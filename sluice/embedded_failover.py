@@ -5,6 +5,27 @@
 in a few seconds (``down-after-milliseconds`` 1000). ``ReplicatedCluster``: a Redis
 Cluster whose masters each have a replica, with a 1 s node timeout. Both can kill a
 master as a crash would (SIGKILL) and wait until a replica serves in its place.
+
+The timings, and what a production deployment would use instead:
+
+| setting | here | production (typical) | what it decides |
+| --- | --- | --- | --- |
+| Sentinel ``down-after-milliseconds`` | 1000 | 5000-30000 (Redis's example: 60000) | how long a silent master is waited for: a crash costs this plus ~1 s of election and promotion |
+| Sentinel ``failover-timeout`` | 3000 | 60000-180000 (default 180000) | how long a failover may take before it is abandoned and retried |
+| Sentinel ``parallel-syncs`` | 1 | 1 | replicas resynced at once after a failover |
+| quorum | 2 of 3 sentinels | a majority | sentinels that must agree the master is down |
+| Cluster ``cluster-node-timeout`` | 1000 | 5000-15000 (default 15000) | how long a silent master is waited for before its replica is elected (~2x this in all) |
+
+A loopback machine has no network hiccups to tolerate, so 1 s detects a dead server
+without false alarms here; on a real network, shorter timeouts than the typical ones
+fail over on a GC pause or a slow disk. Sluice's own part is independent of them: every
+process moves to the new master within ``MASTER_CHECK_S`` of the sentinels naming it,
+and at once when it hears ``+switch-master`` (sluice/redis_pool.py); a Cluster client
+finds the new owner of a slot with its next command (``MOVED``, or a refused connection
+that makes it read the slots again). ``SENTINEL FAILOVER`` (:meth:`EmbeddedSentinel.failover`)
+promotes in about a second whatever the timeouts, and leaves the old master a writable
+master for some ten seconds more (sentinel.c demotes it ``4 * SENTINEL_PUBLISH_PERIOD``
+after it last saw its role change, at its next ``INFO``).
 Nothing is persisted, so a master killed before its replica caught up loses those
 writes for good: the case ``sluice/failover.py`` is about. ``replication_cut()`` makes
 that case certain instead of a matter of milliseconds: inside it, writes reach the
