@@ -1,14 +1,14 @@
 """What each Redis server of the run was, over time: the harness's view of the topology.
 
 A thread asks every server of the topology, ten times a second, its role, whether its
-replication link is up, its key count and whether it holds the API keys, and for Sentinel
+replication link is up and whether it holds the API keys, and for Sentinel
 which master the sentinels name; it keeps each change with its time. A forbidden outcome
 during a failover is then read against what Redis really was (two masters at once, a
 replica promoted before its first sync, keys missing on the master the gateways used).
 
 >>> timeline = RedisTimeline(system.topology, t0).start()
 >>> ...; timeline.stop(); timeline.changes[:3]
-[(0.0, '41234', 'master keys=12 apikeys'), ...]
+[(0.0, '41234', 'master with the API keys'), ...]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _state(server: EmbeddedRedis) -> str:
             role = str(info.get("role"))
             if role == "slave":
                 role += f"(link {info.get('master_link_status')} to {info.get('master_port')})"
-            return f"{role} keys={client.dbsize()}" + (" apikeys" if client.exists(keys.API_KEYS) else "")
+            return role + (" with the API keys" if client.exists(keys.API_KEYS) else " without the API keys")
     except redis.TimeoutError:
         return "stalled"
     except redis.RedisError as exc:
