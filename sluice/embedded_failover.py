@@ -5,6 +5,27 @@
 in a few seconds (``down-after-milliseconds`` 1000). ``ReplicatedCluster``: a Redis
 Cluster whose masters each have a replica, with a 1 s node timeout. Both can kill a
 master as a crash would (SIGKILL) and wait until a replica serves in its place.
+
+The timings, and what a production deployment would use instead:
+
+| setting | here | production (typical) | what it decides |
+| --- | --- | --- | --- |
+| Sentinel ``down-after-milliseconds`` | 1000 | 5000-30000 (Redis's example: 60000) | how long a silent master is waited for: a crash costs this plus ~1 s of election and promotion |
+| Sentinel ``failover-timeout`` | 3000 | 60000-180000 (default 180000) | how long a failover may take before it is abandoned and retried |
+| Sentinel ``parallel-syncs`` | 1 | 1 | replicas resynced at once after a failover |
+| quorum | 2 of 3 sentinels | a majority | sentinels that must agree the master is down |
+| Cluster ``cluster-node-timeout`` | 1000 | 5000-15000 (default 15000) | how long a silent master is waited for before its replica is elected (~2x this in all) |
+
+A loopback machine has no network hiccups to tolerate, so 1 s detects a dead server
+without false alarms here; on a real network, shorter timeouts than the typical ones
+fail over on a GC pause or a slow disk. Sluice's own part is independent of them: every
+process moves to the new master within ``MASTER_CHECK_S`` of the sentinels naming it,
+and at once when it hears ``+switch-master`` (sluice/redis_pool.py); a Cluster client
+finds the new owner of a slot with its next command (``MOVED``, or a refused connection
+that makes it read the slots again). ``SENTINEL FAILOVER`` (:meth:`EmbeddedSentinel.failover`)
+promotes in about a second whatever the timeouts, and leaves the old master a writable
+master for some ten seconds more (sentinel.c demotes it ``4 * SENTINEL_PUBLISH_PERIOD``
+after it last saw its role change, at its next ``INFO``).
 Nothing is persisted, so a master killed before its replica caught up loses those
 writes for good: the case ``sluice/failover.py`` is about. ``replication_cut()`` makes
 that case certain instead of a matter of milliseconds: inside it, writes reach the
@@ -85,7 +106,8 @@ def _replication_cut(masters: Sequence[EmbeddedRedis]) -> Iterator[None]:
                     client.execute_command("ACL", "SETUSER", "default", "+psync", "+sync")
 
 
-def _role(port: int) -> str:
+def role(port: int) -> str:
+    """What the server on ``port`` says it is (``ROLE``): "master", "slave" (a replica)."""
     with redis.Redis(port=port, socket_timeout=1) as client:
         return str(client.execute_command("ROLE")[0].decode())
 
@@ -96,6 +118,8 @@ class EmbeddedSentinel:
     def __init__(self, *, replicas: int = 1, sentinels: int = 3, service: str = SERVICE,
                  down_after_ms: int = 1000, failover_timeout_ms: int = 3000) -> None:
         self.service = service
+        #: Seconds from the last ``failover()``'s start to each of its steps.
+        self.phases: dict[str, float] = {}
         self.servers = [EmbeddedRedis()]
         master = self.servers[0].port
         self.servers += [EmbeddedRedis(args=("--replicaof", "127.0.0.1", str(master))) for _ in range(replicas)]
@@ -158,7 +182,7 @@ class EmbeddedSentinel:
         """The master once the sentinels name one that says it is one (after a failover or a
         restart they take a moment to agree)."""
         def agreed() -> bool:
-            return _role(self.master_port()) == "master"
+            return role(self.master_port()) == "master"
 
         wait_until(agreed, timeout_s, "a master the sentinels agree on")
         return self.server(self.master_port())
@@ -192,14 +216,25 @@ class EmbeddedSentinel:
         old.kill()
         return old
 
-    def failover(self, timeout_s: float = 20.0) -> EmbeddedRedis:
-        """``SENTINEL FAILOVER``: promote a replica and demote the master, which keeps
-        running (as a replica: writes to it get READONLY). Returns the new master."""
-        old = self.master_port()
+    def start_failover(self) -> None:
+        """Send ``SENTINEL FAILOVER`` and return: the sentinels name the replica within about a
+        second, and demote the old master, a master until then, some ten seconds later."""
         with redis.Redis(port=self.sentinels[0].port, socket_timeout=2) as client:
             client.execute_command("SENTINEL", "FAILOVER", self.service)
+
+    def failover(self, timeout_s: float = 20.0, promoted: Callable[[], None] | None = None) -> EmbeddedRedis:
+        """``SENTINEL FAILOVER``: promote a replica and demote the master, which keeps
+        running (as a replica: writes to it get READONLY), and wait for both; ``promoted()``
+        is called in between. Returns the new master."""
+        old = self.master_port()
+        started = time.monotonic()
+        self.start_failover()
         new = self.wait_promoted(self.server(old), timeout_s)
-        wait_until(lambda: _role(old) == "slave", timeout_s, f"the old master on port {old} to become a replica")
+        self.phases = {"promoted_s": round(time.monotonic() - started, 2)}
+        if promoted is not None:
+            promoted()
+        wait_until(lambda: role(old) == "slave", timeout_s, f"the old master on port {old} to become a replica")
+        self.phases["old_master_replica_s"] = round(time.monotonic() - started, 2)
         return new
 
     def wait_promoted(self, old: EmbeddedRedis, timeout_s: float = 20.0) -> EmbeddedRedis:
@@ -209,7 +244,7 @@ class EmbeddedSentinel:
             for sentinel in self.sentinels:
                 with redis.Redis(port=sentinel.port, socket_timeout=1) as client:
                     ports.add(int(client.sentinel_get_master_addr_by_name(self.service)[1]))
-            return len(ports) == 1 and old.port not in ports and _role(ports.pop()) == "master"
+            return len(ports) == 1 and old.port not in ports and role(ports.pop()) == "master"
 
         wait_until(promoted, timeout_s, f"a replica to replace the master on port {old.port}")
         return self.server(self.master_port())
@@ -238,6 +273,8 @@ class ReplicatedCluster(EmbeddedCluster):
         args = ("--cluster-node-timeout", str(node_timeout_ms))
         super().__init__(masters, args=args)
         self.masters = list(self.servers)
+        #: Seconds from the last ``failover()``'s start to each of its steps.
+        self.phases: dict[str, float] = {}
         self.replicas = [EmbeddedRedis(free_cluster_port(), args=self.masters[0].args) for _ in range(masters)]
 
     def start(self, timeout_s: float = 90.0) -> Self:
@@ -296,14 +333,21 @@ class ReplicatedCluster(EmbeddedCluster):
         old.kill()
         return old
 
-    def failover(self, index: int = 0, timeout_s: float = 30.0) -> EmbeddedRedis:
-        """Kill the ``index``-th master, wait for its replica to take over, start it again
-        (it rejoins from its ``nodes.conf`` as the new master's replica, empty) and wait until
-        every master has a linked replica again. Returns the killed server."""
+    def failover(self, index: int = 0, timeout_s: float = 30.0,
+                 promoted: Callable[[], None] | None = None) -> EmbeddedRedis:
+        """Kill the ``index``-th master, wait for its replica to take over (then call
+        ``promoted()``), start it again (it rejoins from its ``nodes.conf`` as the new
+        master's replica, empty) and wait until every master has a linked replica again.
+        Returns the killed server."""
+        started = time.monotonic()
         old = self.kill_master(index)
         self.wait_promoted(old, timeout_s)
+        self.phases = {"promoted_s": round(time.monotonic() - started, 2)}
+        if promoted is not None:
+            promoted()
         old.start(timeout_s)
         wait_until(self._every_master_replicated, timeout_s, "every master to have a linked replica again")
+        self.phases["replicated_again_s"] = round(time.monotonic() - started, 2)
         return old
 
     def restart_master(self, index: int, *, persist: bool, down_s: float) -> EmbeddedRedis:

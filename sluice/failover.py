@@ -12,7 +12,13 @@ rollback of the last moments does to it, and what brings it back in line.
 Meanwhile (master dead, replica not yet promoted, 2-3 s with Sentinel's
 ``down-after-milliseconds`` 1000 and a Cluster's ``cluster-node-timeout`` 1000) Redis is
 unreachable: 503 + ``Retry-After`` for new requests, running streams go on, background
-loops retry (sluice/redis_pool.py).
+loops retry (sluice/redis_pool.py). When the old master is still running (``SENTINEL
+FAILOVER``, a master that was stalled or restarted past the timeout), it stays a writable
+master for some ten seconds after the sentinels named another, until they demote it: every
+Sluice process leaves it as soon as its sentinel names the new one (``+switch-master``, or
+its check every 2 s), so only writes of that moment land on it, and are lost with it. A
+resumable stream whose generation ends while Redis is away writes its journal's last
+events once Redis is back, for up to 10 s (gateway/streams/journal.py, ``DRAIN_S``).
 
 | family (sluice/keys.py) | rolled back, what happens | what restores it |
 | --- | --- | --- |

@@ -18,7 +18,13 @@ After a failover (Sentinel or Cluster), a command on a connection to the old mas
 fails with a ``ConnectionError``, as when Redis is unreachable: the gateway answers 503 +
 ``Retry-After`` meanwhile, background loops retry, and the next connection goes to the
 new master. A ``READONLY`` reply (a master demoted to replica while still reachable) is
-turned into the same ``ConnectionError``. What each family of keys does when the
+turned into the same ``ConnectionError``. A Sentinel client does not wait for either:
+the old master of a ``SENTINEL FAILOVER`` (or one that comes back after a crash) keeps
+taking writes as a master for about ten seconds after the sentinels named another, until
+they demote it (sentinel.c waits ``4 * SENTINEL_PUBLISH_PERIOD``, then its next ``INFO``),
+and those writes are lost. Each process listens to its sentinel's ``+switch-master``
+(and asks it every ``MASTER_CHECK_S``) and leaves the old master as soon as the sentinel
+names the new one (:class:`FailoverPool`). What each family of keys does when the
 failover lost writes the replica had not received is in ``sluice/failover.py``.
 
 Either client keeps at most ``max_connections`` connections to each Redis server. A
@@ -31,10 +37,11 @@ than ``SOCKET_TIMEOUT_S``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from typing import Any, NoReturn, TypeAlias
@@ -43,7 +50,7 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool, SentinelManagedConnection
-from redis.exceptions import ClusterDownError, ReadOnlyError, RedisClusterException, ResponseError
+from redis.exceptions import ClusterDownError, ReadOnlyError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT
@@ -63,6 +70,12 @@ HEALTH_CHECK_INTERVAL_S = 30
 #: After the sentinels said there is no master (mid-failover), connections fail at once
 #: for this long instead of asking them again for every command.
 NO_MASTER_BACKOFF_S = 0.2
+#: How often a Sentinel client asks its sentinel which server is the master, besides
+#: hearing its ``+switch-master`` event at once (the check covers a missed event).
+MASTER_CHECK_S = 2.0
+SWITCH_MASTER = "+switch-master"
+
+Address: TypeAlias = tuple[str, int]
 
 
 def redact_url(url: str) -> str:
@@ -269,6 +282,7 @@ def _sentinel_master(url: str, options: dict[str, Any]) -> Redis:
         target.service, connection_pool_class=FailoverPool, connection_class=FailoverConnection,
         timeout=POOL_TIMEOUT_S, **options, **target.master_kwargs(),
     )
+    client.connection_pool.watch()
     return client
 
 
@@ -298,24 +312,64 @@ class FailoverPool(SentinelConnectionPool, BlockingConnectionPool):  # type: ign
     """redis-py's Sentinel pool, blocking like :class:`BlockingConnectionPool` (a command
     waits for a free connection up to ``POOL_TIMEOUT_S``), and:
 
+    - it follows the master (:meth:`watch`): when its sentinel announces another one
+      (``+switch-master``, or the answer to a check every ``MASTER_CHECK_S``), idle
+      connections to the old one are closed, busy ones when handed back, and whatever
+      :meth:`follow` registered (the script channel) is told. redis-py asks the sentinels
+      only when it opens a connection, so its open ones stayed with a demoted master
+      that was still taking writes;
     - a connection handed back while connected to an address that is no longer the
       master is closed (redis-py keeps it and would send the next command to the old
       master, which a partition may have left running);
     - while the sentinels report no master (the seconds between a master's death and a
       replica's promotion), connections fail at once for ``NO_MASTER_BACKOFF_S`` instead
       of asking every sentinel again for every command;
-    - closing the pool closes the connections to the sentinels too (the client owns them).
+    - closing the pool stops the watch and closes the connections to the sentinels too
+      (the client owns them).
     """
 
     def __init__(self, service_name: str, sentinel_manager: Sentinel, **kwargs: Any) -> None:
         super().__init__(service_name, sentinel_manager, **kwargs)
         self._no_master_until = 0.0
         self._no_master: MasterNotFoundError | None = None
+        self._followers: list[Callable[[Address], None]] = []
+        self._watch: asyncio.Task[None] | None = None
+        self._closing = False
+
+    def follow(self, moved: Callable[[Address], None]) -> None:
+        """Call ``moved(address)`` whenever the master is found at another address."""
+        self._followers.append(moved)
+
+    def watch(self) -> None:
+        """Start following the master's moves in the background (until :meth:`aclose`)."""
+        if self._watch is None:
+            self._watch = asyncio.get_running_loop().create_task(self._watch_master(), name="sentinel-watch")
+
+    async def _watch_master(self) -> None:
+        """Listen to the first sentinel's ``+switch-master`` and ask it for the master after
+        each event, and every ``MASTER_CHECK_S`` without one. ``discover_master`` puts the
+        sentinel that answered first, so the events and the answers come from one sentinel:
+        a sentinel a moment behind the others cannot take the process back and forth."""
+        while not self._closing:
+            try:
+                async with self.sentinel_manager.sentinels[0].pubsub() as events:
+                    await events.subscribe(SWITCH_MASTER)
+                    while not self._closing:
+                        with contextlib.suppress(MasterNotFoundError):
+                            await self.get_master_address()
+                        await events.get_message(ignore_subscribe_messages=True, timeout=MASTER_CHECK_S)
+            except (RedisError, OSError) as exc:
+                # That sentinel is gone: asking them all puts one that answers first.
+                log.info("redis sentinel: watching for master changes again (%s)", exc)
+                await asyncio.sleep(NO_MASTER_BACKOFF_S)
+                with contextlib.suppress(RedisError, OSError):
+                    await self.get_master_address()
 
     async def get_master_address(self) -> tuple[str, int]:
         now = asyncio.get_running_loop().time()
         if self._no_master is not None and now < self._no_master_until:
             raise MasterNotFoundError(str(self._no_master))
+        before = self.master_address
         try:
             address: tuple[str, int] = await super().get_master_address()
         except MasterNotFoundError as exc:
@@ -325,6 +379,11 @@ class FailoverPool(SentinelConnectionPool, BlockingConnectionPool):  # type: ign
         if self._no_master is not None:
             self._no_master = None
             log.info("redis sentinel: master of %r is %s:%s", self.service_name, *address)
+        if before is not None and address != before:
+            log.warning("redis sentinel: the master of %r moved from %s:%s to %s:%s", self.service_name,
+                        *before, *address)
+            for moved in self._followers:
+                moved(address)
         return address
 
     async def release(self, connection: Any) -> None:
@@ -334,5 +393,13 @@ class FailoverPool(SentinelConnectionPool, BlockingConnectionPool):  # type: ign
         await super().release(connection)
 
     async def aclose(self) -> None:
+        self._closing = True
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.cancel()
+            # The nemesis saw a restarted gateway's start-up wait 90 s here while its watch went
+            # on logging: a cancellation was lost (redis-py's reads run under timeouts of their
+            # own). The flag ends the loop at its next turn, and closing never waits longer.
+            await asyncio.wait({watch}, timeout=MASTER_CHECK_S + SOCKET_TIMEOUT_S)
         await super().aclose()
         await self.sentinel_manager.aclose()

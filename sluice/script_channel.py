@@ -38,7 +38,6 @@ from typing import Any, Protocol
 import hiredis
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
-from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -47,7 +46,7 @@ from sluice.redis_pool import (
     NO_MASTER_BACKOFF_S,
     SOCKET_CONNECT_TIMEOUT_S,
     SOCKET_TIMEOUT_S,
-    FailoverConnection,
+    FailoverPool,
     RedisClient,
     is_demotion,
 )
@@ -76,14 +75,14 @@ def script_runner(client: RedisClient) -> ScriptRunner:
              "password": kwargs.get("password")}
     if pool.connection_class is Connection:
         return ScriptChannel(str(kwargs.get("host", "localhost")), int(kwargs.get("port", 6379)), **login)
-    if isinstance(pool, SentinelConnectionPool) and pool.connection_class is FailoverConnection:
-        manager, service = pool.sentinel_manager, pool.service_name
-
+    if isinstance(pool, FailoverPool):
         async def master() -> Address:
-            host, port = await manager.discover_master(service)
+            host, port = await pool.get_master_address()
             return str(host), int(port)
 
-        return ScriptChannel.following(master, **login)
+        channel = ScriptChannel.following(master, **login)
+        pool.follow(channel.moved)  # leave the old master as soon as the pool hears of a new one
+        return channel
     return client
 
 
@@ -236,6 +235,13 @@ class ScriptChannel:
 
     def register_script(self, script: str) -> ChannelScript:
         return ChannelScript(self, script)
+
+    def moved(self, master: Address) -> None:
+        """The master is at ``master`` now: leave the server this channel is connected to if it
+        is another (the calls on their way there fail like on a lost connection)."""
+        if self._writer is not None and self._address != master:
+            log.warning("script connection: the master moved to %s:%s; leaving %s:%s", *master, *self._address)
+            self._drop(RedisConnectionError(f"{self._address[0]}:{self._address[1]} is no longer the master"))
 
     def demoted(self) -> RedisConnectionError:
         """Close the connection to a server that answered READONLY; the error to raise."""

@@ -5,6 +5,7 @@ the grant listener does not skip grants on a stream that a failover rewound."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import time
@@ -21,12 +22,13 @@ from redis.exceptions import RedisError, ResponseError
 
 from gateway.admission.grants import GrantListener
 from sluice import keys
-from sluice.embedded_failover import EmbeddedSentinel, ReplicatedCluster, wait_until
+from sluice.embedded_failover import EmbeddedSentinel, ReplicatedCluster, role, wait_until
 from sluice.redis_pool import FailoverConnection, FailoverPool, create_pool, redact_url
 from sluice.redis_url import parse, validate
 from sluice.script_channel import ScriptChannel, script_runner
 
 INCR = "return redis.call('INCR', KEYS[1])"
+SET = "return redis.call('SET', KEYS[1], ARGV[1])"
 
 
 def test_sentinel_urls_name_sentinels_service_database_and_passwords() -> None:
@@ -96,6 +98,39 @@ async def test_a_sentinel_failover_moves_every_client_to_the_new_master(sentinel
             assert direct.mget("s", "c") == [b"2", b"2"]
     finally:
         await channel.aclose()
+        await client.aclose()
+
+
+async def test_open_connections_leave_the_old_master_before_the_sentinels_demote_it(
+    sentinel_redis: EmbeddedSentinel,
+) -> None:
+    """After SENTINEL FAILOVER the old master stays a writable master for some ten seconds
+    (the sentinels demote it only then). The pool's open connections and the script
+    channel stayed with it until then, so every process split its writes between two
+    masters and lost those made on the old one: gateways served again 14 s after a
+    failover in the nemesis. They must move as soon as the sentinels name the new master."""
+    client = await create_pool(sentinel_redis.url)
+    script = client.register_script(SET)  # redis-py's scripts, as the worker's heartbeat uses
+    channel = script_runner(client)
+    chan = channel.register_script(SET)
+    try:
+        await script(keys=["pool"], args=[0])
+        await chan(keys=["channel"], args=[0])  # both connected to the old master now
+        old = sentinel_redis.server(sentinel_redis.master_port())
+        sentinel_redis.start_failover()
+        new = await asyncio.to_thread(sentinel_redis.wait_promoted, old)
+        with redis.Redis(port=new.port) as direct:
+            for i in range(1, 1000):
+                for call, key in ((script, "pool"), (chan, "channel")):
+                    with contextlib.suppress(RedisError):
+                        await call(keys=[key], args=[i])
+                if direct.mget("pool", "channel") == [str(i).encode()] * 2:
+                    break
+                assert role(old.port) == "master", "the clients stayed with the old master until it was demoted"
+                await asyncio.sleep(0.05)
+        assert role(old.port) == "master"
+    finally:
+        await channel.aclose()  # type: ignore[attr-defined]
         await client.aclose()
 
 

@@ -69,6 +69,13 @@ DONE = b"data: [DONE]\n\n"
 LIVE_TTL_MS = 3000
 #: Refresh ``:live`` at least this often, even through long silences (a migration).
 _LIVE_REFRESH_S = 0.5
+#: How long a producer whose generation ended keeps trying to write the journal's last
+#: events while Redis is away: longer than a restart or a Sentinel/Cluster failover (1-3 s
+#: with the settings in sluice/failover.py; the issue allows 10 s), shorter than a client's
+#: patience. Past it the stream ends without them.
+DRAIN_S = 10.0
+#: Pause after a round whose writes failed: Redis is down or far, do not spin.
+_FAILED_ROUND_PAUSE_S = 0.05
 
 #: Reads a journal from after event N on: ``JournalReaders.tail``.
 CatchUp = Callable[[str, int], AsyncIterator[bytes]]
@@ -392,9 +399,11 @@ class JournalWriter:
             self._progress.clear()
             await self._progress.wait()
 
-    async def _drain(self, attempts: int = 3) -> None:
-        """Write what is left; after a few failed attempts the journal just ends early."""
-        for _ in range(attempts):
+    async def _drain(self) -> None:
+        """Write what is left, through a Redis outage of up to ``DRAIN_S``; past that the
+        journal just ends early."""
+        deadline = time.monotonic() + DRAIN_S
+        while time.monotonic() < deadline:
             if not self._pending or isinstance(self._failure, JournalLost) or not self._committer.alive():
                 return
             self._progress.clear()
@@ -540,22 +549,27 @@ class JournalCommitter:
         except (RedisError, OSError) as exc:
             for writer in writers:
                 writer.failed(exc)
-            await asyncio.sleep(0.05)  # Redis is down or far: do not spin
+            await asyncio.sleep(_FAILED_ROUND_PAUSE_S)
             return
+        failed = False
         for writer, result in zip(writers, results, strict=True):
             if isinstance(result, NoScriptError):  # Redis restarted or failed over
                 try:
                     await self.redis.script_load(APPEND)
                 except (RedisError, OSError) as exc:
                     writer.failed(exc)
+                    failed = True
                     continue
                 self.schedule(writer)
             elif isinstance(result, BaseException):
                 # Whatever a gathered call failed with (not only Redis's errors) fails that
                 # writer's write, to be retried; it is never a result to read.
                 writer.failed(result if isinstance(result, (RedisError, OSError)) else RedisError(repr(result)))
+                failed = True
             else:
                 writer.written(result)
+        if failed:  # a Cluster node down fails its calls at once (gathered, not raised): do not spin
+            await asyncio.sleep(_FAILED_ROUND_PAUSE_S)
 
     async def _append_all(self, batches: list[tuple[list[str], list[bytes | str | int]]]) -> list[Any]:
         """One ``APPEND`` per batch: one pipeline on a single server; on a Cluster (whose

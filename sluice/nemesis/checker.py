@@ -49,7 +49,7 @@ def _during(kinds: Iterable[str], gateway_port: bool = False, grace_s: float = 0
 
     def check(attempt: Attempt, runs: list[FaultRun], ports: list[int]) -> bool:
         for run in runs:
-            if run.fault.kind not in wanted:
+            if run.fault.kind not in wanted and not (run.lost_data and wanted & DATA_LOSS):
                 continue
             end = (run.restored_s or run.ended_s or float("inf")) + grace_s
             if run.started_s > attempt.ended_s or end < attempt.started_s:

@@ -21,10 +21,12 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
 import httpx
+from redis.exceptions import RedisError
 
 from sluice.nemesis.clients import Cutter
 from sluice.nemesis.schedule import DATA_LOSS, Fault
 from sluice.nemesis.system import MODEL, System
+from sluice.redis_pool import create_pool
 
 log = logging.getLogger("sluice.nemesis")
 
@@ -37,11 +39,18 @@ class FaultRun:
     ended_s: float = 0.0
     #: Data-loss faults: when the API keys were written back.
     restored_s: float | None = None
+    #: A Redis fault whose kind loses nothing, after which Redis had lost data all the same
+    #: (on Sentinel or Cluster, a failover it set off promoted a server without the data):
+    #: the checker treats it as a data-loss fault (``Nemesis._keep_keys``).
+    lost_data: bool = False
     note: str = ""
     error: str | None = None
     #: Failovers: per gateway port, seconds from the fault's start until a request was
     #: served there again (None: not within ``SERVING_WAIT_S``).
     serving_s: dict[int, float | None] = field(default_factory=dict)
+    #: Failovers: per gateway port, what its probes got, each change of answer once:
+    #: ``[seconds since the fault began, "200" | "503 service_unavailable" | "ReadTimeout"...]``.
+    probes: dict[int, list[tuple[float, str]]] = field(default_factory=dict)
 
     def public(self) -> dict[str, object]:
         out = asdict(self)
@@ -52,6 +61,21 @@ class FaultRun:
 #: How long the serving watcher waits after a failover, per port.
 SERVING_WAIT_S = 60.0
 FAILOVERS = frozenset({"sentinel_failover", "cluster_failover"})
+
+
+async def _probe(http: httpx.AsyncClient, url: str, body: dict[str, object], headers: dict[str, str]) -> str:
+    """One serving probe's answer: ``"200"``, the status and error code, or the exception's name."""
+    try:
+        resp = await http.post(url, json=body, headers=headers)
+    except httpx.HTTPError as exc:
+        return type(exc).__name__
+    if resp.status_code == 200:
+        return "200"
+    code = ""
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        error = resp.json()["error"]
+        code = str(error.get("code") or error.get("type") or "")
+    return f"{resp.status_code} {code}".strip()
 
 
 class Nemesis:
@@ -68,33 +92,77 @@ class Nemesis:
 
     async def run(self, schedule: list[Fault]) -> list[FaultRun]:
         self.runs = [FaultRun(f) for f in schedule]
-        await asyncio.gather(*(self._one(r) for r in self.runs))
-        await asyncio.gather(*self._watchers)
+        done = asyncio.Event()
+        keeper = asyncio.create_task(self._keep_keys(done)) if self.system.topology.name != "single" else None
+        try:
+            await asyncio.gather(*(self._one(r) for r in self.runs))
+            await asyncio.gather(*self._watchers)
+        finally:
+            done.set()
+            if keeper is not None:
+                await keeper
         return self.runs
 
-    async def _watch_serving(self, run: FaultRun, done: asyncio.Event) -> None:
+    async def _keep_keys(self, done: asyncio.Event) -> None:
+        """On Sentinel and Cluster a restart or a stall past the failure timeout is a
+        failover, and a failover can promote a server without the data: Sentinel promotes
+        an old master that came back empty from a restart without persistence and was still
+        a master when the next failover began (the hazard Redis's Sentinel documentation
+        describes for masters without persistence). An operator writes the API keys back as
+        after any data loss: the harness checks them every quarter second, restores them
+        when missing, and counts the loss against the Redis fault that led to it."""
+        client = await create_pool(self.system.topology.url, retries=1000, delay_s=0.25)
+        try:
+            while not done.is_set():
+                with contextlib.suppress(RedisError, OSError):
+                    if await self.system.api_keys_lost(client):
+                        await self.system.write_keys(client)
+                        self._blame_data_loss(self.now_s())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(done.wait(), 0.25)
+        finally:
+            await client.aclose()
+
+    def _blame_data_loss(self, restored_s: float) -> None:
+        """The latest Redis fault begun lost data; its keys are back at ``restored_s``."""
+        begun = [r for r in self.runs if r.fault.target == "redis" and 0 < r.started_s <= restored_s]
+        if not begun:
+            return
+        run = max(begun, key=lambda r: r.started_s)
+        if run.fault.kind not in DATA_LOSS and not run.lost_data:
+            run.lost_data = True
+            run.note = (run.note + "; " if run.note else "") + "Redis lost data (API keys restored)"
+            log.warning("%s lost Redis data: the API keys were restored", run.fault)
+        run.restored_s = max(run.restored_s or 0.0, restored_s)
+
+    async def _watch_serving(self, run: FaultRun, promoted: asyncio.Event) -> None:
         """Fill ``run.serving_s``: per port, when the first probe of the last unbroken run of
         served ones came back (a probe that waits out the failover and is then served counts
-        at its answer), once the failover is done and three in a row were served. The watcher does
-        not hold the Redis target's lock, so the next Redis fault is not delayed by it (and
-        may, rarely, lengthen what it measures)."""
+        at its answer), once the new master is in place (``promoted``: the sentinels name it,
+        or the cluster serves every slot without the killed master) and three in a row were
+        served since. What follows the promotion (Sentinel demoting the old master some ten
+        seconds later, a killed Cluster master rejoining as a replica) holds the Redis
+        target's lock, so the next Redis fault waits for it and does not lengthen what this
+        measures. The watcher does not hold that lock itself."""
         body = {"model": MODEL, "messages": [{"role": "user", "content": "serving?"}], "max_tokens": 1}
         headers = {"Authorization": f"Bearer {self.system.api_keys[-1]}"}  # the priority tenant: queues least
 
         async def port(http: httpx.AsyncClient, number: int) -> None:
             run.serving_s[number] = None
+            seen = run.probes.setdefault(number, [])
             since, streak = None, 0
             while self.now_s() - run.started_s < SERVING_WAIT_S:
-                ok = False
-                with contextlib.suppress(httpx.HTTPError):
-                    ok = (await http.post(f"http://127.0.0.1:{number}/v1/chat/completions", json=body,
-                                          headers=headers)).status_code == 200
+                sent = self.now_s() - run.started_s
+                answer = await _probe(http, f"http://127.0.0.1:{number}/v1/chat/completions", body, headers)
+                ok = answer == "200"
+                if not seen or seen[-1][1] != answer:
+                    seen.append((round(sent, 2), answer))
                 at = self.now_s() - run.started_s
                 if not ok:
                     since, streak = None, 0
                 else:
                     since = at if since is None else since
-                    streak += done.is_set()
+                    streak += promoted.is_set()
                     if streak >= 3:
                         run.serving_s[number] = round(since, 2)
                         return
@@ -139,12 +207,14 @@ class Nemesis:
         elif kind == "redis_stop":
             await asyncio.to_thread(s.topology.stall, f.duration_s)
         elif kind in FAILOVERS:
-            done = asyncio.Event()
-            self._watchers.append(asyncio.create_task(self._watch_serving(run, done)))
+            promoted = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            self._watchers.append(asyncio.create_task(self._watch_serving(run, promoted)))
             try:
-                await asyncio.to_thread(s.topology.failover)
+                phases = await asyncio.to_thread(s.topology.failover, lambda: loop.call_soon_threadsafe(promoted.set))
+                run.note = ", ".join(f"{step} {seconds}" for step, seconds in phases.items())
             finally:
-                done.set()
+                promoted.set()
         elif kind in ("link_delay", "link_cut"):
             assert s.proxy is not None
             if kind == "link_delay":

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from sluice.nemesis.checker import AFTERMATH_S, Verdict
-from sluice.nemesis.faults import FaultRun
+from sluice.nemesis.faults import SERVING_WAIT_S, FaultRun
 from sluice.nemesis.history import Attempt, History
-from sluice.nemesis.schedule import KINDS
+from sluice.nemesis.schedule import GATEWAY_DOWN, KINDS
 from sluice.nemesis.workload import PATHS, RequestSpec
 
 OUTCOMES = ("exact", "explicit", "forbidden")
@@ -44,16 +44,46 @@ def totals(verdicts: list[Verdict]) -> dict[str, dict[str, int]]:
     return out
 
 
-def failover_serving(runs: list[FaultRun]) -> dict[str, Any]:
+def failover_serving(runs: list[FaultRun], ports: list[int]) -> dict[str, Any]:
     """Per Sentinel/Cluster failover, seconds from its start until every gateway port served
-    again (faults.py measures it); their median and maximum. None: a port never did in time."""
-    each = [{"kind": r.fault.kind, "at_s": round(r.started_s, 1), "ports": r.serving_s,
-             "all_s": None if None in r.serving_s.values() else max(r.serving_s.values(), default=None)}
-            for r in runs if r.serving_s]
-    done = sorted(e["all_s"] for e in each if e["all_s"] is not None)
-    return {"failovers": len(each), "served_again": len(done),
-            "median_s": statistics.median(done) if done else None, "max_s": done[-1] if done else None,
-            "each": each}
+    again (faults.py measures it); their median and maximum. None: a port never did in time
+    (in ``clean_s``: ``SERVING_WAIT_S``).
+
+    A port one of whose gateways was killed, stopped or cut from Redis before it served
+    again would not have served with any Redis: such ports are left out of ``clean_s``,
+    the failover's own figure (``median_s``, ``max_s``), and kept in ``all_s`` (``raw_*``).
+    ``ports[i]`` is gateway i's port (the link proxy is gateway 0's)."""
+    each = []
+    for r in runs:
+        if not r.serving_s:
+            continue
+        confounded = sorted({port for port, served in r.serving_s.items()
+                             if any(_gateway_down(g, ports, port, r.started_s, served) for g in runs)})
+        clean = [v for port, v in r.serving_s.items() if port not in confounded]
+        each.append({"kind": r.fault.kind, "at_s": round(r.started_s, 1), "ports": r.serving_s,
+                     "all_s": None if None in r.serving_s.values() else max(r.serving_s.values(), default=None),
+                     # a clean port that never served counts as the whole wait
+                     "clean_s": max((SERVING_WAIT_S if v is None else v for v in clean), default=None),
+                     "confounded_ports": confounded, "steps": r.note, "probes": r.probes})
+
+    def stats(field: str) -> tuple[float | None, float | None, int]:
+        done = sorted(e[field] for e in each if e[field] is not None)
+        return (statistics.median(done) if done else None), (done[-1] if done else None), len(done)
+
+    median, worst, clean = stats("clean_s")
+    raw_median, raw_worst, served = stats("all_s")
+    return {"failovers": len(each), "served_again": served, "median_s": median, "max_s": worst,
+            "measured_clean": clean, "raw_median_s": raw_median, "raw_max_s": raw_worst, "each": each}
+
+
+def _gateway_down(g: FaultRun, ports: list[int], port: int, since_s: float, served_s: float | None) -> bool:
+    """Whether fault ``g`` took a gateway on ``port`` down between ``since_s`` and the time
+    the port served again (``served_s`` after ``since_s``; None: the whole wait)."""
+    if g.fault.kind not in GATEWAY_DOWN:
+        return False
+    gateway = 0 if g.fault.target == "link" else int(g.fault.target.split("-")[1])
+    until = since_s + (SERVING_WAIT_S if served_s is None else served_s)
+    return ports[gateway] == port and g.started_s <= until and g.ended_s >= since_s
 
 
 def _attempt(a: Attempt) -> dict[str, Any]:

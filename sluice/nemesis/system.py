@@ -32,7 +32,7 @@ from sluice.commands.bench_stack import MODEL, LoggedChild, _child_env
 from sluice.embedded_redis import free_port
 from sluice.nemesis.proxy import LinkProxy
 from sluice.nemesis.topology import SingleRedis, make_topology
-from sluice.redis_pool import create_pool
+from sluice.redis_pool import RedisClient, create_pool
 
 #: Gateway settings of a nemesis run (see the module docstring for why each is short).
 GATEWAY_ENV = {
@@ -247,6 +247,19 @@ class System:
                 client.sadd(keys.API_KEYS, prefix)
         finally:
             client.close()
+
+    async def api_keys_lost(self, client: RedisClient) -> bool:
+        """Whether Redis lacks any of the run's API keys (it lost data)."""
+        for prefix in self._key_records:
+            if not await client.exists(keys.api_key(prefix)) or not await client.sismember(keys.API_KEYS, prefix):
+                return True
+        return False
+
+    async def write_keys(self, client: RedisClient) -> None:
+        """:meth:`restore_keys` through an async client."""
+        for prefix, record in self._key_records.items():
+            await client.hset(keys.api_key(prefix), mapping=record)  # type: ignore[arg-type]
+            await client.sadd(keys.API_KEYS, prefix)
 
     def redis_client(self) -> redis.Redis | redis.RedisCluster:
         return self.topology.client()

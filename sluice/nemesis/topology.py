@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from typing import Protocol, Self
 
 import redis
@@ -48,7 +49,9 @@ class Topology(Protocol):
     def stall(self, seconds: float) -> None:
         """SIGSTOP a master for ``seconds``, then SIGCONT."""
 
-    def failover(self) -> None: ...
+    def failover(self, promoted: Callable[[], None]) -> dict[str, float]:
+        """Fail over, calling ``promoted()`` once the new master serves; seconds from its
+        start to each of its steps."""
 
 
 class SingleRedis:
@@ -87,7 +90,7 @@ class SingleRedis:
     def stall(self, seconds: float) -> None:
         self.server.stall(seconds)
 
-    def failover(self) -> None:
+    def failover(self, promoted: Callable[[], None]) -> dict[str, float]:
         raise RuntimeError("a single Redis server has nothing to fail over to")
 
 
@@ -120,8 +123,9 @@ class SentinelRedis:
     def stall(self, seconds: float) -> None:
         self.deployment.stall_master(seconds)
 
-    def failover(self) -> None:
-        self.deployment.failover()
+    def failover(self, promoted: Callable[[], None]) -> dict[str, float]:
+        self.deployment.failover(promoted=promoted)
+        return dict(self.deployment.phases)
 
 
 class ClusterRedis:
@@ -158,8 +162,9 @@ class ClusterRedis:
     def stall(self, seconds: float) -> None:
         self.deployment.master(self._victim()).stall(seconds)
 
-    def failover(self) -> None:
-        self.deployment.failover(self._victim())
+    def failover(self, promoted: Callable[[], None]) -> dict[str, float]:
+        self.deployment.failover(self._victim(), promoted=promoted)
+        return dict(self.deployment.phases)
 
 
 def make_topology(name: str) -> SingleRedis | SentinelRedis | ClusterRedis:

@@ -3,6 +3,7 @@ losing its data, requests whose history cannot fit, one API key filling Redis.""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import threading
@@ -14,9 +15,12 @@ import orjson
 import pytest
 import redis
 
-from gateway.streams.idempotency import scoped
+from gateway.streams.idempotency import Idempotency, scoped
+from gateway.streams.journal import DONE, JournalCommitter, JournalWriter, start_producer
+from gateway.streams.journal_readers import JournalReaders
 from sluice import keys
 from sluice.embedded_redis import EmbeddedRedis
+from sluice.redis_pool import create_pool
 from tests.conftest import ROOT, wait_for
 from tests.gateway.test_resumable import _events, _text
 
@@ -198,3 +202,47 @@ def test_a_journal_event_costs_under_100_bytes_of_redis(start_worker, start_gate
     assert per_event < 100
     assert redis_client.exists(keys.journal_plan(scoped("-", key))) == 0  # a finished stream needs none
     assert redis_client.pttl(journal) <= 600_000  # kept journal_done_ttl_s once finished, not an hour
+
+
+async def test_a_stream_that_ends_while_redis_is_away_is_journaled_to_its_end(private_redis) -> None:
+    """Regression: after its generation ended, a producer tried to write the journal's last
+    events three times, a few milliseconds apart, then gave up: a resumable stream whose
+    generation ended while Redis was restarting or failing over (a Sentinel or Cluster
+    promotion takes 1-3 s) ended with "the stream's producer is gone" for its first client.
+    It keeps trying for as long as a failover takes."""
+    server = private_redis["server"]
+    client = await create_pool(server.url)
+    committer, idem = JournalCommitter(client), Idempotency(client, ttl_s=60)
+    readers = JournalReaders(client, poll_s=0.01, idle_s=0.2)
+    back: list[asyncio.Task[None]] = []
+
+    async def restart_in(seconds: float) -> None:
+        await asyncio.sleep(seconds)  # the outage: the server is away this long
+        await asyncio.to_thread(server.start)
+
+    async def events():
+        for i in range(1, 6):
+            yield b"data: %d\n\n" % i
+        await asyncio.to_thread(server.shutdown, save=True)  # Redis goes away as the generation ends
+        back.append(asyncio.create_task(restart_in(1.0)))
+        yield DONE
+
+    async def nothing() -> None:
+        return None
+
+    try:
+        key = uuid.uuid4().hex
+        assert await idem.claim(key, "fp", True, time.monotonic() + 10, "p") is None
+        assert await idem.promote(key, "p", "fp", 10, b"{}")
+        writer = JournalWriter(committer, key, ttl_s=60, owner="p")
+        first = writer.subscribe(readers.tail)
+        producer = await start_producer(writer, events(), nothing)
+        got = [event async for event in first.events()]
+        await producer
+        assert got == [b"id: %d\ndata: %d\n\n" % (i, i) for i in range(1, 6)] + [DONE]
+    finally:
+        await asyncio.gather(*back)
+        await readers.close()
+        await idem.close()
+        await committer.close()
+        await client.aclose()
