@@ -25,7 +25,7 @@ from gateway.record import RequestRecord
 from gateway.relay.rendering import Kind, json_response, sse_events
 from gateway.relay.sse import Keepalive, SSEResponse
 from gateway.relay.upstream import Dispatcher, Line, Upstream
-from gateway.streams.idempotency import Idempotency
+from gateway.streams.idempotency import Idempotency, wait_for_producer_s
 from gateway.streams.journal import (
     JournalCommitter,
     JournalWriter,
@@ -192,7 +192,7 @@ class Serving:
         writer = JournalWriter(
             self._committer, key, ttl_s=self._settings.idempotency_ttl_s, owner=owner,
             max_events=journal_events(req, self._settings, typed=kind == "responses"), head=chunks.head,
-            done_ttl_s=self._settings.journal_done_ttl_s, budget=budget, plan_bytes=len(raw_plan),
+            done_ttl_s=self._settings.journal_done_ttl_s, budget=budget, plan=raw_plan,
             fingerprint=ctx.fingerprint)
         first = writer.subscribe(self._readers.tail)
         ending = _Ending(lambda: _close(upstreams), lambda outcome: self._end_stream(upstreams, ctx.record, ctx, outcome),
@@ -248,7 +248,7 @@ class Serving:
             plan, state = found
             model = ChatCompletionRequest if plan.kind == "chat" else CompletionRequest
             req = model.model_validate_json(plan.body)
-            budget = await self._quota.open(key, plan.tenant, 0, taken_over=state.stored_bytes + state.plan_bytes,
+            budget = await self._quota.open(key, plan.tenant, 0, taken_over=state.stored_bytes + len(state.plan),
                                             hold_s=plan.deadline_unix - time.time() + self._settings.idempotency_ttl_s)
         except HistoryLost:  # never continued from a partial history; a retry runs again
             await self._idempotency.settle(key, owner, completed=False)
@@ -262,7 +262,7 @@ class Serving:
             self._committer, key, ttl_s=self._settings.idempotency_ttl_s, owner=owner,
             max_events=journal_events(req, self._settings), head=chunks.head,
             done_ttl_s=self._settings.journal_done_ttl_s, budget=budget, stored_bytes=state.stored_bytes,
-            plan_bytes=state.plan_bytes, fingerprint=plan.fingerprint)
+            plan=state.plan, fingerprint=plan.fingerprint)
         kind: Kind = "chat" if plan.kind == "chat" else "text"
         record = RequestRecord.begin(plan.request_id, self._metrics, Context(), "takeover")
         record.describe(req.model, req.n, plan.priority, None if plan.tenant == "-" else plan.tenant)
@@ -287,7 +287,7 @@ class Serving:
         ending = _Ending(lambda: _close(upstreams), lambda outcome: self._end_stream(upstreams, record, ctx, outcome),
                          record, owner)
         events = sse_events(kind, req, tap.lines(), record, ending.end, chunks, state.offsets)
-        writer.continue_after(state.last)
+        writer.continue_after(state.last, state.history)
         await self._start_producer(writer, events, tap, ending)
         return True
 
@@ -321,6 +321,9 @@ class Serving:
 
     async def reattach(self, key: str, after: int) -> Response:
         deadline = time.monotonic() + self._settings.queue_timeout_s + self._settings.ttft_timeout_s
+        # A client that holds events (``after``) of a stream Redis lost waits for its producer
+        # to write the journal again, if it runs, before being told there is none.
+        unknown_until = time.monotonic() + (wait_for_producer_s() if after else 0.0)
         while True:
             record = await self._idempotency.lookup(key)
             if (record is None or (record.get("state", "pending") == "pending" and not record["live"])) \
@@ -329,6 +332,9 @@ class Serving:
                 # the journal; its reader takes the stream over if its producer is gone.
                 break
             if record is None:
+                if time.monotonic() < unknown_until:
+                    await asyncio.sleep(0.05)
+                    continue
                 raise RouteNotFound(f"no resumable stream for Idempotency-Key {key!r}")
             if record.get("stream", "1") != "1":
                 raise Conflict("this Idempotency-Key belongs to a non-streaming request")

@@ -64,7 +64,9 @@ def test_a_resumable_stream_goes_on_when_redis_loses_its_data(private_redis, sta
                                                                loss: str) -> None:
     """Regression: Redis losing ``:live`` (FLUSHALL, a restart without persistence) was
     taken for a take-over and every resumable stream in flight ended with "producer is
-    gone", while plain streams went on."""
+    gone", while plain streams went on. And (nemesis seed 7: 187 of 1,740 resumable
+    streams) a client re-attaching from before the loss got ``stream_history_lost``: the
+    producer wrote on after the hole. It now writes the whole journal again first."""
     server = private_redis["server"]
     start_worker("lost", redis_at=server.url, sim_token_ms=20, sim_ttft_ms=0)
     gateway = start_gateway(redis_at=server.url)
@@ -79,12 +81,10 @@ def test_a_resumable_stream_goes_on_when_redis_loses_its_data(private_redis, sta
     assert [i for i, _ in events if i is not None] == list(range(1, 151))
     assert events[-1][1] == "[DONE]"
     assert _text(events) == reference
-    # The journal lost events 1..~30: a client re-attaching from before the loss is told so.
+    # Redis lost events 1..~30: a client re-attaching from before the loss gets the rest, exactly.
     with httpx.stream("GET", f"{gateway.url}/v1/streams/{key}", headers={"Last-Event-ID": "5"}, timeout=30) as r:
-        again = _events(r.iter_lines())
-    assert [d for _, d in again] == [again[0][1], "[DONE]"]
-    assert orjson.loads(again[0][1])["error"]["code"] == "stream_history_lost"
-    # One that saw event 140 gets the rest, exactly.
+        assert _events(r.iter_lines()) == events[5:]
+    # So does one that saw event 140.
     with httpx.stream("GET", f"{gateway.url}/v1/streams/{key}", headers={"Last-Event-ID": "140"}, timeout=30) as r:
         assert _events(r.iter_lines()) == events[140:]
 
