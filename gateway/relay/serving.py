@@ -151,6 +151,7 @@ class Serving:
                                            lambda: self._end_json(upstreams, ctx), shape)
         except BaseException:
             with anyio.CancelScope(shield=True):
+                record.served_nothing()  # no body reached the client (a cancelled one too)
                 await abandon()
             raise
         if ctx.idempotency_key is not None:
@@ -214,9 +215,12 @@ class Serving:
         async def settle() -> None:
             await asyncio.wait([producer])
             await ending.bill(writer.ended)
-            if producer.cancelled() or producer.exception() is not None:
-                # Lost to a take-over (JournalLost), or its journal failed (logged by the
-                # producer): the key stays with the journal, for whoever continues it.
+            if producer.cancelled() or producer.exception() is not None or not writer.ended:
+                # Lost to a take-over (JournalLost), or its journal failed or was cut short
+                # (Redis unreachable past the drain): the key, and the plan, stay with the
+                # journal, for a reader's take-over to continue (was: a generation that
+                # completed marked the key done over a journal without its end, and a
+                # re-attach got 404 "no longer kept").
                 return
             await self._idempotency.settle(writer.key, ending.owner, ending.completed)
 
@@ -335,6 +339,10 @@ class Serving:
                 if time.monotonic() < unknown_until:
                     await asyncio.sleep(0.05)
                     continue
+                if after:  # the client holds events of it: its history is what was lost
+                    raise HistoryLost(f"the stream this Last-Event-ID ({after}) belongs to is no longer known "
+                                      "(Redis lost it): it cannot be resumed; send the request without "
+                                      "Last-Event-ID to run it again")
                 raise RouteNotFound(f"no resumable stream for Idempotency-Key {key!r}")
             if record.get("stream", "1") != "1":
                 raise Conflict("this Idempotency-Key belongs to a non-streaming request")
@@ -415,7 +423,7 @@ class _Ending:
 
     async def bill(self, ended: bool) -> None:
         if not ended:
-            self._record.prompt_tokens = self._record.completion_tokens = self._record.cached_tokens = 0
+            self._record.served_nothing()
         await self._finish(self._outcome or "ok")
 
 

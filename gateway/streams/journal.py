@@ -64,6 +64,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError
 
 from gateway.streams.journal_history import JournalHistory
+from gateway.streams.journal_keeper import Finished, JournalKeeper
 from gateway.surfaces.openai import CHOICE_START, PLAIN_END
 from sluice import keys
 from sluice.errors import InvalidRequest, SluiceError, UpstreamFailed, error_event
@@ -75,6 +76,10 @@ DONE = b"data: [DONE]\n\n"
 LIVE_TTL_MS = 3000
 #: Refresh ``:live`` at least this often, even through long silences (a migration).
 _LIVE_REFRESH_S = 0.5
+#: How long a producer whose generation ended retries the journal writes it still owes
+#: while Redis is down or stalled (its events wait in memory, within the journal's bounds).
+DRAIN_S = 30.0
+_RETRY_S = 0.1
 
 #: Reads a journal from after event N on: ``JournalReaders.tail``.
 CatchUp = Callable[[str, int], AsyncIterator[bytes]]
@@ -276,6 +281,7 @@ class Budget(Protocol):
 
     reserved: int
 
+    async def reserve(self, more: int, *, new: bool = False) -> SluiceError | None: ...
     async def grow(self, used: int) -> bool: ...
     def refusal(self) -> SluiceError: ...
     async def settle(self, used: int, hold_ms: int) -> None: ...
@@ -408,6 +414,10 @@ class JournalWriter:
                     kept = self.stored_bytes - self._plan_bytes if self._ended else self.stored_bytes  # plan dropped
                     with contextlib.suppress(RedisError, OSError):
                         await self._budget.settle(kept, self._done_ttl_ms if self._ended else self._ttl_ms)
+                if self._ended:  # its events stay here a while, should Redis lose them (journal_keeper.py)
+                    self._committer.keeper.keep(Finished(
+                        self.key, self._owner, self._fingerprint, self._head, self._history, self._done_ttl_ms,
+                        self._budget, self.stored_bytes - self._plan_bytes))
             if self._first is not None:
                 self._first.end()
 
@@ -426,11 +436,19 @@ class JournalWriter:
             self._progress.clear()
             await self._progress.wait()
 
-    async def _drain(self, attempts: int = 3) -> None:
-        """Write what is left; after a few failed attempts the journal just ends early."""
-        for _ in range(attempts):
-            if not self.dirty or isinstance(self._failure, JournalLost) or not self._committer.alive():
+    async def _drain(self) -> None:
+        """Write what is left, retrying while Redis is down or stalled for up to ``DRAIN_S``
+        (a generation often ends within one Redis outage: giving up after a few attempts
+        ended its stream without ``[DONE]``, though Redis was back a second later). Past
+        that the journal ends early, and a reader's take-over continues it from what it holds."""
+        until = time.monotonic() + DRAIN_S
+        while self.dirty and not isinstance(self._failure, JournalLost) and self._committer.alive():
+            if time.monotonic() > until:
+                log.warning("journal %s: Redis unreachable for %.0f s; %d event(s) not written", self.key,
+                            DRAIN_S, len(self._pending))
                 return
+            if self._failure is not None:
+                await asyncio.sleep(_RETRY_S)  # Redis is down: do not spin
             self._progress.clear()
             self._committer.schedule(self)
             await self._progress.wait()
@@ -535,6 +553,8 @@ class JournalCommitter:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.rounds = 0
+        #: Finished journals' events, written back should Redis lose them.
+        self.keeper = JournalKeeper(redis)
 
     def __repr__(self) -> str:
         return f"<JournalCommitter streams={len(self._followed)} rounds={self.rounds}>"
@@ -560,6 +580,7 @@ class JournalCommitter:
         return self._task is not None and not self._task.done()
 
     async def close(self) -> None:
+        await self.keeper.close()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

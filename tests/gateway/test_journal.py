@@ -411,3 +411,27 @@ async def test_the_committer_survives_an_exception_object_in_a_result(
     await writer.run(_events(50), _nothing)
     assert failed_rounds
     assert [event async for event in readers.tail(key, 0)] == _expected(50)
+
+
+async def test_a_finished_journal_redis_lost_is_written_back_by_its_producer(
+    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter, idem: Idempotency
+) -> None:
+    """Regression (nemesis seed 7): a client that came back after its stream had ended, and
+    Redis had lost the journal meanwhile, got ``stream_history_lost``: no producer was left
+    to write it again. Its gateway keeps a finished stream's events a while and writes them
+    back, with the key's record, when the registry's epoch says Redis lost its data."""
+    key = uuid.uuid4().hex
+    assert await _claim(idem, key, "t")
+    writer = JournalWriter(committer, key, ttl_s=60, owner="t", fingerprint="fp", head=b"data: {\"id\":1")
+    await (await start_producer(writer, _events(50), _nothing))
+    await redis.delete(stream_key(key), keys.idempotency(key), keys.journal_head(key))
+    await committer.keeper.restore_all()  # what a new epoch makes it do
+    assert await redis.xlen(stream_key(key)) == 51
+    assert await redis.hget(keys.idempotency(key), "state") == b"done"
+    assert [event async for event in readers.tail(key, 5)] == _expected(50, 5)
+    # A key claimed again since is left alone.
+    await redis.delete(stream_key(key))
+    await redis.set(live_key(key), "someone else", px=5_000)
+    await committer.keeper.restore_all()
+    assert await redis.exists(stream_key(key)) == 0
+    await redis.delete(live_key(key), keys.idempotency(key), keys.journal_head(key))
