@@ -554,13 +554,14 @@ class JournalCommitter:
         self._task: asyncio.Task[None] | None = None
         self.rounds = 0
         #: Finished journals' events, written back should Redis lose them.
-        self.keeper = JournalKeeper(redis)
+        self.keeper = JournalKeeper(redis, lambda: bool(self._followed))
 
     def __repr__(self) -> str:
         return f"<JournalCommitter streams={len(self._followed)} rounds={self.rounds}>"
 
     def follow(self, writer: JournalWriter) -> None:
         self._followed.add(writer)
+        self.keeper.watch()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="journal-committer")
 

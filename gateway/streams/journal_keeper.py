@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -43,6 +44,8 @@ log = logging.getLogger("sluice.journal")
 KEEP_S = 60.0
 #: How often the keeper reads the registry's epoch.
 CHECK_S = 1.0
+#: The epoch before the first read.
+_UNSEEN = b"\0unseen"
 
 #: Write a finished journal back, if Redis lost it (or its end) and nobody claimed the key
 #: since (no ``:live``; no record, or one this producer owns). KEYS: stream, head, record,
@@ -99,13 +102,15 @@ class Finished:
 class JournalKeeper:
     """The finished journals of one gateway process (see the module)."""
 
-    def __init__(self, redis: Redis, *, keep_s: float = KEEP_S, check_s: float = CHECK_S) -> None:
+    def __init__(self, redis: Redis, busy: Callable[[], bool] = lambda: False, *, keep_s: float = KEEP_S,
+                 check_s: float = CHECK_S) -> None:
         self._redis = redis
+        self._busy = busy  # whether streams are being produced: watch the epoch from their start
         self._restore = redis.register_script(RESTORE)
         self._keep_s = keep_s
         self._check_s = check_s
         self._kept: dict[str, Finished] = {}
-        self._epoch: bytes | None = None
+        self._epoch: bytes | None = _UNSEEN
         self._task: asyncio.Task[None] | None = None
         self.restored = 0
 
@@ -116,6 +121,11 @@ class JournalKeeper:
         if min(self._keep_s * 1000, finished.ttl_ms()) <= 0:
             return
         self._kept[finished.scope] = finished
+        self.watch()
+
+    def watch(self) -> None:
+        """Watch the epoch while streams are produced or kept (a loss right after a stream
+        ended must find the epoch it was produced in already read)."""
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="journal-keeper")
 
@@ -127,17 +137,18 @@ class JournalKeeper:
                 await self._task
 
     async def _run(self) -> None:
-        while self._kept:
+        while self._kept or self._busy():
             try:
                 epoch = await self._redis.hget(keys.EPOCH, "id")
             except (RedisError, OSError):
                 epoch = self._epoch  # Redis is away: look again once it is back
-            else:
-                if epoch != self._epoch and self._epoch is not None:
-                    await self.restore_all()
-                self._epoch = epoch
+            # A new epoch, or none (the registry is gone): Redis lost its data.
+            if epoch != self._epoch and (self._epoch is not _UNSEEN or epoch is None):
+                await self.restore_all()
+            self._epoch = epoch
             await asyncio.sleep(self._check_s)
             self._expire()
+        self._epoch = _UNSEEN  # not watched from here on
 
     def _expire(self) -> None:
         now = time.monotonic()
