@@ -44,8 +44,9 @@ and the stream's plan, in one script: a reader sees the journal as it was before
 or whole again, never a gap and never a partial history a take-over could continue from.
 The first client, fed by the producer, goes on as if nothing happened; a client that
 re-attaches from before the loss gets exactly the rest. A journal Redis loses after its
-stream ended has no producer left to write it again: a re-attach from before the loss then
-gets the in-band ``stream_history_lost`` error. ``:live`` missing while the journal already
+stream ended is written back by the gateway that produced it, for ``KEEP_S`` after the end
+(gateway/streams/journal_keeper.py); past that, or if that gateway died too, a re-attach
+from before the loss gets the in-band ``stream_history_lost`` error. ``:live`` missing while the journal already
 holds events past this producer's means someone else took the stream over and ended it:
 that is :class:`JournalLost`, as is ``:live`` held by another gateway.
 """
