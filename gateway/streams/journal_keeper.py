@@ -7,7 +7,10 @@ the client's ``Last-Event-ID`` gets ``stream_history_lost``. The producing gatew
 therefore keeps each finished stream's events (gateway/streams/journal_history.py) for
 ``KEEP_S`` after its end, and watches the registry's epoch (``sl:epoch``: a new id means
 Redis lost its data, sluice/directory.py) once a second, one command for all of them. On a
-new epoch it writes every kept journal back (``RESTORE``), with its ``:head``, its
+new epoch, or when Redis is back after being unreachable (a restart from a snapshot can
+lose a stream's last events, and with them its end, and keep the epoch: a reader's
+take-over then generated the tail again and the stream was billed twice), it writes
+every kept journal back (``RESTORE``, which fills only what is missing), with its ``:head``, its
 Idempotency-Key's record (``done``) and what is left of its TTL, unless the key was claimed
 again meanwhile.
 
@@ -137,14 +140,20 @@ class JournalKeeper:
                 await self._task
 
     async def _run(self) -> None:
+        away = False
         while self._kept or self._busy():
             try:
                 epoch = await self._redis.hget(keys.EPOCH, "id")
             except (RedisError, OSError):
-                epoch = self._epoch  # Redis is away: look again once it is back
-            # A new epoch, or none (the registry is gone): Redis lost its data.
-            if epoch != self._epoch and (self._epoch is not _UNSEEN or epoch is None):
+                away = True  # Redis is away: look again once it is back
+                await asyncio.sleep(self._check_s)
+                continue
+            # A new epoch, or none (the registry is gone): Redis lost its data. Back after
+            # being away: a restart from a snapshot may have lost the last writes (a
+            # journal's end) with the epoch kept; writing back only fills what is missing.
+            if away or (epoch != self._epoch and (self._epoch is not _UNSEEN or epoch is None)):
                 await self.restore_all()
+            away = False
             self._epoch = epoch
             await asyncio.sleep(self._check_s)
             self._expire()
