@@ -220,6 +220,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 req, ctx, shape = await admitted(request, model, record)
                 response = await svc(request).serving.serve(req, ctx, shape)
             except BaseException as exc:
+                record.served_nothing()  # an error answers it: none of its tokens reached the client
                 record.finish(as_sluice_error(exc))
                 raise
             if frames is not None and isinstance(response, SSEResponse):

@@ -2,6 +2,19 @@
 
 Created when the request arrives, finished exactly once when it ends (success,
 error, or client gone), wherever that happens.
+
+Billing: the record's usage, in the access log line and in the settlement of the API
+key's TPM charge, is what this attempt *served*, each generation once:
+
+- a stream bills every token it sent its client, also when it then ended with an error
+  (as OpenAI bills the delivered tokens of a failed stream); a resumable stream bills its
+  journal, once, by the gateway that ends it (gateway/relay/serving.py, ``_Ending``); a
+  re-attach bills nothing;
+- a non-streaming request bills its body; one answered with an error served nothing and
+  bills nothing (:meth:`RequestRecord.served_nothing`), whatever it generated first;
+- so a client's retry after a failed attempt is billed its own answer, and the failed
+  attempt what it delivered (nemesis seed 7: 20 non-streaming requests were billed the
+  tokens of a 502/503 attempt their client never got).
 """
 
 from __future__ import annotations
@@ -125,6 +138,11 @@ class RequestRecord:
 
     def usage(self) -> dict[str, object]:
         return usage_dict(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+    def served_nothing(self) -> None:
+        """No token of this attempt reached its client (an error answered it, or another
+        gateway bills its stream): it bills none (see the module's billing rule)."""
+        self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
 
     def finish(self, status: str | SluiceError = "ok") -> None:
         """Log, count and close the span; only the first call counts."""

@@ -8,6 +8,8 @@ ones, read to their end at once. After each phase it prints the gateway's RSS (a
 the streams, its peak), Redis's ``used_memory`` and its key count, and what the requests got.
 
     .venv/bin/python loadtest/client_growth.py            # ~20 s
+    .venv/bin/python loadtest/client_growth.py --streams-only --huge 8 --tenant-max-mib 8
+                                                          # one API key past its journal bound
 """
 
 from __future__ import annotations
@@ -32,20 +34,32 @@ def main() -> None:
     parser.add_argument("--big", type=int, default=30, help="requests with a 1 MB model name")
     parser.add_argument("--invented", type=int, default=200, help="requests naming invented models")
     parser.add_argument("--huge", type=int, default=4, help="concurrent n=16 x 1,300-token streams, per kind")
+    parser.add_argument("--tenant-max-mib", type=float, default=None,
+                        help="SLUICE_GATEWAY_JOURNAL_TENANT_MAX_BYTES, in MiB (default: the gateway's)")
+    parser.add_argument("--streams-only", action="store_true", help="only the long streams' phases")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as logs, Stack(StackShape(gateways=1, workers=1), Path(logs)) as stack:
+    env = {} if args.tenant_max_mib is None else \
+        {"SLUICE_GATEWAY_JOURNAL_TENANT_MAX_BYTES": str(int(args.tenant_max_mib * 2**20))}
+    shape = StackShape(gateways=1, workers=1, gateway_env=env)
+    with tempfile.TemporaryDirectory() as logs, Stack(shape, Path(logs)) as stack:
         client = sync_client(stack.redis_url)
         url = stack.gateway_urls[0]
         pid = stack.gateways[0].pid
         http = httpx.Client(timeout=120)
         assert http.post(url + "/v1/completions", json={"model": "sim", "prompt": "warm", "max_tokens": 2}).status_code == 200
 
-        def report(phase: str, statuses: collections.Counter[int]) -> None:
+        def report(phase: str, statuses: collections.Counter[int | str]) -> None:
             memory = client.info("memory")["used_memory"] / 2**20
             print(f"{phase:<34} gateway RSS {rss_mb(pid):7.1f} MB   Redis {memory:6.1f} MB, "
                   f"{client.dbsize():4d} keys   statuses {dict(statuses)}")
 
         report("after start and one request", collections.Counter())
+        for resumable in (True, False) if args.streams_only else ():
+            peak, statuses = huge_streams(url, pid, args.huge, resumable)
+            kind = "resumable" if resumable else "plain"
+            report(f"{args.huge} x n=16 x 1,300 {kind} (peak RSS {peak:.0f} MB)", statuses)
+        if args.streams_only:
+            return
         big = "m" * 2**20
         statuses = collections.Counter(
             http.post(url + "/v1/completions", json={"model": f"{big}{i}", "prompt": "x", "max_tokens": 2}).status_code
@@ -66,21 +80,23 @@ def main() -> None:
         client.close()
 
 
-def huge_streams(url: str, pid: int, count: int, resumable: bool) -> tuple[float, collections.Counter[int]]:
+def huge_streams(url: str, pid: int, count: int, resumable: bool) -> tuple[float, collections.Counter[int | str]]:
     """``count`` concurrent n=16 x 1,300-token streams read to their end; the gateway's
     peak RSS meanwhile, and the statuses."""
     import threading
 
     body = {"model": "sim", "prompt": "long", "n": 16, "max_tokens": 1300, "ignore_eos": True, "stream": True}
-    statuses: collections.Counter[int] = collections.Counter()
+    statuses: collections.Counter[int | str] = collections.Counter()
     peak = [rss_mb(pid)]
 
     def one(i: int) -> None:
         headers = {"Idempotency-Key": f"huge-{i}-{threading.get_ident()}"} if resumable else {}
         with httpx.Client(timeout=600) as c, c.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
-            for _ in r.iter_raw():
-                pass
-            statuses[r.status_code] += 1
+            cut = False
+            for raw in r.iter_raw():
+                cut = cut or b"journal_memory_exceeded" in raw
+            statuses["200, ended in-band: journal_memory_exceeded" if cut and r.status_code == 200
+                     else r.status_code] += 1
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
     for t in threads:

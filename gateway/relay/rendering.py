@@ -122,9 +122,11 @@ async def json_response(
     try:
         await _unless_disconnected(gather(), disconnected)
     except SluiceError as exc:
+        record.served_nothing()  # the client gets an error, none of the tokens generated
         record.finish(exc)
         raise
     except Exception as exc:
+        record.served_nothing()
         record.finish(as_sluice_error(exc))
         raise
     finally:

@@ -25,7 +25,7 @@ from gateway.record import RequestRecord
 from gateway.relay.rendering import TYPED, Kind, json_response, sse_events
 from gateway.relay.sse import Keepalive, SSEResponse
 from gateway.relay.upstream import Dispatcher, Line, Upstream
-from gateway.streams.idempotency import Idempotency
+from gateway.streams.idempotency import Idempotency, wait_for_producer_s
 from gateway.streams.journal import (
     JournalCommitter,
     JournalWriter,
@@ -151,6 +151,7 @@ class Serving:
                                            lambda: self._end_json(upstreams, ctx), shape)
         except BaseException:
             with anyio.CancelScope(shield=True):
+                record.served_nothing()  # no body reached the client (a cancelled one too)
                 await abandon()
             raise
         if ctx.idempotency_key is not None:
@@ -192,7 +193,7 @@ class Serving:
         writer = JournalWriter(
             self._committer, key, ttl_s=self._settings.idempotency_ttl_s, owner=owner,
             max_events=journal_events(req, self._settings, typed=kind in TYPED), head=chunks.head,
-            done_ttl_s=self._settings.journal_done_ttl_s, budget=budget, plan_bytes=len(raw_plan),
+            done_ttl_s=self._settings.journal_done_ttl_s, budget=budget, plan=raw_plan,
             fingerprint=ctx.fingerprint)
         first = writer.subscribe(self._readers.tail)
         ending = _Ending(lambda: _close(upstreams), lambda outcome: self._end_stream(upstreams, ctx.record, ctx, outcome),
@@ -214,9 +215,12 @@ class Serving:
         async def settle() -> None:
             await asyncio.wait([producer])
             await ending.bill(writer.ended)
-            if producer.cancelled() or producer.exception() is not None:
-                # Lost to a take-over (JournalLost), or its journal failed (logged by the
-                # producer): the key stays with the journal, for whoever continues it.
+            if producer.cancelled() or producer.exception() is not None or not writer.ended:
+                # Lost to a take-over (JournalLost), or its journal failed or was cut short
+                # (Redis unreachable past the drain): the key, and the plan, stay with the
+                # journal, for a reader's take-over to continue (was: a generation that
+                # completed marked the key done over a journal without its end, and a
+                # re-attach got 404 "no longer kept").
                 return
             await self._idempotency.settle(writer.key, ending.owner, ending.completed)
 
@@ -248,7 +252,7 @@ class Serving:
             plan, state = found
             model = ChatCompletionRequest if plan.kind == "chat" else CompletionRequest
             req = model.model_validate_json(plan.body)
-            budget = await self._quota.open(key, plan.tenant, 0, taken_over=state.stored_bytes + state.plan_bytes,
+            budget = await self._quota.open(key, plan.tenant, 0, taken_over=state.stored_bytes + len(state.plan),
                                             hold_s=plan.deadline_unix - time.time() + self._settings.idempotency_ttl_s)
         except HistoryLost:  # never continued from a partial history; a retry runs again
             await self._idempotency.settle(key, owner, completed=False)
@@ -262,7 +266,7 @@ class Serving:
             self._committer, key, ttl_s=self._settings.idempotency_ttl_s, owner=owner,
             max_events=journal_events(req, self._settings), head=chunks.head,
             done_ttl_s=self._settings.journal_done_ttl_s, budget=budget, stored_bytes=state.stored_bytes,
-            plan_bytes=state.plan_bytes, fingerprint=plan.fingerprint)
+            plan=state.plan, fingerprint=plan.fingerprint)
         kind: Kind = "chat" if plan.kind == "chat" else "text"
         record = RequestRecord.begin(plan.request_id, self._metrics, Context(), "takeover")
         record.describe(req.model, req.n, plan.priority, None if plan.tenant == "-" else plan.tenant)
@@ -287,7 +291,7 @@ class Serving:
         ending = _Ending(lambda: _close(upstreams), lambda outcome: self._end_stream(upstreams, record, ctx, outcome),
                          record, owner)
         events = sse_events(kind, req, tap.lines(), record, ending.end, chunks, state.offsets)
-        writer.continue_after(state.last)
+        writer.continue_after(state.last, state.history)
         await self._start_producer(writer, events, tap, ending)
         return True
 
@@ -321,6 +325,9 @@ class Serving:
 
     async def reattach(self, key: str, after: int) -> Response:
         deadline = time.monotonic() + self._settings.queue_timeout_s + self._settings.ttft_timeout_s
+        # A client that holds events (``after``) of a stream Redis lost waits for its producer
+        # to write the journal again, if it runs, before being told there is none.
+        unknown_until = time.monotonic() + (wait_for_producer_s() if after else 0.0)
         while True:
             record = await self._idempotency.lookup(key)
             if (record is None or (record.get("state", "pending") == "pending" and not record["live"])) \
@@ -329,6 +336,13 @@ class Serving:
                 # the journal; its reader takes the stream over if its producer is gone.
                 break
             if record is None:
+                if time.monotonic() < unknown_until:
+                    await asyncio.sleep(0.05)
+                    continue
+                if after:  # the client holds events of it: its history is what was lost
+                    raise HistoryLost(f"the stream this Last-Event-ID ({after}) belongs to is no longer known "
+                                      "(Redis lost it): it cannot be resumed; send the request without "
+                                      "Last-Event-ID to run it again")
                 raise RouteNotFound(f"no resumable stream for Idempotency-Key {key!r}")
             if record.get("stream", "1") != "1":
                 raise Conflict("this Idempotency-Key belongs to a non-streaming request")
@@ -405,7 +419,7 @@ class _Ending:
 
     async def bill(self, ended: bool) -> None:
         if not ended:
-            self._record.prompt_tokens = self._record.completion_tokens = self._record.cached_tokens = 0
+            self._record.served_nothing()
         await self._finish(self._outcome or "ok")
 
 

@@ -380,7 +380,7 @@ class Dispatcher:
                 return upstream
             except _Retryable as exc:
                 reason = str(exc)
-                if exc.lost and not ctx.lost_a_worker():
+                if exc.lost and not ctx.lost_a_worker(lease.worker_id):
                     log.error("request %s: worker %s died too; not retrying a probable query of death",
                               ctx.request_id, lease.worker_id)
                     raise query_of_death() from None

@@ -140,6 +140,13 @@ return 1
 """
 
 
+def wait_for_producer_s() -> float:
+    """How long a caller that holds events of a stream Redis lost waits for its producer to
+    write the journal again (gateway/streams/journal.py): a running producer refreshes
+    ``:live`` far more often than it expires."""
+    return LIVE_TTL_MS / 1000
+
+
 def scoped(owner: str, key: str) -> str:
     """The name a client's Idempotency-Key gets in Redis: private to its API key.
 
@@ -193,6 +200,7 @@ class Idempotency:
         holds events never starts a new generation (``stream_history_lost`` instead)."""
         names = [keys.idempotency(key), keys.journal(key), keys.journal_plan(key), keys.journal_live(key),
                  keys.journal_head(key)]
+        lost_until: float | None = None
         while True:
             ttl_ms = self._ttl_ms + int(max(0.0, deadline - time.monotonic()) * 1000)
             found = await self._claim(keys=names, args=[owner, fp, int(stream), ttl_ms, LIVE_TTL_MS, after, DONE])
@@ -201,6 +209,12 @@ class Idempotency:
                 return None
             stored_fp, state, stored_stream = (_text(v) for v in found)
             if state == "lost":
+                # Redis lost the stream: a producer that still runs re-claims it, and writes
+                # its journal again, within ``:live``'s refresh period; give it that long.
+                lost_until = lost_until or time.monotonic() + wait_for_producer_s()
+                if time.monotonic() < min(lost_until, deadline):
+                    await asyncio.sleep(_WAIT_S)
+                    continue
                 raise UpstreamFailed(
                     f"the stream this Last-Event-ID ({after}) belongs to is no longer known (Redis lost it, or it "
                     "failed): it cannot be resumed; send the request without Last-Event-ID to run it again",

@@ -35,14 +35,20 @@ Never a silent gap:
 
 When Redis loses its data (a restart without persistence, a failover that lost the
 latest writes, FLUSHALL), ``:live`` is missing rather than held by someone else: the
-producer still has its generation, so ``APPEND`` re-claims ``:live`` (and restores the
-Idempotency-Key's record, see gateway/streams/idempotency.py) and writes on with the next event
-number. The first client, fed by the producer, goes on as if
-nothing happened. The journal now starts at that number (or has a hole where the lost
-writes were), so a client that re-attaches from before it gets the in-band error, and
-no gateway takes the stream over from it. ``:live`` missing while the journal already
-holds events past this producer's means someone else took the stream over and ended
-it: that is :class:`JournalLost`, as is ``:live`` held by another gateway.
+producer still has its generation, and a copy of every event it journaled
+(gateway/streams/journal_history.py, within the journal's own byte quota). ``APPEND`` finds
+the journal short of the events before the batch: it re-claims ``:live`` (and restores the
+Idempotency-Key's record, see gateway/streams/idempotency.py) and writes nothing; the
+producer's next call puts the missing events back, with the same ids, then its new ones,
+and the stream's plan, in one script: a reader sees the journal as it was before the loss
+or whole again, never a gap and never a partial history a take-over could continue from.
+The first client, fed by the producer, goes on as if nothing happened; a client that
+re-attaches from before the loss gets exactly the rest. A journal Redis loses after its
+stream ended is written back by the gateway that produced it, for ``KEEP_S`` after the end
+(gateway/streams/journal_keeper.py); past that, or if that gateway died too, a re-attach
+from before the loss gets the in-band ``stream_history_lost`` error. ``:live`` missing while the journal already
+holds events past this producer's means someone else took the stream over and ended it:
+that is :class:`JournalLost`, as is ``:live`` held by another gateway.
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError
 
+from gateway.streams.journal_history import JournalHistory
+from gateway.streams.journal_keeper import Finished, JournalKeeper
 from gateway.surfaces.openai import CHOICE_START, PLAIN_END
 from sluice import keys
 from sluice.errors import InvalidRequest, SluiceError, UpstreamFailed, error_event
@@ -69,11 +77,10 @@ DONE = b"data: [DONE]\n\n"
 LIVE_TTL_MS = 3000
 #: Refresh ``:live`` at least this often, even through long silences (a migration).
 _LIVE_REFRESH_S = 0.5
-#: How long a producer whose generation ended keeps trying to write the journal's last
-#: events while Redis is away: longer than a restart or a Sentinel/Cluster failover (1-3 s
-#: with the settings in sluice/failover.py; the issue allows 10 s), shorter than a client's
-#: patience. Past it the stream ends without them.
-DRAIN_S = 10.0
+#: How long a producer whose generation ended retries the journal writes it still owes
+#: while Redis is down or stalled (its events wait in memory, within the journal's bounds).
+DRAIN_S = 30.0
+_RETRY_S = 0.1
 #: Pause after a round whose writes failed: Redis is down or far, do not spin.
 _FAILED_ROUND_PAUSE_S = 0.05
 
@@ -201,14 +208,17 @@ class FirstReader:
 #: take-over (Redis lost it, or it expired and nobody took over): unless the journal
 #: holds events past this producer's, re-claim it and write on. The Idempotency-Key's
 #: record, if Redis lost it, is restored the same way (this producer owns the key), so a
-#: retry or a re-attach finds the one generation. Entries up to the journal's last are
-#: skipped (a write retried after its reply was lost). The plan lives as long as the
-#: journal (a stream running close to the TTL must stay continuable), and goes with the
-#: last event.
+#: retry or a re-attach finds the one generation. A journal that lacks events before the
+#: batch (Redis lost them) gets nothing appended: the producer is told to send them all
+#: again first (status 3), so readers never see events after a hole. Entries up to the
+#: journal's last are skipped (a write retried after its reply was lost). The plan lives
+#: as long as the journal (a stream running close to the TTL must stay continuable), is
+#: written again with a batch that re-writes a lost journal, and goes with the last event.
 #: KEYS: stream, live, head, plan, record. ARGV: owner, stream ttl ms, live ttl ms, number
 #: of the first event, head, "1" when the batch ends the stream, the request's fingerprint
-#: ("": no record to restore), then (data, state) per event.
-#: Returns {1 written | 2 written, but Redis had lost some of it | 0 lost, last}.
+#: ("": no record to restore), the plan ("": none to restore), then (data, state) per event.
+#: Returns {1 written | 2 written, but Redis had lost :live or the record | 3 nothing
+#: written: send events last + 1.. first | 0 lost, last}.
 APPEND = """
 local owner = redis.call('GET', KEYS[2])
 local first = tonumber(ARGV[4])
@@ -221,23 +231,35 @@ if owner == false then
   status = 2
 elseif owner ~= ARGV[1] then
   return {0, last}
-elseif last < first - 1 then
-  status = 2
+end
+local function restore_record()
+  if ARGV[7] ~= '' and redis.call('EXISTS', KEYS[5]) == 0 then
+    redis.call('HSET', KEYS[5], 'fp', ARGV[7], 'stream', '1', 'state', 'streaming', 'owner', ARGV[1])
+    redis.call('PEXPIRE', KEYS[5], ARGV[2])
+    status = 2
+  end
+end
+if last < first - 1 then
+  redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
+  restore_record()
+  return {3, last}
 end
 local n = first
-for i = 8, #ARGV, 2 do
+for i = 9, #ARGV, 2 do
   if n > last then redis.call('XADD', KEYS[1], '0-' .. n, 'd', ARGV[i], 's', ARGV[i + 1]) end
   n = n + 1
 end
 if ARGV[5] ~= '' then redis.call('SET', KEYS[3], ARGV[5], 'PX', ARGV[2]) end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-if ARGV[6] == '1' then redis.call('DEL', KEYS[4]) else redis.call('PEXPIRE', KEYS[4], ARGV[2]) end
-redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
-if ARGV[7] ~= '' and redis.call('EXISTS', KEYS[5]) == 0 then
-  redis.call('HSET', KEYS[5], 'fp', ARGV[7], 'stream', '1', 'state', 'streaming', 'owner', ARGV[1])
-  redis.call('PEXPIRE', KEYS[5], ARGV[2])
-  status = 2
+if ARGV[6] == '1' then
+  redis.call('DEL', KEYS[4])
+elseif ARGV[8] ~= '' then
+  redis.call('SET', KEYS[4], ARGV[8], 'PX', ARGV[2])
+else
+  redis.call('PEXPIRE', KEYS[4], ARGV[2])
 end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
+restore_record()
 return {status, last}
 """
 
@@ -262,6 +284,7 @@ class Budget(Protocol):
 
     reserved: int
 
+    async def reserve(self, more: int, *, new: bool = False) -> SluiceError | None: ...
     async def grow(self, used: int) -> bool: ...
     def refusal(self) -> SluiceError: ...
     async def settle(self, used: int, hold_ms: int) -> None: ...
@@ -279,7 +302,11 @@ class JournalWriter:
 
     ``max_events`` bounds the stream's events (its error and ``[DONE]`` aside); ``budget``
     its bytes; ``head`` is what every chunk starts with (stored once, in ``:head``);
-    ``fingerprint`` the request's, to restore its Idempotency-Key record should Redis lose it.
+    ``fingerprint`` the request's, to restore its Idempotency-Key record should Redis lose it,
+    and ``plan`` its plan (gateway/streams/takeover.py), to restore that with the journal.
+    The writer keeps a copy of every event it journaled (:class:`JournalHistory`, as many
+    bytes as the journal's quota counts for them) and writes the journal again whole when
+    Redis lost it.
     The stream is claimed first, and its plan stored, by its key (gateway/streams/idempotency.py).
 
     >>> await idempotency.promote(scope, token, fp, remaining_s, plan)  # this gateway produces it now
@@ -292,7 +319,7 @@ class JournalWriter:
     def __init__(self, committer: JournalCommitter, key: str, *, ttl_s: float, owner: str,
                  max_events: int = 131_072, max_pending: int = 4096, head: bytes = b"",
                  done_ttl_s: float | None = None, budget: Budget | None = None, stored_bytes: int = 0,
-                 plan_bytes: int = 0, fingerprint: str = "") -> None:
+                 plan: bytes = b"", fingerprint: str = "") -> None:
         self._committer = committer
         self.key = key
         self._owner = owner
@@ -305,8 +332,13 @@ class JournalWriter:
         self._budget = budget
         #: Bytes this stream keeps in Redis: its plan (until it ends) and journal entries (a
         #: taken-over stream's earlier ones included).
-        self.stored_bytes = stored_bytes + plan_bytes
-        self._plan_bytes = plan_bytes
+        self.stored_bytes = stored_bytes + len(plan)
+        self._plan = plan
+        self._plan_bytes = len(plan)
+        #: Every event journaled so far (1.._written), to write them again if Redis loses them.
+        self._history = JournalHistory()
+        #: Redis lost the journal's events from this one on: the next batch sends them again.
+        self._rewrite_from: int | None = None
         self._pending: list[tuple[bytes, bytes, bytes]] = []  # (event, stored, state): _written+1 .. _produced
         self._in_flight = 0  # events of _pending being written now
         self._written = 0
@@ -326,11 +358,15 @@ class JournalWriter:
         with contextlib.suppress(RedisError, OSError):
             await self._committer.release(self.key, self._owner)
 
-    def continue_after(self, number: int) -> None:
-        """A taken-over stream: its next event is ``number + 1``."""
+    def continue_after(self, number: int, history: JournalHistory) -> None:
+        """A taken-over stream: its next event is ``number + 1``; ``history`` holds events
+        1..``number`` as the journal had them."""
         if self._produced:
             raise RuntimeError("continue_after before the producer starts")
+        if len(history) != number:
+            raise ValueError(f"a history of {len(history)} events to continue after event {number}")
         self._written = self._produced = number
+        self._history = history
 
     def subscribe(self, catch_up: CatchUp, *, lag_max: int = 1024) -> FirstReader:
         """The first client's reader; call it before the producer starts, so it misses nothing."""
@@ -381,6 +417,10 @@ class JournalWriter:
                     kept = self.stored_bytes - self._plan_bytes if self._ended else self.stored_bytes  # plan dropped
                     with contextlib.suppress(RedisError, OSError):
                         await self._budget.settle(kept, self._done_ttl_ms if self._ended else self._ttl_ms)
+                if self._ended:  # its events stay here a while, should Redis lose them (journal_keeper.py)
+                    self._committer.keeper.keep(Finished(
+                        self.key, self._owner, self._fingerprint, self._head, self._history, self._done_ttl_ms,
+                        self._budget, self.stored_bytes - self._plan_bytes))
             if self._first is not None:
                 self._first.end()
 
@@ -400,12 +440,18 @@ class JournalWriter:
             await self._progress.wait()
 
     async def _drain(self) -> None:
-        """Write what is left, through a Redis outage of up to ``DRAIN_S``; past that the
-        journal just ends early."""
-        deadline = time.monotonic() + DRAIN_S
-        while time.monotonic() < deadline:
-            if not self._pending or isinstance(self._failure, JournalLost) or not self._committer.alive():
+        """Write what is left, retrying while Redis is down or stalled for up to ``DRAIN_S``
+        (a generation often ends within one Redis outage: giving up after a few attempts
+        ended its stream without ``[DONE]``, though Redis was back a second later). Past
+        that the journal ends early, and a reader's take-over continues it from what it holds."""
+        until = time.monotonic() + DRAIN_S
+        while self.dirty and not isinstance(self._failure, JournalLost) and self._committer.alive():
+            if time.monotonic() > until:
+                log.warning("journal %s: Redis unreachable for %.0f s; %d event(s) not written", self.key,
+                            DRAIN_S, len(self._pending))
                 return
+            if self._failure is not None:
+                await asyncio.sleep(_RETRY_S)  # Redis is down: do not spin
             self._progress.clear()
             self._committer.schedule(self)
             await self._progress.wait()
@@ -413,11 +459,18 @@ class JournalWriter:
     # The committer's side: take a batch, then report how its write went.
 
     def batch(self) -> tuple[list[str], list[bytes | str | int]]:
-        """KEYS and ARGV of ``APPEND`` for everything pending (only ``:live`` when nothing is)."""
+        """KEYS and ARGV of ``APPEND`` for everything pending (only ``:live`` when nothing is);
+        after Redis lost events, those first, and the plan, all in the same call."""
         self._in_flight = len(self._pending)
         ends = bool(self._pending) and self._pending[-1][0] == DONE
-        args: list[bytes | str | int] = [self._owner, self._done_ttl_ms if ends else self._ttl_ms, LIVE_TTL_MS,
-                                         self._written + 1, self._head, "1" if ends else "0", self._fingerprint]
+        rewrite = self._rewrite_from
+        args: list[bytes | str | int] = [
+            self._owner, self._done_ttl_ms if ends else self._ttl_ms, LIVE_TTL_MS,
+            self._written + 1 if rewrite is None else rewrite, self._head, "1" if ends else "0", self._fingerprint,
+            b"" if rewrite is None else self._plan]
+        if rewrite is not None:
+            for stored, state in self._history.since(rewrite):
+                args += [stored, state]
         for _, stored, state in self._pending:
             args += [stored, state]
         scope = self.key
@@ -430,13 +483,28 @@ class JournalWriter:
         if status == 0:
             self.failed(JournalLost(self.key))
             return
+        if status == 3:
+            # Redis lost events last + 1..: nothing was appended after the hole; write them
+            # again, then the pending ones, in the next round. Redis lost the stream's memory
+            # reservation with them: reserve it again with the next event (journal_quota.py).
+            log.warning("journal %s: Redis lost events %d..%d; this gateway writes them again and goes on "
+                        "producing it", self.key, last + 1, self._written)
+            self._rewrite_from = last + 1
+            if self._budget is not None:
+                self._budget.reserved = 0
+            self._failure = None
+            self._committer.schedule(self)
+            self._progress.set()
+            return
         if status == 2 and not self._lost_noted:
-            self._lost_noted = True  # readers from before it get the in-band error (journal_readers.py)
-            lost = f"events {last + 1}..{self._written}" if last < self._written else "its :live or key record"
-            log.warning("journal %s: Redis lost %s; this gateway re-claimed it and goes on producing it",
-                        self.key, lost)
+            self._lost_noted = True
+            log.warning("journal %s: Redis lost its :live or key record; this gateway re-claimed it and goes on "
+                        "producing it", self.key)
+        self._rewrite_from = None
         batch, first = self._pending[:self._in_flight], self._written + 1
         self._written += len(batch)
+        for _, stored, state in batch:
+            self._history.add(stored, state)
         self._ended |= bool(batch) and batch[-1][0] == DONE
         del self._pending[:len(batch)]  # only once written: a failed write is retried with the same ids
         self._failure = None
@@ -465,7 +533,7 @@ class JournalWriter:
 
     @property
     def dirty(self) -> bool:
-        return bool(self._pending)
+        return bool(self._pending) or self._rewrite_from is not None
 
 
 class JournalCommitter:
@@ -488,12 +556,15 @@ class JournalCommitter:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.rounds = 0
+        #: Finished journals' events, written back should Redis lose them.
+        self.keeper = JournalKeeper(redis, lambda: bool(self._followed))
 
     def __repr__(self) -> str:
         return f"<JournalCommitter streams={len(self._followed)} rounds={self.rounds}>"
 
     def follow(self, writer: JournalWriter) -> None:
         self._followed.add(writer)
+        self.keeper.watch()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="journal-committer")
 
@@ -513,6 +584,7 @@ class JournalCommitter:
         return self._task is not None and not self._task.done()
 
     async def close(self) -> None:
+        await self.keeper.close()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -88,7 +88,7 @@ class Migrator:
                         yield index, line
                     return
                 except (UpstreamFailed, DeadlineExceeded) as exc:
-                    if exc.code == "worker_lost" and not ctx.lost_a_worker():
+                    if exc.code == "worker_lost" and not ctx.lost_a_worker(upstream.worker_id):
                         raise query_of_death() from None
                     if not self._may_migrate(exc, len(failed), ctx):
                         raise

@@ -38,6 +38,7 @@ from redis.asyncio import Redis
 
 from gateway.relay.upstream import Line
 from gateway.streams.journal import DONE, ENTRY_OVERHEAD, entry_number, stream_key
+from gateway.streams.journal_history import JournalHistory
 from gateway.streams.migration import Progress
 from sluice import keys
 from sluice.errors import UpstreamFailed
@@ -84,7 +85,10 @@ class Recovered:
     offsets: dict[int, int] = field(default_factory=dict)  # characters sent, per started choice
     completion_tokens: int = 0
     stored_bytes: int = 0  # what the journal takes in Redis (as JournalWriter counts it)
-    plan_bytes: int = 0
+    plan: bytes = b""
+    #: Events 1..last as the journal holds them: the new producer writes them again should
+    #: Redis lose them (gateway/streams/journal_history.py).
+    history: JournalHistory = field(default_factory=JournalHistory)
     #: (prompt, cached) tokens each finished choice's usage reported (the worker counts the
     #: prompt for every choice it generates).
     prompts: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -156,7 +160,7 @@ async def recover(redis: Redis, scope: str) -> tuple[Plan, Recovered] | None:
     if raw is None:
         return None
     plan = Plan.loads(raw)
-    state = Recovered(plan_bytes=len(raw))
+    state = Recovered(plan=raw)
     sent: dict[int, list[int]] = {i: [] for i in range(plan.choices)}
     finished: set[int] = set()
     for entry_id, fields in entries:
@@ -167,6 +171,7 @@ async def recover(redis: Redis, scope: str) -> tuple[Plan, Recovered] | None:
         state.last = number
         state.done |= fields.get(b"d") == DONE
         state.stored_bytes += len(fields.get(b"d", b"")) + len(fields.get(b"s", b"")) + ENTRY_OVERHEAD
+        state.history.add(fields.get(b"d", b""), fields.get(b"s", b""))
         for index, ids, chars, finish, prompt, cached in _state_lines(fields.get(b"s", b"")):
             sent[index].extend(ids)
             if finish is not None:

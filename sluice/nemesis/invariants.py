@@ -5,9 +5,14 @@
   registered model's ``sl:{model}:*`` admission keys) and the API keys (``sl:apikeys``, ``sl:apikey:*``);
 - Redis memory within ``redis_bound_mib`` of what it used before the load;
 - every gateway process's RSS under ``rss_bound_mib``;
-- usage: every exact request was billed (the gateways' access logs, by request id) exactly
-  the completion tokens its client got, once; a request whose gateway was killed before it
-  could log is counted unbilled, and allowed only then. Per tenant: billed vs served.
+- usage: each attempt is billed what it served, each generation once (the rule in
+  gateway/record.py): the completion tokens of a request's access-log lines (by request id,
+  over every gateway and attempt) add up to the tokens its client received over all its
+  attempts: every chunk a stream read (once: re-attaches never repeat one), the bodies a
+  non-streaming request got (an attempt answered with an error served nothing). Checked
+  for every exact request, whose attempts all read to their end; a request whose gateway
+  was killed before it could log is counted unbilled, and allowed only then. Per tenant:
+  billed vs served.
 """
 
 from __future__ import annotations
@@ -110,12 +115,17 @@ async def check_all(system: System, specs: list[RequestSpec], refs: list[Referen
                          all((r or 0) <= rss_bound_mib for r in rss.values()),
                          ", ".join(f"{k}={v:.0f} MiB" for k, v in rss.items() if v is not None),
                          {k: None if v is None else round(v, 1) for k, v in rss.items()}))
-    out.append(usage(system, specs, refs, histories, verdicts, runs))
+    out.append(usage(system, specs, histories, verdicts, runs))
     return out
 
 
-def usage(system: System, specs: list[RequestSpec], refs: list[Reference], histories: list[History],
-          verdicts: list[Verdict], runs: list[FaultRun]) -> Invariant:
+def served_tokens(hist: History) -> int:
+    """Completion tokens the client received over all its attempts (a simulator token is one word)."""
+    return sum(len(chunk.text.split()) for attempt in hist.attempts for chunk in attempt.chunks)
+
+
+def usage(system: System, specs: list[RequestSpec], histories: list[History], verdicts: list[Verdict],
+          runs: list[FaultRun]) -> Invariant:
     billed: dict[str, int] = defaultdict(int)
     lines: dict[str, int] = defaultdict(int)
     for gateway in system.gateways:
@@ -124,10 +134,10 @@ def usage(system: System, specs: list[RequestSpec], refs: list[Reference], histo
             lines[match.group(1)] += 1
     wrong, unbilled = [], 0
     tenants: dict[int, dict[str, int]] = defaultdict(lambda: {"served": 0, "billed": 0})
-    for spec, ref, hist, verdict in zip(specs, refs, histories, verdicts, strict=True):
+    for spec, hist, verdict in zip(specs, histories, verdicts, strict=True):
         if verdict.outcome != "exact":
             continue
-        served, got = ref.completion_tokens, billed.get(spec.request_id, 0)
+        served, got = served_tokens(hist), billed.get(spec.request_id, 0)
         tenants[spec.tenant]["served"] += served
         tenants[spec.tenant]["billed"] += got
         if got == served:
@@ -136,6 +146,6 @@ def usage(system: System, specs: list[RequestSpec], refs: list[Reference], histo
             unbilled += 1
             continue
         wrong.append(f"{spec.request_id}: served {served}, billed {got} in {lines.get(spec.request_id, 0)} line(s)")
-    return Invariant("every exact request billed what it was served, once", not wrong,
+    return Invariant("every exact request billed what each attempt served, each generation once", not wrong,
                      f"{len(wrong)} wrong, {unbilled} unbilled (their gateway was killed): {wrong[:10]}",
                      {"wrong": wrong[:200], "unbilled_killed": unbilled, "tenants": dict(tenants)})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,14 +102,21 @@ def forbidden(specs: list[RequestSpec], histories: list[History], verdicts: list
               runs: list[FaultRun]) -> list[dict[str, Any]]:
     """Each forbidden outcome with what is needed to replay it: the request, the faults under
     way during its life, and what the client saw attempt by attempt."""
+    return described(specs, histories, verdicts, runs, lambda v: v.outcome == "forbidden")
+
+
+def described(specs: list[RequestSpec], histories: list[History], verdicts: list[Verdict], runs: list[FaultRun],
+              which: Callable[[Verdict], bool]) -> list[dict[str, Any]]:
+    """The requests ``which`` picks, each with its faults and its attempts (see :func:`forbidden`)."""
     out = []
     for spec, hist, v in zip(specs, histories, verdicts, strict=True):
-        if v.outcome != "forbidden":
+        if not which(v):
             continue
         during = [r for r in runs
                   if r.started_s <= hist.ended_s and (r.ended_s or hist.ended_s) + AFTERMATH_S >= hist.started_s]
         out.append({
-            "request": spec.request_id, "path": spec.path, "kinds": v.kinds, "detail": v.detail[:8],
+            "request": spec.request_id, "path": spec.path, "kinds": v.kinds, "reason": v.reason,
+            "detail": v.detail[:8],
             "spec": {"n": spec.n, "max_tokens": spec.max_tokens, "tenant": spec.tenant, "priority": spec.priority,
                      "port": spec.port_index, "slow_s": spec.slow_s, "leave_after": spec.leave_after,
                      "at_s": round(spec.at_s, 2)},

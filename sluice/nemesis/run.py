@@ -23,7 +23,16 @@ from sluice.nemesis.faults import FaultRun, Nemesis
 from sluice.nemesis.history import History
 from sluice.nemesis.redis_timeline import RedisTimeline
 from sluice.nemesis.invariants import Invariant, check_all, redis_used_mib
-from sluice.nemesis.report import draw, failover_serving, forbidden, markdown, table, totals, write_json
+from sluice.nemesis.report import (
+    described,
+    draw,
+    failover_serving,
+    forbidden,
+    markdown,
+    table,
+    totals,
+    write_json,
+)
 from sluice.nemesis.schedule import fault_schedule, kinds_for
 from sluice.nemesis.system import GATEWAY_ENV, System, SystemShape
 from sluice.nemesis.workload import Mix, Reference, RequestSpec, reference, workload
@@ -186,6 +195,9 @@ async def run_nemesis(cfg: NemesisConfig) -> NemesisResult:
         "runs": [r.public() for r in runs],
         "not_exact": [[v.index, v.path, v.outcome, v.reason, v.kinds] for v in verdicts if v.outcome != "exact"],
         "redis_timeline": timeline.changes,
+        # What kept resumable streams from being exact, attempt by attempt (the first few).
+        "resumable_not_exact": described(specs, histories, verdicts, runs,
+                                         lambda v: v.path == "resumable" and v.outcome == "explicit")[:DETAILED],
     }
     if cfg.json_path is not None:
         write_json(cfg.json_path, summary)

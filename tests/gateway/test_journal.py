@@ -198,35 +198,40 @@ async def test_a_stream_past_its_event_bound_ends_with_an_error(
     await redis.delete(stream_key(key))
 
 
-async def test_a_journal_redis_lost_is_reclaimed_and_its_first_reader_goes_on(
+async def test_a_journal_redis_lost_is_written_again_whole_and_its_first_reader_goes_on(
     redis: RedisClient, readers: JournalReaders, committer: JournalCommitter, idem: Idempotency
 ) -> None:
     """Regression: Redis losing ``:live`` (a restart without persistence, FLUSHALL, a
     failover) was taken for a take-over: every resumable stream in flight ended with
-    "producer is gone" while plain streams went on."""
+    "producer is gone" while plain streams went on. Then (nemesis seed 7: 187 of 1,740
+    resumable streams) the producer wrote on after the hole, and a client re-attaching
+    from before the loss got ``stream_history_lost``: now it writes events 1..N again."""
     key = uuid.uuid4().hex
     assert await _claim(idem, key, "t")
-    writer = JournalWriter(committer, key, ttl_s=60, owner="t")
+    writer = JournalWriter(committer, key, ttl_s=60, owner="t", plan=b"the plan")
     first = writer.subscribe(readers.tail)
     lost = asyncio.Event()
 
     async def events() -> AsyncIterator[bytes]:
         for i in range(1, 201):
-            if i == 101:  # the first 100 are written: Redis loses them, and :live
+            if i == 101:  # the first 100 are written: Redis loses them, :live and the plan
                 while await redis.xlen(stream_key(key)) < 100:
                     await asyncio.sleep(0.01)
-                await redis.delete(stream_key(key), live_key(key))
+                await redis.delete(stream_key(key), live_key(key), keys.journal_plan(key))
                 lost.set()
+            if i == 150:  # 1..149 written again, and the plan with them (a take-over needs it)
+                while await redis.xlen(stream_key(key)) < 149:
+                    await asyncio.sleep(0.01)
+                assert await redis.get(keys.journal_plan(key)) == b"the plan"
             yield b"data: %d\n\n" % i
         yield DONE
 
     producer = await start_producer(writer, events(), _nothing)
     assert [event async for event in first.events()] == _expected(200)
     await producer
-    assert await redis.xlen(stream_key(key)) == 101  # 101..200 and [DONE]
-    # A client re-attaching from before the loss is told, not handed a splice.
-    before = [event async for event in readers.tail(key, 50)]
-    assert b"stream_history_lost" in before[0] and before[1:] == [DONE]
+    assert await redis.xlen(stream_key(key)) == 201  # 1..200 and [DONE]: none lost
+    # A client re-attaching from before the loss gets exactly the rest.
+    assert [event async for event in readers.tail(key, 50)] == _expected(200, 50)
     assert [event async for event in readers.tail(key, 100)] == _expected(200, 100)
     assert lost.is_set()
     await redis.delete(stream_key(key))
@@ -406,3 +411,27 @@ async def test_the_committer_survives_an_exception_object_in_a_result(
     await writer.run(_events(50), _nothing)
     assert failed_rounds
     assert [event async for event in readers.tail(key, 0)] == _expected(50)
+
+
+async def test_a_finished_journal_redis_lost_is_written_back_by_its_producer(
+    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter, idem: Idempotency
+) -> None:
+    """Regression (nemesis seed 7): a client that came back after its stream had ended, and
+    Redis had lost the journal meanwhile, got ``stream_history_lost``: no producer was left
+    to write it again. Its gateway keeps a finished stream's events a while and writes them
+    back, with the key's record, when the registry's epoch says Redis lost its data."""
+    key = uuid.uuid4().hex
+    assert await _claim(idem, key, "t")
+    writer = JournalWriter(committer, key, ttl_s=60, owner="t", fingerprint="fp", head=b"data: {\"id\":1")
+    await (await start_producer(writer, _events(50), _nothing))
+    await redis.delete(stream_key(key), keys.idempotency(key), keys.journal_head(key))
+    await committer.keeper.restore_all()  # what a new epoch makes it do
+    assert await redis.xlen(stream_key(key)) == 51
+    assert await redis.hget(keys.idempotency(key), "state") == b"done"
+    assert [event async for event in readers.tail(key, 5)] == _expected(50, 5)
+    # A key claimed again since is left alone.
+    await redis.delete(stream_key(key))
+    await redis.set(live_key(key), "someone else", px=5_000)
+    await committer.keeper.restore_all()
+    assert await redis.exists(stream_key(key)) == 0
+    await redis.delete(live_key(key), keys.idempotency(key), keys.journal_head(key))

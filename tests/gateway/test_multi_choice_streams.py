@@ -4,6 +4,7 @@ arrival order (gateway/streams/migration.py); a client that leaves must close al
 from __future__ import annotations
 
 import httpx
+import openai
 
 from sluice import keys
 from tests.conftest import streaming, wait_for
@@ -43,3 +44,27 @@ def test_n_choices_client_disconnect_logs_no_error_and_frees_every_slot(
     assert done.status_code == 200
     log = gateway.log_path.read_text()
     assert '"level": "error"' not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_one_worker_dying_under_two_choices_is_not_a_query_of_death(start_worker, start_gateway) -> None:
+    """Regression (nemesis seed 7: 41 of the 46 "query of death" errors were n > 1
+    requests): the gateway counted a lost worker per choice, so one worker killed under
+    two choices of a request read as two workers dead, and the stream ended with
+    ``query_of_death`` instead of migrating both choices."""
+    model = "one-death-n"
+    doomed = start_worker(model, sim_max_seqs=8, sim_token_ms=15, sim_ttft_ms=0)
+    gateway = start_gateway()
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=60) as client:
+        reference = client.completions.create(model=model, prompt="both on one worker", n=2, max_tokens=600,
+                                              seed=7, extra_body={"ignore_eos": True})
+        texts = ["", ""]
+        stream = client.completions.create(model=model, prompt="both on one worker", n=2, max_tokens=600,
+                                           seed=7, stream=True, extra_body={"ignore_eos": True})
+        for chunk in stream:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+            if all(len(t.split()) >= 10 for t in texts) and doomed.alive():
+                assert streaming(doomed) == 2  # both choices on the one worker
+                start_worker(model, sim_max_seqs=8, sim_token_ms=15, sim_ttft_ms=0)  # where they can go
+                doomed.kill()
+    assert texts == [c.text for c in sorted(reference.choices, key=lambda c: c.index)]

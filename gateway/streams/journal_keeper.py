@@ -1,0 +1,198 @@
+"""Finished journals, kept a while by the gateway that produced them, written again if Redis loses them.
+
+A resumable stream's client may come back after its stream ended (it left on purpose,
+its connection broke near the end). If Redis lost its data in between (a restart without
+persistence, FLUSHALL), the journal is gone and no producer is left to write it again, so
+the client's ``Last-Event-ID`` gets ``stream_history_lost``. The producing gateway process
+therefore keeps each finished stream's events (gateway/streams/journal_history.py) for
+``KEEP_S`` after its end, and watches the registry's epoch (``sl:epoch``: a new id means
+Redis lost its data, sluice/directory.py) once a second, one command for all of them. On a
+new epoch, or when Redis is back after being unreachable (a restart from a snapshot can
+lose a stream's last events, and with them its end, and keep the epoch: a reader's
+take-over then generated the tail again and the stream was billed twice), it writes
+every kept journal back (``RESTORE``, which fills only what is missing), with its ``:head``, its
+Idempotency-Key's record (``done``) and what is left of its TTL, unless the key was claimed
+again meanwhile.
+
+Memory: a kept journal is the bytes its stream reserved in the journal quota, which holds
+them for ``journal_done_ttl_s`` (longer than ``KEEP_S``). Redis losing its data loses those
+reservations too: a journal written back is reserved again; one that no longer fits its
+tenant's or the total bound is kept no longer (it expires with its TTL).
+
+>>> keeper = JournalKeeper(redis)
+>>> keeper.keep(Finished(scope, owner, fp, head, history, done_ttl_ms, budget))
+>>> await keeper.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from gateway.streams.journal_history import JournalHistory
+from sluice import keys
+from sluice.errors import SluiceError
+
+log = logging.getLogger("sluice.journal")
+
+#: How long after its end a stream's events stay in its gateway's memory.
+KEEP_S = 60.0
+#: How often the keeper reads the registry's epoch.
+CHECK_S = 1.0
+#: The epoch before the first read.
+_UNSEEN = b"\0unseen"
+
+#: Write a finished journal back, if Redis lost it (or its end) and nobody claimed the key
+#: since (no ``:live``; no record, or one this producer owns). KEYS: stream, head, record,
+#: live. ARGV: ttl ms, head, fp, owner, number of events, then (data, state) per event.
+#: Returns the number of events written.
+RESTORE = """
+if redis.call('EXISTS', KEYS[4]) == 1 then return 0 end
+local owner = redis.call('HGET', KEYS[3], 'owner')
+if owner and owner ~= ARGV[4] then return 0 end
+local last = 0
+local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if top[1] then last = tonumber(string.match(top[1][1], '%d+$')) end
+if last >= tonumber(ARGV[5]) then return 0 end
+local n = 0
+for i = 6, #ARGV, 2 do
+  n = n + 1
+  if n > last then redis.call('XADD', KEYS[1], '0-' .. n, 'd', ARGV[i], 's', ARGV[i + 1]) end
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+if ARGV[2] ~= '' then redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[1]) end
+if not owner and ARGV[3] ~= '' then
+  redis.call('HSET', KEYS[3], 'fp', ARGV[3], 'stream', '1', 'state', 'done', 'owner', ARGV[4])
+  redis.call('PEXPIRE', KEYS[3], ARGV[1])
+end
+return n - last
+"""
+
+
+class Reservation(Protocol):
+    """The journal quota's hold on a stream's bytes (gateway/streams/journal_quota.py)."""
+
+    async def reserve(self, more: int, *, new: bool = False) -> SluiceError | None: ...
+    async def settle(self, used: int, hold_ms: int) -> None: ...
+
+
+@dataclass(eq=False)
+class Finished:
+    """A finished stream as its producer leaves it: what to write back, and for how long."""
+
+    scope: str
+    owner: str
+    fingerprint: str
+    head: bytes
+    history: JournalHistory
+    done_ttl_ms: int
+    budget: Reservation | None
+    stored_bytes: int
+    ended_at: float = field(default_factory=time.monotonic)
+
+    def ttl_ms(self) -> int:
+        return self.done_ttl_ms - int((time.monotonic() - self.ended_at) * 1000)
+
+
+class JournalKeeper:
+    """The finished journals of one gateway process (see the module)."""
+
+    def __init__(self, redis: Redis, busy: Callable[[], bool] = lambda: False, *, keep_s: float = KEEP_S,
+                 check_s: float = CHECK_S) -> None:
+        self._redis = redis
+        self._busy = busy  # whether streams are being produced: watch the epoch from their start
+        self._restore = redis.register_script(RESTORE)
+        self._keep_s = keep_s
+        self._check_s = check_s
+        self._kept: dict[str, Finished] = {}
+        self._epoch: bytes | None = _UNSEEN
+        self._task: asyncio.Task[None] | None = None
+        self.restored = 0
+
+    def __repr__(self) -> str:
+        return f"<JournalKeeper kept={len(self._kept)} restored={self.restored}>"
+
+    def keep(self, finished: Finished) -> None:
+        if min(self._keep_s * 1000, finished.ttl_ms()) <= 0:
+            return
+        self._kept[finished.scope] = finished
+        self.watch()
+
+    def watch(self) -> None:
+        """Watch the epoch while streams are produced or kept (a loss right after a stream
+        ended must find the epoch it was produced in already read)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="journal-keeper")
+
+    async def close(self) -> None:
+        self._kept.clear()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        away = False
+        while self._kept or self._busy():
+            try:
+                epoch = await self._redis.hget(keys.EPOCH, "id")
+            except (RedisError, OSError):
+                away = True  # Redis is away: look again once it is back
+                await asyncio.sleep(self._check_s)
+                continue
+            # A new epoch, or none (the registry is gone): Redis lost its data. Back after
+            # being away: a restart from a snapshot may have lost the last writes (a
+            # journal's end) with the epoch kept; writing back only fills what is missing.
+            if away or (epoch != self._epoch and (self._epoch is not _UNSEEN or epoch is None)):
+                await self.restore_all()
+            away = False
+            self._epoch = epoch
+            await asyncio.sleep(self._check_s)
+            self._expire()
+        self._epoch = _UNSEEN  # not watched from here on
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for scope, finished in list(self._kept.items()):
+            if now - finished.ended_at > self._keep_s or finished.ttl_ms() <= 0:
+                del self._kept[scope]
+
+    async def restore_all(self) -> None:
+        """Redis lost its data: write every kept journal back (those that still fit their quota)."""
+        for finished in list(self._kept.values()):
+            try:
+                await self._restore_one(finished)
+            except (RedisError, OSError) as exc:
+                log.warning("could not write the finished journal %s back: %s", finished.scope, exc)
+
+    async def _restore_one(self, finished: Finished) -> None:
+        ttl_ms = finished.ttl_ms()
+        if ttl_ms <= 0:
+            return
+        args: list[bytes | str | int] = [ttl_ms, finished.head, finished.fingerprint, finished.owner,
+                                         len(finished.history)]
+        for stored, state in finished.history.since(1):
+            args += [stored, state]
+        scope = finished.scope
+        written = int(await self._restore(
+            keys=[keys.journal(scope), keys.journal_head(scope), keys.idempotency(scope), keys.journal_live(scope)],
+            args=args))
+        if not written:
+            return
+        self.restored += 1
+        log.warning("journal %s: Redis lost %d event(s) of this finished stream; written back", scope, written)
+        if finished.budget is not None:  # its reservation was lost with it
+            refusal = await finished.budget.reserve(finished.stored_bytes, new=True)
+            if refusal is None:
+                await finished.budget.settle(finished.stored_bytes, ttl_ms)
+            else:  # over its bound now: no more copies of it, and it goes with its TTL
+                log.warning("finished journal %s is over its quota: %s", scope, refusal.message)
+                self._kept.pop(scope, None)
