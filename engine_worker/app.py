@@ -78,8 +78,10 @@ def create_app(worker: Worker) -> FastAPI:
     async def prompt_tokens(request: Request) -> Response:
         """The size of a generate request's prompt as the engine counts it (its chat template,
         its tools); nothing generated."""
+        check_request(request, "generate")
         body = GenerateRequest.parse(await request.body())
-        check_request(request, body.model, "generate")
+        if body.model != worker.model:  # counted with the base model's tokenizer and template
+            raise ModelNotFound(f"this worker serves {worker.model!r}")
         count = await worker.engine.prompt_tokens(body)
         return Response(orjson.dumps({"prompt_tokens": count}), media_type="application/json")
 
