@@ -239,7 +239,7 @@ class ScriptChannel:
     def moved(self, master: Address) -> None:
         """The master is at ``master`` now: leave the server this channel is connected to if it
         is another (the calls on their way there fail like on a lost connection)."""
-        if self._writer is not None and self._address != master:
+        if self._protocol is not None and self._address != master:
             log.warning("script connection: the master moved to %s:%s; leaving %s:%s", *master, *self._address)
             self._drop(RedisConnectionError(f"{self._address[0]}:{self._address[1]} is no longer the master"))
 
