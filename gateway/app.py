@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway import task_dump
 from gateway.admission.adapters import AdapterDirectory
 from gateway.admission.affinity import session_header, session_of
 from gateway.admission.caps import check_caps, generations, queue_cost, token_estimate
@@ -144,6 +145,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Services]]:
         services = await open_services(settings)
+        task_dump.install()
         log.info("gateway ready on %s:%d (redis %s)", settings.host, settings.port, redact_url(settings.redis_url))
         try:
             yield {"services": services}  # every request sees it as request.state.services

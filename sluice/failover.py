@@ -18,7 +18,7 @@ master for some ten seconds after the sentinels named another, until they demote
 Sluice process leaves it as soon as its sentinel names the new one (``+switch-master``, or
 its check every 2 s), so only writes of that moment land on it, and are lost with it. A
 resumable stream whose generation ends while Redis is away writes its journal's last
-events once Redis is back, for up to 10 s (gateway/streams/journal.py, ``DRAIN_S``).
+events once Redis is back, for up to 30 s (gateway/streams/journal.py, ``DRAIN_S``).
 
 | family (sluice/keys.py) | rolled back, what happens | what restores it |
 | --- | --- | --- |
@@ -31,7 +31,7 @@ events once Redis is back, for up to 10 s (gateway/streams/journal.py, ``DRAIN_S
 | tenancy: ``rl:{p}`` buckets, ``rl:{p}:streams`` | a tenant's requests and tokens of the window are refunded; generations admitted in it stop counting toward ``max_concurrent`` | the refund is bounded by what a tenant could spend in the lost moment. Each gateway renews its running generations every ``lease_ttl_s / 3`` and the renewal re-adds members Redis forgot, so they count again within that period (a generation released in the window is not renewed and stops counting after ``lease_ttl_s``) |
 | API keys: ``apikeys``, ``apikey:{p}`` | a key created in the window is unknown (401); a key revoked in the window is valid again | enforcement never turns off in a running gateway once keys were seen (never open); ``sluice keys create`` / ``revoke`` wait for a replica to acknowledge (``WAIT``), so a key operation that returned survives a failover |
 | idempotency: ``idem:{scope}`` | a claim made in the window is gone: a retry with the same key would claim it again and start a second generation beside the first; a ``done`` record of the window is gone: a retry runs again | a streaming claim: the producer's next journal write re-claims ``:live`` and restores the record (gateway/streams/journal.py's APPEND), so a retry attaches to the one generation; a pending claim lives on ``:live`` too, renewed every second. A non-streaming ``done`` record of the window is not restored: a retry runs again |
-| journals: ``journal:{scope}``, ``:live``, ``:plan`` | the last events of a resumable stream are gone; ``:live`` may be gone too | a missing ``:live`` is not a take-over: the producer re-claims it and writes on, numbering events from the journal's last entry; a reader whose next event is missing gets an in-band ``stream_history_lost`` error, and a take-over refuses a journal that is not whole: never a gap; the first client is fed from memory and does not notice |
+| journals: ``journal:{scope}``, ``:live``, ``:plan`` | the last events of a resumable stream are gone; ``:live`` may be gone too | a missing ``:live`` is not a take-over: the producer re-claims it and writes on, numbering events from the journal's last entry (unless its own process stalled past ``:live``'s TTL since its last write: it may have been taken over, so it stops, and a reader's take-over continues the stream or ends it with an error); a reader whose next event is missing gets an in-band ``stream_history_lost`` error, and a take-over refuses a journal that is not whole: never a gap; the first client is fed from memory and does not notice |
 | prefix index: ``prefix``, ``prefix:lru`` | block-to-worker hints of the window are gone | hints only: a miss costs prefill, never correctness; routing and the workers' KV events refill it |
 
 The data-loss check: ``sl:epoch`` holds one id for the registry (sluice/directory.py);

@@ -29,6 +29,7 @@ from gateway.streams.idempotency import Idempotency, wait_for_producer_s
 from gateway.streams.journal import (
     JournalCommitter,
     JournalWriter,
+    now_ms,
     start_producer,
     stream_key,
 )
@@ -176,6 +177,7 @@ class Serving:
         )
         key, owner = ctx.idempotency_key, ctx.internal_id
         raw_plan = plan.dumps()
+        claimed = now_ms()  # promote sets :live after this
         try:
             if not await self._idempotency.promote(key, owner, ctx.fingerprint, ctx.remaining_s(), raw_plan):
                 # This gateway stalled past its claim's TTL and a retry claimed the key: that
@@ -194,7 +196,7 @@ class Serving:
             self._committer, key, ttl_s=self._settings.idempotency_ttl_s, owner=owner,
             max_events=journal_events(req, self._settings, typed=kind in TYPED), head=chunks.head,
             done_ttl_s=self._settings.journal_done_ttl_s, budget=budget, plan=raw_plan,
-            fingerprint=ctx.fingerprint)
+            fingerprint=ctx.fingerprint, claimed_ms=claimed)
         first = writer.subscribe(self._readers.tail)
         ending = _Ending(lambda: _close(upstreams), lambda outcome: self._end_stream(upstreams, ctx.record, ctx, outcome),
                          ctx.record, owner)
@@ -235,6 +237,7 @@ class Serving:
         True while some gateway produces it (this one now, or another that was faster);
         False when it cannot be continued."""
         owner = uuid.uuid4().hex
+        claimed = now_ms()  # take_stream sets :live after this
         if not await self._idempotency.take_stream(key, owner):
             return True
         try:
@@ -266,7 +269,7 @@ class Serving:
             self._committer, key, ttl_s=self._settings.idempotency_ttl_s, owner=owner,
             max_events=journal_events(req, self._settings), head=chunks.head,
             done_ttl_s=self._settings.journal_done_ttl_s, budget=budget, stored_bytes=state.stored_bytes,
-            plan=state.plan, fingerprint=plan.fingerprint)
+            plan=state.plan, fingerprint=plan.fingerprint, claimed_ms=claimed)
         kind: Kind = "chat" if plan.kind == "chat" else "text"
         record = RequestRecord.begin(plan.request_id, self._metrics, Context(), "takeover")
         record.describe(req.model, req.n, plan.priority, None if plan.tenant == "-" else plan.tenant)

@@ -38,7 +38,9 @@ latest writes, FLUSHALL), ``:live`` is missing rather than held by someone else:
 producer still has its generation, and a copy of every event it journaled
 (gateway/streams/journal_history.py, within the journal's own byte quota). ``APPEND`` finds
 the journal short of the events before the batch: it re-claims ``:live`` (and restores the
-Idempotency-Key's record, see gateway/streams/idempotency.py) and writes nothing; the
+Idempotency-Key's record, see gateway/streams/idempotency.py) and writes nothing (unless this
+process stalled past ``:live``'s TTL since its last write: another gateway may have taken the
+stream over before the loss, so this producer stops, see ``APPEND``); the
 producer's next call puts the missing events back, with the same ids, then its new ones,
 and the stream's plan, in one script: a reader sees the journal as it was before the loss
 or whole again, never a gap and never a partial history a take-over could continue from.
@@ -48,7 +50,9 @@ stream ended is written back by the gateway that produced it, for ``KEEP_S`` aft
 (gateway/streams/journal_keeper.py); past that, or if that gateway died too, a re-attach
 from before the loss gets the in-band ``stream_history_lost`` error. ``:live`` missing while the journal already
 holds events past this producer's means someone else took the stream over and ended it:
-that is :class:`JournalLost`, as is ``:live`` held by another gateway.
+that is :class:`JournalLost`, as is ``:live`` held by another gateway. A producer that lost
+its stream is done for good: it writes nothing more, whatever Redis loses later, and its
+generation is cancelled.
 """
 
 from __future__ import annotations
@@ -83,6 +87,20 @@ DRAIN_S = 30.0
 _RETRY_S = 0.1
 #: Pause after a round whose writes failed: Redis is down or far, do not spin.
 _FAILED_ROUND_PAUSE_S = 0.05
+#: A producer re-claims a missing ``:live`` only up to this long before its claim could
+#: have expired (see ``APPEND``): covers the clock skew between a gateway and Redis, and a
+#: batch's time on the wire.
+RECLAIM_MARGIN_MS = 500
+#: The process counts as stalled (SIGSTOP, a blocked event loop) when its loop did not run
+#: for this long: see :meth:`JournalCommitter.awake_since`.
+STALL_S = 1.0
+_TICK_S = 0.2
+#: No re-claim deadline (Lua reads numbers as doubles: exact up to 2**53).
+_NO_DEADLINE_MS = 2**53
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
 
 #: Reads a journal from after event N on: ``JournalReaders.tail``.
 CatchUp = Callable[[str, int], AsyncIterator[bytes]]
@@ -214,11 +232,23 @@ class FirstReader:
 #: journal's last are skipped (a write retried after its reply was lost). The plan lives
 #: as long as the journal (a stream running close to the TTL must stay continuable), is
 #: written again with a batch that re-writes a lost journal, and goes with the last event.
+#: A producer whose process stalled (SIGSTOP, a blocked loop) since its last confirmed
+#: write re-claims a missing ``:live`` only until its claim could have expired (that write
+#: plus ``LIVE_TTL_MS``, less a margin, on Redis's clock): past that, another gateway may
+#: have taken the stream over and Redis lost the evidence with the data (a stalled
+#: producer re-claiming then wrote its stale history over the new producer's, which
+#: stopped: two generations spliced, then nobody finished the stream). A producer that ran
+#: all along and only could not reach Redis (Redis down, restarting) re-claims at any time:
+#: nobody else could take the stream over while Redis was down, and a loss took the plan a
+#: take-over needs. (Left open: this gateway cut off from a Redis the others reach for past
+#: the TTL, a take-over then, and a loss of that Redis's data before the link is back.)
 #: KEYS: stream, live, head, plan, record. ARGV: owner, stream ttl ms, live ttl ms, number
 #: of the first event, head, "1" when the batch ends the stream, the request's fingerprint
-#: ("": no record to restore), the plan ("": none to restore), then (data, state) per event.
+#: ("": no record to restore), the plan ("": none to restore), the unix ms until which a
+#: missing ``:live`` may be re-claimed, then (data, state) per event.
 #: Returns {1 written | 2 written, but Redis had lost :live or the record | 3 nothing
-#: written: send events last + 1.. first | 0 lost, last}.
+#: written: send events last + 1.. first | 0 lost, last | 4 lost: :live missing past the
+#: re-claim deadline, last}.
 APPEND = """
 local owner = redis.call('GET', KEYS[2])
 local first = tonumber(ARGV[4])
@@ -228,6 +258,8 @@ if top[1] then last = tonumber(string.match(top[1][1], '%d+$')) end
 local status = 1
 if owner == false then
   if last >= first then return {0, last} end
+  local clock = redis.call('TIME')
+  if tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000) > tonumber(ARGV[9]) then return {4, last} end
   status = 2
 elseif owner ~= ARGV[1] then
   return {0, last}
@@ -245,7 +277,7 @@ if last < first - 1 then
   return {3, last}
 end
 local n = first
-for i = 9, #ARGV, 2 do
+for i = 10, #ARGV, 2 do
   if n > last then redis.call('XADD', KEYS[1], '0-' .. n, 'd', ARGV[i], 's', ARGV[i + 1]) end
   n = n + 1
 end
@@ -319,7 +351,7 @@ class JournalWriter:
     def __init__(self, committer: JournalCommitter, key: str, *, ttl_s: float, owner: str,
                  max_events: int = 131_072, max_pending: int = 4096, head: bytes = b"",
                  done_ttl_s: float | None = None, budget: Budget | None = None, stored_bytes: int = 0,
-                 plan: bytes = b"", fingerprint: str = "") -> None:
+                 plan: bytes = b"", fingerprint: str = "", claimed_ms: int | None = None) -> None:
         self._committer = committer
         self.key = key
         self._owner = owner
@@ -349,6 +381,13 @@ class JournalWriter:
         self._failure: RedisError | OSError | JournalLost | None = None
         self._first: FirstReader | None = None
         self._lost_noted = False
+        #: When ``:live`` was last set for this producer, at the latest (unix ms): when its
+        #: stream was claimed (``claimed_ms``), then when each confirmed batch was sent.
+        self._confirmed_ms = now_ms() if claimed_ms is None else claimed_ms
+        self._sent_ms = self._confirmed_ms
+        #: The producer task, while it waits for the generation's next event: a producer
+        #: that lost its stream cancels its generation then, so the engine stops at once.
+        self._generating: asyncio.Task[Any] | None = None
 
     def __repr__(self) -> str:
         return f"<JournalWriter {self.key} produced={self._produced} written={self._written}>"
@@ -388,6 +427,7 @@ class JournalWriter:
         """
         self._committer.follow(self)
         cut: SluiceError | None = None
+        self._generating = asyncio.current_task()
         try:
             async for event in events:
                 if event != DONE and self._produced >= self._max:
@@ -402,16 +442,22 @@ class JournalWriter:
                         cut = self._budget.refusal()
                         break
                 await self._hold_back()
+        except asyncio.CancelledError:
+            if not self.lost or self._generating is None:
+                raise
+            self._generating.uncancel()  # this writer's own doing (_lose): end as a lost stream
+            raise JournalLost(self.key) from None
         finally:
+            self._generating = None
             await events.aclose()  # type: ignore[attr-defined]  # runs the generation's clean-up
             await abandon()
-            if cut is not None and not isinstance(self._failure, JournalLost):
+            if cut is not None and not self.lost:
                 log.warning("journal %s: %s", self.key, cut.message)
                 self._add(error_event(cut), b"")
                 self._add(DONE, b"")
             await self._drain()
             self._committer.unfollow(self)
-            if not isinstance(self._failure, JournalLost):
+            if not self.lost:
                 await self.release()
                 if self._budget is not None:
                     kept = self.stored_bytes - self._plan_bytes if self._ended else self.stored_bytes  # plan dropped
@@ -433,7 +479,7 @@ class JournalWriter:
 
     async def _hold_back(self) -> None:
         """Only when Redis lags far behind: wait for it, or give up if it keeps failing."""
-        while len(self._pending) >= self._max_pending or isinstance(self._failure, JournalLost):
+        while len(self._pending) >= self._max_pending or self.lost:
             if self._failure is not None:
                 raise self._failure
             self._progress.clear()
@@ -445,7 +491,7 @@ class JournalWriter:
         ended its stream without ``[DONE]``, though Redis was back a second later). Past
         that the journal ends early, and a reader's take-over continues it from what it holds."""
         until = time.monotonic() + DRAIN_S
-        while self.dirty and not isinstance(self._failure, JournalLost) and self._committer.alive():
+        while self.dirty and not self.lost and self._committer.alive():
             if time.monotonic() > until:
                 log.warning("journal %s: Redis unreachable for %.0f s; %d event(s) not written", self.key,
                             DRAIN_S, len(self._pending))
@@ -462,12 +508,15 @@ class JournalWriter:
         """KEYS and ARGV of ``APPEND`` for everything pending (only ``:live`` when nothing is);
         after Redis lost events, those first, and the plan, all in the same call."""
         self._in_flight = len(self._pending)
+        self._sent_ms = now_ms()
         ends = bool(self._pending) and self._pending[-1][0] == DONE
         rewrite = self._rewrite_from
         args: list[bytes | str | int] = [
             self._owner, self._done_ttl_ms if ends else self._ttl_ms, LIVE_TTL_MS,
             self._written + 1 if rewrite is None else rewrite, self._head, "1" if ends else "0", self._fingerprint,
-            b"" if rewrite is None else self._plan]
+            b"" if rewrite is None else self._plan,
+            _NO_DEADLINE_MS if self._committer.awake_since(self._confirmed_ms)
+            else self._confirmed_ms + LIVE_TTL_MS - RECLAIM_MARGIN_MS]
         if rewrite is not None:
             for stored, state in self._history.since(rewrite):
                 args += [stored, state]
@@ -478,11 +527,19 @@ class JournalWriter:
                 keys.idempotency(scope)], args
 
     def written(self, result: list[int]) -> None:
+        if self.lost:  # final: a reply to a batch sent before it was lost changes nothing
+            return
         self.last_write = time.monotonic()
         status, last = int(result[0]), int(result[1])
         if status == 0:
-            self.failed(JournalLost(self.key))
+            self._lose("it was taken over by another gateway")
             return
+        if status == 4:
+            self._lose(f"Redis lost its claim while this gateway could not renew it for "
+                       f"{(self._sent_ms - self._confirmed_ms) / 1000:.1f} s (another gateway may have taken it over "
+                       "since)")
+            return
+        self._confirmed_ms = self._sent_ms  # :live was set by this batch
         if status == 3:
             # Redis lost events last + 1..: nothing was appended after the hole; write them
             # again, then the pending ones, in the next round. Redis lost the stream's memory
@@ -515,16 +572,32 @@ class JournalWriter:
                     break
         self._progress.set()
 
-    def failed(self, exc: RedisError | OSError | JournalLost) -> None:
+    def failed(self, exc: RedisError | OSError) -> None:
+        if self.lost:
+            return
         self._failure = exc
-        if isinstance(exc, JournalLost):
-            log.warning("journal %s was taken over by another gateway; this one stops producing it", self.key)
-            if self._first is not None:
-                self._first.hand_over()
-                self._first = None
-        else:
-            log.warning("journal write failed for %s: %s", self.key, exc)
+        log.warning("journal write failed for %s: %s", self.key, exc)
         self._progress.set()
+
+    def _lose(self, why: str) -> None:
+        """Another gateway produces the stream now (or may): this writer is done for good. It
+        writes nothing more, not even after Redis loses the journal (it would write a stale
+        history over the new producer's), its first client follows the journal, and its
+        generation is cancelled, which frees the engine at once."""
+        self._failure = JournalLost(self.key)
+        log.warning("journal %s: %s; this gateway stops producing it", self.key, why)
+        self._committer.unfollow(self)
+        if self._first is not None:
+            self._first.hand_over()
+            self._first = None
+        if self._generating is not None:
+            self._generating.cancel()
+        self._progress.set()
+
+    @property
+    def lost(self) -> bool:
+        """Whether this producer lost its stream (final)."""
+        return isinstance(self._failure, JournalLost)
 
     @property
     def ended(self) -> bool:
@@ -555,6 +628,9 @@ class JournalCommitter:
         self._due: dict[JournalWriter, None] = {}  # insertion-ordered set
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._ticker: asyncio.Task[None] | None = None
+        self._tick = 0.0  # when the ticker last ran (monotonic)
+        self._stall_ended_ms = 0  # when the last stall the ticker saw ended (unix ms)
         self.rounds = 0
         #: Finished journals' events, written back should Redis lose them.
         self.keeper = JournalKeeper(redis, lambda: bool(self._followed))
@@ -567,12 +643,32 @@ class JournalCommitter:
         self.keeper.watch()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="journal-committer")
+        if self._ticker is None or self._ticker.done():
+            self._tick = time.monotonic()
+            self._stall_ended_ms = now_ms()  # not watched until now: as if it stalled until now
+            self._ticker = asyncio.create_task(self._ticks(), name="journal-stall-watch")
+
+    def awake_since(self, wall_ms: int) -> bool:
+        """Whether this process ran without a stall (its loop stopped or blocked for
+        ``STALL_S``) since ``wall_ms`` (unix ms), as far as the ticker saw: a stall in
+        progress, or ended but not yet noted, counts."""
+        return time.monotonic() - self._tick < STALL_S and self._stall_ended_ms < wall_ms
+
+    async def _ticks(self) -> None:
+        while self._followed:
+            await asyncio.sleep(_TICK_S)
+            now = time.monotonic()
+            if now - self._tick >= STALL_S:
+                self._stall_ended_ms = now_ms()
+            self._tick = now
 
     def unfollow(self, writer: JournalWriter) -> None:
         self._followed.discard(writer)
         self._due.pop(writer, None)
 
     def schedule(self, writer: JournalWriter) -> None:
+        if writer.lost:
+            return
         self._due[writer] = None
         self._wake.set()
 
@@ -585,10 +681,11 @@ class JournalCommitter:
 
     async def close(self) -> None:
         await self.keeper.close()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._ticker):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     async def _run(self) -> None:
         try:
@@ -608,7 +705,7 @@ class JournalCommitter:
             for writer in self._followed:
                 if writer.last_write < stale:
                     self._due[writer] = None
-            writers = [w for w in self._due if w.dirty or w in self._followed]
+            writers = [w for w in self._due if not w.lost and (w.dirty or w in self._followed)]
             self._due.clear()
             if writers:
                 await self._round(writers)

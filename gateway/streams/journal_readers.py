@@ -50,6 +50,10 @@ from sluice.errors import SluiceError, Unavailable, error_event
 
 log = logging.getLogger("sluice.journal")
 
+#: A take-over that has not started producing by then (Redis stalled mid-way) gives up:
+#: its readers get an error and may re-attach, rather than wait on it for ever.
+ADOPT_TIMEOUT_S = 30.0
+
 
 @dataclass(eq=False)
 class _Reader:
@@ -191,7 +195,12 @@ class JournalReaders:
         assert self.adopt is not None
         error = producer_gone()
         try:
-            produced = await self.adopt(key)
+            produced = await asyncio.wait_for(self.adopt(key), ADOPT_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("taking over the stream %s did not start in %.0f s; its readers may re-attach", key,
+                        ADOPT_TIMEOUT_S)
+            produced, error = False, error_event(Unavailable(
+                "taking the stream over did not start in time; re-attach", retry_after_s=1))
         except SluiceError as exc:  # it cannot be continued, and says why
             log.warning("the stream %s cannot be taken over: %s", key, exc.message)
             produced, error = False, error_event(exc)

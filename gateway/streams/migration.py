@@ -131,17 +131,26 @@ async def _merge(sources: list[AsyncIterator[tuple[int, Line]]]) -> AsyncIterato
     client left, a choice failed) the pumps are cancelled *and awaited*: a pump left
     running is still inside its upstream's line reader, and the caller's clean-up, which
     closes every upstream next, would fail on it ("aclose(): asynchronous generator is
-    already running") and leave the other choices' upstreams and slots open."""
+    already running") and leave the other choices' upstreams and slots open.
+
+    A pump whose end (or error) comes once the merge is closing hands nothing over: the
+    queue may be full and nobody reads it any more. (A pump cancelled in ``put`` whose
+    source then failed to close turned the cancellation into that error and waited for
+    ever to queue it: the merge's clean-up waited on the pump, and a taken-over stream of
+    16 choices hung with its ``:live`` refreshed, its readers waiting for good.)"""
     queue: asyncio.Queue[tuple[int, Line] | BaseException | None] = asyncio.Queue(maxsize=64)
+    closing = False
 
     async def pump(source: AsyncIterator[tuple[int, Line]]) -> None:
+        outcome: Exception | None = None
         try:
             async with contextlib.aclosing(source):  # type: ignore[type-var]
                 async for item in source:
                     await queue.put(item)
-            await queue.put(None)
         except Exception as exc:  # handed to the consumer, which re-raises it
-            await queue.put(exc)
+            outcome = exc
+        if not closing:
+            await queue.put(outcome)
 
     tasks = [asyncio.create_task(pump(s)) for s in sources]
     remaining = len(tasks)
@@ -155,6 +164,7 @@ async def _merge(sources: list[AsyncIterator[tuple[int, Line]]]) -> AsyncIterato
             else:
                 yield item
     finally:
+        closing = True
         for task in tasks:
             task.cancel()
         with anyio.CancelScope(shield=True):

@@ -7,7 +7,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -154,6 +156,11 @@ async def run_nemesis(cfg: NemesisConfig) -> NemesisResult:
         probing = asyncio.create_task(clients.probe(1.5, cfg.duration_s))
         faulting = asyncio.create_task(nemesis.run(schedule))
         histories: list[History] = list(await asyncio.gather(*(clients.run(s) for s in specs)))
+        if any(h.hung for h in histories):  # where each gateway's tasks wait, in its log
+            for gateway in system.gateways:
+                if gateway.alive():
+                    os.kill(gateway.pid, signal.SIGUSR1)
+            await asyncio.sleep(1.0)
         runs = await faulting
         await probing
         timeline.stop()

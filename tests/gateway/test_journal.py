@@ -13,6 +13,7 @@ import pytest
 from gateway.streams.idempotency import Idempotency
 from gateway.streams.journal import (
     DONE,
+    LIVE_TTL_MS,
     JournalCommitter,
     JournalLost,
     JournalWriter,
@@ -267,6 +268,71 @@ async def test_a_producer_whose_journal_another_gateway_continued_does_not_write
     assert [e[0] for e in entries] == [f"0-{n}".encode() for n in range(1, 14)]
     assert entries[-1][1][b"d"] == DONE
     await redis.delete(stream_key(key))
+
+
+async def test_a_producer_taken_over_never_writes_its_stale_history_after_redis_loses_the_journal(
+    redis: RedisClient, committer: JournalCommitter, idem: Idempotency
+) -> None:
+    """Regression (nemesis seed 7, a hang): gateway A stalled, B took its stream over; A,
+    back, was told and kept refreshing ``:live``; Redis then lost its data and A re-claimed
+    the stream and wrote its stale events 1..7504 over B's 1..20344; B stopped, A's
+    generation was stuck in a migration, and the client waited forever. A producer that
+    lost its stream is done for good, and its generation is cancelled at once."""
+    key = uuid.uuid4().hex
+    assert await _claim(idem, key, "a")
+    writer = JournalWriter(committer, key, ttl_s=60, owner="a", plan=b"the plan")
+    cancelled = asyncio.Event()
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            for i in range(1, 6):
+                yield b"data: %d\n\n" % i
+            await asyncio.Event().wait()  # a migration that does not end
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    producer = await start_producer(writer, events(), _nothing)
+    while await redis.xlen(stream_key(key)) < 5:
+        await asyncio.sleep(0.01)
+    await redis.set(live_key(key), "b", px=60_000)  # B took the stream over
+    with pytest.raises(JournalLost):
+        await asyncio.wait_for(producer, 5)  # was: waited for the generation's next event
+    assert cancelled.is_set()  # the generation is cancelled: its engine is freed
+    await redis.delete(stream_key(key), live_key(key), keys.journal_plan(key))  # Redis lost it all
+    await asyncio.sleep(1.5)  # three of the committer's :live refresh periods
+    assert await redis.xlen(stream_key(key)) == 0
+    assert await redis.get(live_key(key)) is None
+
+
+async def test_a_producer_stalled_past_its_claim_does_not_re_claim_a_journal_redis_lost(
+    redis: RedisClient, committer: JournalCommitter, idem: Idempotency
+) -> None:
+    """Regression: a gateway stalled longer than ``:live``'s TTL (SIGSTOP) may have been
+    taken over meanwhile, and Redis may have lost that evidence with the data: it must not
+    re-claim the stream (its stale history and its own continuation would splice with
+    what the other gateway's readers got). It stops; a reader's take-over continues the
+    stream or says it cannot."""
+    key = uuid.uuid4().hex
+    assert await _claim(idem, key, "a")
+    writer = JournalWriter(committer, key, ttl_s=60, owner="a", plan=b"the plan")
+
+    async def events() -> AsyncIterator[bytes]:
+        for i in range(1, 6):
+            yield b"data: %d\n\n" % i
+        while await redis.xlen(stream_key(key)) < 5:
+            await asyncio.sleep(0.01)
+        time.sleep(LIVE_TTL_MS / 1000 + 0.3)  # the whole process stalls: no :live refresh
+        await redis.delete(stream_key(key), live_key(key), keys.journal_plan(key))  # then Redis lost it all
+        for i in range(6, 11):
+            yield b"data: %d\n\n" % i
+        yield DONE
+
+    with contextlib.suppress(JournalLost):  # raised if it noticed before its generation ended
+        await asyncio.wait_for(await start_producer(writer, events(), _nothing), 5)
+    assert writer.lost
+    assert await redis.xlen(stream_key(key)) == 0  # was: events 1..10 and [DONE] written back
+    assert await redis.get(live_key(key)) is None
 
 
 async def test_a_producer_that_lost_live_never_deletes_the_new_owners(
