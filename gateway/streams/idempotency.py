@@ -48,7 +48,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.responses import Response
 
-from gateway.streams.journal import DONE, LIVE_TTL_MS
+from gateway.streams.journal import DONE, LIVE_TTL_MS, RECLAIM_GRACE_S
 from sluice import keys
 from sluice.errors import Conflict, DeadlineExceeded, InvalidRequest, UpstreamFailed
 
@@ -143,8 +143,11 @@ return 1
 def wait_for_producer_s() -> float:
     """How long a caller that holds events of a stream Redis lost waits for its producer to
     write the journal again (gateway/streams/journal.py): a running producer refreshes
-    ``:live`` far more often than it expires."""
-    return LIVE_TTL_MS / 1000
+    ``:live`` far more often than it expires; one whose process was stalled meanwhile first
+    gives a gateway that may have taken the stream over ``RECLAIM_GRACE_S`` to re-claim it
+    (nemesis: clients that came back while their producer was stopped got 502 a second
+    before it wrote the journal back)."""
+    return LIVE_TTL_MS / 1000 + RECLAIM_GRACE_S
 
 
 def scoped(owner: str, key: str) -> str:

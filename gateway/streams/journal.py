@@ -99,7 +99,7 @@ _TICK_S = 0.2
 #: A producer refused a re-claim after its process stalled waits this long before it
 #: re-claims anyway: a gateway that took the stream over and lives re-claims it first (it
 #: refreshes ``:live`` every ``_LIVE_REFRESH_S``), and this one then finds it held.
-RECLAIM_GRACE_S = LIVE_TTL_MS / 1000
+RECLAIM_GRACE_S = 2.0
 #: No re-claim deadline (Lua reads numbers as doubles: exact up to 2**53).
 _NO_DEADLINE_MS = 2**53
 

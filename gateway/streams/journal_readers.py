@@ -204,6 +204,10 @@ class JournalReaders:
         except SluiceError as exc:  # it cannot be continued, and says why
             log.warning("the stream %s cannot be taken over: %s", key, exc.message)
             produced, error = False, error_event(exc)
+        except (RedisError, OSError) as exc:  # Redis away mid-way: the readers may re-attach
+            log.warning("taking over the stream %s failed: %s: %s", key, type(exc).__name__, exc)
+            produced, error = False, error_event(Unavailable(
+                "the stream's journal could not be read; re-attach", retry_after_s=1))
         except Exception:  # a take-over that fails must still end its readers
             log.exception("taking over the stream %s failed", key)
             produced = False
