@@ -148,7 +148,9 @@ class Ask:
     ``blocks``: the prompt's block hashes (:mod:`sluice.prefix`), for cache routing;
     ``task``: only workers serving it are granted (:mod:`sluice.tasks`);
     ``session``: the session's routing key (:mod:`gateway.admission.affinity`), "" for none;
-    ``adapter``: the LoRA adapter asked for, served by ``model`` (its parent), "" for none.
+    ``adapter``: the LoRA adapter asked for, served by ``model`` (its parent), "" for none;
+    ``role``: one hop of a disaggregated request takes only workers of that role
+    (:mod:`sluice.roles`), "" (a whole request) any worker.
     """
 
     model: str
@@ -164,6 +166,7 @@ class Ask:
     task: Task = GENERATE
     session: str = ""
     adapter: str = ""
+    role: str = ""
 
 
 @dataclass(eq=False, slots=True)
@@ -304,7 +307,7 @@ class Admission:
                             self._s.route_least_pending_weight if self._s.routing == "least"
                             else self._s.route_prefill_weight, ask.task,
                             ask.session if self._s.session_affinity != "off" else "", self._s.session_affinity,
-                            self._s.session_load_bound, self._s.session_cost_blocks, ask.adapter),
+                            self._s.session_load_bound, self._s.session_cost_blocks, ask.adapter, ask.role),
         ))
         try:
             return cast(list[Any], await asyncio.shield(call))
