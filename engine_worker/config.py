@@ -41,6 +41,7 @@ class WorkerSettings(RedisSettings):
     role: Role = "both"
     #: vLLM: the KV connector, as vLLM's ``--kv-transfer-config`` JSON, e.g.
     #: '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'. Needed by prefill and decode workers.
+    #: Run here: ExampleConnector (KV through files) on CPU; NixlConnector on GPUs is untested.
     vllm_kv_transfer_config: dict[str, object] | None = None
     #: sim, decode role: time to receive one prompt token's KV from the prefill worker.
     sim_kv_transfer_ms_per_token: float = Field(default=0.0, ge=0)
