@@ -268,7 +268,7 @@ class Admission:
             if status == "granted":
                 return self._granted(ask, result[1])
             if status == "none":
-                raise await self._no_worker(model, bool(ask.exclude))
+                raise await self._no_worker(model, bool(ask.exclude), ask.role)
             if status == "untasked":
                 raise InvalidRequest(
                     f"no live worker of model '{model}' serves {ROUTES.get(ask.task, ask.task)}: task '{ask.task}' "
@@ -465,9 +465,11 @@ class Admission:
             self._known.popitem(last=False)
         return leases
 
-    async def _no_worker(self, model: str, retried: bool) -> SluiceError:
+    async def _no_worker(self, model: str, retried: bool, role: str = "") -> SluiceError:
         if not retried and await self.live_workers(model) == 0:
             return await self.missing_model(model)
+        if role and not retried:
+            return Unavailable(f"model '{model}' has no live {role} worker", retry_after_s=1)
         return Unavailable(f"every live worker for '{model}' failed this request", retry_after_s=1)
 
     async def missing_model(self, model: str) -> SluiceError:

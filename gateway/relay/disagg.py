@@ -22,7 +22,8 @@ decoding the client's stream goes on token for token.
 
 A fleet without both roles (every worker ``both``, or one role's workers all gone) is
 served whole by any worker, as before roles; the fleet's roles are read from the registry at
-most once a second per model (:class:`FleetRoles`).
+most once a second per model (:class:`FleetRoles`), and at once when a hop finds no live
+worker of its role (the request is then served whole, not refused).
 
 A decode retry before its first token reuses the prefill's ``kv_transfer_params``: the
 simulator's and ExampleConnector's KV stays readable; with NixlConnector a decode engine
@@ -32,6 +33,7 @@ vLLM's load-failure policy (recomputing the prompt) -- that path is untested her
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -40,11 +42,13 @@ from redis.exceptions import RedisError
 
 from gateway.context import RequestContext
 from sluice import keys
-from sluice.errors import UpstreamFailed
+from sluice.errors import Unavailable, UpstreamFailed
 from sluice.roles import DECODE, PREFILL
 
 if TYPE_CHECKING:
     from gateway.relay.upstream import Dispatcher, Upstream
+
+log = logging.getLogger("sluice.gateway")
 
 #: What a prefill hop asks of vLLM's KV connector: keep the KV for a remote decode
 #: (the fields vLLM's disaggregated-serving proxy sends; the connector fills them in).
@@ -64,10 +68,11 @@ class FleetRoles:
         self._ttl_s = ttl_s
         self._cache: dict[str, tuple[float, bool]] = {}
 
-    async def disaggregated(self, model: str) -> bool:
+    async def disaggregated(self, model: str, fresh: bool = False) -> bool:
+        """``fresh``: read the registry now (a hop found no live worker of its role)."""
         now = time.monotonic()
         cached = self._cache.get(model)
-        if cached is not None and now - cached[0] < self._ttl_s:
+        if cached is not None and now - cached[0] < self._ttl_s and not fresh:
             return cached[1]
         try:
             split = await self._read(model)
@@ -100,12 +105,23 @@ class Disaggregation:
         self, dispatcher: Dispatcher, model: str, payload: dict[str, Any], ctx: RequestContext, *,
         exclude: list[str] | tuple[str, ...], boost: bool, cost: int,
     ) -> Upstream:
-        """The decode hop's stream (its first line read), after the prefill hop."""
-        params = await self._prefill(dispatcher, model, payload, ctx, exclude=exclude, boost=boost, cost=cost)
-        decode = {k: v for k, v in payload.items() if k != "kv_transfer_params"}
-        if params is not None:
-            decode["kv_transfer_params"] = params
-        return await dispatcher.open(model, decode, ctx, exclude=exclude, boost=True, cost=cost, role=DECODE)
+        """The decode hop's stream (its first line read), after the prefill hop.
+
+        A hop that finds no live worker of its role, when the registry no longer lists one
+        either (every prefill or every decode worker died), is not a 503: the request is
+        served whole by the workers left, as a fleet without roles would be."""
+        try:
+            params = await self._prefill(dispatcher, model, payload, ctx, exclude=exclude, boost=boost, cost=cost)
+            decode = {k: v for k, v in payload.items() if k != "kv_transfer_params"}
+            if params is not None:
+                decode["kv_transfer_params"] = params
+            return await dispatcher.open(model, decode, ctx, exclude=exclude, boost=True, cost=cost, role=DECODE)
+        except Unavailable:
+            if await self._roles.disaggregated(model, fresh=True):
+                raise
+        log.warning("request %s: model %r lost its prefill or its decode workers; serving it whole",
+                    ctx.request_id, model)
+        return await dispatcher.open(model, payload, ctx, exclude=exclude, boost=boost, cost=cost)
 
     async def _prefill(
         self, dispatcher: Dispatcher, model: str, payload: dict[str, Any], ctx: RequestContext, *,

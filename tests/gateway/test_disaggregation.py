@@ -12,7 +12,7 @@ import openai
 import orjson
 import pytest
 
-from tests.conftest import streaming, wait_for
+from tests.conftest import streaming, wait_for, worker_alive
 
 PROMPT = "tell me about the sluice gates of the old canal"
 
@@ -129,3 +129,17 @@ def test_a_decode_workers_death_migrates_the_stream_token_exact(client, start_wo
     assert served(prefill) == 2
     survivor = next(d for d in decodes if d is not serving)
     assert served(survivor) == 1
+
+
+def test_a_model_whose_prefill_workers_all_died_is_served_whole(client, start_worker, redis_client) -> None:
+    """Not a 503: once no live prefill worker is left, the decode workers serve whole requests."""
+    prefill = start_worker("pd-orphan", role="prefill")
+    decode = start_worker("pd-orphan", role="decode")
+    expected = reference(client, 5)
+    assert client.completions.create(model="pd-orphan", prompt=PROMPT, max_tokens=5).choices[0].text == expected
+    prefill.kill()
+    wait_for(lambda: not worker_alive(redis_client, "pd-orphan", prefill.name), 5, "the heartbeat to lapse")
+    got = client.completions.create(model="pd-orphan", prompt=PROMPT, max_tokens=5)
+    assert got.choices[0].text == expected
+    assert got.usage.prompt_tokens_details.cached_tokens == 0  # computed there: no KV arrived
+    assert served(decode) == 2
