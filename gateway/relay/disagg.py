@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from redis.exceptions import RedisError
 
+from gateway.admission.queue import ClientGone
 from gateway.context import RequestContext
 from sluice import keys
 from sluice.errors import Unavailable, UpstreamFailed
@@ -112,6 +113,10 @@ class Disaggregation:
         served whole by the workers left, as a fleet without roles would be."""
         try:
             params = await self._prefill(dispatcher, model, payload, ctx, exclude=exclude, boost=boost, cost=cost)
+            if ctx.disconnected is not None and await ctx.disconnected():
+                # Gone during its prefill: no decode slot for it (a whole request notices only
+                # at its first token, which is the decode hop's).
+                raise ClientGone("the client left during its prefill")
             decode = {k: v for k, v in payload.items() if k != "kv_transfer_params"}
             if params is not None:
                 decode["kv_transfer_params"] = params

@@ -12,6 +12,7 @@ import openai
 import orjson
 import pytest
 
+from sluice import keys
 from tests.conftest import streaming, wait_for, worker_alive
 
 PROMPT = "tell me about the sluice gates of the old canal"
@@ -143,3 +144,17 @@ def test_a_model_whose_prefill_workers_all_died_is_served_whole(client, start_wo
     assert got.choices[0].text == expected
     assert got.usage.prompt_tokens_details.cached_tokens == 0  # computed there: no KV arrived
     assert served(decode) == 2
+
+
+def test_a_client_leaving_during_the_prefill_hop_gets_no_decode_hop(gateway, start_worker, redis_client) -> None:
+    """Regression: a client gone during its prefill hop was still given a decode slot and a
+    decode stream (a whole request notices a departure only at its first token)."""
+    prefill = start_worker("pd-leave", role="prefill", sim_ttft_ms=2_000)
+    decode = start_worker("pd-leave", role="decode")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gateway.url + "/v1/completions", timeout=httpx.Timeout(5, read=0.5),
+                   json={"model": "pd-leave", "prompt": PROMPT, "max_tokens": 4})
+    wait_for(lambda: streaming(prefill) == 0, 5, "the prefill hop to be cancelled")
+    wait_for(lambda: int(redis_client.hget(keys.inflight("pd-leave"), prefill.name) or 0) == 0, 5,
+             "the prefill slot to be released")
+    assert served(decode) == 0
