@@ -112,7 +112,7 @@ async def create_pool(
     elif is_sentinel_url(url):
         client = _sentinel_master(url, options)
     else:
-        pool = BlockingConnectionPool.from_url(url, timeout=POOL_TIMEOUT_S, **options)
+        pool = BlockingConnectionPool.from_url(url, timeout=POOL_TIMEOUT_S, **_closed_safe(url), **options)
         client = Redis.from_pool(pool)
     for attempt in range(1, retries + 1):
         try:
@@ -129,6 +129,15 @@ async def create_pool(
             )
             await asyncio.sleep(delay_s)
     raise AssertionError("unreachable")
+
+
+def _closed_safe(url: str) -> dict[str, Any]:
+    """The connection class for a single server's URL: closed-safe (:class:`_ClosedSafe`)
+    over TCP or TLS; a unix socket keeps redis-py's own."""
+    scheme = url.split("://", 1)[0]
+    if scheme == "rediss":
+        return {"connection_class": _ClosedSafeSSLConnection}
+    return {"connection_class": _ClosedSafeConnection} if scheme == "redis" else {}
 
 
 async def connections_by_name(client: RedisClient) -> dict[str, int]:
@@ -241,33 +250,41 @@ def _is_closed_transport(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "closed" in str(exc)
 
 
-class _ClosedSafeConnection(Connection):
-    """A cluster node connection on which a transport closed underneath a command is a
+class _ClosedSafe:
+    """A connection on which a transport closed underneath a command is a
     ``ConnectionError``. During a failover redis-py's cluster client disconnects a node's
-    connections while other tasks are mid-command on them; those commands then fail
-    with whatever the closed stream raises, which no ``except (RedisError, OSError)``
-    catches and which skips the client's own reconnect-and-refresh handling."""
+    connections while other tasks are mid-command on them; a server that restarts closes
+    a connection between its connect and its first command (the nemesis: one 500 on a
+    single server, ``RuntimeError: unable to perform operation on <TCPTransport
+    closed=True>`` from the connect's own health check). Those commands then fail with
+    whatever the closed stream raises, which no ``except (RedisError, OSError)`` catches
+    and which skips the client's own reconnect handling."""
 
     async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         try:
-            await super().send_packed_command(command, check_health)
+            await super().send_packed_command(command, check_health)  # type: ignore[misc]
         except (AttributeError, RuntimeError) as exc:
             await self._closed_underneath(exc, "writing to")
 
     async def read_response(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return await super().read_response(*args, **kwargs)
+            return await super().read_response(*args, **kwargs)  # type: ignore[misc]
         except (AttributeError, RuntimeError) as exc:
             await self._closed_underneath(exc, "reading from")
 
     async def _closed_underneath(self, exc: AttributeError | RuntimeError, doing: str) -> NoReturn:
         if not _is_closed_transport(exc):
             raise exc
-        await self.disconnect(nowait=True)
-        raise RedisConnectionError(f"connection closed while {doing} {self.host}:{self.port}: {exc}") from exc
+        await self.disconnect(nowait=True)  # type: ignore[attr-defined]
+        raise RedisConnectionError(
+            f"connection closed while {doing} {self.host}:{self.port}: {exc}") from exc  # type: ignore[attr-defined]
 
 
-class _ClosedSafeSSLConnection(_ClosedSafeConnection, SSLConnection):
+class _ClosedSafeConnection(_ClosedSafe, Connection):
+    pass
+
+
+class _ClosedSafeSSLConnection(_ClosedSafe, SSLConnection):
     pass
 
 
@@ -293,7 +310,7 @@ def is_demotion(error: ResponseError | str) -> bool:
     return isinstance(error, ReadOnlyError) or "READONLY You can't write" in str(error)
 
 
-class FailoverConnection(SentinelManagedConnection):
+class FailoverConnection(_ClosedSafe, SentinelManagedConnection):
     """A connection to the master the sentinels name; a demoted master's ``READONLY`` is a
     ``ConnectionError`` (and the connection is dropped, so the next one asks again),
     whether it answered a command or a script."""

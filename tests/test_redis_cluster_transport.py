@@ -11,6 +11,7 @@ from collections.abc import Coroutine
 from typing import Any
 import time
 
+import pytest
 import redis
 import uvloop
 from redis.asyncio.cluster import RedisCluster
@@ -41,6 +42,39 @@ async def _closed_underneath(redis_cluster_url: str) -> None:
         # The closed connection fails as a lost one: the client reconnects and serves it.
         assert await client.get(key) == b"1"
     finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("server", ["redis_url", "redis_sentinel_url"])
+def test_a_connection_closed_before_its_next_command_is_a_connection_error(
+    server: str, request: pytest.FixtureRequest
+) -> None:
+    """Regression (nemesis, full single-server run: one 500): a server that restarted
+    closed a pooled connection; the next command's health check wrote to the closed
+    transport and uvloop's ``RuntimeError`` went up through ``authenticate`` as "internal
+    error in the gateway". One server and Sentinel now fail it as a lost connection,
+    which redis-py reconnects."""
+    uvloop.run(_closed_before_use(request.getfixturevalue(server)))
+
+
+async def _closed_before_use(url: str) -> None:
+    client = await create_pool(url, max_connections=1)  # one connection: the next command takes it
+    assert not isinstance(client, RedisCluster)
+    key = "sl:closed-before-use"
+    try:
+        await client.set(key, "1")
+        connection = await client.connection_pool.get_connection()
+        await client.connection_pool.release(connection)
+        assert connection.is_connected
+        connection._writer.transport.close()  # the server went away; redis-py has not noticed
+        await asyncio.sleep(0)
+        try:  # the gateway answers a lost connection 503 + Retry-After (was: 500)
+            assert await client.get(key) == b"1"
+        except redis.ConnectionError:
+            pass
+        assert await client.get(key) == b"1"  # and the next command reconnects
+    finally:
+        await client.delete(key)
         await client.aclose()
 
 

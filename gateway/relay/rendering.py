@@ -85,7 +85,7 @@ async def sse_events(
         log.warning("request %s failed mid-stream: %s", record.request_id, exc.message)
         yield error_event(exc)
     except Exception as exc:  # e.g. Redis down during a migration: still end the stream cleanly
-        log.warning("request %s failed mid-stream: %r", record.request_id, exc)
+        log.warning("request %s failed mid-stream: %s: %s", record.request_id, type(exc).__name__, exc)
         outcome = Unavailable("the stream could not continue", retry_after_s=2)
         yield error_event(outcome)
     except BaseException:

@@ -246,10 +246,16 @@ class Serving:
                 # Its producer journaled the end but died before settling the key.
                 await self._idempotency.settle(key, owner, completed=True)
                 return True
-            if found is None or found[0].kind in TYPED:
-                # No plan; or a Responses or Messages stream, whose typed events (item ids,
-                # sequence numbers, open content blocks) lived only in the dead gateway:
-                # journaled and re-attachable, not continued elsewhere. Its readers get an error; the key is forgotten, so a retry runs again.
+            if found is None:
+                # Redis lost the plan with its data (a finished stream needs none: its
+                # journal ends with [DONE]). Its readers are told so (was: "producer is
+                # gone"); the key is forgotten, so a retry runs again.
+                raise HistoryLost("the stream's plan is no longer in Redis (it lost data): it cannot be continued")
+            if found[0].kind in TYPED:
+                # A Responses or Messages stream, whose typed events (item ids, sequence
+                # numbers, open content blocks) lived only in the dead gateway: journaled and
+                # re-attachable, not continued elsewhere. Its readers get an error; the key
+                # is forgotten, so a retry runs again.
                 await self._idempotency.settle(key, owner, completed=False)
                 return False
             plan, state = found

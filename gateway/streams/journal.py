@@ -38,9 +38,10 @@ latest writes, FLUSHALL), ``:live`` is missing rather than held by someone else:
 producer still has its generation, and a copy of every event it journaled
 (gateway/streams/journal_history.py, within the journal's own byte quota). ``APPEND`` finds
 the journal short of the events before the batch: it re-claims ``:live`` (and restores the
-Idempotency-Key's record, see gateway/streams/idempotency.py) and writes nothing (unless this
-process stalled past ``:live``'s TTL since its last write: another gateway may have taken the
-stream over before the loss, so this producer stops, see ``APPEND``); the
+Idempotency-Key's record, see gateway/streams/idempotency.py) and writes nothing (if this
+process stalled past ``:live``'s TTL since its last write, another gateway may have taken the
+stream over before the loss: this producer first gives such a gateway time to re-claim it,
+see ``APPEND``); the
 producer's next call puts the missing events back, with the same ids, then its new ones,
 and the stream's plan, in one script: a reader sees the journal as it was before the loss
 or whole again, never a gap and never a partial history a take-over could continue from.
@@ -95,6 +96,10 @@ RECLAIM_MARGIN_MS = 500
 #: for this long: see :meth:`JournalCommitter.awake_since`.
 STALL_S = 1.0
 _TICK_S = 0.2
+#: A producer refused a re-claim after its process stalled waits this long before it
+#: re-claims anyway: a gateway that took the stream over and lives re-claims it first (it
+#: refreshes ``:live`` every ``_LIVE_REFRESH_S``), and this one then finds it held.
+RECLAIM_GRACE_S = LIVE_TTL_MS / 1000
 #: No re-claim deadline (Lua reads numbers as doubles: exact up to 2**53).
 _NO_DEADLINE_MS = 2**53
 
@@ -237,18 +242,21 @@ class FirstReader:
 #: plus ``LIVE_TTL_MS``, less a margin, on Redis's clock): past that, another gateway may
 #: have taken the stream over and Redis lost the evidence with the data (a stalled
 #: producer re-claiming then wrote its stale history over the new producer's, which
-#: stopped: two generations spliced, then nobody finished the stream). A producer that ran
-#: all along and only could not reach Redis (Redis down, restarting) re-claims at any time:
-#: nobody else could take the stream over while Redis was down, and a loss took the plan a
-#: take-over needs. (Left open: this gateway cut off from a Redis the others reach for past
-#: the TTL, a take-over then, and a loss of that Redis's data before the link is back.)
+#: stopped: two generations spliced, then nobody finished the stream). Refused (4), it
+#: waits ``RECLAIM_GRACE_S``: a gateway that took the stream over and lives writes its
+#: journal back within a refresh period, and this one then finds ``:live`` held (0); if
+#: nobody did, it re-claims. A producer that ran all along and only could not reach Redis
+#: (Redis down, restarting) re-claims at once: nobody else could take the stream over
+#: while Redis was down, and a loss took the plan a take-over needs. (Left open: this
+#: gateway cut off from a Redis the others reach for past the TTL, a take-over then, a loss
+#: of that Redis's data, and the taker cut off too for the whole grace.)
 #: KEYS: stream, live, head, plan, record. ARGV: owner, stream ttl ms, live ttl ms, number
 #: of the first event, head, "1" when the batch ends the stream, the request's fingerprint
 #: ("": no record to restore), the plan ("": none to restore), the unix ms until which a
 #: missing ``:live`` may be re-claimed, then (data, state) per event.
 #: Returns {1 written | 2 written, but Redis had lost :live or the record | 3 nothing
-#: written: send events last + 1.. first | 0 lost, last | 4 lost: :live missing past the
-#: re-claim deadline, last}.
+#: written: send events last + 1.. first | 0 lost, last | 4 nothing written: :live missing
+#: past the re-claim deadline, last}.
 APPEND = """
 local owner = redis.call('GET', KEYS[2])
 local first = tonumber(ARGV[4])
@@ -385,6 +393,8 @@ class JournalWriter:
         #: stream was claimed (``claimed_ms``), then when each confirmed batch was sent.
         self._confirmed_ms = now_ms() if claimed_ms is None else claimed_ms
         self._sent_ms = self._confirmed_ms
+        #: Refused a re-claim after a stall: it may re-claim from then on (monotonic).
+        self._reclaim_after: float | None = None
         #: The producer task, while it waits for the generation's next event: a producer
         #: that lost its stream cancels its generation then, so the engine stops at once.
         self._generating: asyncio.Task[Any] | None = None
@@ -515,8 +525,7 @@ class JournalWriter:
             self._owner, self._done_ttl_ms if ends else self._ttl_ms, LIVE_TTL_MS,
             self._written + 1 if rewrite is None else rewrite, self._head, "1" if ends else "0", self._fingerprint,
             b"" if rewrite is None else self._plan,
-            _NO_DEADLINE_MS if self._committer.awake_since(self._confirmed_ms)
-            else self._confirmed_ms + LIVE_TTL_MS - RECLAIM_MARGIN_MS]
+            _NO_DEADLINE_MS if self._may_reclaim() else self._confirmed_ms + LIVE_TTL_MS - RECLAIM_MARGIN_MS]
         if rewrite is not None:
             for stored, state in self._history.since(rewrite):
                 args += [stored, state]
@@ -535,9 +544,13 @@ class JournalWriter:
             self._lose("it was taken over by another gateway")
             return
         if status == 4:
-            self._lose(f"Redis lost its claim while this gateway could not renew it for "
-                       f"{(self._sent_ms - self._confirmed_ms) / 1000:.1f} s (another gateway may have taken it over "
-                       "since)")
+            if self._reclaim_after is None:
+                self._reclaim_after = time.monotonic() + RECLAIM_GRACE_S
+                log.warning("journal %s: Redis lost its claim while this process was stalled for %.1f s; it waits "
+                            "%.0f s for a gateway that may have taken the stream over, then re-claims it", self.key,
+                            (self._sent_ms - self._confirmed_ms) / 1000, RECLAIM_GRACE_S)
+            self._failure = RedisError("waiting to re-claim the stream")  # retried, not spun on
+            self._progress.set()
             return
         self._confirmed_ms = self._sent_ms  # :live was set by this batch
         if status == 3:
@@ -578,6 +591,12 @@ class JournalWriter:
         self._failure = exc
         log.warning("journal write failed for %s: %s", self.key, exc)
         self._progress.set()
+
+    def _may_reclaim(self) -> bool:
+        """Whether this producer may re-claim a missing ``:live`` whenever (see ``APPEND``)."""
+        if self._committer.awake_since(self._confirmed_ms):
+            return True
+        return self._reclaim_after is not None and time.monotonic() >= self._reclaim_after
 
     def _lose(self, why: str) -> None:
         """Another gateway produces the stream now (or may): this writer is done for good. It

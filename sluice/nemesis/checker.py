@@ -23,7 +23,7 @@ Outcomes:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sluice.nemesis.faults import FaultRun
 from sluice.nemesis.history import Attempt, ErrorSeen, History
@@ -181,7 +181,13 @@ def _explicit(attempts: list[Attempt], runs: list[FaultRun], ports: list[int], v
         v.reason = "incomplete"
         v.detail.append(f"{last.how} {last.status}: complete answer expected")
     allowed = ALLOWED.get(v.reason)
-    if v.reason == "client_left" or (allowed is not None and allowed(last, runs, ports)):
+    window = last
+    if errors and last.status == 200 and last.how in ("get", "repost"):
+        # An in-band error a re-attach read from the journal: its producer journaled it at
+        # any time since the stream began, so the fault that explains it may be over by the
+        # re-attach (a query of death at 40 s read at 78 s).
+        window = replace(last, started_s=attempts[0].started_s)
+    if v.reason == "client_left" or (allowed is not None and allowed(window, runs, ports)):
         v.outcome = "explicit"
         return
     v.outcome = "forbidden"

@@ -103,7 +103,14 @@ class Proc:
         self.child.kill_group()
         self.child.process.wait()
 
+    def move_to(self, port: int) -> None:
+        """Listen on ``port`` from the next start (a worker's port was taken before it started)."""
+        self.argv[self.argv.index("--port") + 1] = str(port)
+        self.port, self.url = port, f"http://127.0.0.1:{port}"
+
     def signal(self, sig: signal.Signals) -> None:
+        if self.child is None:  # never started
+            return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, sig)
 
@@ -156,6 +163,21 @@ class Proc:
             self.child.stop(timeout_s=5)
 
 
+async def _start_on_a_free_port(worker: Proc, timeouts_s: tuple[float, ...] = (10.0, 30.0, 60.0)) -> None:
+    """Start a worker; on another free port if it did not come up on its own (another
+    process bound that port between ``free_port()`` and the start: the worker exits at
+    once, and would again on every restart)."""
+    for attempt, timeout_s in enumerate(timeouts_s):
+        try:
+            await worker.restart(timeout_s=timeout_s)
+            return
+        except (ProcExited, RuntimeError):
+            if attempt == len(timeouts_s) - 1:
+                raise
+            worker.stop()
+            worker.move_to(free_port())
+
+
 class System:
     def __init__(self, shape: SystemShape, logs: Path) -> None:
         self.shape = shape
@@ -200,7 +222,7 @@ class System:
                     "--redis-url", url]
             env = _child_env({**GATEWAY_ENV, **self.shape.gateway_env})
             self.gateways.append(Proc(f"gateway-{i}", argv, env, self.logs / f"gateway-{i}.log", self.port_of(i)))
-        await asyncio.gather(*(p.restart() for p in self.workers))
+        await asyncio.gather(*(_start_on_a_free_port(p) for p in self.workers))
         await asyncio.gather(*(p.restart() for p in self.gateways))
         await self._models_ready()
 

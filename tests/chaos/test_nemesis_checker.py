@@ -109,6 +109,23 @@ def test_an_error_on_the_list_is_explicit_and_a_lost_stream_is_not() -> None:
     assert check(spec, reference(spec), _history(att), [], [PORT]).kinds == ["unlisted_error:stream_lost"]
 
 
+def test_a_journaled_error_read_by_a_later_re_attach_is_explained_by_the_faults_before_it() -> None:
+    """Regression (full single-server run, nem-250): two workers killed at 38-43 s ended a
+    resumable stream with an in-band query of death, journaled then; the client re-attached
+    at 78 s and read it. The checker judged the error by the re-attach's own window alone
+    and called a documented outcome forbidden."""
+    spec = _spec()
+    first = _attempt(spec, _words(spec)[:2], done=False, finish_last=False, t=30.0)
+    later = _attempt(spec, _words(spec)[2:3], start=3, how="get", last=2, finish_last=False, t=78.0)
+    later.errors.append(ErrorSeen(200, True, "server_error", "query_of_death",
+                                  "two workers died while serving this request; it is not sent to another"))
+    kills = [FaultRun(Fault(i, t, "worker_kill", f"worker-{i}", 2.0), started_s=t, ended_s=t + 2.0)
+             for i, t in enumerate((38.7, 40.6))]
+    assert check(spec, reference(spec), _history(first, later), kills, [PORT]).outcome == "explicit"
+    assert check(spec, reference(spec), _history(first, later), [], [PORT]).kinds == [
+        "unlisted_error:query_of_death"]
+
+
 def test_usage_must_count_the_prompt_once_per_prompt() -> None:
     spec = _spec(n=2)
     ref = reference(spec)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 import pytest
+import redis as sync_redis
+from redis.asyncio.cluster import RedisCluster
 
 from gateway.streams.idempotency import Idempotency
 from gateway.streams.journal import (
@@ -305,17 +308,20 @@ async def test_a_producer_taken_over_never_writes_its_stale_history_after_redis_
     assert await redis.get(live_key(key)) is None
 
 
-async def test_a_producer_stalled_past_its_claim_does_not_re_claim_a_journal_redis_lost(
-    redis: RedisClient, committer: JournalCommitter, idem: Idempotency
-) -> None:
-    """Regression: a gateway stalled longer than ``:live``'s TTL (SIGSTOP) may have been
-    taken over meanwhile, and Redis may have lost that evidence with the data: it must not
-    re-claim the stream (its stale history and its own continuation would splice with
-    what the other gateway's readers got). It stops; a reader's take-over continues the
-    stream or says it cannot."""
-    key = uuid.uuid4().hex
-    assert await _claim(idem, key, "a")
-    writer = JournalWriter(committer, key, ttl_s=60, owner="a", plan=b"the plan")
+def _stall_then_lose(redis: RedisClient, key: str, taker: bool) -> AsyncIterator[bytes]:
+    """Events 1..10, with the whole process stalled (no :live refresh) past ``:live``'s TTL
+    after event 5, then Redis losing the stream; with ``taker``, a gateway that took the
+    stream over during the stall writes its own journal back (events 1..7) half a second
+    after this one resumes, as a live producer does within a refresh period."""
+
+    def take_over_back() -> None:
+        time.sleep(0.5)
+        with sync_redis.Redis(**redis_kwargs) as client:
+            client.set(live_key(key), "b", px=60_000)
+            for n in range(1, 8):
+                client.xadd(stream_key(key), {"d": b"data: b%d\n\n" % n}, id=f"0-{n}")
+
+    redis_kwargs = {"host": "127.0.0.1", "port": _port_of(redis, key)}
 
     async def events() -> AsyncIterator[bytes]:
         for i in range(1, 6):
@@ -324,15 +330,55 @@ async def test_a_producer_stalled_past_its_claim_does_not_re_claim_a_journal_red
             await asyncio.sleep(0.01)
         time.sleep(LIVE_TTL_MS / 1000 + 0.3)  # the whole process stalls: no :live refresh
         await redis.delete(stream_key(key), live_key(key), keys.journal_plan(key))  # then Redis lost it all
+        if taker:
+            threading.Thread(target=take_over_back, daemon=True).start()
         for i in range(6, 11):
             yield b"data: %d\n\n" % i
         yield DONE
 
+    return events()
+
+
+def _port_of(redis: RedisClient, key: str) -> int:
+    """The port of the server that holds ``key``'s journal (a Cluster's node, or the one server)."""
+    if isinstance(redis, RedisCluster):
+        node = redis.get_node_from_key(stream_key(key))
+        assert node is not None
+        return int(node.port)
+    return int(redis.connection_pool.connection_kwargs["port"])
+
+
+async def test_a_producer_stalled_past_its_claim_gives_a_taker_time_to_re_claim_a_journal_redis_lost(
+    redis: RedisClient, committer: JournalCommitter, idem: Idempotency
+) -> None:
+    """Regression: a gateway stalled longer than ``:live``'s TTL (SIGSTOP) may have been
+    taken over meanwhile, and Redis may have lost that evidence with the data: re-claiming
+    at once, it wrote its stale history and its own continuation over what the taker's
+    readers had (a splice). It now waits for a taker to re-claim first, and stops."""
+    key = uuid.uuid4().hex
+    assert await _claim(idem, key, "a")
+    writer = JournalWriter(committer, key, ttl_s=60, owner="a", plan=b"the plan")
     with contextlib.suppress(JournalLost):  # raised if it noticed before its generation ended
-        await asyncio.wait_for(await start_producer(writer, events(), _nothing), 5)
+        await asyncio.wait_for(await start_producer(writer, _stall_then_lose(redis, key, taker=True), _nothing), 10)
     assert writer.lost
-    assert await redis.xlen(stream_key(key)) == 0  # was: events 1..10 and [DONE] written back
-    assert await redis.get(live_key(key)) is None
+    entries = await redis.xrange(stream_key(key))
+    assert [e[1][b"d"] for e in entries] == [b"data: b%d\n\n" % n for n in range(1, 8)]  # the taker's, untouched
+    assert await redis.get(live_key(key)) == b"b"
+    await redis.delete(stream_key(key), live_key(key))
+
+
+async def test_a_producer_stalled_past_its_claim_re_claims_a_journal_redis_lost_when_nobody_took_it(
+    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter, idem: Idempotency
+) -> None:
+    """The stall and the loss without a taker: after the grace the producer writes the
+    journal back whole and finishes the stream (no error for a fault it can repair)."""
+    key = uuid.uuid4().hex
+    assert await _claim(idem, key, "a")
+    writer = JournalWriter(committer, key, ttl_s=60, owner="a", plan=b"the plan")
+    await asyncio.wait_for(await start_producer(writer, _stall_then_lose(redis, key, taker=False), _nothing), 15)
+    assert not writer.lost
+    assert [event async for event in readers.tail(key, 3)] == _expected(10, 3)
+    await redis.delete(stream_key(key))
 
 
 async def test_a_producer_that_lost_live_never_deletes_the_new_owners(

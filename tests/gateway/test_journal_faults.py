@@ -11,6 +11,7 @@ import time
 import uuid
 
 import httpx
+import openai
 import orjson
 import pytest
 import redis
@@ -124,6 +125,33 @@ def test_a_resumable_stream_whose_generation_ends_while_redis_is_down_is_journal
     assert _text(events) == reference
     with httpx.stream("GET", f"{gateway.url}/v1/streams/{key}", headers={"Last-Event-ID": "5"}, timeout=30) as r:
         assert _events(r.iter_lines()) == events[5:]
+
+
+def test_a_migration_while_redis_is_down_waits_for_it_instead_of_ending_the_stream(
+        private_redis, start_worker, start_gateway) -> None:
+    """Regression (full nemesis run: 82 streams ended "503 the stream could not continue"):
+    a worker died while Redis was down; the migration's admission failed at once with the
+    ConnectionError and the stream, admitted long before, ended there. It now waits for
+    Redis (bounded) and goes on, token-exact."""
+    server = private_redis["server"]
+    model = "migrate-in-outage"
+    first = start_worker(model, redis_at=server.url, sim_token_ms=20, sim_ttft_ms=0)
+    gateway = start_gateway(redis_at=server.url)
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=60) as client:
+        reference = client.completions.create(model=model, prompt="an outage", max_tokens=120, seed=3,
+                                              extra_body={"ignore_eos": True}).choices[0].text
+        text, cut = "", False
+        for chunk in client.completions.create(model=model, prompt="an outage", max_tokens=120, seed=3, stream=True,
+                                               extra_body={"ignore_eos": True}):
+            text += chunk.choices[0].text if chunk.choices else ""
+            if not cut and len(text.split()) >= 20:
+                cut = True
+                start_worker(model, redis_at=server.url, sim_token_ms=20, sim_ttft_ms=0)  # where it can go
+                server.stop()  # Redis is down: the migration cannot be admitted yet
+                first.kill()
+                time.sleep(2)
+                private_redis["server"] = EmbeddedRedis(port=server.port).start()  # back, empty
+    assert cut and text == reference
 
 
 def test_a_re_attach_after_redis_lost_a_finished_stream_gets_the_rest(private_redis, start_worker,

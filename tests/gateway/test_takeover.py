@@ -209,6 +209,28 @@ def test_a_take_over_refuses_a_journal_missing_its_first_events(two_gateways, st
     assert redis_client.exists(keys.idempotency(scoped("-", key))) == 0  # forgotten: a retry runs again
 
 
+def test_a_take_over_of_a_stream_whose_plan_redis_lost_says_its_history_is_lost(two_gateways, start_gateway,
+                                                                                redis_client) -> None:
+    """Regression (nemesis): a stream whose gateway died (or stopped producing) after Redis
+    lost its plan ended its readers with "the stream's producer is gone; the rest is lost",
+    which tells a client nothing about why: it is ``stream_history_lost``, as for any
+    journal Redis lost part of."""
+    _, other = two_gateways
+    body = {"model": "takeover", "messages": [{"role": "user", "content": "a plan"}],
+            "max_tokens": 150, "ignore_eos": True, "stream": True}
+    key = uuid.uuid4().hex
+    seen = _start_and_kill(start_gateway(), body, key)
+    redis_client.delete(keys.journal_plan(scoped("-", key)))  # Redis lost the plan
+    last = max(i for i, _ in seen if i is not None)
+    with httpx.stream("GET", other.url + f"/v1/streams/{key}", headers={"Last-Event-ID": str(last)},
+                      timeout=60) as r:
+        rest = _events(r.iter_lines())
+    errors = [orjson.loads(d)["error"] for _, d in rest if d.startswith('{"error"')]
+    assert [e["code"] for e in errors] == ["stream_history_lost"], rest
+    assert [d for _, d in rest][-1] == "[DONE]"
+    assert redis_client.exists(keys.idempotency(scoped("-", key))) == 0  # forgotten: a retry runs again
+
+
 def test_two_gateways_racing_to_take_over_one_stream_produce_it_once(two_gateways, start_gateway,
                                                                      redis_client) -> None:
     """Readers on two gateways find the producer gone at the same moment: one of the two
