@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import uuid
 from typing import Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from sluice.roles import Role
 from sluice.settings import RedisSettings
 from sluice.tasks import WorkerTask
 
@@ -34,6 +36,15 @@ class WorkerSettings(RedisSettings):
     #: ``embed`` (a pooling model: embeddings, scores, tokenize; vLLM runs the model with
     #: ``runner="pooling"``); an ``openai`` worker passes that task's routes through.
     task: WorkerTask = "generate"
+    #: Prefill/decode disaggregation (sluice/roles.py): ``prefill`` or ``decode`` workers of
+    #: one model are used as pairs by the gateways; ``both`` serves whole requests.
+    role: Role = "both"
+    #: vLLM: the KV connector, as vLLM's ``--kv-transfer-config`` JSON, e.g.
+    #: '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'. Needed by prefill and decode workers.
+    #: Run here: ExampleConnector (KV through files) on CPU; NixlConnector on GPUs is untested.
+    vllm_kv_transfer_config: dict[str, object] | None = None
+    #: sim, decode role: time to receive one prompt token's KV from the prefill worker.
+    sim_kv_transfer_ms_per_token: float = Field(default=0.0, ge=0)
     heartbeat_ms: int = Field(default=1000, ge=50)
     #: On SIGTERM: stop taking requests, wait this long for in-flight ones, then exit.
     drain_timeout_s: float = Field(default=30.0, ge=0)
@@ -108,6 +119,12 @@ class WorkerSettings(RedisSettings):
     #: server). ``direct``: the worker registers the server itself (keeping its capacity, health
     #: and load) and gateways call it, translating in-process (sluice/engine_server.py).
     relay: Literal["worker", "direct"] = "worker"
+
+    @field_validator("vllm_kv_transfer_config", mode="before")
+    @classmethod
+    def _json_object(cls, value: object) -> object:
+        """The command line gives the connector's config as JSON text, as vLLM's own flag does."""
+        return json.loads(value) if isinstance(value, str) else value
 
     def url(self) -> str:
         """Where gateways reach this worker: the advertised URL, else this host's address."""

@@ -9,7 +9,8 @@ Response: NDJSON, one line per engine step::
 
 Optional keys: ``lp`` (log-probabilities), ``tc`` (tool-call deltas in OpenAI's
 streamed shape; the finish reason is then ``tool_calls``), ``echo`` (the prompt's
-text, first line only). A failure after the stream started is one ``{"error": {...}}`` line.
+text, first line only), ``kv_transfer_params`` (a prefill hop's finishing line: where a
+decode engine finds the prompt's KV). A failure after the stream started is one ``{"error": {...}}`` line.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ class GenerateRequest(BaseModel):
     #: back (a possible stop string, a partial UTF-8 character) while sending the ids;
     #: the resuming worker emits that held-back text first.
     resume_text_chars: int | None = Field(default=None, ge=0)
+    #: Prefill/decode disaggregation (gateway/relay/disagg.py): vLLM's KV connector parameters.
+    #: A prefill hop sends ``{"do_remote_decode": true, ...}``; a decode hop sends what its
+    #: prefill's finishing line returned.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @classmethod
     def parse(cls, body: bytes) -> GenerateRequest:
@@ -124,6 +129,8 @@ class Delta:
     #: The stop string that ended the generation (finish reason "stop"), when one did:
     #: Anthropic's ``stop_sequence`` (an end of sequence is none).
     stop_sequence: str | None = None
+    #: A prefill hop's finishing delta: the KV connector's parameters for the decode engine.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def encode(self) -> bytes:
         return orjson.dumps(self.line()) + b"\n"
@@ -143,6 +150,8 @@ class Delta:
             line["usage"] = self.usage.as_dict()
         if self.stop_sequence is not None:
             line["stop_sequence"] = self.stop_sequence
+        if self.kv_transfer_params is not None:
+            line["kv_transfer_params"] = self.kv_transfer_params
         return line
 
 

@@ -12,6 +12,7 @@ from redis.exceptions import RedisError
 
 from sluice import keys
 from sluice.directory import Directory
+from sluice.roles import BOTH, Role
 
 log = logging.getLogger("sluice.worker")
 
@@ -54,6 +55,7 @@ class Registration:
         stats: Callable[[], dict[str, float]],
         healthy: Callable[[], bool] = lambda: True,
         tasks: tuple[str, ...] = ("generate",),
+        role: Role = BOTH,
         record: Callable[[], dict[str, object]] = dict,
         also: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
@@ -62,7 +64,8 @@ class Registration:
         self._redis = redis
         self.model = model
         self.worker_id = worker_id
-        self._record = {"id": worker_id, "url": url, "engine": engine, "capacity": capacity, "tasks": list(tasks)}
+        self._record = {"id": worker_id, "url": url, "engine": engine, "capacity": capacity, "tasks": list(tasks),
+                        "role": role}
         self._extra = record
         self._also = also
         self._period_s = heartbeat_ms / 1000

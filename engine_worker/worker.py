@@ -66,6 +66,8 @@ def build_engine(settings: WorkerSettings) -> Engine:
             prefill_ms_per_token=settings.sim_prefill_ms_per_token,
             prefill_chunk=settings.sim_prefill_chunk,
             cache_blocks=settings.sim_cache_blocks,
+            role=settings.role,
+            kv_transfer_ms_per_token=settings.sim_kv_transfer_ms_per_token,
         )
     if settings.engine == "openai":
         from engine_worker.engines.openai_upstream import OpenAIUpstreamEngine
@@ -107,6 +109,7 @@ def build_engine(settings: WorkerSettings) -> Engine:
             task=settings.task,
             max_loras=max(settings.max_loras, len(settings.lora)),
             max_lora_rank=settings.max_lora_rank,
+            kv_transfer_config=settings.vllm_kv_transfer_config,
         )
     from engine_worker.engines.trtllm_engine import TrtllmEngine
 
@@ -168,6 +171,7 @@ class Worker:
             "id": self.settings.worker_id,
             "model": self.model,
             "engine": self.engine.name,
+            "role": self.settings.role,
             "capacity": self.engine.capacity,
             "in_flight": self.in_flight,
             "served": self.served,
@@ -289,6 +293,7 @@ class Worker:
                 stats=lambda: self.engine.stats().as_dict(),
                 healthy=lambda: self.engine.healthy,
                 tasks=tuple(t for t in self.tasks if self.serves(t)),
+                role=s.role,
                 record=self.adapters.record,
                 also=lambda: self.adapters.publish(redis),
             )

@@ -42,6 +42,7 @@ from gateway.lean_routes import LeanRoutes
 from gateway.metrics import GatewayMetrics
 from gateway.record import RequestRecord
 from gateway.relay.counting import PromptCounter
+from gateway.relay.disagg import Disaggregation, FleetRoles
 from gateway.relay.pooling import PoolingServing
 from gateway.relay.serving import Serving
 from gateway.relay.sse import SSEResponse
@@ -130,7 +131,8 @@ async def open_services(settings: GatewaySettings) -> Services:
     readers = JournalReaders(redis)  # one reader loop for every re-attached stream of this process
     metrics = GatewayMetrics()
     adapters = AdapterDirectory(redis)
-    dispatcher = Dispatcher(settings, admission, http, workers, IndexCorrections(PrefixIndex(redis)), adapters)
+    dispatcher = Dispatcher(settings, admission, http, workers, IndexCorrections(PrefixIndex(redis)), adapters,
+                            Disaggregation(FleetRoles(redis), settings.stall_timeout_s))
     serving = Serving(
         settings, dispatcher, Idempotency(redis, settings.idempotency_ttl_s), redis, tenancy, readers, metrics,
     )

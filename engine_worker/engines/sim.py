@@ -21,7 +21,8 @@ Structured output (``response_format`` JSON, a forced tool call) is one schema-v
 JSON value streamed a few characters per token (engines/sim_structured.py), turned
 into tool calls as a real engine's would be; ``tool_choice: "auto"`` is answered in
 text (the simulator has no tool-call syntax). Token-id prompts use the simulator's
-vocabulary (``VOCAB``); ``echo`` sends the prompt back first.
+vocabulary (``VOCAB``); ``echo`` sends the prompt back first. A ``prefill`` or ``decode``
+simulator models prefill/decode disaggregation's KV transfer (engines/sim_kv.py).
 """
 
 from __future__ import annotations
@@ -37,10 +38,13 @@ from dataclasses import dataclass, field
 from engine_worker.engines.base import EngineStats
 from engine_worker.engines.prefix_cache import PrefixCache
 from engine_worker.engines.prompts import checked_bias, checked_ids
+from engine_worker.engines.sim_kv import NONE as NO_TRANSFER
+from engine_worker.engines.sim_kv import SimConnector, Transfer
 from engine_worker.engines.sim_structured import structured_pieces
 from engine_worker.engines.tool_calls import ForcedCalls, decoding_constraint
 from engine_worker.protocol import Delta, GenerateRequest, KVEvent, Usage
 from sluice.prefix import BLOCK_TOKENS, block_hashes_of_words, chat_text
+from sluice.roles import BOTH, Role
 
 _SYLLABLES = [c + v for c in "bcdfghjklmnprstvwxz" for v in "aeiou"]
 VOCAB = [_SYLLABLES[i % len(_SYLLABLES)] + _SYLLABLES[(i // len(_SYLLABLES) * 7) % len(_SYLLABLES)] for i in range(1024)]
@@ -109,6 +113,8 @@ class _Seq:
     echo: str | None = None
     queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
     ready_at: float = 0.0
+    #: Prefill/decode disaggregation (engines/sim_kv.py).
+    transfer: Transfer = NO_TRANSFER
     cached_tokens: int = 0
     prefill_left: int = 0
     text: str = ""
@@ -123,9 +129,11 @@ class SimEngine:
     def __init__(
         self, *, ttft_ms: float = 20.0, token_ms: float = 5.0, max_seqs: int = 64, fail_first: int = 0,
         crash_on: str | None = None, prefill_ms_per_token: float = 0.0, prefill_chunk: int = 512,
-        cache_blocks: int = 1024,
+        cache_blocks: int = 1024, role: Role = BOTH, kv_transfer_ms_per_token: float = 0.0,
     ) -> None:
         self.capacity = max_seqs
+        #: Its part in prefill/decode disaggregation: KV parameters handed out or taken.
+        self.connector = SimConnector(role, kv_transfer_ms_per_token)
         self.cache = PrefixCache(cache_blocks)
         self._prefill_s = prefill_ms_per_token / 1000
         self._prefill_chunk = prefill_chunk
@@ -204,6 +212,8 @@ class SimEngine:
         if request.max_tokens is not None and resumed + request.max_tokens <= end:
             limit, end_reason = resumed + request.max_tokens, "length"
         words = prompt.split()
+        transfer = self.connector.transfer(request.kv_transfer_params, prompt, request.resume_token_ids,
+                                           len(words) + resumed)
         seq = _Seq(
             request=request,
             tokens=tokens,
@@ -215,6 +225,7 @@ class SimEngine:
             pieces=pieces,
             tools=None if request.tool_mode in (None, "none", "auto") else ForcedCalls(request.tool_mode),
             echo=prompt if request.echo and not resumed else None,
+            transfer=transfer,
         )
         self._waiting.append(seq)
         self._wake.set()
@@ -234,6 +245,14 @@ class SimEngine:
                     self._running.remove(seq)
 
     def _admit(self, seq: _Seq, now: float) -> None:
+        if seq.transfer.receive_s is not None:
+            # A decode hop: its prompt's KV arrives from the prefill worker instead of being
+            # computed; usage counts it as cached (none of it computed here).
+            seq.ready_at = now + seq.transfer.receive_s
+            seq.cached_tokens = seq.prompt_tokens
+            self._prefilled(seq)
+            self._running.append(seq)
+            return
         seq.ready_at = now + self._ttft_s
         seq.prefill_left = -1  # the cache is looked up when its prefill starts
         if self._prefill_s <= 0:
@@ -309,10 +328,14 @@ class SimEngine:
         if finish is None and seq.next_index >= seq.limit:
             finish = seq.end_reason
         usage = None
+        kv = None
         if finish is not None:
             seq.done = True
             usage = Usage(prompt_tokens=seq.prompt_tokens, completion_tokens=seq.generated,
                           cached_tokens=seq.cached_tokens)
+            if seq.transfer.produce:
+                kv = self.connector.produced(prompt_text(seq.request), seq.request.resume_token_ids,
+                                             seq.prompt_tokens)
         lps = None
         if seq.request.logprobs is not None:
             lps = [sim_logprobs(token_id, seq.request.logprobs)]
@@ -320,5 +343,5 @@ class SimEngine:
         if seq.tools is not None:
             piece, calls, finish = seq.tools.step(piece, [token_id], finish)
         seq.queue.put_nowait(Delta([token_id], piece, finish, usage, lps, calls, seq.echo,
-                                   stopped_by if finish == "stop" else None))
+                                   stopped_by if finish == "stop" else None, kv))
         seq.echo = None

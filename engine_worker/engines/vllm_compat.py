@@ -70,6 +70,8 @@ class VllmApi:
     StructuredOutputsConfig: Any
     #: The engine core's KV-cache event publisher settings (the precise prefix index).
     KVEventsConfig: Any
+    #: The KV connector (prefill/decode disaggregation: ``--kv-transfer-config``).
+    KVTransferConfig: Any
     SamplingParams: Any
     #: Embedding requests' parameters (``task="embed"``, ``dimensions``).
     PoolingParams: Any
@@ -135,6 +137,7 @@ def vllm_api() -> VllmApi:
         UsageContext=_required("vllm.usage.usage_lib", "UsageContext"),
         StructuredOutputsConfig=_required("vllm.config", "StructuredOutputsConfig"),
         KVEventsConfig=_required("vllm.config", "KVEventsConfig"),
+        KVTransferConfig=_required("vllm.config", "KVTransferConfig"),
         SamplingParams=_required("vllm.sampling_params", "SamplingParams"),
         PoolingParams=_required("vllm.pooling_params", "PoolingParams"),
         RequestOutputKind=_required("vllm.sampling_params", "RequestOutputKind"),

@@ -63,6 +63,7 @@ class VllmEngine:
         task: str = "generate",
         max_loras: int = 0,
         max_lora_rank: int = 16,
+        kv_transfer_config: dict[str, Any] | None = None,
     ) -> None:
         if tool_call_parser is not None:
             check_parser(tool_call_parser)
@@ -84,6 +85,8 @@ class VllmEngine:
         self._kv_events = KVEventListener(kv_events_endpoint) if kv_events_endpoint else None
         self._max_loras = max_loras
         self._max_lora_rank = max_lora_rank
+        #: Prefill/decode disaggregation: vLLM's KV connector (``kv_connector``, ``kv_role``...).
+        self._kv_transfer = dict(kv_transfer_config) if kv_transfer_config else None
         #: Adapter name -> its LoRARequest (ids are this engine's own, never reused).
         self._loras: dict[str, Any] = {}
         self._lora_ids = 0
@@ -133,6 +136,11 @@ class VllmEngine:
         if self._kv_events is not None:
             args["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
                                         "endpoint": self._kv_events.endpoint, "topic": ""}
+        if self._kv_transfer is not None:
+            # A decode hop retried on another decode worker reuses its prefill's parameters;
+            # a connector that frees the KV once read (NixlConnector) then has none to give,
+            # and vLLM's default ("fail") would fail the retry: recompute the prompt instead.
+            args["kv_transfer_config"] = {"kv_load_failure_policy": "recompute", **self._kv_transfer}
         args.update(self._extra)
         return args
 
@@ -149,6 +157,8 @@ class VllmEngine:
             args["structured_outputs_config"] = vllm.StructuredOutputsConfig(**args["structured_outputs_config"])
         if isinstance(args.get("kv_events_config"), dict):
             args["kv_events_config"] = vllm.KVEventsConfig(**args["kv_events_config"])
+        if isinstance(args.get("kv_transfer_config"), dict):
+            args["kv_transfer_config"] = vllm.KVTransferConfig(**args["kv_transfer_config"])
         if self._kv_events is not None:
             self._kv_events.start()
         if self._trtllm_kernels:
@@ -208,6 +218,10 @@ class VllmEngine:
         constraint = decoding_constraint(request)
         if constraint is not None:
             fields["structured_outputs"] = vllm.StructuredOutputsParams(**constraint)
+        if request.kv_transfer_params is not None:
+            # Where vLLM's KV connectors read a request's transfer parameters (its own
+            # OpenAI server puts a request's ``kv_transfer_params`` there too).
+            fields["extra_args"] = {"kv_transfer_params": request.kv_transfer_params}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(request, name)
@@ -300,7 +314,9 @@ class VllmEngine:
                 if tools is not None:
                     piece, calls, finish = tools.step(piece, ids, finish)
                 stopped_by = text.stopped_by if text is not None else choice.stop_reason
-                yield Delta(ids, piece, finish, usage, lps, calls, echo, stop_string(finish, stopped_by))
+                # A prefill hop's parameters for its decode hop come with the final output.
+                kv = getattr(out, "kv_transfer_params", None) if finish is not None else None
+                yield Delta(ids, piece, finish, usage, lps, calls, echo, stop_string(finish, stopped_by), kv)
                 echo = None
                 if finish is not None:
                     return

@@ -148,7 +148,9 @@ class Ask:
     ``blocks``: the prompt's block hashes (:mod:`sluice.prefix`), for cache routing;
     ``task``: only workers serving it are granted (:mod:`sluice.tasks`);
     ``session``: the session's routing key (:mod:`gateway.admission.affinity`), "" for none;
-    ``adapter``: the LoRA adapter asked for, served by ``model`` (its parent), "" for none.
+    ``adapter``: the LoRA adapter asked for, served by ``model`` (its parent), "" for none;
+    ``role``: one hop of a disaggregated request takes only workers of that role
+    (:mod:`sluice.roles`), "" (a whole request) any worker.
     """
 
     model: str
@@ -164,6 +166,7 @@ class Ask:
     task: Task = GENERATE
     session: str = ""
     adapter: str = ""
+    role: str = ""
 
 
 @dataclass(eq=False, slots=True)
@@ -265,7 +268,7 @@ class Admission:
             if status == "granted":
                 return self._granted(ask, result[1])
             if status == "none":
-                raise await self._no_worker(model, bool(ask.exclude))
+                raise await self._no_worker(model, bool(ask.exclude), ask.role)
             if status == "untasked":
                 raise InvalidRequest(
                     f"no live worker of model '{model}' serves {ROUTES.get(ask.task, ask.task)}: task '{ask.task}' "
@@ -304,7 +307,7 @@ class Admission:
                             self._s.route_least_pending_weight if self._s.routing == "least"
                             else self._s.route_prefill_weight, ask.task,
                             ask.session if self._s.session_affinity != "off" else "", self._s.session_affinity,
-                            self._s.session_load_bound, self._s.session_cost_blocks, ask.adapter),
+                            self._s.session_load_bound, self._s.session_cost_blocks, ask.adapter, ask.role),
         ))
         try:
             return cast(list[Any], await asyncio.shield(call))
@@ -462,9 +465,11 @@ class Admission:
             self._known.popitem(last=False)
         return leases
 
-    async def _no_worker(self, model: str, retried: bool) -> SluiceError:
+    async def _no_worker(self, model: str, retried: bool, role: str = "") -> SluiceError:
         if not retried and await self.live_workers(model) == 0:
             return await self.missing_model(model)
+        if role and not retried:
+            return Unavailable(f"model '{model}' has no live {role} worker", retry_after_s=1)
         return Unavailable(f"every live worker for '{model}' failed this request", retry_after_s=1)
 
     async def missing_model(self, model: str) -> SluiceError:

@@ -133,7 +133,7 @@ local function live_workers()
       for _, t in ipairs(r.tasks or {'generate'}) do serves[t] = true end
       out[#out + 1] = {id = id, url = r.url, cap = math.max(tonumber(r.capacity) or 1, 1),
                        used = tonumber(redis.call('HGET', K_INFLIGHT, id) or '0'),
-                       prefill = math.max(prefill[id] or 0, 0), serves = serves,
+                       prefill = math.max(prefill[id] or 0, 0), serves = serves, role = r.role or 'both',
                        loras = r.loras or {}, lora_max = tonumber(r.lora_max) or 0}
     else
       redis.call('HDEL', K_WORKERS, id)
@@ -143,14 +143,16 @@ local function live_workers()
   return out
 end
 
--- The workers a request may not use: those that already failed it (`exclude`), and those
--- that do not serve its task (`task`: generate, embed, score, tokenize; see sluice/tasks.py).
-local function exclusions(ws, exclude, task)
+-- The workers a request may not use: those that already failed it (`exclude`), those
+-- that do not serve its task (`task`: generate, embed, score, tokenize; see sluice/tasks.py),
+-- and, for one hop of a disaggregated request (`role`: prefill, decode; nil for a whole
+-- request, which any worker may serve), the workers of another role (sluice/roles.py).
+local function exclusions(ws, exclude, task, role)
   local excluded = {}
   for _, id in ipairs(exclude or {}) do excluded[id] = true end
   local wanted = task or 'generate'
   for _, w in ipairs(ws) do
-    if not w.serves[wanted] then excluded[w.id] = true end
+    if not w.serves[wanted] or (role and w.role ~= role) then excluded[w.id] = true end
   end
   return excluded
 end
@@ -397,7 +399,7 @@ end
 -- 'none' (nothing live can ever serve it), its slots (a list of workers), or nil (wait),
 -- and the workers closed to it. `held`: workers an entry passed over waits for (not taken).
 local function verdict(ws, meta, held)
-  local excluded = adapter_unfit(ws, exclusions(ws, meta.exclude, meta.task), meta.adapter)
+  local excluded = adapter_unfit(ws, exclusions(ws, meta.exclude, meta.task, meta.role), meta.adapter)
   if (tonumber(meta.deadline) or 0) < now or not gateway_alive(meta.gw or '') then return 'drop', excluded end
   if not serviceable(ws, excluded, tonumber(meta.need) or 1) then return 'none', excluded end
   local closed = excluded
@@ -530,7 +532,8 @@ end
 #: (cache) or of a request not yet past its first token (least), 21 the task (generate, embed,
 #: score, tokenize), 22 session key ('': none; :mod:`gateway.admission.affinity`), 23 affinity
 #: (bounded | cost), 24 its load bound (x the mean share), 25 its cost for a worker other than
-#: the session's home, 26 LoRA adapter ('': the base model; :mod:`gateway.admission.adapters`).
+#: the session's home, 26 LoRA adapter ('': the base model; :mod:`gateway.admission.adapters`),
+#: 27 the role of the workers a disaggregated hop needs ('': any worker; :mod:`sluice.roles`).
 #: Returns {'granted', leases JSON [[lease, worker, url, matched blocks, prefill blocks], ...]}
 #: | {'queued', position, the grant stream's last id (its grant can only come after it)}
 #: | {'full', length} | {'none'} | {'too_big', slots of the live workers it may use}
@@ -547,7 +550,8 @@ end
 local ws = live_workers()
 if #ws == 0 then return {'none'} end
 local adapter = ARGV[26] ~= '' and ARGV[26] or nil
-local excluded = adapter_unfit(ws, exclusions(ws, exclude, task), adapter)
+local role = ARGV[27] ~= '' and ARGV[27] or nil
+local excluded = adapter_unfit(ws, exclusions(ws, exclude, task, role), adapter)
 local serving = false
 for _, w in ipairs(ws) do serving = serving or w.serves[task] == true end
 if not serving then return {'untasked'} end
@@ -567,7 +571,7 @@ local meta = {deadline = now + tonumber(ARGV[10]), exclude = exclude, priority =
               gw = gateway, mode = ARGV[17], load = tonumber(ARGV[18]), hot = tonumber(ARGV[19]),
               prefill = tonumber(ARGV[20])}
 if task ~= 'generate' then meta.task = task end
-meta.adapter = adapter
+meta.adapter, meta.role = adapter, role
 if ARGV[22] ~= '' then
   meta.session, meta.affinity, meta.bound, meta.away = ARGV[22], ARGV[23], tonumber(ARGV[24]), tonumber(ARGV[25])
 end

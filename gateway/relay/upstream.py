@@ -34,6 +34,7 @@ from gateway.config import GatewaySettings
 from gateway.context import RequestContext
 from gateway.record import RequestRecord
 from gateway.relay.direct import DeltaLines, DirectRelay
+from gateway.relay.disagg import Disaggregation
 from sluice.engine_server import RELAY_SCHEME
 from sluice.errors import (
     DeadlineExceeded,
@@ -45,6 +46,7 @@ from sluice.errors import (
     from_body,
 )
 from sluice.http1 import Http1Pool, Http1Response
+from sluice.roles import DECODE
 from sluice.tasks import GENERATE, Task
 from sluice.telemetry import inject
 
@@ -264,9 +266,11 @@ def _error_line(line: Line) -> SluiceError:
 class Dispatcher:
     def __init__(
         self, settings: GatewaySettings, admission: Admission, http: httpx.AsyncClient, workers: Http1Pool,
-        corrections: IndexCorrections, adapters: AdapterDirectory,
+        corrections: IndexCorrections, adapters: AdapterDirectory, disagg: Disaggregation,
     ) -> None:
         self._settings = settings
+        #: Prefill/decode pairs, for models with workers of both roles (gateway/relay/disagg.py).
+        self._disagg = disagg
         self._adapters = adapters
         self._corrections = corrections
         self._tokenizer = (PromptTokenizer(settings.tokenizer)
@@ -294,11 +298,11 @@ class Dispatcher:
     async def admit(
         self, model: str, request_id: str, ctx: RequestContext, *, need: int = 1, cost: int = 1,
         exclude: list[str] | tuple[str, ...] = (), boost: bool = False, prefix: PromptPrefix | None = None,
-        task: Task = GENERATE,
+        task: Task = GENERATE, role: str = "",
     ) -> list[Lease]:
         """``need`` slots for this request, all at once (queueing if they are not free),
-        on workers serving ``task``, chosen by the gateway's routing (``prefix``: the prompt,
-        for cache routing)."""
+        on workers serving ``task`` (and of ``role``, for one hop of a disaggregated request),
+        chosen by the gateway's routing (``prefix``: the prompt, for cache routing)."""
         waited = time.monotonic()
         # An adapter waits in its parent model's queue for its slots (gateway/admission/adapters.py).
         parent = await self._adapters.parent(model)
@@ -316,7 +320,7 @@ class Dispatcher:
                         # Not an adapter's: engines cache its blocks apart from the base
                         # model's, and the index (per base model) has no name for them.
                         blocks=prefix.blocks if prefix is not None and not adapter else (),
-                        task=task, session=ctx.session, adapter=adapter),
+                        task=task, session=ctx.session, adapter=adapter, role=role),
                     ctx.disconnected,
                 )
             except ModelNotFound:
@@ -343,6 +347,7 @@ class Dispatcher:
         boost: bool = False,
         cost: int = 1,
         task: Task = GENERATE,
+        role: str = "",
     ) -> Upstream:
         """Admit, route and connect, retrying on other workers until a first line arrives.
 
@@ -351,14 +356,21 @@ class Dispatcher:
         names workers that already failed it. Retries and migrations are routed on the
         same prompt prefix, so they too prefer a worker that holds it. ``task``: a worker
         serving it answers ``POST /internal/generate`` (generate) or ``/internal/pool``.
+
+        A model with prefill and decode workers serves a generation in two hops (``role``:
+        this call is one of them; gateway/relay/disagg.py). A ``lease`` granted beforehand
+        (the choices of ``n > 1``, admitted together) is served whole on its worker.
         """
+        if not role and lease is None and task == GENERATE and await self._disagg.applies(model):
+            return await self._disagg.open(self, model, payload, ctx, exclude=exclude, boost=boost, cost=cost)
         s = self._settings
         payload["priority"] = ctx.priority
         body = orjson.dumps(payload)
-        prefix = self.prefix_of(payload) if task == GENERATE else PromptPrefix((), 0)
+        # A decode hop's prompt arrives as KV from its prefill worker: its own cache is not routed on.
+        prefix = self.prefix_of(payload) if task == GENERATE and role != DECODE else PromptPrefix((), 0)
         path = "/internal/generate" if task == GENERATE else "/internal/pool"
         # Only cache routing expects anything of the engine's cache: the others are not checked.
-        route = None if s.routing != "cache" or task != GENERATE else RouteFacts(
+        route = None if s.routing != "cache" or task != GENERATE or role == DECODE else RouteFacts(
             prefix, len(payload.get("resume_token_ids") or ()), ctx.record, self._corrections)
         excluded: list[str] = list(exclude)
         reason = "no attempt made"
@@ -367,7 +379,7 @@ class Dispatcher:
             if lease is None:
                 (lease,) = await self.admit(model, f"{payload['request_id']}~{attempt}", ctx, cost=cost,
                                             exclude=excluded, boost=boost or attempt > 1, prefix=prefix,
-                                            task=task)
+                                            task=task, role=role)
             span = tracer.start_span("upstream", context=record.context(), kind=SpanKind.CLIENT,
                                      attributes={"sluice.worker_id": lease.worker_id, "sluice.attempt": attempt,
                                                  "sluice.route": s.routing,

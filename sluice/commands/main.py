@@ -74,6 +74,13 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="what the engine runs (default generate: completions and tokenize); embed: a pooling "
                          "model (vllm: the model as an embedding model) for /v1/embeddings, /v1/score, "
                          "/v1/rerank and tokenize")
+    wk.add_argument("--role", choices=["both", "prefill", "decode"],
+                    help="prefill/decode disaggregation: this worker's part (default both: whole requests); "
+                         "a model with prefill and decode workers is served by a pair of them")
+    wk.add_argument("--kv-transfer-config", dest="vllm_kv_transfer_config", metavar="JSON",
+                    help="vllm: the KV connector for --role prefill/decode, as vLLM's --kv-transfer-config")
+    wk.add_argument("--sim-kv-transfer-ms-per-token", type=float,
+                    help="sim, --role decode: time to receive one prompt token's KV (default 0)")
     wk.add_argument("--heartbeat-ms", type=int, help="heartbeat period (default 1000)")
     wk.add_argument("--drain-timeout-s", type=float, help="SIGTERM drain limit (default 30)")
     wk.add_argument("--sim-ttft-ms", type=float, help="sim: time to first token (default 20)")
@@ -177,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
                 "vllm_max_num_seqs", "vllm_kv_cache_gib", "vllm_tensor_parallel_size", "vllm_enforce_eager",
                 "vllm_trtllm_kernels", "tool_call_parser", "upstream_url", "upstream_model", "upstream_capacity",
                 "upstream_token_ids", "upstream_poll_ms", "relay", "task", "lora", "max_loras", "max_lora_rank",
+                "role", "vllm_kv_transfer_config", "sim_kv_transfer_ms_per_token",
             )
             from sluice.models import ModelError
             from sluice.settings import is_loopback

@@ -17,6 +17,7 @@ from gateway.config import GatewaySettings
 from sluice import keys
 from sluice.errors import InvalidRequest, RateLimited, Unavailable
 from sluice.redis_pool import create_pool
+from sluice.roles import Role
 
 
 @pytest.fixture(params=["single", "cluster"])
@@ -42,10 +43,10 @@ class Fleet:
         self._workers: list[Registration] = []
 
     async def worker(self, capacity: int, worker_id: str | None = None,
-                     tasks: tuple[str, ...] = ("generate",)) -> str:
+                     tasks: tuple[str, ...] = ("generate",), role: Role = "both") -> str:
         reg = Registration(self.redis, model=self.model, worker_id=worker_id or uuid.uuid4().hex[:6],
                            url="http://127.0.0.1:9", engine="sim", capacity=capacity, heartbeat_ms=60_000,
-                           stats=lambda: {"running": 0}, tasks=tasks)
+                           stats=lambda: {"running": 0}, tasks=tasks, role=role)
         await reg.beat()
         self._workers.append(reg)
         return reg.worker_id
@@ -593,3 +594,26 @@ async def test_a_waiting_embedding_does_not_hold_back_generations(fleet: Fleet) 
     assert embedding.worker_id == "emb"
     await gw.release(embedding)
     await gw.release(generation)
+
+
+async def test_a_queued_hop_waits_for_a_worker_of_its_role(fleet: Fleet) -> None:
+    """Prefill/decode hops (gateway/relay/disagg.py) take only workers of their role, also
+    when granted from the queue: a free prefill slot is no slot for a waiting decode hop.
+    Decode hops are boosted, as the gateway sends them (their prefill hop already waited)."""
+    await fleet.worker(capacity=1, worker_id="pre", role="prefill")
+    await fleet.worker(capacity=1, worker_id="dec", role="decode")
+    gw = await fleet.gateway(queue_timeout_s=30)
+    (decoding,) = await gw.acquire(fleet.ask(role="decode", boost=True))
+    assert decoding.worker_id == "dec"
+    waiting = asyncio.create_task(gw.acquire(fleet.ask(role="decode", boost=True)))
+    await _queued(fleet, 1)
+    (prefilling,) = await asyncio.wait_for(gw.acquire(fleet.ask(role="prefill")), 5)
+    assert prefilling.worker_id == "pre"
+    await gw.release(prefilling)  # its release hands the slot on, in the same script: not to the decode hop
+    assert sum([int(await fleet.redis.zcard(q)) for q in keys.queues(fleet.model)]) == 1  # type: ignore[attr-defined]
+    await gw.release(decoding)
+    (granted,) = await asyncio.wait_for(waiting, 5)
+    assert granted.worker_id == "dec"
+    (whole,) = await gw.acquire(fleet.ask())  # a whole request: any worker
+    for lease in (granted, whole):
+        await gw.release(lease)
