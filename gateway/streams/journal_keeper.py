@@ -6,10 +6,12 @@ persistence, FLUSHALL), the journal is gone and no producer is left to write it 
 the client's ``Last-Event-ID`` gets ``stream_history_lost``. The producing gateway process
 therefore keeps each finished stream's events (gateway/streams/journal_history.py) for
 ``KEEP_S`` after its end, and watches the registry's epoch (``sl:epoch``: a new id means
-Redis lost its data, sluice/directory.py) once a second, one command for all of them. On a
-new epoch, or when Redis is back after being unreachable (a restart from a snapshot can
-lose a stream's last events, and with them its end, and keep the epoch: a reader's
-take-over then generated the tail again and the stream was billed twice), it writes
+Redis lost its data, sluice/directory.py) and which server answers (its ``run_id``) twice a
+second, one round trip for all of them. On a new epoch, when Redis is back after being
+unreachable, or when another server answers (a restart from a snapshot, or a Sentinel
+failover to a replica that lacked the last writes, can lose a stream's last events, and
+with them its end, and keep the epoch: a reader's take-over then generated the tail again
+and the stream was billed twice), it writes
 every kept journal back (``RESTORE``, which fills only what is missing), with its ``:head``, its
 Idempotency-Key's record (``done``) and what is left of its TTL, unless the key was claimed
 again meanwhile.
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from gateway.streams.journal_history import JournalHistory
@@ -45,8 +48,10 @@ log = logging.getLogger("sluice.journal")
 
 #: How long after its end a stream's events stay in its gateway's memory.
 KEEP_S = 60.0
-#: How often the keeper reads the registry's epoch.
-CHECK_S = 1.0
+#: How often the keeper reads the registry's epoch (and which server answers): well within
+#: the two idle checks (``JournalReaders``' ``idle_s``) after which a reader takes a stream
+#: over whose journal lost its end, so the end is back first.
+CHECK_S = 0.5
 #: The epoch before the first read.
 _UNSEEN = b"\0unseen"
 
@@ -114,6 +119,7 @@ class JournalKeeper:
         self._check_s = check_s
         self._kept: dict[str, Finished] = {}
         self._epoch: bytes | None = _UNSEEN
+        self._server: str | None = None  # the run_id of the server last seen
         self._task: asyncio.Task[None] | None = None
         self.restored = 0
 
@@ -143,21 +149,35 @@ class JournalKeeper:
         away = False
         while self._kept or self._busy():
             try:
-                epoch = await self._redis.hget(keys.EPOCH, "id")
+                epoch, server = await self._look()
             except (RedisError, OSError):
                 away = True  # Redis is away: look again once it is back
                 await asyncio.sleep(self._check_s)
                 continue
             # A new epoch, or none (the registry is gone): Redis lost its data. Back after
-            # being away: a restart from a snapshot may have lost the last writes (a
-            # journal's end) with the epoch kept; writing back only fills what is missing.
-            if away or (epoch != self._epoch and (self._epoch is not _UNSEEN or epoch is None)):
+            # being away, or another server answering (a failover: the replica promoted may
+            # lack the last writes, a journal's end with them, and keeps the epoch; a
+            # reader's take-over then generated the tail again and the stream was billed
+            # twice): writing back only fills what is missing.
+            moved = server != self._server and self._server is not None
+            if away or moved or (epoch != self._epoch and (self._epoch is not _UNSEEN or epoch is None)):
                 await self.restore_all()
             away = False
-            self._epoch = epoch
+            self._epoch, self._server = epoch, server
             await asyncio.sleep(self._check_s)
             self._expire()
-        self._epoch = _UNSEEN  # not watched from here on
+        self._epoch, self._server = _UNSEEN, None  # not watched from here on
+
+    async def _look(self) -> tuple[bytes | None, str | None]:
+        """The registry's epoch, and which server process answers (its ``run_id``; None on a
+        Cluster, whose nodes each have one)."""
+        if isinstance(self._redis, RedisCluster):
+            return await self._redis.hget(keys.EPOCH, "id"), None
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hget(keys.EPOCH, "id")
+        pipe.info("server")
+        epoch, info = await pipe.execute()
+        return epoch, str(info.get("run_id"))
 
     def _expire(self) -> None:
         now = time.monotonic()
