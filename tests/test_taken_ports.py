@@ -1,15 +1,20 @@
-"""The embedded deployments start on ports nobody else holds, or say why they did not.
+"""Ports chosen free and bound a moment later by a child process: on a shared machine
+another process can take one in between (and, one free port at a time, the kernel may hand
+the same port to two processes of one deployment).
 
-Their ports are chosen free, then bound by a server started a moment later; on a shared
-machine another server can take one in between (and one free port at a time, the kernel
-may hand the same port to two processes of one deployment). Any redis-server answers
-PING, so a start that only waited for PONG took the intruder for its own server.
+The embedded Redis deployments start on ports nobody else holds, or say why they did not:
+any redis-server answers PING, so a start that only waited for PONG took the intruder for
+its own server. The suite's workers and gateways start again on another port.
 """
 
 from __future__ import annotations
 
+import socket
+
+import httpx
 import pytest
 
+import tests.conftest as harness
 from sluice.embedded_failover import EmbeddedSentinel
 from sluice.embedded_redis import EmbeddedRedis
 
@@ -47,3 +52,21 @@ def test_a_replica_that_never_links_is_reported_with_what_it_says() -> None:
     assert f"replica on port {deployment.servers[1].port}" in str(failed.value)
     assert "master_port=1 master_link_status=down" in str(failed.value)
     assert all(s.process is not None and s.process.poll() is not None for s in deployment.servers)
+
+
+@pytest.mark.parametrize("kind", ["gateway", "worker"])
+def test_a_process_whose_port_was_taken_since_it_was_chosen_starts_on_another(
+    kind: str, start_gateway, start_worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: a gateway's port taken before it bound it ended the test in an error
+    ("[Errno 98] ... address already in use"), as two of test_resumable's did in one run."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        chosen = iter([port])
+        free = harness.free_port
+        monkeypatch.setattr(harness, "free_port", lambda: next(chosen, None) or free())
+        proc = start_gateway() if kind == "gateway" else start_worker("taken-port")
+    assert proc.url != f"http://127.0.0.1:{port}"
+    assert httpx.get(proc.url + "/health", timeout=10).status_code == 200
