@@ -2,25 +2,18 @@
 
 Marked ``real_model``: ``pytest -m "not real_model"`` skips them. They need the
 ``cpu`` extra and the prepared model, which ``make test`` installs.
-
-The last tests add a second worker of the shared model, on a vLLM made into 0.26.0's
-shape (below): it answers requests of its own, then takes part in a migration.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import uuid
-from typing import Any
 
 import httpx
 import openai
-import orjson
 import pytest
 
 from sluice.models import default_model_dir, is_prepared
-from tests.conftest import Proc, StartWorker, running, streaming, wait_for
+from tests.conftest import running, streaming, wait_for
 from tests.real_model.conftest import MODEL
 
 pytestmark = [
@@ -113,52 +106,8 @@ def test_logprobs_and_n(client) -> None:
     assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
 
 
-#: vLLM 0.26.0 has no ``VLLMClientError`` (issue 20, item 0). The installed vLLM is made
-#: into that shape in the second worker's own interpreter: a ``sitecustomize`` loads vLLM's
-#: modules as they are, then deletes the name from ``vllm.exceptions``.
-SITECUSTOMIZE = """\
-import vllm.exceptions, vllm.v1.engine.async_llm
-del vllm.exceptions.VLLMClientError
-"""
-
-
-@pytest.fixture(scope="module")
-def second_worker(start_worker: StartWorker, tmp_path_factory: pytest.TempPathFactory) -> Proc:
-    """A second worker of the shared model, on vLLM in 0.26.0's shape. (One engine for both
-    jobs: a vLLM worker costs the suite about a minute to start and stop.)"""
-    site = tmp_path_factory.mktemp("vllm_0_26_exceptions")
-    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
-    return start_worker(MODEL, engine="vllm", vllm_max_num_seqs=8, tool_call_parser="hermes",
-                        env={"PYTHONPATH": path, "VLLM_CPU_OMP_THREADS_BIND": "1"})
-
-
-def _generate(worker: Proc, body: dict[str, Any]) -> httpx.Response:
-    """A request sent to ``worker`` itself: the gateway would share it between both workers."""
-    payload = {"request_id": uuid.uuid4().hex, "model": MODEL, "messages": QUESTION, **body}
-    return httpx.post(worker.url + "/internal/generate", json=payload, timeout=300)
-
-
-@pytest.mark.timeout(900)  # starts the second vLLM worker (minutes on 2 busy cores or a fresh CI machine)
-def test_vllm_0_26_every_request_failed_with_an_import_error(second_worker: Proc) -> None:
-    """On 8b41021 every request to a worker on such a vLLM failed (``engine error:
-    ImportError``, a 503 from the gateway); now they are served."""
-    served = _generate(second_worker, {"temperature": 0, "max_tokens": 30})
-    assert served.status_code == 200, served.text
-    lines = [orjson.loads(line) for line in served.text.splitlines()]
-    assert not any("error" in line for line in lines), lines
-    assert "Paris" in "".join(line.get("text", "") for line in lines)
-
-
-def test_a_schema_the_grammar_cannot_take_is_still_a_400(second_worker: Proc) -> None:
-    # vLLM refuses the grammar while taking the request (VLLMValidationError; 0.26: ValueError).
-    broken = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}, "required": ["a"]}
-    refused = _generate(second_worker, {"max_tokens": 5, "structured": {"json": broken}})
-    assert refused.status_code == 400, refused.text
-    assert refused.json()["error"]["param"] == "response_format"
-
-
-def test_migration_after_worker_kill_is_byte_identical(vllm_worker, vllm_gateway, second_worker) -> None:
+@pytest.mark.timeout(900)  # starts a second vLLM worker (minutes on 2 busy cores or a fresh CI machine)
+def test_migration_after_worker_kill_is_byte_identical(vllm_worker, vllm_gateway, start_worker) -> None:
     """Two vLLM workers; one streaming is SIGKILLed mid-answer; the other finishes it.
 
     The shared worker is one of the two and may be the one killed: this is the last test
@@ -169,7 +118,9 @@ def test_migration_after_worker_kill_is_byte_identical(vllm_worker, vllm_gateway
     a few dozen tokens later (seen here); the join itself was exact either way.
     """
     model = MODEL
-    workers = [vllm_worker, second_worker]
+    second = start_worker(MODEL, engine="vllm", vllm_max_num_seqs=8, tool_call_parser="hermes",
+                          env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
+    workers = [vllm_worker, second]
     gateway = vllm_gateway
     # n=2 with logprobs: each choice migrates on its own, logprob labels continue exactly.
     args = {"model": model, "temperature": 0, "max_tokens": 120, "n": 2, "logprobs": True, "top_logprobs": 1,
