@@ -48,7 +48,7 @@ from typing import Self
 import redis
 from redis.cluster import ClusterNode
 
-from sluice.embedded_redis import EmbeddedCluster, EmbeddedRedis, free_cluster_port, redis_server_binary
+from sluice.embedded_redis import EmbeddedCluster, EmbeddedRedis, free_cluster_port, free_ports, redis_server_binary
 
 SERVICE = "sluice"
 
@@ -56,8 +56,9 @@ SERVICE = "sluice"
 class _SentinelProcess(EmbeddedRedis):
     """One sentinel watching ``service`` at ``master`` (it finds replicas and peers itself)."""
 
-    def __init__(self, service: str, master: int, *, quorum: int, down_after_ms: int, failover_timeout_ms: int) -> None:
-        super().__init__()
+    def __init__(self, service: str, master: int, port: int, *, quorum: int, down_after_ms: int,
+                 failover_timeout_ms: int) -> None:
+        super().__init__(port)
         self._conf = "\n".join([
             f"port {self.port}", "bind 127.0.0.1", f"dir {self._dir.name}", "loglevel warning",
             f"sentinel monitor {service} 127.0.0.1 {master} {quorum}",
@@ -120,13 +121,19 @@ class EmbeddedSentinel:
         self.service = service
         #: Seconds from the last ``failover()``'s start to each of its steps.
         self.phases: dict[str, float] = {}
-        self.servers = [EmbeddedRedis()]
-        master = self.servers[0].port
-        self.servers += [EmbeddedRedis(args=("--replicaof", "127.0.0.1", str(master))) for _ in range(replicas)]
+        self._shape = (replicas, sentinels, down_after_ms, failover_timeout_ms)
+        self._place()
+
+    def _place(self) -> None:
+        """Processes on fresh, distinct ports (nothing runs yet)."""
+        replicas, sentinels, down_after_ms, failover_timeout_ms = self._shape
+        master, *ports = free_ports(1 + replicas + sentinels)
+        self.servers = [EmbeddedRedis(master)]
+        self.servers += [EmbeddedRedis(port, args=("--replicaof", "127.0.0.1", str(master))) for port in ports[:replicas]]
         self.sentinels = [
-            _SentinelProcess(service, master, quorum=sentinels // 2 + 1, down_after_ms=down_after_ms,
+            _SentinelProcess(self.service, master, port, quorum=sentinels // 2 + 1, down_after_ms=down_after_ms,
                              failover_timeout_ms=failover_timeout_ms)
-            for _ in range(sentinels)
+            for port in ports[replicas:]
         ]
 
     @property
@@ -134,18 +141,49 @@ class EmbeddedSentinel:
         hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
         return f"redis+sentinel://{hosts}/{self.service}"
 
-    def start(self, timeout_s: float = 90.0) -> Self:
+    def start(self, timeout_s: float = 30.0, attempts: int = 3) -> Self:
+        """Start everything and wait until the replicas replicate and the sentinels know each
+        other, ``timeout_s`` per attempt. A failed attempt (a port taken since it was chosen,
+        a replica that never links) is stopped and retried on fresh ports; ``url`` changes then."""
+        failures = []
+        while True:
+            try:
+                return self._start(timeout_s)
+            except BaseException as e:
+                self.stop()
+                if not isinstance(e, RuntimeError):
+                    raise
+                failures.append(str(e))
+                if len(failures) == attempts:
+                    raise RuntimeError(f"no Sentinel deployment after {attempts} attempts: {failures}") from e
+                self._place()
+
+    def _start(self, timeout_s: float) -> Self:
+        for server in self.servers:
+            server.start(timeout_s)
         try:
-            for server in self.servers:
-                server.start(timeout_s)
             wait_until(lambda: all(self._linked(s.port) for s in self.servers[1:]), timeout_s, "replication to start")
-            for sentinel in self.sentinels:
-                sentinel.start(timeout_s)
-            wait_until(self._sentinels_agree, timeout_s, "the sentinels to see the master, its replicas and each other")
-        except BaseException:
-            self.stop()
-            raise
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}: {self._replication_report()}") from None
+        for sentinel in self.sentinels:
+            sentinel.start(timeout_s)
+        wait_until(self._sentinels_agree, timeout_s, "the sentinels to see the master, its replicas and each other")
         return self
+
+    def _replication_report(self) -> str:
+        """What each replica says of its master (``INFO replication``), for an error."""
+        wanted = ("role", "master_host", "master_port", "master_link_status",
+                  "master_link_down_since_seconds", "master_sync_in_progress")
+        lines = []
+        for replica in self.servers[1:]:
+            try:
+                with replica.admin(socket_timeout=1) as client:
+                    info = client.info("replication")
+                said = " ".join(f"{k}={info[k]}" for k in wanted if k in info)
+            except redis.RedisError as e:
+                said = f"unreachable ({e})"
+            lines.append(f"replica on port {replica.port}: {said}")
+        return "; ".join(lines)
 
     def linked(self, port: int) -> bool:
         """Whether the replica on ``port`` has its link to the master up."""

@@ -46,6 +46,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct free ports: each stays bound until all are chosen (one at a time,
+    the kernel may hand out a port it just handed out)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
+        for sock in socks:
+            sock.bind((host, 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+
+
 def free_cluster_port(host: str = "127.0.0.1") -> int:
     """A free port whose cluster bus port (port + 10000, fixed in Redis 6) is free too."""
     while True:
@@ -87,14 +97,20 @@ class EmbeddedRedis:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"redis-server exited with code {self.process.returncode}")
+                raise RuntimeError(f"redis-server on port {self.port} exited with code {self.process.returncode}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as conn:
-                    conn.sendall(b"PING\r\n")
-                    if conn.recv(16).startswith(b"+PONG"):
-                        return self
-            except OSError:
+                with self.admin(socket_timeout=1) as client:
+                    client.ping()  # refused while a snapshot loads
+                    answered_by = int(client.info("server")["process_id"])
+            except redis.RedisError:
                 time.sleep(0.05)
+                continue
+            # The port was only free when it was chosen: whoever took it since answers PING
+            # as well as ours would, while ours fails to bind and exits.
+            if answered_by == self.process.pid:
+                return self
+            self.stop()
+            raise RuntimeError(f"port {self.port} is held by another server (pid {answered_by})")
         self.stop()
         raise RuntimeError(f"redis-server did not answer on port {self.port} in {timeout_s}s")
 

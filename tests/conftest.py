@@ -202,6 +202,26 @@ def procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Proc]]:
     stop_all(started, timeout_s=5)
 
 
+def _start_on_a_free_port(procs: list[Proc], launch: Callable[[int], Proc], timeout_s: float) -> Proc:
+    """``launch(port)`` on a free port, until a child serves ``/health`` there. A port is chosen
+    free and bound by the child a moment later; on a shared machine another process can take
+    it in between, and the child exits ("address already in use"): then again on another
+    port, three tries in all."""
+    for attempt in range(1, 4):
+        proc = launch(free_port())
+        procs.append(proc)
+        try:
+            proc.wait_http("/health", timeout_s=timeout_s)
+            return proc
+        except RuntimeError:
+            lost_port = not proc.alive() and "address already in use" in proc.log_path.read_text(errors="replace")
+            if not lost_port or attempt == 3:
+                raise
+            proc.stop()
+            procs.remove(proc)
+    raise AssertionError("unreachable")
+
+
 def _stop_started_since(procs: list[Proc], before: int) -> None:
     stop_all([p for p in procs[before:] if not p.shared])
     procs[before:] = [p for p in procs[before:] if p.shared]
@@ -236,23 +256,27 @@ def start_worker(
         model: str = "sim", *extra: str, env: dict[str, str] | None = None,
         redis_at: str | None = None, **flags: object,
     ) -> Proc:
-        port = free_port()
-        worker_id = f"w-{model}-{port}"
         engine = str(flags.pop("engine", "sim"))
         # vLLM loads a model and warms up: allow minutes on a busy 2-core machine.
         start_s = 60.0 if engine == "sim" else 600.0
-        argv = [
-            sys.executable, "-m", "sluice", "worker", "--engine", engine,
-            "--port", str(port), "--redis-url", redis_at or redis_url, "--served-model-name", model,
-            "--worker-id", worker_id, "--heartbeat-ms", str(flags.pop("heartbeat_ms", 200)),
-        ]
-        for name, value in flags.items():
-            argv += ["--" + name.replace("_", "-"), str(value)]
-        argv += list(extra)
-        proc = Proc(worker_id, argv, logs / f"{worker_id}.log", {**_env(), **(env or {})})
-        proc.url = f"http://127.0.0.1:{port}"
-        procs.append(proc)
-        proc.wait_http("/health", timeout_s=start_s)
+        heartbeat_ms = flags.pop("heartbeat_ms", 200)
+
+        def launch(port: int) -> Proc:
+            worker_id = f"w-{model}-{port}"
+            argv = [
+                sys.executable, "-m", "sluice", "worker", "--engine", engine,
+                "--port", str(port), "--redis-url", redis_at or redis_url, "--served-model-name", model,
+                "--worker-id", worker_id, "--heartbeat-ms", str(heartbeat_ms),
+            ]
+            for name, value in flags.items():
+                argv += ["--" + name.replace("_", "-"), str(value)]
+            argv += list(extra)
+            proc = Proc(worker_id, argv, logs / f"{worker_id}.log", {**_env(), **(env or {})})
+            proc.url = f"http://127.0.0.1:{port}"
+            return proc
+
+        proc = _start_on_a_free_port(procs, launch, start_s)
+        worker_id = proc.name
         deadline = time.monotonic() + 10
         client = sync_client(redis_at) if redis_at else redis_client
         try:
@@ -276,14 +300,14 @@ def start_gateway(
     logs = tmp_path_factory.mktemp("gateway-logs")
 
     def start(env: dict[str, str] | None = None, redis_at: str | None = None, processes: int = 1) -> Proc:
-        port = free_port()
-        argv = [sys.executable, "-m", "sluice", "gateway", "--port", str(port),
-                "--redis-url", redis_at or redis_url, "--procs", str(processes)]
-        proc = Proc(f"gateway-{port}", argv, logs / f"gateway-{port}.log", {**_env(), **(env or {})})
-        proc.url = f"http://127.0.0.1:{port}"
-        procs.append(proc)
-        proc.wait_http("/health")
-        return proc
+        def launch(port: int) -> Proc:
+            argv = [sys.executable, "-m", "sluice", "gateway", "--port", str(port),
+                    "--redis-url", redis_at or redis_url, "--procs", str(processes)]
+            proc = Proc(f"gateway-{port}", argv, logs / f"gateway-{port}.log", {**_env(), **(env or {})})
+            proc.url = f"http://127.0.0.1:{port}"
+            return proc
+
+        return _start_on_a_free_port(procs, launch, 30)
 
     return start
 

@@ -14,6 +14,13 @@ from sluice import keys
 from tests.conftest import running, wait_for
 
 
+#: For tests of the admission logic itself: the Lua scripts and the gateway code are the same
+#: on a Cluster, reached through its client, whose parts (queueing, grants across gateways,
+#: cancelling a queued request, the reaper, the connection bound) the tests left on both
+#: topologies exercise. (Each Cluster variant cost the suite 3-9 s.)
+SINGLE_ONLY = pytest.mark.parametrize("backend", ["single"], indirect=True)
+
+
 def _inflight(client, model: str) -> int:
     return sum(int(v) for v in client.hvals(keys.inflight(model)))
 
@@ -60,7 +67,9 @@ async def _completion_order(gateways: list[str], model: str, plan: list[tuple[st
     return order
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
+# Two replicas on a Cluster: grants reach the gateway that queued each request.
+@pytest.mark.parametrize(("backend", "replicas"), [("single", 1), ("single", 2), ("cluster", 2)],
+                         indirect=["backend"])
 async def test_high_priority_admitted_first(start_worker, start_gateway, backend, replicas) -> None:
     model = f"prio-{replicas}"
     start_worker(model, redis_at=backend.url, sim_max_seqs=1, sim_token_ms=10, sim_ttft_ms=0)
@@ -112,6 +121,7 @@ def test_disconnect_while_queued_and_while_streaming(start_worker, start_gateway
     assert backend.client.zcard(keys.leases(model)) == 0
 
 
+@SINGLE_ONLY
 def test_non_streaming_client_that_hangs_up_frees_its_slot(start_worker, start_gateway, backend) -> None:
     """A JSON request runs in the request's own task, with a watcher for its client
     (gateway/relay/rendering.py): a client gone mid-generation still aborts it."""
@@ -128,6 +138,7 @@ def test_non_streaming_client_that_hangs_up_frees_its_slot(start_worker, start_g
     assert done.choices[0].finish_reason == "length"
 
 
+@SINGLE_ONLY
 def test_worker_500_before_first_token_is_retried_elsewhere(start_worker, start_gateway, backend) -> None:
     model = "flaky"
     start_worker(model, redis_at=backend.url, sim_fail_first=1000)
@@ -159,6 +170,7 @@ def test_sigkill_gateway_its_leases_come_back(start_worker, start_gateway, backe
     assert backend.client.zcard(keys.leases(model)) == 0
 
 
+@SINGLE_ONLY
 async def test_4x_overload_answers_fast_and_clean(start_worker, start_gateway, backend) -> None:
     model = "overload"
     start_worker(model, redis_at=backend.url, sim_max_seqs=4, sim_token_ms=5, sim_ttft_ms=0)
@@ -190,6 +202,7 @@ async def test_4x_overload_answers_fast_and_clean(start_worker, start_gateway, b
     assert max(durations) < 1 + 0.5 + 2.0, max(durations)
 
 
+@SINGLE_ONLY
 async def test_clients_sharing_an_x_request_id_never_share_a_slot(start_worker, start_gateway, backend) -> None:
     """Regression: lease ids came from X-Request-Id, so equal ids collided and leaked a slot."""
     model = "same-id"
@@ -205,6 +218,7 @@ async def test_clients_sharing_an_x_request_id_never_share_a_slot(start_worker, 
     wait_for(lambda: _inflight(backend.client, model) == 0, 2, "every slot back")
 
 
+@SINGLE_ONLY
 def test_non_streaming_client_that_leaves_frees_the_engine(start_worker, start_gateway, backend) -> None:
     """Regression: a non-streaming request kept generating after its client left."""
     model = "leave-json"
@@ -217,6 +231,7 @@ def test_non_streaming_client_that_leaves_frees_the_engine(start_worker, start_g
     wait_for(lambda: running(worker) == 0, 1, "the engine abort")
 
 
+@SINGLE_ONLY
 def test_headroom_only_while_urgent_traffic_is_around(start_worker, start_gateway, backend) -> None:
     model = "headroom"
     start_worker(model, redis_at=backend.url, sim_max_seqs=8, sim_token_ms=20, sim_ttft_ms=0)
@@ -284,6 +299,7 @@ async def test_600_queued_streams_cost_a_bounded_number_of_connections(start_wor
     wait_for(lambda: _inflight(backend.client, model) == 0, 5, "every slot back")
 
 
+@SINGLE_ONLY
 async def test_two_n2_requests_on_two_slots_do_not_deadlock(start_worker, start_gateway, backend) -> None:
     """Regression: each generation was admitted on its own; two n=2 requests took one slot
     each and waited for the second until both timed out."""
@@ -301,6 +317,7 @@ async def test_two_n2_requests_on_two_slots_do_not_deadlock(start_worker, start_
     assert time.monotonic() - started < 10
 
 
+@SINGLE_ONLY
 async def test_urgent_headroom_never_blocks_the_queue(start_worker, start_gateway, backend) -> None:
     """Regression: a normal n=8 queued on a cap-8 worker became ungrantable after one
     urgent request (the reserve left it 7 slots) and everything behind it got 429 with

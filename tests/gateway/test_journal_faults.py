@@ -235,9 +235,9 @@ def test_one_api_key_cannot_fill_redis_with_journals(private_redis, start_worker
     hour, so one tenant could run the Redis all admission shares out of memory."""
     server = private_redis["server"]
     start_worker("quota", redis_at=server.url, sim_token_ms=0, sim_ttft_ms=0)
-    gateway = start_gateway(redis_at=server.url, env={"SLUICE_GATEWAY_JOURNAL_TENANT_MAX_BYTES": str(1 << 20)})
+    # The keys first: a gateway that starts with keys enforces them at once.
     greedy, other = _create_key(server.url), _create_key(server.url)
-    time.sleep(2.1)  # "auto" auth re-checks for keys every 2 s
+    gateway = start_gateway(redis_at=server.url, env={"SLUICE_GATEWAY_JOURNAL_TENANT_MAX_BYTES": str(1 << 20)})
     url = gateway.url + "/v1/completions"
     body = {"model": "quota", "prompt": "p", "max_tokens": 30_000, "ignore_eos": True, "stream": True}
 

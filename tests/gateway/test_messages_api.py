@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import uuid
 
 import anthropic
@@ -42,9 +41,9 @@ def messages_redis():
 def stack(messages_redis, start_worker, start_gateway):
     start_worker(MODEL, redis_at=messages_redis, sim_token_ms=0, sim_ttft_ms=0)
     start_worker(SLOW, redis_at=messages_redis, sim_token_ms=100, sim_ttft_ms=0)
-    gateway = start_gateway(redis_at=messages_redis)
+    # The keys first: a gateway that starts with keys enforces them at once.
     key, limited = _create_key(messages_redis), _create_key(messages_redis, "--rpm", "1")
-    time.sleep(2.1)  # "auto" auth re-checks for keys every 2 s
+    gateway = start_gateway(redis_at=messages_redis)
     return gateway.url, key, limited
 
 

@@ -53,10 +53,13 @@ def test_one_worker_dying_under_two_choices_is_not_a_query_of_death(start_worker
     ``query_of_death`` instead of migrating both choices."""
     model = "one-death-n"
     doomed = start_worker(model, sim_max_seqs=8, sim_token_ms=15, sim_ttft_ms=0)
+    # The simulator's text depends only on (prompt, seed, position): a fast worker of another
+    # name writes the uninterrupted reference in no time, where the doomed one takes 9 s.
+    start_worker(f"{model}-reference", sim_max_seqs=8, sim_token_ms=0, sim_ttft_ms=0)
     gateway = start_gateway()
     with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=60) as client:
-        reference = client.completions.create(model=model, prompt="both on one worker", n=2, max_tokens=600,
-                                              seed=7, extra_body={"ignore_eos": True})
+        reference = client.completions.create(model=f"{model}-reference", prompt="both on one worker", n=2,
+                                              max_tokens=600, seed=7, extra_body={"ignore_eos": True})
         texts = ["", ""]
         stream = client.completions.create(model=model, prompt="both on one worker", n=2, max_tokens=600,
                                            seed=7, stream=True, extra_body={"ignore_eos": True})
@@ -65,6 +68,6 @@ def test_one_worker_dying_under_two_choices_is_not_a_query_of_death(start_worker
                 texts[choice.index] += choice.text
             if all(len(t.split()) >= 10 for t in texts) and doomed.alive():
                 assert streaming(doomed) == 2  # both choices on the one worker
-                start_worker(model, sim_max_seqs=8, sim_token_ms=15, sim_ttft_ms=0)  # where they can go
+                start_worker(model, sim_max_seqs=8, sim_token_ms=1, sim_ttft_ms=0)  # where they can go
                 doomed.kill()
     assert texts == [c.text for c in sorted(reference.choices, key=lambda c: c.index)]

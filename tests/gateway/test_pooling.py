@@ -42,9 +42,8 @@ def stack(pool_redis: str, start_worker, start_gateway) -> tuple[Proc, Proc, Pro
     generator = start_worker(MODEL, redis_at=pool_redis)
     embedder = start_worker(MODEL, redis_at=pool_redis, task="embed")
     start_worker(GEN_ONLY, redis_at=pool_redis)
+    key = _create_key(pool_redis)  # first: a gateway that starts with a key enforces keys at once
     gateway = start_gateway(redis_at=pool_redis)
-    key = _create_key(pool_redis)
-    time.sleep(2.1)  # "auto" auth re-checks for keys every 2 s
     return gateway, generator, embedder, key
 
 

@@ -22,10 +22,10 @@ from tests.conftest import wait_for
 from tests.long_streams import busy_slots, hold
 
 
-def _served(worker_urls: dict[str, str]) -> dict[str, float]:
+def _served(http: httpx.Client, worker_urls: dict[str, str]) -> dict[str, float]:
     out = {}
     for name, url in worker_urls.items():
-        text = httpx.get(url + "/metrics").text
+        text = http.get(url + "/metrics").text
         match = re.search(r"^sluice_worker_requests_total\{[^}]*\} ([0-9.e+]+)$", text, re.MULTILINE)
         out[name] = float(match.group(1)) if match else 0.0
     return out
@@ -40,11 +40,14 @@ def _where(clients: list[openai.OpenAI], workers: dict[str, str], model: str,
            session: dict[str, object], requests: int) -> list[str]:
     """The worker that served each of ``requests`` requests of one session (gateways alternate)."""
     seen = []
-    for i in range(requests):
-        before = _served(workers)
-        _ask(clients[i % len(clients)], model, session, f"turn {i}")
-        after = _served(workers)
-        seen += [name for name in workers if after[name] > before[name]]
+    # Kept-alive connections for the scrapes: a new connection per scrape was most of the time.
+    with httpx.Client(timeout=10) as http:
+        after = _served(http, workers)
+        for i in range(requests):
+            before = after
+            _ask(clients[i % len(clients)], model, session, f"turn {i}")
+            after = _served(http, workers)
+            seen += [name for name in workers if after[name] > before[name]]
     return seen
 
 

@@ -54,8 +54,9 @@ def test_a_stream_under_a_grammar_does_not_migrate(start_worker, start_gateway, 
     started = []
 
     def replace_the_worker() -> None:
-        # The stream runs on `first` (the only worker); a second one is where it could move.
-        started.append(start_worker(model, sim_token_ms=40))
+        # The stream runs on `first` (the only worker); a second one is where it could move
+        # (a fast one: the rest of a migrated stream need not take another 15 s).
+        started.append(start_worker(model, sim_token_ms=1))
         first.kill()
 
     try:

@@ -35,7 +35,18 @@ def _choice_texts(events: list[tuple[int | None, str]], kind: str) -> dict[int, 
 def two_gateways(start_worker, start_gateway):
     start_worker("takeover", sim_token_ms=20, sim_ttft_ms=0)
     start_worker("takeover", sim_token_ms=20, sim_ttft_ms=0)
+    start_worker(REFERENCE, sim_token_ms=0, sim_ttft_ms=0)
     return start_gateway(), start_gateway()
+
+
+#: A fast worker for the uninterrupted references: the simulator's text depends only on
+#: (prompt, seed, position), so it writes what the slow "takeover" workers would, at once.
+REFERENCE = "takeover-reference"
+
+
+def _reference(gateway, path: str, body: dict[str, object]) -> list[tuple[int | None, str]]:
+    """``body``'s whole stream, uninterrupted."""
+    return _events(httpx.post(gateway.url + path, json={**body, "model": REFERENCE}, timeout=60).iter_lines())
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -45,7 +56,7 @@ def test_a_stream_whose_gateway_was_killed_is_continued_by_another(two_gateways,
     body = {"model": "takeover", "messages": [{"role": "user", "content": f"tell a long story {n}"}],
             "max_tokens": 150, "n": n, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    reference = _events(httpx.post(first.url + "/v1/chat/completions", json=body, timeout=60).iter_lines())
+    reference = _reference(first, "/v1/chat/completions", body)
     key = uuid.uuid4().hex
 
     with httpx.stream("POST", dying.url + "/v1/chat/completions", json=body,
@@ -105,7 +116,7 @@ def test_n_choices_take_over_counts_the_prompt_once(two_gateways, start_gateway)
     prompt = "count the prompt once please"
     body = {"model": "takeover", "prompt": prompt, "n": 2, "max_tokens": 400, "stream": True,
             "seed": _seed_with_lengths(prompt, 180, 50), "stream_options": {"include_usage": True}}
-    reference = _events(httpx.post(first.url + "/v1/completions", json=body, timeout=60).iter_lines())
+    reference = _reference(first, "/v1/completions", body)
     key = uuid.uuid4().hex
 
     def after_a_finish(events: Events) -> int:
@@ -238,7 +249,7 @@ def test_two_gateways_racing_to_take_over_one_stream_produce_it_once(two_gateway
     first, other = two_gateways
     body = {"model": "takeover", "messages": [{"role": "user", "content": "a race"}],
             "max_tokens": 150, "ignore_eos": True, "stream": True}
-    reference = _events(httpx.post(first.url + "/v1/chat/completions", json=body, timeout=60).iter_lines())
+    reference = _reference(first, "/v1/chat/completions", body)
     key = uuid.uuid4().hex
     seen = _start_and_kill(start_gateway(), body, key)
     last = max(i for i, _ in seen if i is not None)

@@ -49,9 +49,10 @@ def _create(redis_url: str, *flags: str) -> str:
 def tenant(tenant_redis, start_worker, start_gateway):
     worker = start_worker(MODEL, redis_at=tenant_redis, sim_token_ms=0, sim_ttft_ms=0)
     env = {"SLUICE_GATEWAY_MAX_MESSAGES": "3"}
-    gateways = [start_gateway(redis_at=tenant_redis, env=env) for _ in range(2)]
+    # The key first: gateways that start with a key enforce keys at once ("auto" auth would
+    # otherwise notice it at its next check, up to 2 s later).
     key = _create(tenant_redis, "--tier", "priority")
-    time.sleep(2.1)  # "auto" auth re-checks for keys every 2 s
+    gateways = [start_gateway(redis_at=tenant_redis, env=env) for _ in range(2)]
     return worker, gateways, key
 
 
