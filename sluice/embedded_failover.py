@@ -48,7 +48,7 @@ from typing import Self
 import redis
 from redis.cluster import ClusterNode
 
-from sluice.embedded_redis import EmbeddedCluster, EmbeddedRedis, free_cluster_port, free_ports, redis_server_binary
+from sluice.embedded_redis import EmbeddedCluster, EmbeddedRedis, free_cluster_ports, free_ports, redis_server_binary
 
 SERVICE = "sluice"
 
@@ -313,7 +313,8 @@ class ReplicatedCluster(EmbeddedCluster):
         self.masters = list(self.servers)
         #: Seconds from the last ``failover()``'s start to each of its steps.
         self.phases: dict[str, float] = {}
-        self.replicas = [EmbeddedRedis(free_cluster_port(), args=self.masters[0].args) for _ in range(masters)]
+        self.replicas = [EmbeddedRedis(port, args=self.masters[0].args)
+                         for port in free_cluster_ports(masters, avoid=[m.port for m in self.masters])]
 
     def start(self, timeout_s: float = 90.0) -> Self:
         super().start(timeout_s)

@@ -56,18 +56,29 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
         return [int(sock.getsockname()[1]) for sock in socks]
 
 
-def free_cluster_port(host: str = "127.0.0.1") -> int:
-    """A free port whose cluster bus port (port + 10000, fixed in Redis 6) is free too."""
-    while True:
-        port = free_port(host)
-        if port + CLUSTER_BUS_OFFSET > 65535:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+def free_cluster_ports(count: int, host: str = "127.0.0.1", avoid: Sequence[int] = ()) -> list[int]:
+    """``count`` distinct free ports whose bus ports are free too, none of them in ``avoid``
+    (ports chosen earlier, not bound yet): every socket stays bound until all are chosen
+    (one at a time, the kernel may hand out a port it just handed out: a cluster of three
+    nodes came up with two, one port twice)."""
+    chosen: list[int] = []
+    taken = set(avoid) | {p + CLUSTER_BUS_OFFSET for p in avoid}
+    with contextlib.ExitStack() as stack:
+        while len(chosen) < count:
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+            bus = port + CLUSTER_BUS_OFFSET
+            if bus > 65535 or port in taken or bus in taken:
+                continue
+            bus_sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
             try:
-                sock.bind((host, port + CLUSTER_BUS_OFFSET))
+                bus_sock.bind((host, bus))
             except OSError:
                 continue
-        return port
+            chosen.append(port)
+            taken |= {port, bus}
+    return chosen
 
 
 class EmbeddedRedis:
@@ -188,7 +199,7 @@ class EmbeddedCluster:
 
     def __init__(self, masters: int = 3, *, args: Sequence[str] = ()) -> None:
         args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", *args)
-        self.servers = [EmbeddedRedis(free_cluster_port(), args=args) for _ in range(masters)]
+        self.servers = [EmbeddedRedis(port, args=args) for port in free_cluster_ports(masters)]
 
     @property
     def nodes(self) -> list[tuple[str, int]]:

@@ -16,7 +16,7 @@ import pytest
 
 import tests.conftest as harness
 from sluice.embedded_failover import EmbeddedSentinel
-from sluice.embedded_redis import EmbeddedRedis
+from sluice.embedded_redis import CLUSTER_BUS_OFFSET, EmbeddedRedis, free_cluster_ports
 
 
 def test_a_server_whose_port_was_taken_since_it_was_chosen_does_not_start() -> None:
@@ -70,3 +70,13 @@ def test_a_process_whose_port_was_taken_since_it_was_chosen_starts_on_another(
         proc = start_gateway() if kind == "gateway" else start_worker("taken-port")
     assert proc.url != f"http://127.0.0.1:{port}"
     assert httpx.get(proc.url + "/health", timeout=10).status_code == 200
+
+
+def test_cluster_ports_are_distinct_with_their_bus_ports_and_avoid_the_given_ones() -> None:
+    """A cluster fixture came up with two nodes of three (one port chosen twice, one at a
+    time): the ports of one deployment are chosen together."""
+    masters = free_cluster_ports(40)
+    replicas = free_cluster_ports(40, avoid=masters)
+    ports = masters + replicas
+    buses = [p + CLUSTER_BUS_OFFSET for p in ports]
+    assert len(set(ports + buses)) == 2 * len(ports)
