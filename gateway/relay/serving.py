@@ -49,6 +49,7 @@ from sluice.errors import (
     DeadlineExceeded,
     RouteNotFound,
     SluiceError,
+    Unavailable,
 )
 
 log = logging.getLogger("sluice.gateway")
@@ -184,7 +185,7 @@ class Serving:
                 # one generates it. This client follows it rather than a second generation.
                 log.warning("request %s: lost its Idempotency-Key to a retry; following that one", ctx.request_id)
                 await self._end_stream(upstreams, ctx.record, ctx, "ok")  # served, by the retry's stream
-                return await self.reattach(key, 0)
+                return await self.reattach(key, 0, retry=True)
             # 429 here: the caller (_serve) forgets the key, and with it the plan.
             budget = await self._quota.open(key, ctx.tenant, len(raw_plan),
                                             hold_s=ctx.remaining_s() + self._settings.idempotency_ttl_s)
@@ -332,7 +333,11 @@ class Serving:
             raise failure
         return opened
 
-    async def reattach(self, key: str, after: int) -> Response:
+    async def reattach(self, key: str, after: int, *, retry: bool = False) -> Response:
+        """The stream of ``key`` from after event ``after``. ``retry``: the caller is a POST
+        that lost the key to another attempt: if that one stopped before its stream began,
+        the POST is told to come again (503), not that there is nothing (404: the nemesis
+        found a re-sent POST told "send the request again")."""
         deadline = time.monotonic() + self._settings.queue_timeout_s + self._settings.ttft_timeout_s
         # A client that holds events (``after``) of a stream Redis lost waits for its producer
         # to write the journal again, if it runs, before being told there is none.
@@ -358,6 +363,9 @@ class Serving:
             state = record.get("state", "pending")  # none: Redis lost the record; its live owner restores it
             if state != "pending":
                 break
+            if not record["live"] and retry:
+                raise Unavailable(f"the attempt that held Idempotency-Key {key!r} stopped before its stream began; "
+                                  "send this request again", retry_after_s=1)
             if not record["live"]:
                 raise RouteNotFound(f"the request with Idempotency-Key {key!r} stopped before its stream began "
                                     "(its gateway is gone); send the request again to run it")
