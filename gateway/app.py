@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -33,7 +34,7 @@ from gateway import task_dump
 from gateway.admission.adapters import AdapterDirectory
 from gateway.admission.affinity import session_header, session_of
 from gateway.admission.caps import check_caps, generations, queue_cost, token_estimate
-from gateway.admission.queue import Admission, as_sluice_error
+from gateway.admission.queue import Admission, ClientGone, as_sluice_error
 from gateway.admission.routing import IndexCorrections
 from gateway.admission.tenancy import Tenancy
 from gateway.config import GatewaySettings
@@ -491,12 +492,15 @@ async def _read_body(request: Request, limit: int) -> bytes:
         raise too_large
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size <= limit:
-            chunks.append(chunk)
-        elif size > _DRAIN_LIMIT:
-            break
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= limit:
+                chunks.append(chunk)
+            elif size > _DRAIN_LIMIT:
+                break
+    except ClientDisconnect:  # it left while sending its body: a 499, not an error of ours
+        raise ClientGone("the client disconnected while sending its request body") from None
     if size > limit:
         raise too_large
     return b"".join(chunks)

@@ -3,6 +3,8 @@ creates no Redis state and no per-process cache entry that outlives the request.
 
 from __future__ import annotations
 
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -93,3 +95,17 @@ def test_client_named_fields_are_bounded(gateway: Proc, path: str, body: dict[st
 def test_a_megabyte_name_asked_of_the_models_route_is_a_small_404(gateway: Proc) -> None:
     resp = httpx.get(f"{gateway.url}/v1/models/{'m' * 60_000}", timeout=10)
     assert resp.status_code == 404 and len(resp.content) < 1024
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_not_a_server_error(gateway: Proc) -> None:
+    """Regression (nemesis, Sentinel run: 3 "unhandled error" log entries): a client that
+    closed its connection in the middle of its request body raised starlette's
+    ClientDisconnect through the handler, logged as an internal error (a 500 nobody read)."""
+    host, port = gateway.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as conn:
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100000\r\n\r\n" + b'{"model": "' + b"x" * 1000)
+        time.sleep(0.3)  # the gateway is reading the body when the client goes
+    time.sleep(1.0)
+    log = gateway.log_path.read_text(errors="replace")
+    assert "ClientDisconnect" not in log and "unhandled error" not in log, gateway.log_tail()
