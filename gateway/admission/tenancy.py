@@ -5,6 +5,16 @@ minute) plus a cap on concurrent requests, all in one Lua script per key, so
 every gateway replica enforces the same budget. Tokens are charged at admission
 with an estimate (prompt characters / 4 + max_tokens) and corrected with the
 real usage when the request ends.
+
+Whether callers need a key (``SLUICE_GATEWAY_AUTH``): ``keys`` always; ``open`` never;
+``auto`` once keys exist in Redis (``sl:apikeys:enforced``), and from then on for the
+process's life. Redis that loses its data loses the keys and the marker: the gateways
+that enforce write both back within about a second (gateway/admission/key_keeper.py). A
+gateway in ``auto`` that starts and finds no keys therefore serves openly only once the
+registry's epoch is :data:`~sluice.keys.API_KEYS_RESTORE_S` old (it waits until then at
+start), so one started in the moment after a loss does not open while another gateway is
+writing the keys back. With no such gateway left (every gateway restarted while Redis
+was empty), ``auto`` opens: deployments that must never serve openly use ``keys``.
 """
 
 from __future__ import annotations
@@ -18,9 +28,11 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from gateway.admission.key_keeper import KeyKeeper
 from gateway.config import GatewaySettings
 from sluice import keys
 from sluice.apikeys import ApiKey, KeyStore
+from sluice.directory import Directory
 from sluice.errors import AuthenticationFailed, InvalidRequest, RateLimited
 from sluice.script_channel import ScriptChannel, script_runner
 from sluice.settings import is_loopback
@@ -127,6 +139,8 @@ class Tenancy:
         self._redis = redis
         self._s = settings
         self.keys = KeyStore(redis)
+        self.keeper = KeyKeeper(redis, self.keys)
+        self.keeper.enforcing = settings.auth == "keys"
         # Two of these run per request with keys on: see Admission's runner.
         self._runner = script_runner(redis)
         self._admit = self._runner.register_script(_ADMIT)
@@ -140,8 +154,11 @@ class Tenancy:
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._renew_loop(), name="concurrency-renewal")
+        if self._s.auth != "open":
+            self.keeper.start()
 
     async def close(self) -> None:
+        await self.keeper.close()
         if self._task is not None:
             self._task.cancel()
             await asyncio.wait([self._task], timeout=2.0)
@@ -167,7 +184,10 @@ class Tenancy:
 
     async def check_startup(self) -> None:
         """Refuse an unauthenticated gateway on a non-loopback address unless allowed."""
-        enforced = self._s.auth == "keys" or (self._s.auth == "auto" and await self.keys.any_keys())
+        enforced = self._s.auth == "keys" or (self._s.auth == "auto" and await self._keys_exist())
+        if self._s.auth == "auto":
+            self._keys_seen = (time.monotonic(), enforced)
+            self.keeper.enforcing = enforced
         if enforced:
             return
         if not is_loopback(self._s.host) and not self._s.allow_open:
@@ -177,6 +197,25 @@ class Tenancy:
             )
         log.warning("no API keys configured: serving without authentication (%s)",
                     "loopback only" if is_loopback(self._s.host) else "OPEN, explicitly allowed")
+
+    async def _keys_exist(self) -> bool:
+        """Whether keys exist, for an ``auto`` gateway starting: when Redis has none and its
+        registry is young (it may have just lost its data), wait until the epoch is
+        API_KEYS_RESTORE_S old for gateways that kept the keys to write them back."""
+        if await self.keys.any_keys():
+            return True
+        epoch = await Directory(self._redis).epoch(None)
+        wait_s = keys.API_KEYS_RESTORE_S - epoch.age_s
+        if wait_s <= 0:
+            return False
+        log.info("no API keys in Redis, whose registry is %.1f s old: waiting %.1f s for gateways that "
+                 "kept keys to write them back before serving without keys", epoch.age_s, wait_s)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(min(0.2, max(deadline - time.monotonic(), 0.0)))
+            if await self.keys.any_keys():
+                return True
+        return False
 
     async def _enforced(self) -> bool:
         if self._s.auth != "auto":
@@ -188,6 +227,7 @@ class Tenancy:
             present = await self.keys.any_keys()
             self._keys_seen = (time.monotonic(), present)
             if present:
+                self.keeper.enforcing = True
                 log.info("API keys exist: authentication is enforced from now on")
         return present
 
@@ -197,10 +237,7 @@ class Tenancy:
             return None
         if not authorization or not authorization.lower().startswith("bearer "):
             raise AuthenticationFailed("missing API key: send 'Authorization: Bearer <key>'")
-        key = await self.keys.verify(authorization[7:].strip())
-        if key is None:
-            raise AuthenticationFailed("invalid or revoked API key")
-        return key
+        return await self.keeper.verify(authorization[7:].strip())
 
     async def admit(self, key: ApiKey, estimate: int, stream_id: str, weight: int = 1) -> Charge:
         """Charge a request of ``weight`` generations; 429 when a limit is reached."""
@@ -239,7 +276,7 @@ class Tenancy:
         used. None for a gateway without API keys, or a key that is gone."""
         if prefix == "-":
             return None
-        key = await self.keys.get(prefix)
+        key = await self.keeper.get(prefix)
         return None if key is None else Charge(key=key, stream_id=stream_id, estimate=0, weight=0, headers={})
 
     async def settle_quietly(self, charge: Charge | None, used_tokens: int, request_id: str) -> None:
