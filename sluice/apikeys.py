@@ -55,7 +55,8 @@ class ApiKey:
         return {k: v for k, v in asdict(self).items()}
 
 
-def _hash(key: str) -> str:
+def digest(key: str) -> str:
+    """What a record stores of its key: the SHA-256, hex."""
     return hashlib.sha256(key.encode()).hexdigest()
 
 
@@ -94,7 +95,7 @@ class KeyStore:
             created=time.time(),
         )
         fields = {k: str(int(v) if isinstance(v, bool) else v) for k, v in record.public().items()}
-        fields["sha256"] = _hash(key)
+        fields["sha256"] = digest(key)
         # Not one MULTI: the record and the set live in different cluster slots. Record
         # first, so the set never names a missing record; a crash in between leaves a
         # key that works but that `keys list` does not show.
@@ -109,7 +110,7 @@ class KeyStore:
         if prefix is None:
             return None
         fields = await self.fields(prefix)
-        if fields is None or not matches(key, fields):
+        if fields is None or not matches(digest(key), fields):
             return None
         record = parse_record(fields)
         return None if record.revoked else record
@@ -147,9 +148,9 @@ class KeyStore:
         return bool(await self._redis.exists(keys.API_KEYS_ENFORCED)) or bool(await self._redis.scard(keys.API_KEYS))
 
 
-def matches(key: str, fields: dict[str, str]) -> bool:
-    """Whether ``key`` is the key of this stored record (constant-time)."""
-    return hmac.compare_digest(fields.get("sha256", ""), _hash(key))
+def matches(key_digest: str, fields: dict[str, str]) -> bool:
+    """Whether the key of ``key_digest`` is the key of this stored record (constant-time)."""
+    return hmac.compare_digest(fields.get("sha256", ""), key_digest)
 
 
 def parse_record(fields: dict[str, str]) -> ApiKey:

@@ -92,11 +92,14 @@ MODEL_FORGET_S = 600.0
 #: For this long after Redis lost its data, the registry may still miss workers that have
 #: not beaten since: an unknown model is "retry soon" (503), not "does not exist" (404).
 REGISTRY_REBUILD_S = 30.0
-#: Gateways that remember API keys write them back within about a second of Redis losing
-#: them (a new epoch); until the epoch is this old, a key Redis does not know may be one
-#: being written back (503, retry), and a gateway in auth=auto that finds no keys waits
-#: this long before it serves openly.
+#: Gateways that kept API keys write them back within about a second of Redis losing them
+#: (a new epoch); until the epoch is this old, a key Redis does not know may be one being
+#: written back (503, retry), and a gateway in auth=auto that finds no keys in a registry
+#: marked as following a loss waits this long before it serves openly.
 API_KEYS_RESTORE_S = 3.0
+#: The same wait for an epoch nobody marked as following a loss: every running process that
+#: knew the previous one marks it within a second.
+API_KEYS_UNMARKED_S = 2.0
 
 #: A worker that misses this many heartbeats in a row stops getting traffic.
 HEARTBEAT_MISSES = 3

@@ -48,7 +48,7 @@ from redis.exceptions import RedisError
 
 from gateway.admission.queue import REGISTRY_REBUILDING
 from sluice import keys
-from sluice.apikeys import ApiKey, KeyStore, matches, parse_prefix, parse_record
+from sluice.apikeys import ApiKey, KeyStore, digest, matches, parse_prefix, parse_record
 from sluice.directory import Directory
 from sluice.errors import AuthenticationFailed, Unavailable
 
@@ -138,14 +138,15 @@ class KeyKeeper:
             raise AuthenticationFailed("invalid or revoked API key")
         fields = await self._store.fields(prefix)
         missing = fields is None
+        key_digest = digest(key)
         kept = self._kept.get(prefix)
-        if kept is not None and not matches(key, kept.fields):
+        if kept is not None and not matches(key_digest, kept.fields):
             kept = None  # a copy of another key's record under this prefix says nothing of this one
         if kept is not None and (fields is None or (kept.revoked and fields.get("revoked") != "1")):
             # Redis lost the record (or its revocation): write back what this process verified.
             fields = await self._write_back(prefix, kept)
             self._restore_soon()  # the loss took the other records too
-        if fields is None or not matches(key, fields):
+        if fields is None or not matches(key_digest, fields):
             if missing and kept is None:
                 await self._unknown()
             raise AuthenticationFailed("invalid or revoked API key")
@@ -165,7 +166,8 @@ class KeyKeeper:
 
     async def _unknown(self) -> None:
         """Redis has no record for the key: 503 while the keys may be being written back."""
-        epoch = await self._directory.epoch(None)
+        seen = self._epoch.decode() if isinstance(self._epoch, bytes) and self._epoch != _UNSEEN else None
+        epoch = await self._directory.epoch(seen)  # made now if Redis has none, marked as after a loss
         if epoch.age_s < keys.API_KEYS_RESTORE_S:
             raise Unavailable("API key not known yet: Redis lost its data moments ago and gateways are writing "
                               "the keys back", retry_after_s=1, code=REGISTRY_REBUILDING)

@@ -11,10 +11,11 @@ Whether callers need a key (``SLUICE_GATEWAY_AUTH``): ``keys`` always; ``open`` 
 process's life. Redis that loses its data loses the keys and the marker: the gateways
 that enforce write both back within about a second (gateway/admission/key_keeper.py). A
 gateway in ``auto`` that starts and finds no keys therefore serves openly only once the
-registry's epoch is :data:`~sluice.keys.API_KEYS_RESTORE_S` old (it waits until then at
-start), so one started in the moment after a loss does not open while another gateway is
-writing the keys back. With no such gateway left (every gateway restarted while Redis
-was empty), ``auto`` opens: deployments that must never serve openly use ``keys``.
+registry's epoch is old enough for that (:data:`~sluice.keys.API_KEYS_RESTORE_S` after a
+loss, :data:`~sluice.keys.API_KEYS_UNMARKED_S` otherwise; it waits at start until then),
+so one started in the moment after a loss does not open while another gateway writes the
+keys back. With no such gateway left (every gateway restarted while Redis was empty, or
+cut off from it), ``auto`` opens: deployments that must never serve openly use ``keys``.
 """
 
 from __future__ import annotations
@@ -199,23 +200,25 @@ class Tenancy:
                     "loopback only" if is_loopback(self._s.host) else "OPEN, explicitly allowed")
 
     async def _keys_exist(self) -> bool:
-        """Whether keys exist, for an ``auto`` gateway starting: when Redis has none and its
-        registry is young (it may have just lost its data), wait until the epoch is
-        API_KEYS_RESTORE_S old for gateways that kept the keys to write them back."""
-        if await self.keys.any_keys():
-            return True
-        epoch = await Directory(self._redis).epoch(None)
-        wait_s = keys.API_KEYS_RESTORE_S - epoch.age_s
-        if wait_s <= 0:
-            return False
-        log.info("no API keys in Redis, whose registry is %.1f s old: waiting %.1f s for gateways that "
-                 "kept keys to write them back before serving without keys", epoch.age_s, wait_s)
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            await asyncio.sleep(min(0.2, max(deadline - time.monotonic(), 0.0)))
-            if await self.keys.any_keys():
-                return True
-        return False
+        """Whether keys exist, for an ``auto`` gateway starting. Redis with none may have just
+        lost them: wait while its registry's epoch is young. Every process that knew the
+        previous epoch marks the new one as following a loss at its next beat (a second), and
+        a gateway that kept keys writes them back at its next check (the same second). So
+        an unmarked epoch API_KEYS_UNMARKED_S old is one no running process knew before;
+        a marked one is given API_KEYS_RESTORE_S for the keys to come back."""
+        directory = Directory(self._redis)
+        waiting = False
+        while not await self.keys.any_keys():
+            epoch = await directory.epoch(None)
+            wait_s = (keys.API_KEYS_RESTORE_S if epoch.after_loss else keys.API_KEYS_UNMARKED_S) - epoch.age_s
+            if wait_s <= 0:
+                return False
+            if not waiting:
+                waiting = True
+                log.info("no API keys in Redis, whose registry is %.1f s old: waiting up to %.1f s for gateways "
+                         "that kept keys to write them back before serving without keys", epoch.age_s, wait_s)
+            await asyncio.sleep(min(0.2, wait_s))
+        return True
 
     async def _enforced(self) -> bool:
         if self._s.auth != "auto":

@@ -99,11 +99,13 @@ def test_a_key_verified_before_redis_lost_its_data_works_right_after(lossy, flus
 
 def test_a_key_works_after_a_loss_on_a_gateway_that_never_saw_it(lossy, flush, gateways) -> None:
     """Regression: a gateway that had never verified the key had nothing to fall back on
-    either: 401 until an operator made the keys again."""
+    either: 401 until an operator made the keys again. And a gateway in auth=auto started
+    while keys existed, but asked nothing before the loss, served everyone openly after it."""
     first, second = gateways
     key, prefix = _create(lossy.url, "elsewhere")
     assert _complete(first, key)
     flush.flushall()
+    assert httpx.get(second.url + "/v1/models").status_code == 401  # no key: not served
     # 503 + Retry-After (the SDK retries) until the first gateway wrote the key back: never 401.
     assert _complete(second, key)
     assert flush.sismember(keys.API_KEYS, prefix)  # `sluice keys list` shows it again
