@@ -65,6 +65,13 @@ def _list_models(gateway: Proc, key: str) -> None:
         client.models.list()
 
 
+def _up(gateway: Proc) -> bool:
+    try:
+        return httpx.get(gateway.url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 @pytest.fixture(scope="module")
 def lossy() -> Iterator[EmbeddedRedis]:
     with EmbeddedRedis() as server:
@@ -151,7 +158,8 @@ def test_an_auto_gateway_started_after_a_loss_does_not_serve_without_a_key(tmp_p
                                            "--redis-url", server.url, "--procs", "1"], tmp_path / "fresh.log", _env())
             fresh.url = f"http://127.0.0.1:{port}"
             procs.append(fresh)
-            wait_for(lambda: "waiting" in fresh.log_path.read_text(), 30, "the new gateway to wait for keys")
+            # It waits for keys to come back (before the fix: it came up at once, open).
+            wait_for(lambda: "waiting" in fresh.log_path.read_text() or _up(fresh), 30, "the new gateway to start")
         finally:
             os.kill(seen.pid, signal.SIGCONT)
         fresh.wait_http("/health")
