@@ -99,7 +99,7 @@ REGISTRY_REBUILD_S = 30.0
 API_KEYS_RESTORE_S = 3.0
 #: The same wait for an epoch nobody marked as following a loss: every running process that
 #: knew the previous one marks it within a second.
-API_KEYS_UNMARKED_S = 2.0
+API_KEYS_UNMARKED_S = 1.5
 
 #: A worker that misses this many heartbeats in a row stops getting traffic.
 HEARTBEAT_MISSES = 3
