@@ -212,7 +212,13 @@ class KeyKeeper:
 
     def _restore_soon(self) -> None:
         if self._restoring is None or self._restoring.done():
-            self._restoring = asyncio.create_task(self.restore_all(), name="key-restore")
+            self._restoring = asyncio.create_task(self._restore_quietly(), name="key-restore")
+
+    async def _restore_quietly(self) -> None:
+        try:
+            await self.restore_all()
+        except (RedisError, OSError) as exc:  # the watch loop writes them back once Redis answers
+            log.warning("could not write API key records back: %s", exc)
 
     async def restore_all(self) -> None:
         """Redis lost its data: write back the marker, then every kept record, the most
