@@ -18,11 +18,12 @@ import httpx
 import openai
 import pytest
 import redis
-import redis.asyncio
 
 from sluice import keys
 from sluice.apikeys import KeyStore
-from sluice.embedded_redis import EmbeddedRedis, free_port
+from sluice.redis_pool import create_pool
+from sluice.embedded_redis import EmbeddedCluster, EmbeddedRedis, free_port
+from sluice.redis_url import sync_client
 from tests.conftest import Proc, _env, wait_for
 
 MODEL = "keyloss"
@@ -31,7 +32,7 @@ MODEL = "keyloss"
 def _create(url: str, name: str) -> tuple[str, str]:
     """A new key and its prefix, made as ``sluice keys create`` makes it."""
     async def create() -> tuple[str, str]:
-        client = redis.asyncio.Redis.from_url(url)
+        client = await create_pool(url)
         try:
             key, record = await KeyStore(client).create(name)
         finally:
@@ -42,7 +43,7 @@ def _create(url: str, name: str) -> tuple[str, str]:
 
 def _revoke(url: str, prefix: str) -> None:
     async def revoke() -> None:
-        client = redis.asyncio.Redis.from_url(url)
+        client = await create_pool(url)
         try:
             assert await KeyStore(client).revoke(prefix)
         finally:
@@ -165,3 +166,30 @@ def test_an_auto_gateway_started_after_a_loss_does_not_serve_without_a_key(tmp_p
         fresh.wait_http("/health")
         assert httpx.get(fresh.url + "/v1/models").status_code == 401  # no key: not served
         _list_models(fresh, key)  # written back by the gateway that had verified it
+
+
+def test_keys_come_back_after_a_cluster_loses_its_data(start_worker, start_gateway) -> None:
+    """The same on a Redis Cluster (records, key set, marker and revocations on different
+    nodes): a verified key works after FLUSHALL on every master, a revoked one stays revoked."""
+    with EmbeddedCluster() as cluster:
+        start_worker(MODEL, redis_at=cluster.url, sim_token_ms=0, sim_ttft_ms=0)
+        kept, _ = _create(cluster.url, "kept")
+        doomed, prefix = _create(cluster.url, "doomed")
+        gateway = start_gateway(redis_at=cluster.url)
+        assert _complete(gateway, kept) and _complete(gateway, doomed)
+        _revoke(cluster.url, prefix)
+        with pytest.raises(openai.AuthenticationError):
+            _list_models(gateway, doomed)
+        client = sync_client(cluster.url)
+        try:
+            client.flushall()  # every master
+            assert httpx.get(gateway.url + "/v1/models").status_code == 401
+            _list_models(gateway, kept)
+            assert _complete(gateway, kept)
+            with pytest.raises(openai.AuthenticationError):
+                _list_models(gateway, doomed)
+            wait_for(lambda: client.exists(keys.API_KEYS_ENFORCED) == 1, 10, "the marker to be written back")
+            assert client.hget(keys.api_key(prefix), "revoked") == b"1"
+            assert client.sismember(keys.API_KEYS_REVOKED, prefix)
+        finally:
+            client.close()
