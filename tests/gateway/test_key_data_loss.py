@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,13 +19,13 @@ import httpx
 import openai
 import pytest
 import redis
+import redis.asyncio
 
 from sluice import keys
 from sluice.apikeys import KeyStore
-from sluice.redis_pool import create_pool
 from sluice.embedded_redis import EmbeddedCluster, EmbeddedRedis, free_port
 from sluice.redis_url import sync_client
-from tests.conftest import Proc, _env, wait_for
+from tests.conftest import ROOT, Proc, _env, wait_for
 
 MODEL = "keyloss"
 
@@ -32,7 +33,7 @@ MODEL = "keyloss"
 def _create(url: str, name: str) -> tuple[str, str]:
     """A new key and its prefix, made as ``sluice keys create`` makes it."""
     async def create() -> tuple[str, str]:
-        client = await create_pool(url)
+        client = redis.asyncio.Redis.from_url(url)
         try:
             key, record = await KeyStore(client).create(name)
         finally:
@@ -43,12 +44,20 @@ def _create(url: str, name: str) -> tuple[str, str]:
 
 def _revoke(url: str, prefix: str) -> None:
     async def revoke() -> None:
-        client = await create_pool(url)
+        client = redis.asyncio.Redis.from_url(url)
         try:
             assert await KeyStore(client).revoke(prefix)
         finally:
             await client.aclose()
     asyncio.run(revoke())
+
+
+def _cli(url: str, *args: str) -> str:
+    """``sluice keys ...`` against ``url``: its output."""
+    result = subprocess.run([sys.executable, "-m", "sluice", "keys", *args, "--redis-url", url],
+                            capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
 
 
 def _sdk(gateway: Proc, key: str, retries: int = 0) -> openai.OpenAI:
@@ -73,17 +82,19 @@ def _up(gateway: Proc) -> bool:
         return False
 
 
+class Lossy:
+    """A Redis of this module's own, and a client to make it lose its data."""
+
+    def __init__(self, server: EmbeddedRedis) -> None:
+        self.url, self.client = server.url, redis.Redis.from_url(server.url)
+
+
 @pytest.fixture(scope="module")
-def lossy() -> Iterator[EmbeddedRedis]:
+def lossy() -> Iterator[Lossy]:
     with EmbeddedRedis() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def flush(lossy: EmbeddedRedis) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(lossy.url)
-    yield client
-    client.close()
+        lossy = Lossy(server)
+        yield lossy
+        lossy.client.close()
 
 
 @pytest.fixture(scope="module")
@@ -94,32 +105,32 @@ def gateways(lossy, start_worker, start_gateway) -> tuple[Proc, Proc]:
     return start_gateway(redis_at=lossy.url), start_gateway(redis_at=lossy.url)
 
 
-def test_a_key_verified_before_redis_lost_its_data_works_right_after(lossy, flush, gateways) -> None:
+def test_a_key_verified_before_redis_lost_its_data_works_right_after(lossy, gateways) -> None:
     """Regression: after FLUSHALL every key was 401 (invalid_api_key) until an operator made
     the keys again (195 such requests in the Cluster nemesis run)."""
     first, _ = gateways
     key, _ = _create(lossy.url, "verified")
     assert _complete(first, key)
-    flush.flushall()
+    lossy.client.flushall()
     _list_models(first, key)  # at once, no retry: this gateway writes the record back
     assert _complete(first, key)
 
 
-def test_a_key_works_after_a_loss_on_a_gateway_that_never_saw_it(lossy, flush, gateways) -> None:
+def test_a_key_works_after_a_loss_on_a_gateway_that_never_saw_it(lossy, gateways) -> None:
     """Regression: a gateway that had never verified the key had nothing to fall back on
     either: 401 until an operator made the keys again. And a gateway in auth=auto started
     while keys existed, but asked nothing before the loss, served everyone openly after it."""
     first, second = gateways
     key, prefix = _create(lossy.url, "elsewhere")
     assert _complete(first, key)
-    flush.flushall()
+    lossy.client.flushall()
     assert httpx.get(second.url + "/v1/models").status_code == 401  # no key: not served
     # 503 + Retry-After (the SDK retries) until the first gateway wrote the key back: never 401.
     assert _complete(second, key)
-    assert flush.sismember(keys.API_KEYS, prefix)  # `sluice keys list` shows it again
+    assert lossy.client.sismember(keys.API_KEYS, prefix)  # `sluice keys list` shows it again
 
 
-def test_a_key_revoked_before_redis_lost_its_data_stays_revoked(lossy, flush, gateways) -> None:
+def test_a_key_revoked_before_redis_lost_its_data_stays_revoked(lossy, gateways) -> None:
     """Regression: a revoked key that gateways still kept a copy of came back valid when its
     copy was written back; and, before copies were written back at all, the key that was not
     revoked stayed 401 after the loss."""
@@ -132,12 +143,12 @@ def test_a_key_revoked_before_redis_lost_its_data_stays_revoked(lossy, flush, ga
     for gateway in gateways:
         wait_for(lambda g=gateway: f"API key {prefix} was revoked" in g.log_path.read_text(), 10,
                  f"{gateway.name} to learn the revocation")
-    flush.flushall()
+    lossy.client.flushall()
     assert _complete(first, kept)
     for gateway in (second, first):
         with pytest.raises(openai.AuthenticationError):
             _list_models(gateway, doomed)
-    assert flush.hget(keys.api_key(prefix), "revoked") == b"1"  # written back as its tombstone
+    assert lossy.client.hget(keys.api_key(prefix), "revoked") == b"1"  # written back as its tombstone
 
 
 def test_an_auto_gateway_started_after_a_loss_does_not_serve_without_a_key(tmp_path: Path, procs, start_gateway) -> None:
@@ -173,11 +184,12 @@ def test_keys_come_back_after_a_cluster_loses_its_data(start_worker, start_gatew
     nodes): a verified key works after FLUSHALL on every master, a revoked one stays revoked."""
     with EmbeddedCluster() as cluster:
         start_worker(MODEL, redis_at=cluster.url, sim_token_ms=0, sim_ttft_ms=0)
-        kept, _ = _create(cluster.url, "kept")
-        doomed, prefix = _create(cluster.url, "doomed")
+        kept = _cli(cluster.url, "create", "--name", "kept")
+        doomed = _cli(cluster.url, "create", "--name", "doomed")
+        prefix = doomed.split("-")[2]
         gateway = start_gateway(redis_at=cluster.url)
         assert _complete(gateway, kept) and _complete(gateway, doomed)
-        _revoke(cluster.url, prefix)
+        _cli(cluster.url, "revoke", prefix)
         with pytest.raises(openai.AuthenticationError):
             _list_models(gateway, doomed)
         client = sync_client(cluster.url)
