@@ -3,7 +3,10 @@
 A key reads ``sk-sluice-<prefix>-<secret>``: the 8-hex-character prefix is public
 and names the record ``sl:apikey:<prefix>``; the secret is 32 random bytes
 (256 bits). The record holds the SHA-256 of the whole key, compared in constant
-time, plus the key's name, tier and limits.
+time, plus the key's name, tier and limits. A record changes once at most: its
+revocation, which marks it (it stays, as the key's tombstone) and lists its prefix in
+``sl:apikeys:revoked``. Gateways keep copies of the records they verify and write them back
+when Redis loses them (gateway/admission/key_keeper.py).
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ class ApiKey:
         return {k: v for k, v in asdict(self).items()}
 
 
-def _hash(key: str) -> str:
+def digest(key: str) -> str:
+    """What a record stores of its key: the SHA-256, hex."""
     return hashlib.sha256(key.encode()).hexdigest()
 
 
@@ -91,12 +95,13 @@ class KeyStore:
             created=time.time(),
         )
         fields = {k: str(int(v) if isinstance(v, bool) else v) for k, v in record.public().items()}
-        fields["sha256"] = _hash(key)
+        fields["sha256"] = digest(key)
         # Not one MULTI: the record and the set live in different cluster slots. Record
         # first, so the set never names a missing record; a crash in between leaves a
         # key that works but that `keys list` does not show.
         await self._redis.hset(keys.api_key(prefix), mapping=fields)
         await self._redis.sadd(keys.API_KEYS, prefix)
+        await self._redis.set(keys.API_KEYS_ENFORCED, "1")
         return key, record
 
     async def verify(self, key: str) -> ApiKey | None:
@@ -104,40 +109,51 @@ class KeyStore:
         prefix = parse_prefix(key)
         if prefix is None:
             return None
-        raw = await self._redis.hgetall(keys.api_key(prefix))
-        if not raw:
+        fields = await self.fields(prefix)
+        if fields is None or not matches(digest(key), fields):
             return None
-        fields = {k.decode(): v.decode() for k, v in raw.items()}
-        if not hmac.compare_digest(fields.get("sha256", ""), _hash(key)):
-            return None
-        record = _record(fields)
+        record = parse_record(fields)
         return None if record.revoked else record
+
+    async def fields(self, prefix: str) -> dict[str, str] | None:
+        """The stored record of the key with ``prefix`` (its hash, never the key), or None."""
+        raw = await self._redis.hgetall(keys.api_key(prefix))
+        return {k.decode(): v.decode() for k, v in raw.items()} if raw else None
 
     async def get(self, prefix: str) -> ApiKey | None:
         """The record of the key with ``prefix``, revoked or not (no secret needed: for
         charging usage to a key that was verified when its request arrived)."""
-        raw = await self._redis.hgetall(keys.api_key(prefix))
-        return _record({k.decode(): v.decode() for k, v in raw.items()}) if raw else None
+        fields = await self.fields(prefix)
+        return parse_record(fields) if fields else None
 
     async def list(self) -> list[ApiKey]:
         out = []
         for prefix in sorted(p.decode() for p in await self._redis.smembers(keys.API_KEYS)):
-            raw = await self._redis.hgetall(keys.api_key(prefix))
-            if raw:
-                out.append(_record({k.decode(): v.decode() for k, v in raw.items()}))
+            record = await self.get(prefix)
+            if record is not None:
+                out.append(record)
         return out
 
     async def revoke(self, prefix: str) -> bool:
         if not await self._redis.exists(keys.api_key(prefix)):
             return False
         await self._redis.hset(keys.api_key(prefix), "revoked", "1")
+        # The gateways that keep a copy of the record learn it here within a second, and
+        # write it back revoked if Redis loses it (gateway/admission/key_keeper.py).
+        await self._redis.sadd(keys.API_KEYS_REVOKED, prefix)
         return True
 
     async def any_keys(self) -> bool:
-        return bool(await self._redis.scard(keys.API_KEYS))
+        """Whether keys exist here: the marker, or (for keys made before it) the key set."""
+        return bool(await self._redis.exists(keys.API_KEYS_ENFORCED)) or bool(await self._redis.scard(keys.API_KEYS))
 
 
-def _record(fields: dict[str, str]) -> ApiKey:
+def matches(key_digest: str, fields: dict[str, str]) -> bool:
+    """Whether the key of ``key_digest`` is the key of this stored record (constant-time)."""
+    return hmac.compare_digest(fields.get("sha256", ""), key_digest)
+
+
+def parse_record(fields: dict[str, str]) -> ApiKey:
     return ApiKey(
         prefix=fields["prefix"], name=fields["name"], tier=fields["tier"], rpm=int(fields["rpm"]),
         tpm=int(fields["tpm"]), max_concurrent=int(fields["max_concurrent"]),

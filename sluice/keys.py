@@ -39,7 +39,13 @@ Nothing here is created for a model without a registered worker: a client naming
 creates no key (``check_model_name`` bounds the name itself).
 
     sl:apikeys                     set of API key prefixes
-    sl:apikey:{prefix}             hash: one API key's record
+    sl:apikey:{prefix}             hash: one API key's record (SHA-256 of the key, name, tier, limits,
+                                   revoked); a revoked key's record stays, as its tombstone
+    sl:apikeys:revoked             set of revoked key prefixes: gateways read it each second to learn
+                                   revocations of the records they remember (gateway/admission/key_keeper.py)
+    sl:apikeys:enforced            "1": keys exist here, so gateways in auth=auto enforce them; written by
+                                   ``sluice keys create`` and, after a data loss, by every gateway that enforces
+                                   (these four: no TTL; bounded by the keys an operator creates)
     sl:rl:{prefix}                 hash: the key's token buckets
     sl:rl:{prefix}:streams         zset: the key's running generations -> expiry (ms)
     sl:idem:{scope}                hash: an Idempotency-Key's record (state, body hash, owner token, ...)
@@ -66,6 +72,8 @@ from typing import NamedTuple
 
 MODELS = "sl:models"
 API_KEYS = "sl:apikeys"
+API_KEYS_REVOKED = "sl:apikeys:revoked"
+API_KEYS_ENFORCED = "sl:apikeys:enforced"
 EPOCH = "sl:epoch"
 REAPER = "sl:reaper"
 #: LoRA adapters (gateway/admission/adapters.py): name -> {parent, path, until (ms, Redis
@@ -84,6 +92,14 @@ MODEL_FORGET_S = 600.0
 #: For this long after Redis lost its data, the registry may still miss workers that have
 #: not beaten since: an unknown model is "retry soon" (503), not "does not exist" (404).
 REGISTRY_REBUILD_S = 30.0
+#: Gateways that kept API keys write them back within about a second of Redis losing them
+#: (a new epoch); until the epoch is this old, a key Redis does not know may be one being
+#: written back (503, retry), and a gateway in auth=auto that finds no keys in a registry
+#: marked as following a loss waits this long before it serves openly.
+API_KEYS_RESTORE_S = 3.0
+#: The same wait for an epoch nobody marked as following a loss: every running process that
+#: knew the previous one marks it within a second.
+API_KEYS_UNMARKED_S = 1.5
 
 #: A worker that misses this many heartbeats in a row stops getting traffic.
 HEARTBEAT_MISSES = 3

@@ -5,6 +5,17 @@ minute) plus a cap on concurrent requests, all in one Lua script per key, so
 every gateway replica enforces the same budget. Tokens are charged at admission
 with an estimate (prompt characters / 4 + max_tokens) and corrected with the
 real usage when the request ends.
+
+Whether callers need a key (``SLUICE_GATEWAY_AUTH``): ``keys`` always; ``open`` never;
+``auto`` once keys exist in Redis (``sl:apikeys:enforced``), and from then on for the
+process's life. Redis that loses its data loses the keys and the marker: the gateways
+that enforce write both back within about a second (gateway/admission/key_keeper.py). A
+gateway in ``auto`` that starts and finds no keys therefore serves openly only once the
+registry's epoch is old enough for that (:data:`~sluice.keys.API_KEYS_RESTORE_S` after a
+loss, :data:`~sluice.keys.API_KEYS_UNMARKED_S` otherwise; it waits at start until then),
+so one started in the moment after a loss does not open while another gateway writes the
+keys back. With no such gateway left (every gateway restarted while Redis was empty, or
+cut off from it), ``auto`` opens: deployments that must never serve openly use ``keys``.
 """
 
 from __future__ import annotations
@@ -18,9 +29,11 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from gateway.admission.key_keeper import KeyKeeper
 from gateway.config import GatewaySettings
 from sluice import keys
 from sluice.apikeys import ApiKey, KeyStore
+from sluice.directory import Directory
 from sluice.errors import AuthenticationFailed, InvalidRequest, RateLimited
 from sluice.script_channel import ScriptChannel, script_runner
 from sluice.settings import is_loopback
@@ -127,6 +140,8 @@ class Tenancy:
         self._redis = redis
         self._s = settings
         self.keys = KeyStore(redis)
+        self.keeper = KeyKeeper(redis, self.keys)
+        self.keeper.enforcing = settings.auth == "keys"
         # Two of these run per request with keys on: see Admission's runner.
         self._runner = script_runner(redis)
         self._admit = self._runner.register_script(_ADMIT)
@@ -140,8 +155,11 @@ class Tenancy:
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._renew_loop(), name="concurrency-renewal")
+        if self._s.auth != "open":
+            self.keeper.start()
 
     async def close(self) -> None:
+        await self.keeper.close()
         if self._task is not None:
             self._task.cancel()
             await asyncio.wait([self._task], timeout=2.0)
@@ -167,7 +185,10 @@ class Tenancy:
 
     async def check_startup(self) -> None:
         """Refuse an unauthenticated gateway on a non-loopback address unless allowed."""
-        enforced = self._s.auth == "keys" or (self._s.auth == "auto" and await self.keys.any_keys())
+        enforced = self._s.auth == "keys" or (self._s.auth == "auto" and await self._keys_exist())
+        if self._s.auth == "auto":
+            self._keys_seen = (time.monotonic(), enforced)
+            self.keeper.enforcing = enforced
         if enforced:
             return
         if not is_loopback(self._s.host) and not self._s.allow_open:
@@ -177,6 +198,27 @@ class Tenancy:
             )
         log.warning("no API keys configured: serving without authentication (%s)",
                     "loopback only" if is_loopback(self._s.host) else "OPEN, explicitly allowed")
+
+    async def _keys_exist(self) -> bool:
+        """Whether keys exist, for an ``auto`` gateway starting. Redis with none may have just
+        lost them: wait while its registry's epoch is young. Every process that knew the
+        previous epoch marks the new one as following a loss at its next beat (a second), and
+        a gateway that kept keys writes them back at its next check (the same second). So
+        an unmarked epoch API_KEYS_UNMARKED_S old is one no running process knew before;
+        a marked one is given API_KEYS_RESTORE_S for the keys to come back."""
+        directory = Directory(self._redis)
+        waiting = False
+        while not await self.keys.any_keys():
+            epoch = await directory.epoch(None)
+            wait_s = (keys.API_KEYS_RESTORE_S if epoch.after_loss else keys.API_KEYS_UNMARKED_S) - epoch.age_s
+            if wait_s <= 0:
+                return False
+            if not waiting:
+                waiting = True
+                log.info("no API keys in Redis, whose registry is %.1f s old: waiting up to %.1f s for gateways "
+                         "that kept keys to write them back before serving without keys", epoch.age_s, wait_s)
+            await asyncio.sleep(min(0.2, wait_s))
+        return True
 
     async def _enforced(self) -> bool:
         if self._s.auth != "auto":
@@ -188,6 +230,7 @@ class Tenancy:
             present = await self.keys.any_keys()
             self._keys_seen = (time.monotonic(), present)
             if present:
+                self.keeper.enforcing = True
                 log.info("API keys exist: authentication is enforced from now on")
         return present
 
@@ -197,10 +240,7 @@ class Tenancy:
             return None
         if not authorization or not authorization.lower().startswith("bearer "):
             raise AuthenticationFailed("missing API key: send 'Authorization: Bearer <key>'")
-        key = await self.keys.verify(authorization[7:].strip())
-        if key is None:
-            raise AuthenticationFailed("invalid or revoked API key")
-        return key
+        return await self.keeper.verify(authorization[7:].strip())
 
     async def admit(self, key: ApiKey, estimate: int, stream_id: str, weight: int = 1) -> Charge:
         """Charge a request of ``weight`` generations; 429 when a limit is reached."""
@@ -239,7 +279,7 @@ class Tenancy:
         used. None for a gateway without API keys, or a key that is gone."""
         if prefix == "-":
             return None
-        key = await self.keys.get(prefix)
+        key = await self.keeper.get(prefix)
         return None if key is None else Charge(key=key, stream_id=stream_id, estimate=0, weight=0, headers={})
 
     async def settle_quietly(self, charge: Charge | None, used_tokens: int, request_id: str) -> None:

@@ -2,7 +2,8 @@
 
 - no slot in flight, no lease, no queued request (after the leases' TTL and a reap);
 - no Redis key without a TTL other than the registry (``sl:models``, ``sl:epoch``, the
-  registered model's ``sl:{model}:*`` admission keys) and the API keys (``sl:apikeys``, ``sl:apikey:*``);
+  registered model's ``sl:{model}:*`` admission keys) and the API keys (``sl:apikeys``,
+  ``sl:apikeys:revoked``, ``sl:apikeys:enforced``, ``sl:apikey:*``);
 - Redis memory within ``redis_bound_mib`` of what it used before the load;
 - every gateway process's RSS under ``rss_bound_mib``;
 - usage: each attempt is billed what it served, each generation once (the rule in
@@ -36,7 +37,8 @@ from sluice.nemesis.workload import Reference, RequestSpec
 _ACCESS = re.compile(r"access request_id=(\S+) .*?key_id=(\S+) .*?completion_tokens=(\d+)")
 #: Registry state (the models, their admission keys, ``sl:epoch``: the registry's generation,
 #: which must never expire lest an idle Redis read as one that lost its data) and API keys.
-_ALLOWED_NO_TTL = re.compile(r"^(sl:models|sl:epoch|sl:apikeys|sl:apikey:.*|sl:\{" + re.escape(MODEL) + r"\}:.*)$")
+_ALLOWED_NO_TTL = re.compile(r"^(sl:models|sl:epoch|sl:apikeys(:revoked|:enforced)?|sl:apikey:.*|sl:\{"
+                             + re.escape(MODEL) + r"\}:.*)$")
 
 
 @dataclass(slots=True)

@@ -35,7 +35,10 @@ from sluice.nemesis.topology import SingleRedis, make_topology
 from sluice.redis_pool import RedisClient, create_pool
 
 #: Gateway settings of a nemesis run (see the module docstring for why each is short).
+#: Keys always required, as in production on a Redis that can lose its data: with ``auto`` a
+#: gateway that (re)starts when no gateway is left to write the keys back serves openly.
 GATEWAY_ENV = {
+    "SLUICE_GATEWAY_AUTH": "keys",
     "SLUICE_GATEWAY_LEASE_TTL_S": "3",
     "SLUICE_GATEWAY_STALL_TIMEOUT_S": "2",
     "SLUICE_GATEWAY_TTFT_TIMEOUT_S": "15",

@@ -1,0 +1,268 @@
+"""API key records a gateway process verified lately, written back when Redis loses them.
+
+Redis that loses its data (a restart without persistence, ``FLUSHALL``, a failover that
+lost writes) loses the key records too (sluice/apikeys.py), and every client would get
+401 until an operator made the keys again. So each gateway process keeps a copy of the
+records it verified (the stored record: the key's SHA-256, never the key), at most
+:data:`KEPT` of them, each until :data:`KEEP_S` after its last successful verify, and
+writes them back, only where Redis has none:
+
+- at once, when a verify finds the record of a key it keeps missing (that request is
+  served; the other kept records follow);
+- within :data:`CHECK_S` of a new registry epoch (``sl:epoch``: Redis lost its data,
+  sluice/directory.py) or of Redis coming back after being unreachable (a restart from a
+  snapshot that missed the last writes keeps the epoch), so every gateway, and one started
+  since, finds them again.
+
+A process that enforces keys first writes back ``sl:apikeys:enforced``, so a gateway in
+``auth=auto`` that starts after the loss enforces keys too (gateway/admission/tenancy.py).
+Until the new epoch is :data:`~sluice.keys.API_KEYS_RESTORE_S` old, a key Redis does not
+know may be one being written back: 503 + ``Retry-After`` (SDKs retry it), not 401.
+
+Revocations are never undone by a copy. A record changes once at most, when it is
+revoked, so writing back merges one way: a missing record is written whole, a valid one
+that this process knows revoked is marked revoked, nothing else is touched (another key's
+record under the same prefix least of all). A kept copy learns the revocation when a
+verify reads the record revoked, or within :data:`CHECK_S` from ``sl:apikeys:revoked``,
+which ``sluice keys revoke`` adds the prefix to; a revocation that Redis loses later is
+then written back by every gateway that kept the key. Not covered: a revocation that Redis
+loses within :data:`CHECK_S` of being made (a restart without persistence right after
+``sluice keys revoke``) is undone by the copies, and a key created and lost before any
+gateway verified it is gone (401): both are ``sluice keys`` commands to run again.
+
+>>> keeper = KeyKeeper(redis, KeyStore(redis))
+>>> record = await keeper.verify(key)   # raises AuthenticationFailed or Unavailable
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from gateway.admission.queue import REGISTRY_REBUILDING
+from sluice import keys
+from sluice.apikeys import ApiKey, KeyStore, digest, matches, parse_prefix, parse_record
+from sluice.directory import Directory
+from sluice.errors import AuthenticationFailed, Unavailable
+
+log = logging.getLogger("sluice.tenancy")
+
+#: A kept record is dropped this long after the last request that verified it.
+KEEP_S = 600.0
+#: At most this many records are kept (about 300 bytes each: ~3 MB), the least recently
+#: verified dropped first.
+KEPT = 10_000
+#: How often the registry's epoch and the revocations are read (only while something is
+#: kept, or the process enforces keys).
+CHECK_S = 1.0
+#: Prefixes asked about in one SMISMEMBER.
+_BATCH = 1_000
+_UNSEEN = b"\0unseen"
+
+#: Write one kept record back. KEYS: the record. ARGV: its sha256, '1' if this process knows
+#: it revoked, then field, value pairs. Returns {1 if written, 'valid' | 'revoked' | 'other'}.
+WRITE_BACK = r"""
+local sha = redis.call('HGET', KEYS[1], 'sha256')
+if not sha then
+  redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+  return {1, ARGV[2] == '1' and 'revoked' or 'valid'}
+end
+if sha ~= ARGV[1] then return {0, 'other'} end
+if redis.call('HGET', KEYS[1], 'revoked') == '1' then return {0, 'revoked'} end
+if ARGV[2] == '1' then
+  redis.call('HSET', KEYS[1], 'revoked', '1')
+  return {1, 'revoked'}
+end
+return {0, 'valid'}
+"""
+
+
+@dataclass(slots=True)
+class _Kept:
+    fields: dict[str, str]
+    #: When a request last verified it (monotonic).
+    seen: float
+
+    @property
+    def revoked(self) -> bool:
+        return self.fields.get("revoked") == "1"
+
+    def revoke(self) -> None:
+        self.fields = {**self.fields, "revoked": "1"}
+
+
+class KeyKeeper:
+    """The kept key records of one gateway process (see the module)."""
+
+    def __init__(self, redis: Any, store: KeyStore, *, keep_s: float = KEEP_S, kept: int = KEPT,
+                 check_s: float = CHECK_S) -> None:
+        self._redis = redis
+        self._store = store
+        self._directory = Directory(redis)
+        self._write_back_script = redis.register_script(WRITE_BACK)
+        self._keep_s, self._cap, self._check_s = keep_s, kept, check_s
+        self._kept: OrderedDict[str, _Kept] = OrderedDict()  # least recently verified first
+        #: This process enforces keys: after a loss it writes ``sl:apikeys:enforced`` back too.
+        self.enforcing = False
+        self._epoch: bytes | None = _UNSEEN
+        self._revocations = -1  # size of sl:apikeys:revoked at the last read
+        self._task: asyncio.Task[None] | None = None
+        self._restoring: asyncio.Task[None] | None = None
+        self.restored = 0
+
+    def __repr__(self) -> str:
+        return f"<KeyKeeper kept={len(self._kept)} restored={self.restored}>"
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="key-keeper")
+
+    async def close(self) -> None:
+        for task in (self._task, self._restoring):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def verify(self, key: str) -> ApiKey:
+        """The record of ``key``; raises 401 for a key that is not genuine or is revoked,
+        503 for one Redis does not know while keys may still be being written back."""
+        prefix = parse_prefix(key)
+        if prefix is None:
+            raise AuthenticationFailed("invalid or revoked API key")
+        fields = await self._store.fields(prefix)
+        missing = fields is None
+        key_digest = digest(key)
+        kept = self._kept.get(prefix)
+        if kept is not None and not matches(key_digest, kept.fields):
+            kept = None  # a copy of another key's record under this prefix says nothing of this one
+        if kept is not None and (fields is None or (kept.revoked and fields.get("revoked") != "1")):
+            # Redis lost the record (or its revocation): write back what this process verified.
+            fields = await self._write_back(prefix, kept)
+            self._restore_soon()  # the loss took the other records too
+        if fields is None or not matches(key_digest, fields):
+            if missing and kept is None:
+                await self._unknown()
+            raise AuthenticationFailed("invalid or revoked API key")
+        record = parse_record(fields)
+        if record.revoked:
+            if kept is not None and not kept.revoked:
+                kept.revoke()
+            raise AuthenticationFailed("invalid or revoked API key")
+        self._keep(prefix, fields)
+        return record
+
+    async def get(self, prefix: str) -> ApiKey | None:
+        """The record of ``prefix``, revoked or not: Redis's, else this process's copy."""
+        record = await self._store.get(prefix)
+        kept = self._kept.get(prefix)
+        return record if record is not None or kept is None else parse_record(kept.fields)
+
+    async def _unknown(self) -> None:
+        """Redis has no record for the key: 503 while the keys may be being written back."""
+        seen = self._epoch.decode() if isinstance(self._epoch, bytes) and self._epoch != _UNSEEN else None
+        epoch = await self._directory.epoch(seen)  # made now if Redis has none, marked as after a loss
+        if epoch.age_s < keys.API_KEYS_RESTORE_S:
+            raise Unavailable("API key not known yet: Redis lost its data moments ago and gateways are writing "
+                              "the keys back", retry_after_s=1, code=REGISTRY_REBUILDING)
+
+    def _keep(self, prefix: str, fields: dict[str, str]) -> None:
+        kept = self._kept.get(prefix)
+        if kept is None:
+            self._kept[prefix] = _Kept(fields, time.monotonic())
+            if len(self._kept) > self._cap:
+                self._kept.popitem(last=False)
+        else:
+            kept.fields, kept.seen = fields, time.monotonic()
+            self._kept.move_to_end(prefix)
+
+    def _expire(self) -> None:
+        horizon = time.monotonic() - self._keep_s
+        while self._kept:
+            prefix, kept = next(iter(self._kept.items()))
+            if kept.seen >= horizon:
+                break
+            del self._kept[prefix]
+
+    async def _write_back(self, prefix: str, kept: _Kept) -> dict[str, str] | None:
+        """Write one kept record back where Redis lost it; the record Redis has afterwards
+        (None: another key's record holds the prefix)."""
+        args: list[str] = [kept.fields.get("sha256", ""), "1" if kept.revoked else "0"]
+        for name, value in kept.fields.items():
+            args += [name, value]
+        written, state = await self._write_back_script(keys=[keys.api_key(prefix)], args=args)
+        state = state.decode() if isinstance(state, bytes) else str(state)
+        if state == "other":
+            return None
+        if state == "revoked":
+            kept.revoke()
+        if int(written):
+            self.restored += 1
+            # Listed again (sluice keys list), and its revocation readable by every gateway.
+            await self._redis.sadd(keys.API_KEYS, prefix)
+            if kept.revoked:
+                await self._redis.sadd(keys.API_KEYS_REVOKED, prefix)
+        return kept.fields
+
+    def _restore_soon(self) -> None:
+        if self._restoring is None or self._restoring.done():
+            self._restoring = asyncio.create_task(self._restore_quietly(), name="key-restore")
+
+    async def _restore_quietly(self) -> None:
+        try:
+            await self.restore_all()
+        except (RedisError, OSError) as exc:  # the watch loop writes them back once Redis answers
+            log.warning("could not write API key records back: %s", exc)
+
+    async def restore_all(self) -> None:
+        """Redis lost its data: write back the marker, then every kept record, the most
+        recently verified first."""
+        if self.enforcing:
+            await self._redis.set(keys.API_KEYS_ENFORCED, "1")
+        before = self.restored
+        for prefix, kept in reversed(list(self._kept.items())):
+            await self._write_back(prefix, kept)
+        if self.restored > before:
+            log.warning("Redis lost API key records: %d written back from this gateway's copies",
+                        self.restored - before)
+
+    async def _learn_revocations(self) -> None:
+        """Mark revoked the kept copies whose prefix ``sl:apikeys:revoked`` lists, when its size changed."""
+        count = int(await self._redis.scard(keys.API_KEYS_REVOKED))
+        if count == self._revocations:
+            return
+        self._revocations = count
+        prefixes = [p for p, kept in self._kept.items() if not kept.revoked]
+        for i in range(0, len(prefixes), _BATCH):
+            batch = prefixes[i:i + _BATCH]
+            for prefix, member in zip(batch, await self._redis.smismember(keys.API_KEYS_REVOKED, batch)):
+                kept = self._kept.get(prefix)
+                if member and kept is not None:
+                    kept.revoke()
+                    log.info("API key %s was revoked: this gateway's copy is marked revoked", prefix)
+
+    async def _run(self) -> None:
+        away = False
+        while True:  # the epoch is read at once: a loss right after this process started is a change
+            self._expire()
+            if self._kept or self.enforcing:
+                try:
+                    epoch = await self._redis.hget(keys.EPOCH, "id")
+                    # A new epoch, or none (the registry is gone): Redis lost its data. Back after
+                    # being away: a restart from a snapshot may have lost the last writes.
+                    if away or (epoch != self._epoch and (self._epoch is not _UNSEEN or epoch is None)):
+                        await self.restore_all()
+                    away = False
+                    self._epoch = epoch
+                    await self._learn_revocations()
+                except (RedisError, OSError) as exc:
+                    if not away:
+                        log.warning("API key check failed (written back once Redis answers): %s", exc)
+                    away = True
+            await asyncio.sleep(self._check_s)

@@ -1,0 +1,170 @@
+"""Redis loses its data (FLUSHALL here; a restart without persistence or a failover that
+lost writes does the same to the keys): the API keys gateways verified come back with no
+operator action, a revoked key stays revoked, and no gateway starts serving openly.
+
+Against private Redis servers: keys in the shared one would switch every other test's
+gateway to authenticated mode."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+import redis.asyncio
+
+from sluice import keys
+from sluice.apikeys import KeyStore
+from sluice.embedded_redis import EmbeddedRedis, free_port
+from tests.conftest import Proc, _env, wait_for
+
+MODEL = "keyloss"
+
+
+def _create(url: str, name: str) -> tuple[str, str]:
+    """A new key and its prefix, made as ``sluice keys create`` makes it."""
+    async def create() -> tuple[str, str]:
+        client = redis.asyncio.Redis.from_url(url)
+        try:
+            key, record = await KeyStore(client).create(name)
+        finally:
+            await client.aclose()
+        return key, record.prefix
+    return asyncio.run(create())
+
+
+def _revoke(url: str, prefix: str) -> None:
+    async def revoke() -> None:
+        client = redis.asyncio.Redis.from_url(url)
+        try:
+            assert await KeyStore(client).revoke(prefix)
+        finally:
+            await client.aclose()
+    asyncio.run(revoke())
+
+
+def _sdk(gateway: Proc, key: str, retries: int = 0) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=retries)
+
+
+def _complete(gateway: Proc, key: str, retries: int = 5) -> str:
+    with _sdk(gateway, key, retries) as client:
+        return client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text
+
+
+def _list_models(gateway: Proc, key: str) -> None:
+    """A call that needs the key and nothing else (no registry): 401 or 200."""
+    with _sdk(gateway, key) as client:
+        client.models.list()
+
+
+def _up(gateway: Proc) -> bool:
+    try:
+        return httpx.get(gateway.url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class Lossy:
+    """A Redis of this module's own, and a client to make it lose its data."""
+
+    def __init__(self, server: EmbeddedRedis) -> None:
+        self.url, self.client = server.url, redis.Redis.from_url(server.url)
+
+
+@pytest.fixture(scope="module")
+def lossy() -> Iterator[Lossy]:
+    with EmbeddedRedis() as server:
+        lossy = Lossy(server)
+        yield lossy
+        lossy.client.close()
+
+
+@pytest.fixture(scope="module")
+def gateways(lossy, start_worker, start_gateway) -> tuple[Proc, Proc]:
+    """Two gateways in the default ``auth=auto``, started once keys exist."""
+    start_worker(MODEL, redis_at=lossy.url, sim_token_ms=0, sim_ttft_ms=0)
+    _create(lossy.url, "first")
+    return start_gateway(redis_at=lossy.url), start_gateway(redis_at=lossy.url)
+
+
+def test_a_key_verified_before_redis_lost_its_data_works_right_after(lossy, gateways) -> None:
+    """Regression: after FLUSHALL every key was 401 (invalid_api_key) until an operator made
+    the keys again (195 such requests in the Cluster nemesis run)."""
+    first, _ = gateways
+    key, _ = _create(lossy.url, "verified")
+    assert _complete(first, key)
+    lossy.client.flushall()
+    _list_models(first, key)  # at once, no retry: this gateway writes the record back
+    assert _complete(first, key)
+
+
+def test_a_key_works_after_a_loss_on_a_gateway_that_never_saw_it(lossy, gateways) -> None:
+    """Regression: a gateway that had never verified the key had nothing to fall back on
+    either: 401 until an operator made the keys again. And a gateway in auth=auto started
+    while keys existed, but asked nothing before the loss, served everyone openly after it."""
+    first, second = gateways
+    key, prefix = _create(lossy.url, "elsewhere")
+    assert _complete(first, key)
+    lossy.client.flushall()
+    assert httpx.get(second.url + "/v1/models").status_code == 401  # no key: not served
+    # 503 + Retry-After (the SDK retries) until the first gateway wrote the key back: never 401.
+    assert _complete(second, key)
+    assert lossy.client.sismember(keys.API_KEYS, prefix)  # `sluice keys list` shows it again
+
+
+def test_a_key_revoked_before_redis_lost_its_data_stays_revoked(lossy, gateways) -> None:
+    """Regression: a revoked key that gateways still kept a copy of came back valid when its
+    copy was written back; and, before copies were written back at all, the key that was not
+    revoked stayed 401 after the loss."""
+    first, second = gateways
+    kept, _ = _create(lossy.url, "kept")
+    doomed, prefix = _create(lossy.url, "doomed")
+    for gateway in gateways:
+        assert _complete(gateway, kept) and _complete(gateway, doomed)
+    _revoke(lossy.url, prefix)  # no request with it since: the gateways learn it from Redis
+    for gateway in gateways:
+        wait_for(lambda g=gateway: f"API key {prefix} was revoked" in g.log_path.read_text(), 10,
+                 f"{gateway.name} to learn the revocation")
+    lossy.client.flushall()
+    assert _complete(first, kept)
+    for gateway in (second, first):
+        with pytest.raises(openai.AuthenticationError):
+            _list_models(gateway, doomed)
+    assert lossy.client.hget(keys.api_key(prefix), "revoked") == b"1"  # written back as its tombstone
+
+
+def test_an_auto_gateway_started_after_a_loss_does_not_serve_without_a_key(tmp_path: Path, procs, start_gateway) -> None:
+    """Regression: a gateway in auth=auto that started while Redis had lost the keys served
+    everyone openly (the Cluster nemesis served a probe without a key that way). Here the
+    gateway that kept the key is stalled through the loss and resumed only once the new one
+    is starting, so the new one has to wait for the write-back."""
+    with EmbeddedRedis() as server:
+        key, _ = _create(server.url, "seen")
+        seen = start_gateway(redis_at=server.url)  # no worker: nobody else makes the new epoch
+        _list_models(seen, key)
+        os.kill(seen.pid, signal.SIGSTOP)
+        try:
+            client = redis.Redis.from_url(server.url)
+            client.flushall()
+            client.close()
+            port = free_port()
+            fresh = Proc("gateway-fresh", [sys.executable, "-m", "sluice", "gateway", "--port", str(port),
+                                           "--redis-url", server.url, "--procs", "1"], tmp_path / "fresh.log", _env())
+            fresh.url = f"http://127.0.0.1:{port}"
+            procs.append(fresh)
+            # It waits for keys to come back (before the fix: it came up at once, open).
+            wait_for(lambda: "waiting" in fresh.log_path.read_text() or _up(fresh), 30, "the new gateway to start")
+        finally:
+            os.kill(seen.pid, signal.SIGCONT)
+        fresh.wait_http("/health")
+        assert httpx.get(fresh.url + "/v1/models").status_code == 401  # no key: not served
+        _list_models(fresh, key)  # written back by the gateway that had verified it
+
