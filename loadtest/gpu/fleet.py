@@ -127,18 +127,28 @@ class Fleet:
                 log(f"worker argv: {' '.join(argv[2:])}; env {env}")
             if s.engine == "vllm":
                 time.sleep(2)  # the kit's spacing: engines that start at one instant race for GPU memory checks
+        failed = self.wait_registered({s.served: s.workers}, self.workers, timeout_s)
+        if failed is not None:
+            raise RuntimeError(f"{failed.name} exited early; log {failed.log_path}")
+
+    def wait_registered(self, want: dict[str, int], watched: list[LoggedChild], timeout_s: float) -> LoggedChild | None:
+        """Wait until each model has ``want`` workers registered; a watched worker that exits
+        is returned (any other that exits raises)."""
         deadline = time.monotonic() + timeout_s
         client = sync_client(self.redis_url)
         try:
-            while client.hlen(keys.workers(s.served)) < s.workers:
+            while any(client.hlen(keys.workers(m)) < n for m, n in want.items()):
                 for w in self.workers:
                     if not w.alive():
+                        if w in watched:
+                            return w
                         raise RuntimeError(f"{w.name} exited early; log {w.log_path}")
                 if time.monotonic() > deadline:
                     raise RuntimeError("workers not ready in time")
                 time.sleep(0.5)
         finally:
             client.close()
+        return None
 
     def start_gateways(self, arms: list[str], tokenizer: str) -> None:
         for arm in dict.fromkeys(arms):  # an arm named twice (a repeat) shares its gateway
