@@ -87,13 +87,14 @@ class PdFleet(Fleet):
     def start_all(self, connectors: list[str], timeout_s: float) -> None:
         """Start the three workers; a pd worker that dies on its connector is started again
         with the next connector name."""
+        until = time.monotonic() + timeout_s  # for every try together
         self.spawn(0, "agg", "both")
         index = 1
         for k, name in enumerate(connectors):
             self.connector = name
             pair = [self.spawn(index, "pd", "prefill"), self.spawn(index + 1, "pd", "decode")]
             index += 2
-            failed = self.wait_registered({"agg": 1, "pd": 2}, pair, timeout_s)
+            failed = self.wait_registered({"agg": 1, "pd": 2}, pair, until - time.monotonic())
             if failed is None:
                 log(f"pd workers up with {name}")
                 return
