@@ -218,8 +218,9 @@ async def measure(fleet: PdFleet, url: str, args: argparse.Namespace, result: di
             f"{check['decode_log_injections']} KV injections in the decode log; errors {check['errors']}")
         dump(result, out)
         for model in ("agg", "pd"):
-            left = args.deadline - time.time() - 25 if args.deadline else args.load_s
-            seconds = min(args.load_s, left / (2 if model == "agg" else 1) - 10)
+            seconds = args.load_s
+            if args.deadline:  # agg leaves pd its share of what is left
+                seconds = min(seconds, (args.deadline - time.time() - 25) / (2 if model == "agg" else 1) - 10)
             if seconds < 10:
                 log(f"deadline: no load run for {model}")
                 continue
