@@ -64,9 +64,13 @@ class PdFleet(Fleet):
         self.transfer_ms = transfer_ms
         self.connector = ""
         self.by_role: dict[str, LoggedChild] = {}
+        self.ports: set[str] = set()
 
     def spawn(self, i: int, served: str, role: str) -> LoggedChild:
         argv, env = self.worker_argv(i, served)
+        while (port := argv[argv.index("--port") + 1]) in self.ports:  # free_port can repeat before a child binds
+            argv, env = self.worker_argv(i, served)
+        self.ports.add(port)
         argv += ["--role", role]
         if role != "both" and self.shape.engine == "vllm":
             argv[argv.index("--log-level") + 1] = "INFO"  # the connector logs each injection at INFO
