@@ -225,7 +225,7 @@ async def measure(fleet: PdFleet, url: str, args: argparse.Namespace, result: di
             seconds = args.load_s
             if args.deadline:  # agg leaves pd its share of what is left
                 seconds = min(seconds, (args.deadline - time.time() - 25) / (2 if model == "agg" else 1) - 10)
-            if seconds < 10:
+            if seconds < min(10, args.load_s):
                 log(f"deadline: no load run for {model}")
                 continue
             row = await load(url, model, args, seconds)
