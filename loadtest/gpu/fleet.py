@@ -89,31 +89,37 @@ class Fleet:
             child.stop(timeout_s=15)
         self.redis.stop()
 
+    def worker_argv(self, i: int, served: str) -> tuple[list[str], dict[str, str]]:
+        """Worker ``i``'s command line and environment (``served``: the model name it serves)."""
+        s = self.shape
+        argv = [sys.executable, "-m", "sluice", "--log-level", "WARNING", "worker", "--engine", s.engine,
+                "--port", str(free_port()), "--redis-url", self.redis_url, "--served-model-name", served,
+                "--worker-id", f"w{i}"]
+        env = {"SLUICE_PREFIX_INDEX": "precise", **s.worker_env}
+        if s.engine == "vllm":
+            argv += ["--model", s.model, f"--vllm-max-model-len={s.max_model_len}",
+                     f"--vllm-max-num-seqs={s.max_num_seqs}",
+                     f"--vllm-kv-cache-gib={s.kv_blocks * s.block_bytes / 2**30}"]
+            if s.enforce_eager:
+                argv.append("--vllm-enforce-eager")
+            engine_args: dict[str, Any] = {"max_num_batched_tokens": s.max_batched,
+                                           "num_gpu_blocks_override": s.kv_blocks}
+            if os.environ.get("SLUICE_BENCH_DUMMY", "1") == "1":
+                engine_args["load_format"] = "dummy"
+            if s.gpu_util:
+                engine_args["gpu_memory_utilization"] = s.gpu_util
+            env |= {"SLUICE_WORKER_VLLM_ENGINE_ARGS": json.dumps(engine_args),
+                    "VLLM_CACHE_ROOT": f"/tmp/vllm_cache_w{i}",  # no two compiles write one folder
+                    "VLLM_PORT": str(41000 + 500 * i)}  # no two engines race for one port
+        else:
+            argv += [f"--sim-max-seqs={s.max_num_seqs}", f"--sim-cache-blocks={s.cache_tokens // 64}",
+                     f"--sim-prefill-ms-per-token={s.sim_prefill_ms}", f"--sim-token-ms={s.sim_token_ms}"]
+        return argv, env
+
     def start_workers(self, timeout_s: float) -> None:
         s = self.shape
         for i in range(s.workers):
-            argv = [sys.executable, "-m", "sluice", "--log-level", "WARNING", "worker", "--engine", s.engine,
-                    "--port", str(free_port()), "--redis-url", self.redis_url, "--served-model-name", s.served,
-                    "--worker-id", f"w{i}"]
-            env = {"SLUICE_PREFIX_INDEX": "precise", **s.worker_env}
-            if s.engine == "vllm":
-                argv += ["--model", s.model, f"--vllm-max-model-len={s.max_model_len}",
-                         f"--vllm-max-num-seqs={s.max_num_seqs}",
-                         f"--vllm-kv-cache-gib={s.kv_blocks * s.block_bytes / 2**30}"]
-                if s.enforce_eager:
-                    argv.append("--vllm-enforce-eager")
-                engine_args: dict[str, Any] = {"max_num_batched_tokens": s.max_batched,
-                                               "num_gpu_blocks_override": s.kv_blocks}
-                if os.environ.get("SLUICE_BENCH_DUMMY", "1") == "1":
-                    engine_args["load_format"] = "dummy"
-                if s.gpu_util:
-                    engine_args["gpu_memory_utilization"] = s.gpu_util
-                env |= {"SLUICE_WORKER_VLLM_ENGINE_ARGS": json.dumps(engine_args),
-                        "VLLM_CACHE_ROOT": f"/tmp/vllm_cache_w{i}",  # no two compiles write one folder
-                        "VLLM_PORT": str(41000 + 500 * i)}  # no two engines race for one port
-            else:
-                argv += [f"--sim-max-seqs={s.max_num_seqs}", f"--sim-cache-blocks={s.cache_tokens // 64}",
-                         f"--sim-prefill-ms-per-token={s.sim_prefill_ms}", f"--sim-token-ms={s.sim_token_ms}"]
+            argv, env = self.worker_argv(i, s.served)
             child = LoggedChild(f"worker-w{i}", argv, _child_env(env), self.logs / f"worker-w{i}.log")
             child.start()
             self.workers.append(child)
@@ -121,18 +127,28 @@ class Fleet:
                 log(f"worker argv: {' '.join(argv[2:])}; env {env}")
             if s.engine == "vllm":
                 time.sleep(2)  # the kit's spacing: engines that start at one instant race for GPU memory checks
+        failed = self.wait_registered({s.served: s.workers}, self.workers, timeout_s)
+        if failed is not None:
+            raise RuntimeError(f"{failed.name} exited early; log {failed.log_path}")
+
+    def wait_registered(self, want: dict[str, int], watched: list[LoggedChild], timeout_s: float) -> LoggedChild | None:
+        """Wait until each model has ``want`` workers registered; a watched worker that exits
+        is returned (any other that exits raises)."""
         deadline = time.monotonic() + timeout_s
         client = sync_client(self.redis_url)
         try:
-            while client.hlen(keys.workers(s.served)) < s.workers:
+            while any(client.hlen(keys.workers(m)) < n for m, n in want.items()):
                 for w in self.workers:
                     if not w.alive():
+                        if w in watched:
+                            return w
                         raise RuntimeError(f"{w.name} exited early; log {w.log_path}")
                 if time.monotonic() > deadline:
                     raise RuntimeError("workers not ready in time")
                 time.sleep(0.5)
         finally:
             client.close()
+        return None
 
     def start_gateways(self, arms: list[str], tokenizer: str) -> None:
         for arm in dict.fromkeys(arms):  # an arm named twice (a repeat) shares its gateway

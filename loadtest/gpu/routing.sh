@@ -2,6 +2,7 @@
 # usage (on the device, from the repo root, as the lead runs the GPU kit; see routing_gpu.py):
 #   bash loadtest/gpu/routing.sh routing   [routing_gpu.py flags]   # call 1: 4 workloads x 4 routing arms
 #   bash loadtest/gpu/routing.sh migration [routing_gpu.py flags]   # call 2: SIGKILL under 4x64 greedy streams
+#   bash loadtest/gpu/routing.sh disagg    [disagg_gpu.py flags]    # P/D pair vs aggregated (issue 26): $OUT/disagg.json
 # Carry .gpu/kit (tokenizer, install scripts) and, on a machine not yet installed, .gpu/cur (the last part).
 # Writes $OUT/results.jsonl, $OUT/routing_gpu.png, $OUT/tokenize_cost.json, $OUT/logs/.
 cd "$(dirname "$0")/../.." || exit 1
@@ -32,6 +33,10 @@ deadline=$(( t_start + ${BUDGET_S:-520} ))
 if [ "$phase" = routing ]; then
   python3 -m loadtest.gpu.tokenize_cost --tokenizer /tmp/m_1b --out "$OUT/tokenize_cost.json" || true
 fi
-python3 -m loadtest.gpu.routing_gpu --phase "$phase" --model /tmp/m_1b --deadline "$deadline" --out "$OUT" "$@"
+if [ "$phase" = disagg ]; then
+  python3 -m loadtest.gpu.disagg_gpu --engine vllm --model /tmp/m_1b --deadline "$deadline" --out "$OUT" "$@"
+else
+  python3 -m loadtest.gpu.routing_gpu --phase "$phase" --model /tmp/m_1b --deadline "$deadline" --out "$OUT" "$@"
+fi
 rc=$?
 echo "== routing.sh $phase done rc=$rc after $(( $(date +%s) - t_start )) s"
