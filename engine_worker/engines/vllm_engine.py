@@ -44,7 +44,14 @@ FINISH_REASONS = {"stop": "stop", "length": "length"}
 
 class VllmEngine:
     name = "vllm"
-    healthy = True
+
+    @property
+    def healthy(self) -> bool:
+        """False once vLLM's engine core died (``EngineDeadError``: it does not come back):
+        the worker's heartbeat pauses, so gateways stop routing here (was: the worker stayed
+        registered and answered every request 500; on an H200 a crash of vLLM's example KV
+        connector turned 871 of 872 requests of a P/D model into errors)."""
+        return self._engine is None or not self._engine.errored
 
     def __init__(
         self,

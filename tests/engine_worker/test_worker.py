@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -92,3 +93,19 @@ def test_a_worker_refuses_a_model_name_the_gateways_would_refuse() -> None:
     for bad in ("my model", "a{b}", "m" * 257):
         with pytest.raises(ModelError, match="model name"):
             served_name(WorkerSettings(served_model_name=bad))
+
+
+def test_a_vllm_engine_whose_core_died_is_unhealthy() -> None:
+    """Regression (H200, P/D under load): vLLM's engine core died (EngineDeadError) and the
+    worker kept beating, so gateways kept routing there and 871 requests failed. A dead
+    core makes the engine unhealthy: its heartbeat pauses (engine_worker/registration.py)."""
+    from types import SimpleNamespace
+
+    from engine_worker.engines.vllm_engine import VllmEngine
+
+    engine = VllmEngine(Path("/nonexistent"), served_model_name="x")
+    assert engine.healthy  # not started yet: registration waits for the start anyway
+    engine._engine = SimpleNamespace(errored=False)
+    assert engine.healthy
+    engine._engine = SimpleNamespace(errored=True)  # what AsyncLLM says once its core is dead
+    assert not engine.healthy
