@@ -288,6 +288,11 @@ class _ClosedSafeSSLConnection(_ClosedSafe, SSLConnection):
     pass
 
 
+#: The connection classes of a plain TCP single-server pool (sluice/script_channel.py
+#: speaks to such a server on a socket of its own).
+PLAIN_TCP_CONNECTIONS: tuple[type[Connection], ...] = (Connection, _ClosedSafeConnection)
+
+
 def _sentinel_master(url: str, options: dict[str, Any]) -> Redis:
     target = parse(url)
     sentinels = Sentinel(

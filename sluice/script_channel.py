@@ -37,13 +37,13 @@ from typing import Any, Protocol
 
 import hiredis
 from redis.asyncio import Redis
-from redis.asyncio.connection import Connection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from sluice.redis_pool import (
     NO_MASTER_BACKOFF_S,
+    PLAIN_TCP_CONNECTIONS,
     SOCKET_CONNECT_TIMEOUT_S,
     SOCKET_TIMEOUT_S,
     FailoverPool,
@@ -73,7 +73,7 @@ def script_runner(client: RedisClient) -> ScriptRunner:
     kwargs = pool.connection_kwargs
     login = {"db": int(kwargs.get("db") or 0), "username": kwargs.get("username"),
              "password": kwargs.get("password")}
-    if pool.connection_class is Connection:
+    if pool.connection_class in PLAIN_TCP_CONNECTIONS:
         return ScriptChannel(str(kwargs.get("host", "localhost")), int(kwargs.get("port", 6379)), **login)
     if isinstance(pool, FailoverPool):
         async def master() -> Address:

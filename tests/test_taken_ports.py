@@ -29,6 +29,10 @@ def test_a_server_whose_port_was_taken_since_it_was_chosen_does_not_start() -> N
             assert client.ping()
 
 
+# redis-py's sync client can leave a socket unclosed when a connection attempt to a server
+# that is going away fails half-way (seen once in a full run, on the retry's clean-up): a
+# warning about the harness, not about what this test checks.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_sentinel_deployment_whose_replica_port_was_taken_starts_on_fresh_ports() -> None:
     """The CI failure "timed out after 90.0s waiting for replication to start": the replica's
     port answered, from a server that replicates nothing."""
