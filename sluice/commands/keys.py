@@ -15,7 +15,8 @@ from sluice.redis_pool import RedisClient, create_pool
 from sluice.redis_url import is_sentinel_url
 
 #: How long create and revoke wait for a replica to acknowledge the change.
-REPLICA_WAIT_MS = 2000
+REPLICA_WAIT_MS = 2000  # per WAIT: under the pool's socket timeout
+REPLICA_WAITS = 3
 
 
 def _positive(value: str) -> int:
@@ -56,9 +57,11 @@ async def _replicated(redis: RedisClient, url: str) -> None:
     # Sentinel means replicas, even when none is connected right now; a lone server has none.
     if not is_sentinel_url(url) and int((await redis.info("replication")).get("connected_slaves", 0)) == 0:
         return
-    if await redis.wait(1, REPLICA_WAIT_MS) < 1:
-        print(f"sluice keys: warning: no replica acknowledged this change within {REPLICA_WAIT_MS} ms; "
-              "a failover now would undo it: check the replicas, then run the command again", file=sys.stderr)
+    for _ in range(REPLICA_WAITS):
+        if await redis.wait(1, REPLICA_WAIT_MS) >= 1:
+            return
+    print(f"sluice keys: warning: no replica acknowledged this change within {REPLICA_WAIT_MS * REPLICA_WAITS} ms; "
+          "a failover now would undo it: check the replicas, then run the command again", file=sys.stderr)
 
 
 async def _run(args: argparse.Namespace) -> int:
