@@ -265,3 +265,11 @@ class JournalQuotaKeys(NamedTuple):
 
 
 JOURNAL_QUOTA = JournalQuotaKeys(*("sl:{journals}:" + name for name in JournalQuotaKeys._fields))
+
+
+def nemesis_marker(tag: int) -> str:
+    """The nemesis harness's marker (sluice/nemesis/system.py): gone means Redis lost data."""
+    return f"sl:nemesis:marker:{{{tag}}}"
+
+
+NEMESIS_MARKER_TTL_S = 3600

@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 from sluice.nemesis.clients import Cutter
 from sluice.nemesis.schedule import DATA_LOSS, Fault
 from sluice.nemesis.system import MODEL, System
-from sluice.redis_pool import create_pool
+from sluice.redis_pool import RedisClient, create_pool
 
 log = logging.getLogger("sluice.nemesis")
 
@@ -37,11 +37,11 @@ class FaultRun:
     #: Seconds since the run's start: when the fault began, and when it was undone.
     started_s: float = 0.0
     ended_s: float = 0.0
-    #: Data-loss faults: when the API keys were written back.
+    #: Data-loss faults: when the gateways had written the API keys back.
     restored_s: float | None = None
     #: A Redis fault whose kind loses nothing, after which Redis had lost data all the same
     #: (on Sentinel or Cluster, a failover it set off promoted a server without the data):
-    #: the checker treats it as a data-loss fault (``Nemesis._keep_keys``).
+    #: the checker treats it as a data-loss fault (``Nemesis._watch_data``).
     lost_data: bool = False
     note: str = ""
     error: str | None = None
@@ -60,6 +60,8 @@ class FaultRun:
 
 #: How long the serving watcher waits after a failover, per port.
 SERVING_WAIT_S = 60.0
+#: How long after a data loss the gateways' key keepers may take to write the keys back.
+KEYS_BACK_S = 30.0
 FAILOVERS = frozenset({"sentinel_failover", "cluster_failover"})
 
 
@@ -93,47 +95,66 @@ class Nemesis:
     async def run(self, schedule: list[Fault]) -> list[FaultRun]:
         self.runs = [FaultRun(f) for f in schedule]
         done = asyncio.Event()
-        keeper = asyncio.create_task(self._keep_keys(done)) if self.system.topology.name != "single" else None
+        client = await create_pool(self.system.topology.url, retries=1000, delay_s=0.25)
+        await self.system.write_markers(client)
+        watcher = asyncio.create_task(self._watch_data(client, done))
         try:
             await asyncio.gather(*(self._one(r) for r in self.runs))
             await asyncio.gather(*self._watchers)
         finally:
             done.set()
-            if keeper is not None:
-                await keeper
+            await watcher
+            await client.aclose()
         return self.runs
 
-    async def _keep_keys(self, done: asyncio.Event) -> None:
-        """On Sentinel and Cluster a restart or a stall past the failure timeout is a
-        failover, and a failover can promote a server without the data: Sentinel promotes
-        an old master that came back empty from a restart without persistence and was still
-        a master when the next failover began (the hazard Redis's Sentinel documentation
-        describes for masters without persistence). An operator writes the API keys back as
-        after any data loss: the harness checks them every quarter second, restores them
-        when missing, and counts the loss against the Redis fault that led to it."""
-        client = await create_pool(self.system.topology.url, retries=1000, delay_s=0.25)
-        try:
-            while not done.is_set():
-                with contextlib.suppress(RedisError, OSError):
-                    if await self.system.api_keys_lost(client):
-                        await self.system.write_keys(client)
-                        self._blame_data_loss(self.now_s())
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(done.wait(), 0.25)
-        finally:
-            await client.aclose()
+    async def _watch_data(self, client: RedisClient, done: asyncio.Event) -> None:
+        """Notice every data loss, whichever fault caused it: a marker key on every master
+        is gone. Besides the faults that lose data by design, on Sentinel and Cluster a
+        restart or a stall past the failure timeout is a failover, and a failover can
+        promote a server without the data (Sentinel promotes an old master that came back
+        empty from a restart without persistence and was still a master when the next
+        failover began: the hazard Redis's Sentinel documentation describes for masters
+        without persistence). The loss counts against the latest Redis fault begun, and
+        its ``restored_s`` is when the gateways had written the API keys back (their key
+        keepers do; the harness writes no key)."""
+        restoring: set[asyncio.Task[None]] = set()
+        while not done.is_set():
+            with contextlib.suppress(RedisError, OSError):
+                if await self.system.markers_lost(client):
+                    await self.system.write_markers(client)
+                    run = self._blame_data_loss(self.now_s())
+                    if run is not None:
+                        task = asyncio.create_task(self._keys_back(client, run, done))
+                        restoring.add(task)
+                        task.add_done_callback(restoring.discard)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), 0.25)
+        await asyncio.gather(*restoring)
 
-    def _blame_data_loss(self, restored_s: float) -> None:
-        """The latest Redis fault begun lost data; its keys are back at ``restored_s``."""
-        begun = [r for r in self.runs if r.fault.target == "redis" and 0 < r.started_s <= restored_s]
+    async def _keys_back(self, client: RedisClient, run: FaultRun, done: asyncio.Event) -> None:
+        """Set ``run.restored_s`` once Redis has every API key again."""
+        deadline = self.now_s() + KEYS_BACK_S
+        while self.now_s() < deadline and not done.is_set():
+            with contextlib.suppress(RedisError, OSError):
+                if not await self.system.api_keys_lost(client):
+                    run.restored_s = max(run.restored_s or 0.0, self.now_s())
+                    return
+            await asyncio.sleep(0.1)
+        if not done.is_set():
+            run.error = f"the gateways had not written the API keys back {KEYS_BACK_S:.0f} s after a data loss"
+            log.warning("%s: %s", run.fault, run.error)
+
+    def _blame_data_loss(self, seen_s: float) -> FaultRun | None:
+        """The latest Redis fault begun before ``seen_s`` lost data."""
+        begun = [r for r in self.runs if r.fault.target == "redis" and 0 < r.started_s <= seen_s]
         if not begun:
-            return
+            return None
         run = max(begun, key=lambda r: r.started_s)
         if run.fault.kind not in DATA_LOSS and not run.lost_data:
             run.lost_data = True
-            run.note = (run.note + "; " if run.note else "") + "Redis lost data (API keys restored)"
-            log.warning("%s lost Redis data: the API keys were restored", run.fault)
-        run.restored_s = max(run.restored_s or 0.0, restored_s)
+            run.note = (run.note + "; " if run.note else "") + "Redis lost data"
+            log.warning("%s lost Redis data", run.fault)
+        return run
 
     async def _watch_serving(self, run: FaultRun, promoted: asyncio.Event) -> None:
         """Fill ``run.serving_s``: per port, when the first probe of the last unbroken run of
@@ -230,15 +251,3 @@ class Nemesis:
             run.note = ",".join(str(i) for i in self.cutter.cut(int(f.param), f.index))
         else:
             raise ValueError(f"unknown fault kind {kind!r}")
-        if kind in DATA_LOSS:
-            await self._restore(run)
-
-    async def _restore(self, run: FaultRun) -> None:
-        """Write the API keys back (an operator's restore), retrying while Redis comes back."""
-        for _ in range(50):
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(self.system.restore_keys)
-                run.restored_s = self.now_s()
-                return
-            await asyncio.sleep(0.2)
-        run.error = "could not restore the API keys"

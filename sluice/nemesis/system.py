@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 import redis
+from redis.crc import key_slot
 
 from sluice import keys
 from sluice.apikeys import KeyStore
@@ -33,6 +34,12 @@ from sluice.embedded_redis import free_port
 from sluice.nemesis.proxy import LinkProxy
 from sluice.nemesis.topology import SingleRedis, make_topology
 from sluice.redis_pool import RedisClient, create_pool
+
+#: One marker key in each third of the slot space (each master's range in the harness's
+#: Cluster; on one server all three are there): a marker gone is a master that lost its data.
+MARKERS = [next(m for m in (keys.nemesis_marker(i) for i in range(10_000))
+                if lo <= key_slot(m.encode()) < hi)
+           for lo, hi in ((0, 5461), (5461, 10923), (10923, 16384))]
 
 #: Gateway settings of a nemesis run (see the module docstring for why each is short).
 #: Keys always required, as in production on a Redis that can lose its data: with ``auto`` a
@@ -191,7 +198,7 @@ class System:
         self.workers: list[Proc] = []
         self.gateways: list[Proc] = []
         self.api_keys: list[str] = []
-        self._key_records: dict[str, dict[bytes, bytes]] = {}
+        self._key_prefixes: list[str] = []
 
     @property
     def urls(self) -> list[str]:
@@ -251,7 +258,7 @@ class System:
                 key, record = await store.create(f"tenant-{t}", tier, rpm=100_000, tpm=100_000_000,
                                                  max_concurrent=512)
                 self.api_keys.append(key)
-                self._key_records[record.prefix] = await store_redis.hgetall(keys.api_key(record.prefix))
+                self._key_prefixes.append(record.prefix)
         finally:
             await store_redis.aclose()
 
@@ -263,28 +270,23 @@ class System:
             client.close()
         return f"redis://127.0.0.1:{port}/0"
 
-    def restore_keys(self) -> None:
-        """Write the API keys back after Redis lost its data, as an operator restoring them would."""
-        client = self.topology.client()
-        try:
-            for prefix, record in self._key_records.items():
-                client.hset(keys.api_key(prefix), mapping=record)  # type: ignore[arg-type]
-                client.sadd(keys.API_KEYS, prefix)
-        finally:
-            client.close()
-
     async def api_keys_lost(self, client: RedisClient) -> bool:
         """Whether Redis lacks any of the run's API keys (it lost data)."""
-        for prefix in self._key_records:
+        for prefix in self._key_prefixes:
             if not await client.exists(keys.api_key(prefix)) or not await client.sismember(keys.API_KEYS, prefix):
                 return True
         return False
 
-    async def write_keys(self, client: RedisClient) -> None:
-        """:meth:`restore_keys` through an async client."""
-        for prefix, record in self._key_records.items():
-            await client.hset(keys.api_key(prefix), mapping=record)  # type: ignore[arg-type]
-            await client.sadd(keys.API_KEYS, prefix)
+    async def write_markers(self, client: RedisClient) -> None:
+        for marker in MARKERS:
+            await client.set(marker, "1", ex=keys.NEMESIS_MARKER_TTL_S)
+
+    async def markers_lost(self, client: RedisClient) -> bool:
+        """Whether a master lost its data: its marker is gone."""
+        for marker in MARKERS:
+            if not await client.exists(marker):
+                return True
+        return False
 
     def redis_client(self) -> redis.Redis | redis.RedisCluster:
         return self.topology.client()
