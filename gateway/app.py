@@ -138,6 +138,7 @@ async def open_services(settings: GatewaySettings) -> Services:
         settings, dispatcher, Idempotency(redis, settings.idempotency_ttl_s), redis, tenancy, readers, metrics,
     )
     readers.adopt = serving.take_over  # a re-attached reader whose producer died: continue it here
+    readers.producing = serving.produces  # ... never one whose producer runs here
     return Services(redis=redis, http=http, workers=workers, admission=admission, serving=serving,
                     pooling=PoolingServing(settings, dispatcher, tenancy), tenancy=tenancy, metrics=metrics,
                     readers=readers, adapters=adapters,

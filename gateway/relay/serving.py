@@ -233,6 +233,10 @@ class Serving:
         self._producers.add(producer)
         producer.add_done_callback(self._producers.discard)
 
+    def produces(self, key: str) -> bool:
+        """Whether this process produces the resumable stream ``key`` (its journal's writer runs here)."""
+        return self._committer.produces(key)
+
     async def take_over(self, key: str) -> bool:
         """Continue the resumable stream ``key`` whose producer is gone (gateway/streams/takeover.py).
         True while some gateway produces it (this one now, or another that was faster);

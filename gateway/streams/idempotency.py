@@ -140,14 +140,21 @@ return 1
 """
 
 
+#: How long past ``:live``'s TTL a producer's process may still be stalled (a long GC or
+#: swap pause, a SIGSTOP, a VM migration) when a client that holds events comes back.
+PRODUCER_STALL_S = 5.0
+
+
 def wait_for_producer_s() -> float:
     """How long a caller that holds events of a stream Redis lost waits for its producer to
-    write the journal again (gateway/streams/journal.py): a running producer refreshes
-    ``:live`` far more often than it expires; one whose process was stalled meanwhile first
-    gives a gateway that may have taken the stream over ``RECLAIM_GRACE_S`` to re-claim it
-    (nemesis: clients that came back while their producer was stopped got 502 a second
-    before it wrote the journal back)."""
-    return LIVE_TTL_MS / 1000 + RECLAIM_GRACE_S
+    write the journal again (gateway/streams/journal.py), within the caller's deadline: a
+    running producer refreshes ``:live`` far more often than it expires; one whose process
+    is stalled writes again only once it runs, and then first gives a gateway that may have
+    taken the stream over ``RECLAIM_GRACE_S`` to re-claim it. Giving up means the client
+    runs the whole request again, so the wait is generous (nemesis: clients that came back
+    while their producer was stopped got 502 one to two seconds before it wrote the journal
+    back, at 3 s and again at 5 s)."""
+    return LIVE_TTL_MS / 1000 + PRODUCER_STALL_S + RECLAIM_GRACE_S
 
 
 def scoped(owner: str, key: str) -> str:

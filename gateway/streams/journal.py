@@ -681,6 +681,10 @@ class JournalCommitter:
                 self._stall_ended_ms = now_ms()
             self._tick = now
 
+    def produces(self, key: str) -> bool:
+        """Whether a writer of this process still produces (or drains) the stream ``key``."""
+        return any(writer.key == key and not writer.lost for writer in self._followed)
+
     def unfollow(self, writer: JournalWriter) -> None:
         self._followed.discard(writer)
         self._due.pop(writer, None)

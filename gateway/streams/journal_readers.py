@@ -16,7 +16,9 @@ out to per-reader queues: a gateway's Redis connections no longer depend on its 
   lost part of the journal, see gateway/streams/journal.py) gets an in-band error, then
   ``[DONE]``; so does one whose entries need the stream's lost ``:head``;
 - a reader that got nothing for ``idle_s`` has the stream's ``:live`` marker checked;
-  if the producer is gone and a further read still finds nothing, this gateway takes
+  if the producer is gone (not running in this process; and not judged from a poll that
+  Redis, or this process, stalled: the clock starts again) and a further read still
+  finds nothing, this gateway takes
   the stream over (``adopt``, gateway/streams/takeover.py) and the readers go on with what it
   produces; only a stream that cannot be continued ends with the in-band error (the
   take-over's own when it raised one: e.g. the journal's history is incomplete), then
@@ -86,8 +88,12 @@ class JournalReaders:
         self._polls = 0
         #: Continues a stream whose producer is gone; True while some gateway produces it.
         self.adopt: Callable[[str], Awaitable[bool]] | None = None
+        #: Whether this process produces a stream: its producer lives, whatever ``:live``
+        #: says (Redis lost it in a stall or outage; the producer re-claims it).
+        self.producing: Callable[[str], bool] = lambda key: False
         self._adopting: dict[str, asyncio.Task[bool]] = {}
         self._heads: dict[str, bytes] = {}  # each followed stream's :head, once read
+        self._last_poll = time.monotonic()  # when the last poll's answer came
 
     def __repr__(self) -> str:
         return f"<JournalReaders readers={len(self._readers)} polls={self._polls}>"
@@ -121,6 +127,7 @@ class JournalReaders:
             if not self._readers:
                 self._wake.clear()
                 await self._wake.wait()
+                self._last_poll = time.monotonic()  # idle is not a stall
                 continue
             started = time.monotonic()
             try:
@@ -158,9 +165,21 @@ class JournalReaders:
             log.warning("reading %d journals failed: %s", len(groups), exc)
             self._end_all([reader for readers in groups.values() for reader in readers])
             return False
+        answered = time.monotonic()
         found_live = results[len(groups):len(groups) + len(checks)]
         live = {key: bool(found) for key, found in zip(checks, found_live, strict=True)
                 if not isinstance(found, Exception)}
+        if answered - now > self._idle_s or now - self._last_poll > self._idle_s + self._poll_s:
+            # Redis (or this process) stalled: a ``:live`` gone now expired while no producer
+            # could refresh it, and says nothing about the producer. Every reader's quiet
+            # clock starts again, so producers have ``idle_s`` to re-claim their streams
+            # before a take-over is considered (a take-over right after a Redis stall raced
+            # a live producer: nemesis, Sentinel).
+            live = {}
+            for readers in groups.values():
+                for reader in readers:
+                    reader.quiet_since, reader.doomed = answered, False
+        self._last_poll = answered
         for key, head in zip(heads, results[len(groups) + len(checks):], strict=True):
             if isinstance(head, bytes):
                 self._heads[key] = head
@@ -189,7 +208,10 @@ class JournalReaders:
                     self._adopting[key] = task
             elif key in live:
                 reader.quiet_since = now
-                reader.doomed = not live[key]
+                # A take-over here raced the producer of this same process, draining after
+                # a Redis stall, continued from a journal that lacked events its client
+                # already had, and left that client a gap (nemesis, Sentinel).
+                reader.doomed = not live[key] and not self.producing(key)
 
     async def _take_over(self, key: str) -> bool:
         assert self.adopt is not None

@@ -11,11 +11,14 @@ parser does not migrate: a new engine would start the grammar (and the parser's
 state) from the beginning, not from the tokens already sent, and could break the
 JSON the client has half received. Such a stream ends with one in-band error.
 
-A migration needs Redis (the new worker's slot is admitted there). One that finds
-Redis away (restarting, failing over, the link cut) waits for it, up to
-``REDIS_WAIT_S`` and never past the request's deadline, rather than ending a stream
-that was already admitted: in the nemesis's full run such outages ended 82 streams
-with ``503`` mid-stream.
+A migration needs Redis (the new worker's slot is admitted there) and a live worker
+that has not failed this choice. One that finds Redis away (restarting, failing over,
+the link cut) or no such worker (every worker killed or restarting at once, the
+registry being rebuilt after a data loss) waits, up to ``WAIT_S`` and never past the
+request's deadline, rather than ending a stream that was already admitted: in the
+nemesis's full runs Redis outages ended 82 streams with ``503`` mid-stream, and
+moments with every worker down ended 5 resumable streams with "every live worker
+failed this request" while their replacements were starting.
 """
 
 from __future__ import annotations
@@ -38,9 +41,9 @@ from sluice.errors import DeadlineExceeded, SluiceError, Unavailable, UpstreamFa
 
 log = logging.getLogger("sluice.gateway")
 
-#: How long a migration waits for Redis to be reachable again.
-REDIS_WAIT_S = 15.0
-_REDIS_RETRY_S = 0.25
+#: How long a migration waits for Redis to be reachable again, or for a worker to take it.
+WAIT_S = 15.0
+_RETRY_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,21 +129,25 @@ class Migrator:
             ctx.record.migrated(opened.worker_id)
 
     async def _open(self, model: str, payload: dict[str, Any], ctx: RequestContext, failed: list[str]) -> Upstream:
-        """The migration's new upstream, waiting out a Redis outage (see the module)."""
-        until = time.monotonic() + REDIS_WAIT_S
+        """The migration's new upstream, waiting out a Redis outage or a moment without a
+        worker to take it (see the module)."""
+        until = time.monotonic() + WAIT_S
         waited = False
         while True:
             try:
                 return await self._dispatcher.open(model, payload, ctx, exclude=failed, boost=True)
-            except (RedisError, OSError) as exc:
-                if time.monotonic() > until or ctx.remaining_s() <= _REDIS_RETRY_S:
+            except (RedisError, OSError, Unavailable) as exc:
+                if time.monotonic() > until or ctx.remaining_s() <= _RETRY_S:
+                    if isinstance(exc, Unavailable):
+                        raise
                     raise Unavailable("the stream could not migrate: the gateway's state store is unreachable",
                                       retry_after_s=2) from exc
                 if not waited:
-                    log.warning("request %s: migrating needs Redis, which is unreachable (%s: %s); waiting for it",
-                                ctx.request_id, type(exc).__name__, exc)
+                    log.warning("request %s: migrating waits: %s", ctx.request_id,
+                                exc.message if isinstance(exc, Unavailable)
+                                else f"Redis is unreachable ({type(exc).__name__}: {exc})")
                     waited = True
-                await asyncio.sleep(_REDIS_RETRY_S)
+                await asyncio.sleep(_RETRY_S)
 
     def _may_migrate(self, exc: SluiceError, migrations: int, ctx: RequestContext) -> bool:
         if exc.code == "request_timeout" or ctx.remaining_s() <= 0:

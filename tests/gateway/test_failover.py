@@ -86,3 +86,21 @@ def test_a_worker_nobody_answers_for_stops_getting_slots_at_once(start_worker, s
         busy.close()
     assert not worker_alive(redis_client, model, doomed.name)
     assert worker_alive(redis_client, model, survivor.name)
+
+
+def test_a_stream_whose_every_worker_died_waits_for_a_replacement(start_worker, start_gateway) -> None:
+    """Regression (nemesis): a migration that found no live worker it had not tried (every
+    worker killed or restarting at once) ended the stream with "every live worker failed
+    this request" while the replacements were starting."""
+    model = "replaced"
+    first = start_worker(model, sim_token_ms=20)
+    gateway = start_gateway()
+    body = {"model": model, "prompt": "carry on", "max_tokens": 80, "seed": 3, "temperature": 0}
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=30) as client:
+        reference = client.completions.create(**body).choices[0].text
+        stream = iter(client.completions.create(**body, stream=True))
+        texts = [next(stream).choices[0].text for _ in range(5)]
+        first.kill()
+        start_worker(model, sim_token_ms=20)  # a new process: a new worker id
+        texts += [chunk.choices[0].text for chunk in stream if chunk.choices]
+    assert "".join(texts) == reference

@@ -325,3 +325,101 @@ async def test_a_stream_that_ends_while_redis_is_away_is_journaled_to_its_end(pr
         await idem.close()
         await committer.close()
         await client.aclose()
+
+
+async def _quiet_stream(client, committer: JournalCommitter, readers: JournalReaders, idem: Idempotency,
+                        resume: asyncio.Event):
+    """A resumable stream that sends 3 events, then waits for ``resume``; a reader follows it
+    after event 1. Returns (producer task, the reader's events task)."""
+    key = uuid.uuid4().hex
+    assert await idem.claim(key, "fp", True, time.monotonic() + 30, "p") is None
+    assert await idem.promote(key, "p", "fp", 10, b"{}")
+    writer = JournalWriter(committer, key, ttl_s=60, owner="p")
+
+    async def events():
+        for i in range(1, 4):
+            yield b"data: %d\n\n" % i
+        await resume.wait()
+        yield DONE
+
+    async def nothing() -> None:
+        return None
+
+    first = writer.subscribe(readers.tail)
+    producer = await start_producer(writer, events(), nothing)
+    follower = asyncio.create_task(_collect(readers.tail(key, after=1)))
+    consumer = asyncio.create_task(_collect(first.events()))
+    return key, producer, follower, consumer
+
+
+async def _collect(events) -> list[bytes]:
+    return [event async for event in events]
+
+
+async def test_a_reader_never_takes_over_a_stream_its_own_process_produces(private_redis) -> None:
+    """Regression (nemesis, Sentinel: one gap): Redis lost a stream's ``:live`` (it expired
+    during a stall) while its producer, in the same gateway process, was still writing; a
+    reader of that process saw ``:live`` gone and took the stream over from a journal that
+    lacked events the first client already had, and that client got a gap."""
+    client = await create_pool(private_redis["server"].url)
+    committer, idem = JournalCommitter(client), Idempotency(client, ttl_s=60)
+    readers = JournalReaders(client, poll_s=0.01, idle_s=0.05)
+    adopted: list[str] = []
+
+    async def adopt(key: str) -> bool:
+        adopted.append(key)
+        return True
+
+    readers.adopt = adopt
+    readers.producing = committer.produces
+    resume = asyncio.Event()
+    try:
+        key, producer, follower, consumer = await _quiet_stream(client, committer, readers, idem, resume)
+        await asyncio.sleep(0.2)  # the reader is caught up and quiet
+        for _ in range(20):  # Redis forgets :live, again and again, faster than the producer refreshes it
+            await client.delete(keys.journal_live(key))
+            await asyncio.sleep(0.02)
+        resume.set()
+        await producer
+        assert await follower == [b"id: 2\ndata: 2\n\n", b"id: 3\ndata: 3\n\n", DONE]
+        assert adopted == []
+        await consumer
+    finally:
+        await readers.close()
+        await idem.close()
+        await committer.close()
+        await client.aclose()
+
+
+async def test_a_redis_stall_past_live_ttl_is_not_a_dead_producer(private_redis) -> None:
+    """Regression (nemesis, Sentinel): Redis stalled past ``:live``'s TTL, so every stream's
+    ``:live`` had expired when it answered again, and readers took over streams whose
+    producers (in other gateways) were alive and about to re-claim them. A poll that Redis
+    held up restarts the readers' quiet clock: producers get ``idle_s`` to re-claim first."""
+    client = await create_pool(private_redis["server"].url)
+    readers = JournalReaders(client, poll_s=0.01, idle_s=0.3)
+    adopted: list[str] = []
+
+    async def adopt(key: str) -> bool:
+        adopted.append(key)
+        return True
+
+    readers.adopt = adopt
+    key = uuid.uuid4().hex
+    for number in (1, 2, 3):  # a producer elsewhere wrote three events, and lives
+        await client.xadd(keys.journal(key), {"d": b"data: %d\n\n" % number, "s": b""}, id=f"0-{number}")
+    await client.set(keys.journal_live(key), "elsewhere", px=3000)
+    try:
+        follower = asyncio.create_task(_collect(readers.tail(key, after=1)))
+        await asyncio.sleep(0.1)  # events 2 and 3 delivered; the reader is quiet
+        await client.delete(keys.journal_live(key))  # it expires during the stall
+        await client.execute_command("DEBUG", "SLEEP", "1.0")  # Redis stalls, past the reader's idle_s
+        await asyncio.sleep(0.1)  # the producer's next write, a retry period later (journal.py)
+        await client.set(keys.journal_live(key), "elsewhere", px=3000)  # re-claims the stream
+        await asyncio.sleep(0.6)  # two idle periods: a dead producer would be taken over by now
+        assert adopted == []
+        await client.xadd(keys.journal(key), {"d": DONE, "s": b""}, id="0-4")
+        assert await follower == [b"id: 2\ndata: 2\n\n", b"id: 3\ndata: 3\n\n", DONE]
+    finally:
+        await readers.close()
+        await client.aclose()
