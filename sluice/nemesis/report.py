@@ -48,15 +48,22 @@ def totals(verdicts: list[Verdict]) -> dict[str, dict[str, int]]:
 def failover_serving(runs: list[FaultRun], ports: list[int]) -> dict[str, Any]:
     """Per Sentinel/Cluster failover, seconds from its start until every gateway port served
     again (faults.py measures it); their median and maximum. None: a port never did in time
-    (in ``clean_s``: ``SERVING_WAIT_S``).
+    (in ``clean_s``: ``SERVING_WAIT_S``). Failovers that could not be applied are counted
+    apart (``not_applied``).
 
     A port one of whose gateways was killed, stopped or cut from Redis before it served
     again would not have served with any Redis: such ports are left out of ``clean_s``,
     the failover's own figure (``median_s``, ``max_s``), and kept in ``all_s`` (``raw_*``).
     ``ports[i]`` is gateway i's port (the link proxy is gateway 0's)."""
     each = []
+    not_applied = 0
     for r in runs:
         if not r.serving_s:
+            continue
+        if r.error is not None:
+            # The failover did not happen as asked (``SENTINEL FAILOVER`` refused, or no
+            # replica took over in time): "served again after it" measures nothing.
+            not_applied += 1
             continue
         confounded = sorted({port for port, served in r.serving_s.items()
                              if any(_gateway_down(g, ports, port, r.started_s, served) for g in runs)})
@@ -73,7 +80,7 @@ def failover_serving(runs: list[FaultRun], ports: list[int]) -> dict[str, Any]:
 
     median, worst, clean = stats("clean_s")
     raw_median, raw_worst, served = stats("all_s")
-    return {"failovers": len(each), "served_again": served, "median_s": median, "max_s": worst,
+    return {"failovers": len(each), "not_applied": not_applied, "served_again": served, "median_s": median, "max_s": worst,
             "measured_clean": clean, "raw_median_s": raw_median, "raw_max_s": raw_worst, "each": each}
 
 

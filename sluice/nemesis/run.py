@@ -90,7 +90,7 @@ class NemesisResult:
                             f"{serving['failovers']}, median {serving['median_s']} s, max {serving['max_s']} s "
                             f"({serving['measured_clean']} with no gateway of the port down meanwhile); counting "
                             f"ports whose gateway was down too: median {serving['raw_median_s']} s, "
-                            f"max {serving['raw_max_s']} s")
+                            f"max {serving['raw_max_s']} s; {serving['not_applied']} failover(s) not applied")
         lines += [f"invariant {'ok  ' if i.ok else 'FAIL'} {i.name}: {i.detail}" for i in self.invariants]
         if s["fault_errors"]:
             lines.append(f"faults that could not be applied: {s['fault_errors']}")
