@@ -169,10 +169,14 @@ class JournalKeeper:
         self._epoch, self._server = _UNSEEN, None  # not watched from here on
 
     async def _look(self) -> tuple[bytes | None, str | None]:
-        """The registry's epoch, and which server process answers (its ``run_id``; None on a
-        Cluster, whose nodes each have one)."""
+        """The registry's epoch, and which server processes answer (their ``run_id``s: on a
+        Cluster every master's, since a journal lives on whichever node holds its slot and
+        the epoch on one node only: the nemesis found finished streams whose node failed
+        over regenerated and billed twice)."""
         if isinstance(self._redis, RedisCluster):
-            return await self._redis.hget(keys.EPOCH, "id"), None
+            epoch = await self._redis.hget(keys.EPOCH, "id")
+            infos = await self._redis.info("server", target_nodes=RedisCluster.PRIMARIES)
+            return epoch, ",".join(sorted(str(info.get("run_id")) for info in infos.values()))
         pipe = self._redis.pipeline(transaction=False)
         pipe.hget(keys.EPOCH, "id")
         pipe.info("server")

@@ -11,8 +11,9 @@
   over every gateway and attempt) add up to the tokens its client received over all its
   attempts: every chunk a stream read (once: re-attaches never repeat one), the bodies a
   non-streaming request got (an attempt answered with an error served nothing). Checked
-  for every exact request, whose attempts all read to their end; a request whose gateway
-  was killed before it could log is counted unbilled, and allowed only then. Per tenant:
+  for every exact request, whose attempts all read to their end; a request billed less
+  than it was served while a gateway was killed (an attempt whose gateway died before it
+  could log) is counted unbilled, and allowed only then. Per tenant:
   billed vs served.
 """
 
@@ -144,7 +145,8 @@ def usage(system: System, specs: list[RequestSpec], histories: list[History], ve
         tenants[spec.tenant]["billed"] += got
         if got == served:
             continue
-        if not lines.get(spec.request_id) and "gateway_kill" in overlapping(runs, hist.started_s, hist.ended_s):
+        if got < served and "gateway_kill" in overlapping(runs, hist.started_s, hist.ended_s):
+            # An attempt whose gateway was killed logged nothing; the others did.
             unbilled += 1
             continue
         wrong.append(f"{spec.request_id}: served {served}, billed {got} in {lines.get(spec.request_id, 0)} line(s)")

@@ -4,6 +4,7 @@ losing its data, requests whose history cannot fit, one API key filling Redis.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import threading
@@ -18,9 +19,11 @@ import redis
 
 from gateway.streams.idempotency import Idempotency, scoped
 from gateway.streams.journal import DONE, JournalCommitter, JournalWriter, start_producer
+from gateway.streams.journal_history import JournalHistory
+from gateway.streams.journal_keeper import Finished, JournalKeeper
 from gateway.streams.journal_readers import JournalReaders
 from sluice import keys
-from sluice.embedded_redis import EmbeddedRedis
+from sluice.embedded_redis import EmbeddedCluster, EmbeddedRedis
 from sluice.redis_pool import create_pool
 from tests.conftest import ROOT, wait_for
 from tests.gateway.test_resumable import _events, _text
@@ -423,3 +426,40 @@ async def test_a_redis_stall_past_live_ttl_is_not_a_dead_producer(private_redis)
     finally:
         await readers.close()
         await client.aclose()
+
+
+async def test_a_finished_journal_on_a_cluster_node_that_lost_its_data_is_written_back() -> None:
+    """Regression (nemesis, Cluster: finished streams regenerated and billed twice): the
+    keeper watched only the registry's epoch on a Cluster, which lives on one node; a node
+    that came back empty (a restart without persistence, a failover to a replica without
+    the last writes) lost the finished journals in its slots, and nothing wrote them back."""
+    cluster = EmbeddedCluster().start()
+    client = await create_pool(cluster.url)
+    keeper = JournalKeeper(client, check_s=0.1)
+    try:
+        await client.hset(keys.EPOCH, "id", "epoch-1")
+        epoch_node = client.get_node_from_key(keys.EPOCH).port
+        scope = next(s for s in (uuid.uuid4().hex for _ in range(1000))
+                     if client.get_node_from_key(keys.journal(s)).port != epoch_node)
+        history = JournalHistory()
+        for number in (1, 2, 3):
+            stored = b"data: %d\n\n" % number if number < 3 else DONE
+            history.add(stored, b"")
+            await client.xadd(keys.journal(scope), {"d": stored, "s": b""}, id=f"0-{number}")
+        keeper.keep(Finished(scope, "p", "fp", b"", history, 60_000, None, 0))
+        await asyncio.sleep(0.5)  # the keeper has looked once
+        node = next(s for s in cluster.servers if s.port == client.get_node_from_key(keys.journal(scope)).port)
+        await asyncio.to_thread(node.shutdown, save=False)
+        await asyncio.to_thread(node.start)  # back empty, with its slots (nodes.conf)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            with contextlib.suppress(redis.exceptions.RedisError, OSError):
+                if await client.xlen(keys.journal(scope)) == 3:
+                    break
+            await asyncio.sleep(0.1)
+        assert [f[b"d"] for _, f in await client.xrange(keys.journal(scope))] == [
+            b"data: 1\n\n", b"data: 2\n\n", DONE]
+    finally:
+        await keeper.close()
+        await client.aclose()
+        cluster.stop()
