@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -203,23 +204,35 @@ def procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Proc]]:
 
 
 def _start_on_a_free_port(procs: list[Proc], launch: Callable[[int], Proc], timeout_s: float) -> Proc:
-    """``launch(port)`` on a free port, until a child serves ``/health`` there. A port is chosen
-    free and bound by the child a moment later; on a shared machine another process can take
-    it in between, and the child exits ("address already in use"): then again on another
-    port, three tries in all."""
-    for attempt in range(1, 4):
-        proc = launch(free_port())
-        procs.append(proc)
-        try:
-            proc.wait_http("/health", timeout_s=timeout_s)
-            return proc
-        except RuntimeError:
-            lost_port = not proc.alive() and "address already in use" in proc.log_path.read_text(errors="replace")
-            if not lost_port or attempt == 3:
-                raise
-            proc.stop()
-            procs.remove(proc)
-    raise AssertionError("unreachable")
+    return _start_on_free_ports(procs, [launch], timeout_s)[0]
+
+
+def _start_on_free_ports(procs: list[Proc], launches: list[Callable[[int], Proc]], timeout_s: float) -> list[Proc]:
+    """Each ``launch(port)`` on a free port, until its child serves ``/health`` there. A port
+    is chosen free and bound by the child a moment later; on a shared machine another process
+    can take it in between, and the child exits ("address already in use"): then again on
+    another port, three tries in all.
+
+    All are launched before any is waited for, so their start-ups overlap (a vLLM start keeps
+    one core busy importing, one process after another). Launched from this thread: a child
+    dies with the thread that started it (``child_preexec``), so never from a worker thread."""
+    children = [launch(free_port()) for launch in launches]
+    procs.extend(children)
+    for i, launch in enumerate(launches):
+        for attempt in range(1, 4):
+            proc = children[i]
+            try:
+                proc.wait_http("/health", timeout_s=timeout_s)
+                break
+            except RuntimeError:
+                lost_port = not proc.alive() and "address already in use" in proc.log_path.read_text(errors="replace")
+                if not lost_port or attempt == 3:
+                    raise
+                proc.stop()
+                procs.remove(proc)
+                children[i] = launch(free_port())
+                procs.append(children[i])
+    return children
 
 
 def _stop_started_since(procs: list[Proc], before: int) -> None:
@@ -246,19 +259,23 @@ def _test_processes_stop_with_it(procs: list[Proc]) -> Iterator[None]:
     _stop_started_since(procs, before)
 
 
+#: One worker's arguments for ``start_workers``: ``start_worker``'s positional and keyword ones.
+WorkerArgs = tuple[tuple[str, ...], dict[str, Any]]
+StartWorkers = Callable[[list[WorkerArgs]], list[Proc]]
+
+
 @pytest.fixture(scope="session")
-def start_worker(
+def start_workers(
     redis_url: str, redis_client: redis.Redis, procs: list[Proc], tmp_path_factory: pytest.TempPathFactory
-) -> StartWorker:
+) -> StartWorkers:
+    """Start several workers side by side (``start_worker`` is one of them): each is given as
+    ``((model, *extra), {"engine": ..., "env": ..., **flags})``; returns them in that order
+    once every one serves and is registered."""
     logs = tmp_path_factory.mktemp("logs")
 
-    def start(
-        model: str = "sim", *extra: str, env: dict[str, str] | None = None,
-        redis_at: str | None = None, **flags: object,
-    ) -> Proc:
+    def launcher(model: str = "sim", *extra: str, env: dict[str, str] | None = None,
+                 redis_at: str | None = None, **flags: object) -> Callable[[int], Proc]:
         engine = str(flags.pop("engine", "sim"))
-        # vLLM loads a model and warms up: allow minutes on a busy 2-core machine.
-        start_s = 60.0 if engine == "sim" else 600.0
         heartbeat_ms = flags.pop("heartbeat_ms", 200)
 
         def launch(port: int) -> Proc:
@@ -275,20 +292,36 @@ def start_worker(
             proc.url = f"http://127.0.0.1:{port}"
             return proc
 
-        proc = _start_on_a_free_port(procs, launch, start_s)
-        worker_id = proc.name
+        return launch
+
+    def registered(proc: Proc, model: str, redis_at: str | None) -> None:
         deadline = time.monotonic() + 10
         client = sync_client(redis_at) if redis_at else redis_client
         try:
-            while not worker_alive(client, model, worker_id):
+            while not worker_alive(client, model, proc.name):
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{worker_id} never registered:\n{proc.log_tail()}")
+                    raise RuntimeError(f"{proc.name} never registered:\n{proc.log_tail()}")
                 time.sleep(0.02)
         finally:
             if redis_at:
                 client.close()
-        proc.name = worker_id
-        return proc
+
+    def start(workers: list[WorkerArgs]) -> list[Proc]:
+        # vLLM loads a model and warms up: allow minutes on a busy 2-core machine.
+        sim = all(kwargs.get("engine", "sim") == "sim" for _, kwargs in workers)
+        started = _start_on_free_ports(procs, [launcher(*args, **kwargs) for args, kwargs in workers],
+                                       60.0 if sim else 600.0)
+        for proc, (args, kwargs) in zip(started, workers, strict=True):
+            registered(proc, args[0] if args else kwargs.get("model", "sim"), kwargs.get("redis_at"))
+        return started
+
+    return start
+
+
+@pytest.fixture(scope="session")
+def start_worker(start_workers: StartWorkers) -> StartWorker:
+    def start(*args: str, **kwargs: Any) -> Proc:
+        return start_workers([(args, kwargs)])[0]
 
     return start
 
