@@ -18,7 +18,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -26,7 +26,7 @@ import orjson
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from gateway.admission.queue import REGISTRY_REBUILDING, Admission, Ask, Lease
+from gateway.admission.queue import REGISTRY_REBUILDING, Admission, Ask, Lease, QueueCharge
 from gateway.admission.prompt_tokens import PromptTokenizer
 from gateway.admission.adapters import AdapterDirectory
 from gateway.admission.routing import IndexCorrections, PromptPrefix, RouteCheck
@@ -252,6 +252,17 @@ class Upstream:
             if self._span is not None:
                 self._span.end()
             await self._admission.release(self.lease, self._usage)
+
+    def hand_over_charge(self) -> QueueCharge | None:
+        """Take the fair-share charge off this stream's lease, for another stream of the same
+        request to correct with its usage (:meth:`carry_charge`): a disaggregated request's
+        prefill hop was charged, its decode hop's usage is the request's."""
+        charge, self.lease = self.lease.charge, replace(self.lease, charge=None)
+        return charge
+
+    def carry_charge(self, charge: QueueCharge | None) -> None:
+        """Correct ``charge`` (another hop's) with this stream's usage at its release."""
+        self.lease = replace(self.lease, charge=charge)
 
     @property
     def worker_id(self) -> str:

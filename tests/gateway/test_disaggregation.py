@@ -158,3 +158,28 @@ def test_a_client_leaving_during_the_prefill_hop_gets_no_decode_hop(gateway, sta
     wait_for(lambda: int(redis_client.hget(keys.inflight("pd-leave"), prefill.name) or 0) == 0, 5,
              "the prefill slot to be released")
     assert served(decode) == 0
+
+
+def charged(redis_client, model: str) -> int:
+    """What the model's fair queuing has charged its tenants, summed (finish tags ``F:``)."""
+    fair = redis_client.hgetall(keys.admission(model).fair)
+    return sum(int(float(v)) for k, v in fair.items() if k.startswith(b"F:"))
+
+
+def released(redis_client, model: str) -> bool:
+    return all(int(v) == 0 for v in redis_client.hgetall(keys.inflight(model)).values())
+
+
+def test_a_pd_requests_output_counts_toward_its_tenants_fair_share_once(client, start_worker, redis_client) -> None:
+    """Regression: the decode hop, admitted boosted (charged nothing), never corrected the
+    tenant's fair share with its usage: a P/D request counted its prompt and the prefill's
+    one token, not its output. It now counts what an aggregated request counts: its
+    prompt and its output tokens, once."""
+    start_worker("pd-fair-whole")
+    start_worker("pd-fair", role="prefill")
+    start_worker("pd-fair", role="decode")
+    for model in ("pd-fair-whole", "pd-fair"):
+        got = client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0)
+        assert got.usage.completion_tokens == 20
+        wait_for(lambda: released(redis_client, model), 5, f"{model}'s leases to be released")
+        assert charged(redis_client, model) == got.usage.prompt_tokens + 20, model
