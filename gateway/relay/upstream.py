@@ -342,6 +342,7 @@ class Dispatcher:
                 raise
             ctx.record.known_model()
             queue_span.set_attributes({"sluice.worker_id": ",".join(sorted({x.worker_id for x in leases})),
+                                       "sluice.role": role or "both",
                                        "sluice.route": self._settings.routing,
                                        "sluice.route.matched_blocks": max(x.matched_blocks for x in leases)})
         ctx.record.queued(time.monotonic() - waited)
@@ -393,13 +394,14 @@ class Dispatcher:
                                             task=task, role=role)
             span = tracer.start_span("upstream", context=record.context(), kind=SpanKind.CLIENT,
                                      attributes={"sluice.worker_id": lease.worker_id, "sluice.attempt": attempt,
+                                                 "sluice.role": role or "both",
                                                  "sluice.route": s.routing,
                                                  "sluice.route.matched_blocks": lease.matched_blocks,
                                                  "sluice.route.prompt_blocks": len(prefix.blocks)})
             try:
                 upstream = await self._attempt(lease, body, ctx.deadline, span, route, path)
                 self._admission.prefilled(lease)
-                record.admitted(attempt, lease.worker_id, lease.matched_blocks, len(prefix.blocks))
+                record.admitted(attempt, lease.worker_id, lease.matched_blocks, len(prefix.blocks), role)
                 return upstream
             except _Retryable as exc:
                 reason = str(exc)
