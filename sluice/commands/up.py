@@ -199,7 +199,7 @@ class Supervisor:
         self.redis_url = redis_url
         base = [sys.executable, "-m", "sluice", "--log-level", o.log_level]
         if o.pd and o.engine == "vllm":
-            self.kv_folder = tempfile.mkdtemp(prefix="sluice-kv-")
+            self.kv_folder = tempfile.mkdtemp(prefix="sluice-pd-kv-")
         for i, role in enumerate(roles):
             port = free_port()
             argv = [*base, "worker", "--engine", o.engine, "--port", str(port),
