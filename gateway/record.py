@@ -31,6 +31,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from gateway.metrics import GatewayMetrics, priority_class
 from gateway.surfaces.openai import usage_dict
 from sluice.errors import SluiceError
+from sluice.roles import DECODE, PREFILL
 
 access = logging.getLogger("sluice.access")
 tracer = trace.get_tracer("sluice.gateway")
@@ -60,7 +61,10 @@ class RequestRecord:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    #: Workers whose streams the client got (each migration adds one).
     workers: list[str] = field(default_factory=list)
+    #: Prefill/decode disaggregation: the workers that ran its prefill hops (gateway/relay/disagg.py).
+    prefill_workers: list[str] = field(default_factory=list)
     #: Cache routing: leading prompt blocks the index expected on the chosen worker (last
     #: attempt), the prompt's blocks, and the tokens it expected cached vs the error.
     route_matched_blocks: int = 0
@@ -98,10 +102,13 @@ class RequestRecord:
         """Time spent waiting for slots (summed over admissions: first, retries, migrations)."""
         self.queue_wait_s += wait_s
 
-    def admitted(self, attempts: int, worker_id: str, matched_blocks: int = 0, prompt_blocks: int = 0) -> None:
+    def admitted(self, attempts: int, worker_id: str, matched_blocks: int = 0, prompt_blocks: int = 0,
+                 role: str = "") -> None:
+        """``role``: the hop of a disaggregated request this admission was, "" for a whole one."""
         self.retries += attempts - 1
-        self.workers.append(worker_id)
-        self.route_matched_blocks, self.route_prompt_blocks = matched_blocks, prompt_blocks
+        (self.prefill_workers if role == PREFILL else self.workers).append(worker_id)
+        if role != DECODE:  # a decode hop is not routed on the prompt: its KV comes from the prefill hop
+            self.route_matched_blocks, self.route_prompt_blocks = matched_blocks, prompt_blocks
 
     def route_checked(self, expected_tokens: int, error_tokens: int) -> None:
         """The router expected ``expected_tokens`` cached; the engine's report differed by
@@ -166,7 +173,7 @@ class RequestRecord:
         series = m.series(model)  # every series exists from the model's first request on, at 0
         if self.first_token_s is not None:
             series.ttft.observe(self.first_token_s)
-        if self.workers:
+        if self.workers or self.prefill_workers:
             m.queue_wait.labels(model, priority_class(self.priority)).observe(self.queue_wait_s)
         series.e2e.observe(total)
         for counter, amount in ((series.prompt_tokens, self.prompt_tokens),
@@ -195,6 +202,7 @@ class RequestRecord:
             "total_ms": round(total * 1000, 1), "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens,
             "retries": self.retries, "migrations": self.migrations, "workers": ",".join(self.workers) or "-",
+            **({"prefill_workers": ",".join(self.prefill_workers)} if self.prefill_workers else {}),
             "route_matched_blocks": self.route_matched_blocks, "route_prompt_blocks": self.route_prompt_blocks,
             "route_expected_cached": self.route_expected_tokens,
         }

@@ -10,6 +10,12 @@ chunks become :class:`Delta` s. One way to do it, used from two places:
 A server that returns token ids (vLLM) gets ``return_token_ids`` and resumes a migrated
 stream token-exactly: prompt ids from its own ``/tokenize`` + the ids already sent, as a
 token prompt to ``/v1/completions``.
+
+Prefill/decode disaggregation (gateway/relay/disagg.py) through vLLM servers started with a
+KV connector: a request's ``kv_transfer_params`` go to the server in its body. A prefill hop
+(``do_remote_decode``) is asked for a whole answer, not a stream, because vLLM returns the
+parameters its decode server needs (where the KV is) in whole answers only, as its own
+disaggregation proxy asks for them; they come back on the hop's one delta.
 """
 
 from __future__ import annotations
@@ -170,6 +176,8 @@ class EngineServer:
             body["return_token_ids"] = True
         if self.priority and request.priority:
             body["priority"] = request.priority
+        if request.kv_transfer_params is not None:
+            body["kv_transfer_params"] = request.kv_transfer_params
         return body
 
     async def _post_json(self, path: str, body: dict[str, Any]) -> Any:
@@ -224,6 +232,9 @@ class EngineServer:
             path, body = "/v1/chat/completions", {**self._sampling(request, chat=True), "messages": request.messages}
         else:
             path, body = "/v1/completions", {**self._sampling(request, chat=False), "prompt": request.prompt or ""}
+        if (request.kv_transfer_params or {}).get("do_remote_decode"):
+            yield await self._whole(path, body, chat=path.endswith("chat/completions"))
+            return
         stream = self._stream(path, body, chat=path.endswith("chat/completions"))
         try:
             async for delta in stream:
@@ -261,6 +272,24 @@ class EngineServer:
                 body = {k: v for k, v in body.items() if k != "priority"}
                 continue
             raise upstream_error(response.status_code, detail)
+
+    async def _whole(self, path: str, body: dict[str, Any], *, chat: bool) -> Delta:
+        """One whole answer as one finishing delta, with the ``kv_transfer_params`` it returned."""
+        body = {**{k: v for k, v in body.items() if k != "stream_options"}, "stream": False}
+        response = await self._open(path, body)
+        try:
+            answer = orjson.loads(await response.aread())
+        except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
+            raise UpstreamFailed(f"the upstream answer broke: {type(exc).__name__}", code="worker_lost") from None
+        finally:
+            await response.aclose()
+        choice = (answer.get("choices") or [{}])[0]
+        text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
+        finish = choice.get("finish_reason") or "length"
+        return Delta(choice.get("token_ids") or [], text or "", finish,
+                     _usage(answer["usage"]) if answer.get("usage") else None,
+                     stop_sequence=stop_string(finish, choice.get("stop_reason")),
+                     kv_transfer_params=answer.get("kv_transfer_params"))
 
     async def _stream(self, path: str, body: dict[str, Any], *, chat: bool) -> AsyncIterator[Delta]:
         """Server-sent chunks as deltas; the finishing delta waits for the end of the stream,

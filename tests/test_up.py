@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
+import redis
 
+from sluice import keys
 from sluice.embedded_redis import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,15 +49,14 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
-    port = free_port()
+@contextlib.contextmanager
+def _up(tmp_path: Path, port: int, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes], bytes]]:
+    """``sluice up --engine sim`` with ``flags``, once it printed its banner; killed at the end
+    if it still runs."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
     log = open(tmp_path / "up.log", "wb")  # noqa: SIM115
-    up = subprocess.Popen(
-        [sys.executable, "-m", "sluice", "up", "--engine", "sim", "--workers", "2", "--port", str(port),
-         "--gateway-procs", "2"],
-        stdout=subprocess.PIPE, stderr=log, cwd=ROOT, env=env,
-    )
+    up = subprocess.Popen([sys.executable, "-m", "sluice", "up", "--engine", "sim", "--port", str(port), *flags],
+                          stdout=subprocess.PIPE, stderr=log, cwd=ROOT, env=env)
     try:
         assert up.stdout is not None
         deadline = time.monotonic() + 60
@@ -60,6 +64,19 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
         while b"Ctrl-C stops everything" not in banner:
             assert time.monotonic() < deadline and up.poll() is None, (tmp_path / "up.log").read_text()
             banner += up.stdout.readline()
+        yield up, banner
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        if up.stdout:
+            up.stdout.close()
+        log.close()
+
+
+def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
+    port = free_port()
+    with _up(tmp_path, port, "--workers", "2", "--gateway-procs", "2") as (up, banner):
         assert f"http://127.0.0.1:{port}".encode() in banner and b"curl -N" in banner
         children = _descendants(up.pid)
         assert len(children) >= 6  # redis, two workers, the gateway supervisor and its two processes
@@ -76,13 +93,6 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
         while any(_alive(p) for p in children):
             assert time.monotonic() < deadline, [p for p in children if _alive(p)]
             time.sleep(0.05)
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        if up.stdout:
-            up.stdout.close()
-        log.close()
 
 
 def test_up_bad_flag_is_a_clear_error() -> None:
@@ -151,6 +161,29 @@ def test_up_restarts_a_dead_worker(tmp_path: Path) -> None:
         log.close()
 
 
+def test_up_pd_serves_through_a_prefill_and_a_decode_worker(tmp_path: Path) -> None:
+    """``sluice up --pd``: a prefill and a decode worker, and a request takes both hops (the
+    decode simulator counts the prompt whose KV it received as cached)."""
+    port = free_port()
+    with _up(tmp_path, port, "--pd", "--gateway-procs", "1") as (up, banner):
+        assert b"1 prefill + 1 decode sim worker(s)" in banner
+        workers = [_cmdline(p) for p in _descendants(up.pid) if " worker " in _cmdline(p)]
+        assert sorted(re.search(r"--role (\w+)", w).group(1) for w in workers) == ["decode", "prefill"]
+        match = re.search(rb"Redis: (\S+)", banner)
+        assert match is not None
+        deadline = time.monotonic() + 30
+        with redis.Redis.from_url(match.group(1).decode()) as registry:
+            while registry.hlen(keys.workers("sim")) < 2:  # ready once the gateway is: a worker may register later
+                assert time.monotonic() < deadline, "the workers never registered"
+                time.sleep(0.05)
+        resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                          json={"model": "sim", "prompt": "through two workers", "max_tokens": 3})
+        usage = resp.json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] > 0, usage
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0
+
+
 def test_gpu_groups_one_worker_per_device_or_tensor_parallel_group() -> None:
     import pytest
 
@@ -163,7 +196,25 @@ def test_gpu_groups_one_worker_per_device_or_tensor_parallel_group() -> None:
         gpu_groups("0,1,2", 2)
 
 
+def test_pd_splits_the_workers_into_prefill_then_decode() -> None:
+    import json
+
+    import pytest
+
+    from sluice.commands.up import example_connector, worker_roles
+
+    assert worker_roles(2, False) == ["both", "both"]
+    assert worker_roles(2, True) == ["prefill", "decode"]
+    assert worker_roles(3, True) == ["prefill", "decode", "decode"]
+    with pytest.raises(ValueError, match="a prefill and a decode worker"):
+        worker_roles(1, True)
+    assert json.loads(example_connector("decode", "/tmp/kv")) == {
+        "kv_connector": "ExampleConnector", "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}
+
+
 def test_up_gpus_flag_is_explained() -> None:
     result = subprocess.run([sys.executable, "-m", "sluice", "up", "--help"], capture_output=True, text=True,
                             cwd=ROOT, timeout=30, check=False)
     assert "--gpus" in result.stdout and "--tensor-parallel" in result.stdout and "--gateway-procs" in result.stdout
+    assert "--pd" in result.stdout

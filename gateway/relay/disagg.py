@@ -13,7 +13,9 @@ token on another worker of its role:
    that finds the KV by the prompt itself (vLLM's ExampleConnector, KV through files).
 2. **decode**: the whole request with what the prefill returned; its stream is the client's.
    Boosted (first in line, charged nothing): the request already waited for, and was
-   charged at, its prefill hop.
+   charged at, its prefill hop. That charge moves to the decode hop's lease, whose release
+   corrects it with the decode's usage (prompt and output): the tenant's fair share counts
+   a P/D request as it counts an aggregated one, once.
 
 A decode worker that dies mid-stream is a migration as any other (gateway/streams/migration.py):
 the migration opens the request again here, so the prompt plus the tokens already sent are
@@ -47,6 +49,7 @@ from sluice.errors import Unavailable, UpstreamFailed
 from sluice.roles import DECODE, PREFILL
 
 if TYPE_CHECKING:
+    from gateway.admission.queue import QueueCharge
     from gateway.relay.upstream import Dispatcher, Upstream
 
 log = logging.getLogger("sluice.gateway")
@@ -111,8 +114,11 @@ class Disaggregation:
         A hop that finds no live worker of its role, when the registry no longer lists one
         either (every prefill or every decode worker died), is not a 503: the request is
         served whole by the workers left, as a fleet without roles would be."""
+        prefilled, charge = False, None
         try:
-            params = await self._prefill(dispatcher, model, payload, ctx, exclude=exclude, boost=boost, cost=cost)
+            params, charge = await self._prefill(dispatcher, model, payload, ctx, exclude=exclude, boost=boost,
+                                                 cost=cost)
+            prefilled = True
             if ctx.disconnected is not None and await ctx.disconnected():
                 # Gone during its prefill: no decode slot for it (a whole request notices only
                 # at its first token, which is the decode hop's).
@@ -120,19 +126,27 @@ class Disaggregation:
             decode = {k: v for k, v in payload.items() if k != "kv_transfer_params"}
             if params is not None:
                 decode["kv_transfer_params"] = params
-            return await dispatcher.open(model, decode, ctx, exclude=exclude, boost=True, cost=cost, role=DECODE)
+            upstream = await dispatcher.open(model, decode, ctx, exclude=exclude, boost=True, cost=cost, role=DECODE)
+            upstream.carry_charge(charge)
+            return upstream
         except Unavailable:
             if await self._roles.disaggregated(model, fresh=True):
                 raise
         log.warning("request %s: model %r lost its prefill or its decode workers; serving it whole",
                     ctx.request_id, model)
-        return await dispatcher.open(model, payload, ctx, exclude=exclude, boost=boost, cost=cost)
+        # Prefilled already: it waited and was charged once; its whole serving corrects that charge.
+        upstream = await dispatcher.open(model, payload, ctx, exclude=exclude, boost=boost or prefilled, cost=cost)
+        if prefilled:
+            upstream.carry_charge(charge)
+        return upstream
 
     async def _prefill(
         self, dispatcher: Dispatcher, model: str, payload: dict[str, Any], ctx: RequestContext, *,
         exclude: list[str] | tuple[str, ...], boost: bool, cost: int,
-    ) -> dict[str, Any] | None:
-        """Run the prefill hop to its end; the ``kv_transfer_params`` it returned."""
+    ) -> tuple[dict[str, Any] | None, QueueCharge | None]:
+        """Run the prefill hop to its end; the ``kv_transfer_params`` it returned, and its
+        fair-share charge, taken off its lease for the next hop to correct (its own usage, the
+        prompt and one token not relayed, is not the request's)."""
         hop = {**payload, "request_id": f"{payload['request_id']}-p", "max_tokens": 1, "min_tokens": 0,
                "logprobs": None, "echo": False, "kv_transfer_params": REMOTE_DECODE}
         upstream = await dispatcher.open(model, hop, ctx, exclude=exclude, boost=boost, cost=cost, role=PREFILL)
@@ -142,8 +156,9 @@ class Disaggregation:
             async for line in upstream.lines(self._stall_timeout_s, ctx.deadline):
                 if line.get("finish_reason") is not None:
                     params, finished = line.get("kv_transfer_params"), True
+            charge = upstream.hand_over_charge()
         finally:
             await upstream.aclose()
         if not finished:
             raise UpstreamFailed("the prefill worker ended without finishing", code="worker_lost")
-        return params
+        return params, charge

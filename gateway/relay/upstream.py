@@ -18,7 +18,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -26,7 +26,7 @@ import orjson
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from gateway.admission.queue import REGISTRY_REBUILDING, Admission, Ask, Lease
+from gateway.admission.queue import REGISTRY_REBUILDING, Admission, Ask, Lease, QueueCharge
 from gateway.admission.prompt_tokens import PromptTokenizer
 from gateway.admission.adapters import AdapterDirectory
 from gateway.admission.routing import IndexCorrections, PromptPrefix, RouteCheck
@@ -253,6 +253,17 @@ class Upstream:
                 self._span.end()
             await self._admission.release(self.lease, self._usage)
 
+    def hand_over_charge(self) -> QueueCharge | None:
+        """Take the fair-share charge off this stream's lease, for another stream of the same
+        request to correct with its usage (:meth:`carry_charge`): a disaggregated request's
+        prefill hop was charged, its decode hop's usage is the request's."""
+        charge, self.lease = self.lease.charge, replace(self.lease, charge=None)
+        return charge
+
+    def carry_charge(self, charge: QueueCharge | None) -> None:
+        """Correct ``charge`` (another hop's) with this stream's usage at its release."""
+        self.lease = replace(self.lease, charge=charge)
+
     @property
     def worker_id(self) -> str:
         return self.lease.worker_id
@@ -331,6 +342,7 @@ class Dispatcher:
                 raise
             ctx.record.known_model()
             queue_span.set_attributes({"sluice.worker_id": ",".join(sorted({x.worker_id for x in leases})),
+                                       "sluice.role": role or "both",
                                        "sluice.route": self._settings.routing,
                                        "sluice.route.matched_blocks": max(x.matched_blocks for x in leases)})
         ctx.record.queued(time.monotonic() - waited)
@@ -382,13 +394,14 @@ class Dispatcher:
                                             task=task, role=role)
             span = tracer.start_span("upstream", context=record.context(), kind=SpanKind.CLIENT,
                                      attributes={"sluice.worker_id": lease.worker_id, "sluice.attempt": attempt,
+                                                 "sluice.role": role or "both",
                                                  "sluice.route": s.routing,
                                                  "sluice.route.matched_blocks": lease.matched_blocks,
                                                  "sluice.route.prompt_blocks": len(prefix.blocks)})
             try:
                 upstream = await self._attempt(lease, body, ctx.deadline, span, route, path)
                 self._admission.prefilled(lease)
-                record.admitted(attempt, lease.worker_id, lease.matched_blocks, len(prefix.blocks))
+                record.admitted(attempt, lease.worker_id, lease.matched_blocks, len(prefix.blocks), role)
                 return upstream
             except _Retryable as exc:
                 reason = str(exc)

@@ -20,6 +20,12 @@ a body whose prompt contains ``MOCK_FAIL_MIDWAY`` breaks its stream after 3 toke
 servers differ: ``own`` (OpenAI's shape: a chunk of its own, ``choices: []``, after the
 finishing one), ``finish`` (in the finishing chunk, beside ``finish_reason``), ``every``
 (running totals in every chunk, as vLLM's ``continuous_usage_stats``).
+
+``kv_transfer_params`` as vLLM's KV connectors take them (prefill/decode disaggregation):
+asked ``{"do_remote_decode": true}``, a whole (``stream: false``) answer returns parameters
+naming this server as the KV's holder (``remote_host``, ``remote_port``), as vLLM returns
+them in whole answers only; given ``{"do_remote_prefill": true}``, the answer's usage
+counts the prompt as cached (its KV arrived instead of being computed).
 """
 
 from __future__ import annotations
@@ -93,13 +99,16 @@ class _Stream:
         self.done = False
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class MockEngine:
-    def __init__(self, ttft_ms: float, token_ms: float, vllm: bool, eos: bool = True, usage: str = "own") -> None:
+    def __init__(self, ttft_ms: float, token_ms: float, vllm: bool, eos: bool = True, usage: str = "own",
+                 address: tuple[str, int] = ("127.0.0.1", 0)) -> None:
+        #: Where a decode server would fetch the KV this one keeps (``kv_transfer_params``).
+        self.address = address
         self.eos = eos
         self.usage = usage
         self.healthy = True
@@ -157,7 +166,8 @@ def _chunk(rid: str, chat: bool, created: int, token: int | None, finish: str | 
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
-async def _whole(stream: _Stream, rid: str, chat: bool, created: int, prompt_len: int) -> dict[str, Any]:
+async def _whole(stream: _Stream, rid: str, chat: bool, created: int, prompt_len: int, want_ids: bool,
+                 cached: int) -> dict[str, Any]:
     """A non-streaming answer: the same tokens at the same pace, in one body at the end."""
     tokens: list[int] = []
     finish = None
@@ -173,8 +183,17 @@ async def _whole(stream: _Stream, rid: str, chat: bool, created: int, prompt_len
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
+    if want_ids:
+        choice["token_ids"] = tokens
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": MODEL, "choices": [choice], "usage": _usage(prompt_len, len(tokens))}
+            "model": MODEL, "choices": [choice], "usage": _usage(prompt_len, len(tokens), cached)}
+
+
+def _kept_kv(engine: MockEngine, prompt_len: int) -> dict[str, Any]:
+    """What a prefill server returns for its decode server: where the prompt's KV is kept."""
+    host, port = engine.address
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": f"mock-{port}",
+            "remote_block_ids": list(range((prompt_len + 15) // 16)), "remote_host": host, "remote_port": port}
 
 
 def create_app(engine: MockEngine) -> Starlette:
@@ -207,9 +226,14 @@ def create_app(engine: MockEngine) -> Starlette:
         stream = _Stream(ids, body, engine.ttft_s)
         want_ids = bool(body.get("return_token_ids")) and engine.vllm
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        kv = body.get("kv_transfer_params") or {}
+        cached = prompt_len if kv.get("do_remote_prefill") else 0
         engine.add(stream)
         if not body.get("stream"):
-            return json(await _whole(stream, rid, chat, created, prompt_len))
+            answer = await _whole(stream, rid, chat, created, prompt_len, want_ids, cached)
+            if kv.get("do_remote_decode"):
+                answer["kv_transfer_params"] = _kept_kv(engine, prompt_len)
+            return json(answer)
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
         async def events() -> AsyncIterator[bytes]:
@@ -224,12 +248,12 @@ def create_app(engine: MockEngine) -> Starlette:
                         raise ConnectionResetError("MOCK_FAIL_MIDWAY")  # the server "dies" mid-stream
                     token, finish = item
                     inline = wants_usage and (engine.usage == "every" or (engine.usage == "finish" and finish is not None))
-                    usage = _usage(prompt_len, stream.generated) if inline else None
+                    usage = _usage(prompt_len, stream.generated, cached) if inline else None
                     yield _chunk(rid, chat, created, token, finish, want_ids, usage)
                     if finish is not None:
                         break
                 if wants_usage and engine.usage == "own":
-                    usage = _usage(prompt_len, stream.generated)
+                    usage = _usage(prompt_len, stream.generated, cached)
                     yield b"data: " + orjson.dumps({"id": rid, "choices": [], "usage": usage}) + b"\n\n"
                 yield b"data: [DONE]\n\n"
             finally:
@@ -314,7 +338,8 @@ def main() -> None:
     parser.add_argument("--usage", choices=["own", "finish", "every"], default="own",
                         help="where usage goes: a chunk of its own, the finishing chunk, every chunk")
     args = parser.parse_args()
-    engine = MockEngine(args.ttft_ms, args.token_ms, args.vllm, eos=not args.no_eos, usage=args.usage)
+    engine = MockEngine(args.ttft_ms, args.token_ms, args.vllm, eos=not args.no_eos, usage=args.usage,
+                        address=(args.host, args.port))
     uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="warning",
                 loop="uvloop", http="httptools", access_log=False)
 

@@ -36,7 +36,11 @@ def _build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run Redis, workers and the gateway together (Ctrl-C stops all)")
     up.add_argument("--engine", choices=["sim", "vllm", "trtllm"], default="vllm",
                     help="inference engine for the workers (default: vllm with the default model)")
-    up.add_argument("--workers", type=int, default=1, help="engine workers to start (default 1)")
+    up.add_argument("--workers", type=int, help="engine workers to start (default 1; 2 with --pd)")
+    up.add_argument("--pd", action="store_true",
+                    help="prefill/decode disaggregation: half the workers (first) prefill, half decode; vllm "
+                         "workers joined by vLLM's ExampleConnector (KV through files in a private folder; "
+                         "--worker-arg=--kv-transfer-config=JSON for another connector)")
     up.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
     up.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
     up.add_argument("--gpus", help="NVIDIA GPUs for the workers: '0,1,2,3' or 'all'; one worker per GPU "

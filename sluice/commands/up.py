@@ -4,17 +4,24 @@ Children get SIGTERM when this process dies (PR_SET_PDEATHSIG) and are stopped
 in order on Ctrl-C or SIGTERM: gateway first (no new requests), then workers
 (they drain), then the embedded Redis. A worker that dies is restarted with
 exponential backoff, as a compose ``restart: unless-stopped`` would.
+
+``--pd`` starts prefill and decode workers (sluice/roles.py); vLLM workers get vLLM's
+ExampleConnector, which moves each prompt's KV through files in a folder of this
+process's own, removed when it stops.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from types import FrameType
@@ -24,6 +31,7 @@ import httpx
 from sluice.embedded_redis import EmbeddedRedis, free_port
 from sluice.processes import Child, default_procs
 from sluice.redis_pool import redact_url
+from sluice.roles import BOTH, DECODE, PREFILL, Role
 
 log = logging.getLogger("sluice.commands.up")
 
@@ -43,12 +51,14 @@ class UpOptions:
     gpus: str | None = None
     tensor_parallel: int = 1
     worker_args: list[str] = field(default_factory=list)
+    #: Prefill/decode disaggregation: half the workers prefill, half decode.
+    pd: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> UpOptions:
         return cls(
             engine=args.engine,
-            workers=args.workers,
+            workers=args.workers if args.workers is not None else 2 if args.pd else 1,
             host=args.host,
             port=args.port,
             model=args.model,
@@ -60,6 +70,7 @@ class UpOptions:
             gpus=args.gpus,
             tensor_parallel=args.tensor_parallel,
             worker_args=list(args.worker_arg),
+            pd=args.pd,
         )
 
 
@@ -92,6 +103,22 @@ def gpu_groups(gpus: str | None, tensor_parallel: int) -> list[list[str]] | None
     return [devices[i:i + tensor_parallel] for i in range(0, len(devices), tensor_parallel)]
 
 
+def worker_roles(count: int, pd: bool) -> list[Role]:
+    """Each worker's role: ``both``; with ``--pd`` the first half prefill, the rest decode."""
+    if not pd:
+        return [BOTH] * count
+    if count < 2:
+        raise ValueError(f"--pd needs a prefill and a decode worker: {count} worker(s) asked for")
+    return [PREFILL] * (count // 2) + [DECODE] * (count - count // 2)
+
+
+def example_connector(role: Role, folder: str) -> str:
+    """vLLM's ``--kv-transfer-config`` for one side of a pair joined through files in ``folder``."""
+    return json.dumps({"kv_connector": "ExampleConnector",
+                       "kv_role": "kv_producer" if role == PREFILL else "kv_consumer",
+                       "kv_connector_extra_config": {"shared_storage_path": folder}})
+
+
 #: A worker that dies this many times before the stack is ready stops `sluice up`.
 _STARTUP_RESTARTS = 3
 
@@ -104,6 +131,8 @@ class Supervisor:
         self.gateway: Child | None = None
         self.workers: list[Child] = []
         self.redis_url: str | None = None
+        #: ``--pd`` with vLLM: the folder its ExampleConnector moves KV through.
+        self.kv_folder: str | None = None
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._stop = True
@@ -146,6 +175,15 @@ class Supervisor:
         from sluice.models import ModelError
 
         o = self.options
+        if o.pd and o.engine == "trtllm":
+            print("sluice up: --pd needs --engine vllm (its KV connectors) or sim", file=sys.stderr)
+            return 2
+        try:
+            groups = gpu_groups(o.gpus, o.tensor_parallel)
+            roles = worker_roles(len(groups) if groups else o.workers, o.pd)
+        except ValueError as exc:
+            print(f"sluice up: {exc}", file=sys.stderr)
+            return 2
         try:
             model = self._model()
         except ModelError as exc:
@@ -160,12 +198,9 @@ class Supervisor:
             log.info("embedded redis-server on %s", redis_url)
         self.redis_url = redis_url
         base = [sys.executable, "-m", "sluice", "--log-level", o.log_level]
-        try:
-            groups = gpu_groups(o.gpus, o.tensor_parallel)
-        except ValueError as exc:
-            print(f"sluice up: {exc}", file=sys.stderr)
-            return 2
-        for i in range(len(groups) if groups else o.workers):
+        if o.pd and o.engine == "vllm":
+            self.kv_folder = tempfile.mkdtemp(prefix="sluice-pd-kv-")
+        for i, role in enumerate(roles):
             port = free_port()
             argv = [*base, "worker", "--engine", o.engine, "--port", str(port),
                     "--redis-url", redis_url, "--worker-id", f"worker-{i}-{port}"]
@@ -175,7 +210,11 @@ class Supervisor:
                 argv += ["--model", model]
             if o.served_model_name:
                 argv += ["--served-model-name", o.served_model_name]
-            argv += o.worker_args
+            if role != BOTH:
+                argv += ["--role", role]
+                if self.kv_folder is not None:
+                    argv += ["--kv-transfer-config", example_connector(role, self.kv_folder)]
+            argv += o.worker_args  # after ours: a --kv-transfer-config given here wins
             env = _worker_env(o.engine, i, groups[i] if groups else None)
             self.workers.append(Child(f"worker-{i}", argv, env=env))
         procs = o.gateway_procs or default_procs(share=4)  # the workers need cores too
@@ -231,9 +270,12 @@ class Supervisor:
         except (httpx.HTTPError, ValueError):
             models = []
         model = models[0] if models else "MODEL"
+        roles = worker_roles(len(self.workers), self.options.pd)
+        workers = (f"{roles.count(PREFILL)} prefill + {roles.count(DECODE)} decode" if self.options.pd
+                   else str(len(self.workers)))
         print(
             f"\nSluice is ready at {url}  (models: {', '.join(models) or '-'}; "
-            f"{len(self.workers)} {self.options.engine} worker(s))\n"
+            f"{workers} {self.options.engine} worker(s))\n"
             f"Redis: {redact_url(self.redis_url or '')}{' (embedded, not persisted)' if self.redis else ''}\n\n"
             f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             f"    -d '{{\"model\": \"{model}\", \"stream\": true, "
@@ -253,4 +295,6 @@ class Supervisor:
             worker.stop(timeout_s=40)
         if self.redis is not None:
             self.redis.stop()
+        if self.kv_folder is not None:
+            shutil.rmtree(self.kv_folder, ignore_errors=True)
         log.info("all children stopped")

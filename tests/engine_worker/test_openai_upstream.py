@@ -189,6 +189,26 @@ def test_usage_in_the_finishing_chunk_is_not_dropped(start_mock, start_worker, c
     assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (prompt, 18)
 
 
+def test_a_prefill_decode_pair_passes_kv_transfer_params_through(start_mock, start_worker, client, relay) -> None:
+    """Regression: an ``openai`` worker dropped ``kv_transfer_params`` both ways: its server
+    was never asked to keep a prefill's KV for a remote decode, nor gave back where it was
+    (vLLM returns them in a whole answer, not in a stream), so the decode server got none
+    and computed the prompt itself. The prefill server now gets ``do_remote_decode`` in a
+    whole request, and the decode server what it returned."""
+    prefill, decode = start_mock("--vllm"), start_mock("--vllm")
+    for mock, role in ((prefill, "prefill"), (decode, "decode")):
+        start_worker("mock-pd", engine="openai", upstream_url=mock.url, upstream_poll_ms=100, role=role, **relay)
+    prompt = "the prefill server hands its cache over"
+    resp = client.completions.create(model="mock-pd", prompt=prompt, max_tokens=7, extra_body={"ignore_eos": True})
+    assert resp.choices[0].text == reference(tokenize(prompt), 7)
+    assert resp.usage.prompt_tokens_details.cached_tokens == len(tokenize(prompt))  # the KV arrived
+    (asked,) = received(prefill)
+    assert (asked["kv_transfer_params"]["do_remote_decode"], asked["stream"], asked["max_tokens"]) == (True, False, 1)
+    (decoded,) = received(decode)
+    assert decoded["kv_transfer_params"]["do_remote_prefill"] is True
+    assert decoded["kv_transfer_params"]["remote_port"] == int(prefill.url.rsplit(":", 1)[1])
+
+
 def test_vllm_metrics_become_engine_stats() -> None:
     text = (b'# HELP x\nvllm:num_requests_running{model_name="m",engine="0"} 3.0\n'
             b'vllm:num_requests_running{model_name="m",engine="1"} 2.0\n'

@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from sluice import keys
+from sluice.prefix import BLOCK_TOKENS
 from tests.conftest import streaming, wait_for, worker_alive
 
 PROMPT = "tell me about the sluice gates of the old canal"
@@ -158,3 +159,59 @@ def test_a_client_leaving_during_the_prefill_hop_gets_no_decode_hop(gateway, sta
     wait_for(lambda: int(redis_client.hget(keys.inflight("pd-leave"), prefill.name) or 0) == 0, 5,
              "the prefill slot to be released")
     assert served(decode) == 0
+
+
+def charged(redis_client, model: str) -> int:
+    """What the model's fair queuing has charged its tenants, summed (finish tags ``F:``)."""
+    fair = redis_client.hgetall(keys.admission(model).fair)
+    return sum(int(float(v)) for k, v in fair.items() if k.startswith(b"F:"))
+
+
+def released(redis_client, model: str) -> bool:
+    return all(int(v) == 0 for v in redis_client.hgetall(keys.inflight(model)).values())
+
+
+def test_a_pd_requests_output_counts_toward_its_tenants_fair_share_once(client, start_worker, redis_client) -> None:
+    """Regression: the decode hop, admitted boosted (charged nothing), never corrected the
+    tenant's fair share with its usage: a P/D request counted its prompt and the prefill's
+    one token, not its output. It now counts what an aggregated request counts: its
+    prompt and its output tokens, once."""
+    start_worker("pd-fair-whole")
+    start_worker("pd-fair", role="prefill")
+    start_worker("pd-fair", role="decode")
+    for model in ("pd-fair-whole", "pd-fair"):
+        got = client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0)
+        assert got.usage.completion_tokens == 20
+        wait_for(lambda: released(redis_client, model), 5, f"{model}'s leases to be released")
+        assert charged(redis_client, model) == got.usage.prompt_tokens + 20, model
+
+
+def access_line(gateway, request_id: str) -> dict:
+    """The gateway's access-log fields for one request (its JSON log line)."""
+    found: list[dict] = []
+
+    def logged() -> bool:
+        found[:] = [orjson.loads(line) for line in gateway.log_tail(3000).splitlines()
+                    if f'"msg": "access request_id={request_id} ' in line]
+        return bool(found)
+
+    wait_for(logged, 5, f"the access line of {request_id}")
+    return found[-1]
+
+
+def test_a_pd_request_reports_both_workers_and_the_prefill_hops_route(gateway, start_worker) -> None:
+    """Regression: the decode hop's admission overwrote the prefill hop's routing facts (its
+    prompt is not routed on: 0 matched blocks of 0), and the access line listed the two
+    hops' workers as one list, as if the first had failed. Now the prefill hop's route
+    stands and each hop's worker is named for its role."""
+    prefill = start_worker("pd-route", role="prefill")
+    decode = start_worker("pd-route", role="decode")
+    prompt = " ".join(f"w{i}" for i in range(3 * BLOCK_TOKENS))
+    fields: dict = {}
+    for _ in range(2):  # the second is routed onto the blocks the first left on the prefill worker
+        resp = httpx.post(gateway.url + "/v1/completions", json={"model": "pd-route", "prompt": prompt, "max_tokens": 3},
+                          timeout=30)
+        assert resp.status_code == 200, resp.text
+        fields = access_line(gateway, resp.headers["x-request-id"])
+    assert (fields["route_matched_blocks"], fields["route_prompt_blocks"]) == (3, 3)
+    assert (fields["workers"], fields["prefill_workers"]) == (decode.name, prefill.name)
