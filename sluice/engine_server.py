@@ -23,8 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, quote, urlsplit
 
 import httpx
@@ -45,6 +45,8 @@ log = logging.getLogger("sluice.engine_server")
 
 #: A worker record's URL with this prefix names an engine server that gateways call directly.
 RELAY_SCHEME = "openai+"
+
+T = TypeVar("T")
 
 
 def relay_url(url: str, model: str, token_ids: bool) -> str:
@@ -222,30 +224,15 @@ class EngineServer:
             held = str(text.get("prompt", ""))[request.resume_text_chars:]
         return "/v1/completions", body, held
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
         """Deltas until the finishing one (which carries usage); closing the iterator early
         closes the connection, which aborts the request on the server."""
-        held = ""
-        if request.resume_token_ids or request.resume_text_chars:
-            path, body, held = await self._resume_body(request)
-        elif request.messages is not None:
-            path, body = "/v1/chat/completions", {**self._sampling(request, chat=True), "messages": request.messages}
-        else:
-            path, body = "/v1/completions", {**self._sampling(request, chat=False), "prompt": request.prompt or ""}
-        if (request.kv_transfer_params or {}).get("do_remote_decode"):
-            yield await self._whole(path, body, chat=path.endswith("chat/completions"))
-            return
-        stream = self._stream(path, body, chat=path.endswith("chat/completions"))
-        try:
-            async for delta in stream:
-                if held:
-                    delta.text, held = held + delta.text, ""
-                yield delta
-                if delta.finish_reason is not None:
-                    return
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]  # closed early: the connection closes now
-        raise UpstreamFailed("the upstream server ended the stream before it finished", code="worker_lost")
+        return self._generate(request, _same)
+
+    def lines(self, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+        """The same stream as the lines a worker would send (:meth:`Delta.line`), for a
+        gateway's direct relay: one generator per stream, none more to convert each delta."""
+        return self._generate(request, Delta.line)
 
     async def _send(self, path: str, body: dict[str, Any]) -> Http1Response | httpx.Response:
         if self._streams is not None:
@@ -291,18 +278,36 @@ class EngineServer:
                      stop_sequence=stop_string(finish, choice.get("stop_reason")),
                      kv_transfer_params=answer.get("kv_transfer_params"))
 
-    async def _stream(self, path: str, body: dict[str, Any], *, chat: bool) -> AsyncIterator[Delta]:
-        """Server-sent chunks as deltas; the finishing delta waits for the end of the stream,
-        and carries the last ``usage`` seen. Servers put usage in a chunk of its own after
-        the finishing one (OpenAI's ``include_usage``), in the finishing chunk itself, or
-        as running totals in every chunk (vLLM's ``continuous_usage_stats``): read before
-        the finishing delta existed, it was dropped (prompt tokens 0, the key's TPM settled low)."""
+    async def _generate(self, request: GenerateRequest, emit: Callable[[Delta], T]) -> AsyncIterator[T]:
+        """Server-sent chunks as deltas, each passed through ``emit``; the finishing delta
+        waits for the end of the stream, and carries the last ``usage`` seen. Servers put
+        usage in a chunk of its own after the finishing one (OpenAI's ``include_usage``), in
+        the finishing chunk itself, or as running totals in every chunk (vLLM's
+        ``continuous_usage_stats``): read before the finishing delta existed, it was dropped
+        (prompt tokens 0, the key's TPM settled low).
+
+        One generator does it all (the request, the parsing, the held-back text of a
+        migrated stream, the check that it finished): every generator between the socket
+        and the client is one more step per relayed chunk (loadtest/peers/README.md)."""
+        held = ""
+        if request.resume_token_ids or request.resume_text_chars:
+            path, body, held = await self._resume_body(request)
+        elif request.messages is not None:
+            path, body = "/v1/chat/completions", {**self._sampling(request, chat=True), "messages": request.messages}
+        else:
+            path, body = "/v1/completions", {**self._sampling(request, chat=False), "prompt": request.prompt or ""}
+        chat = path.endswith("chat/completions")
+        if (request.kv_transfer_params or {}).get("do_remote_decode"):
+            # A prefill hop: vLLM returns the decode side's parameters only in whole answers.
+            yield emit(await self._whole(path, body, chat=chat))
+            return
         response = await self._open(path, body)
         finish: Delta | None = None
         usage: Usage | None = None
         try:
             buffer = b""
             chunks = response.aiter_raw()
+            ended = False
             async for raw in chunks:
                 buffer += raw
                 *events, buffer = buffer.split(b"\n")
@@ -312,10 +317,8 @@ class EngineServer:
                     data = event[5:].strip()
                     if data == b"[DONE]":
                         await _drain(chunks)  # the body's end: the connection can be reused
-                        if finish is not None:
-                            finish.usage = usage
-                            yield finish
-                        return
+                        ended = True
+                        break
                     chunk = orjson.loads(data)
                     if "error" in chunk:
                         err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk["error"]}
@@ -327,11 +330,22 @@ class EngineServer:
                         if delta.finish_reason is not None:
                             finish = delta
                         elif delta.text or delta.token_ids:
-                            yield delta
-            if finish is not None:
-                finish.usage = usage
-                yield finish
+                            if held:
+                                delta.text, held = held + delta.text, ""
+                            yield emit(delta)
+                if ended:
+                    break
         except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
             raise UpstreamFailed(f"the upstream stream broke: {type(exc).__name__}", code="worker_lost") from None
         finally:
             await response.aclose()
+        if finish is None:
+            raise UpstreamFailed("the upstream server ended the stream before it finished", code="worker_lost")
+        finish.usage = usage
+        if held:
+            finish.text = held + finish.text
+        yield emit(finish)
+
+
+def _same(delta: Delta) -> Delta:
+    return delta

@@ -70,14 +70,21 @@ class Http1Response:
                     left -= len(data)
                     yield data
             else:
+                # The chunk framing is parsed from what each read brings (mostly one whole
+                # chunk, a streamed token): one read per chunk, not a readuntil and a
+                # readexactly, each a coroutine and a scan of the reader's buffer.
+                buffer = bytearray()
                 while True:
-                    size_line = await reader.readuntil(b"\r\n")
-                    size = int(size_line.split(b";", 1)[0], 16)
-                    if size == 0:
-                        await reader.readuntil(b"\r\n")  # no trailers from our workers
+                    data = await reader.read(65536)
+                    if not data:
+                        raise asyncio.IncompleteReadError(bytes(buffer), None)
+                    buffer += data
+                    payloads, ended = _unchunk(buffer)
+                    for payload in payloads:
+                        yield payload
+                    if ended:
+                        self._keep = self._keep and not buffer  # bytes after the end: not reusable
                         break
-                    data = await reader.readexactly(size + 2)
-                    yield data[:-2]
             self._done = True
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
             raise httpx.RemoteProtocolError(f"the response broke off: {type(exc).__name__}") from None
@@ -95,6 +102,41 @@ class Http1Response:
             self._pool.give_back(conn)
         else:
             conn.close()  # closed early: the server sees the disconnect and aborts the request
+
+
+def _unchunk(buffer: bytearray) -> tuple[list[bytes], bool]:
+    """Takes the whole chunks at the start of ``buffer`` out of it: their payloads, and
+    whether the terminating chunk was among them (no trailers from our servers). A chunk
+    still arriving stays in ``buffer``, read again only from its size line."""
+    payloads: list[bytes] = []
+    start = 0
+    ended = False
+    view = memoryview(buffer)
+    try:
+        while True:
+            eol = buffer.find(b"\r\n", start)
+            if eol < 0:
+                if len(buffer) - start > _MAX_SIZE_LINE:
+                    raise ValueError("chunk size line too long")
+                break
+            size = int(bytes(view[start:eol]).split(b";", 1)[0], 16)
+            if size == 0:
+                end = buffer.find(b"\r\n", eol + 2)
+                if end >= 0:
+                    start, ended = end + 2, True
+                break
+            if len(buffer) < eol + 2 + size + 2:
+                break
+            payloads.append(bytes(view[eol + 2:eol + 2 + size]))
+            start = eol + 2 + size + 2
+    finally:
+        view.release()  # a bytearray with a view on it cannot be resized
+    del buffer[:start]
+    return payloads, ended
+
+
+#: A chunk's size line longer than this is no HTTP server's.
+_MAX_SIZE_LINE = 4096
 
 
 class Http1Pool:
@@ -146,9 +188,10 @@ class Http1Pool:
         try:
             conn.writer.write(head + body)
             await conn.writer.drain()
-            status_line = await conn.reader.readuntil(b"\r\n")
+            # The whole head in one read of the buffer, not one per header line.
+            status_line, *lines = (await conn.reader.readuntil(b"\r\n\r\n"))[:-4].split(b"\r\n")
             headers: dict[bytes, bytes] = {}
-            while (line := await conn.reader.readuntil(b"\r\n")) != b"\r\n":
+            for line in lines:
                 name, _, value = line.partition(b":")
                 headers[name.strip().lower()] = value.strip()
             status = int(status_line.split(b" ", 2)[1])

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from sluice.embedded_redis import free_port
-from sluice.http1 import Http1Pool
+from sluice.http1 import Http1Pool, _unchunk
 
 CHUNKED = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
 SIZED = b"HTTP/1.1 404 Not Found\r\ncontent-length: 9\r\n\r\nnot found"
@@ -90,3 +90,19 @@ async def test_failures_are_httpx_errors(server) -> None:
     await later.aclose()
     assert connections[0] == 3
     await pool.aclose()
+
+
+def test_chunk_framing_across_reads() -> None:
+    """A chunked body's framing parsed from reads that split it anywhere (a size line, its
+    extension, the data, the terminating chunk) or bring several chunks at once."""
+    body = b"5\r\nhello\r\n6;ext=1\r\n world\r\n0\r\n\r\n"
+    for step in (1, 2, 3, 7, len(body)):
+        buffer, payloads, ended = bytearray(), [], False
+        for start in range(0, len(body), step):
+            assert not ended
+            buffer += body[start:start + step]
+            got, ended = _unchunk(buffer)
+            payloads += got
+        assert (payloads, ended, bytes(buffer)) == ([b"hello", b" world"], True, b"")
+    with pytest.raises(ValueError):
+        _unchunk(bytearray(b"zz\r\n"))

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from engine_worker.protocol import Delta, GenerateRequest
+from engine_worker.protocol import GenerateRequest
 from sluice.engine_server import EngineServer, parse_relay_url
 from sluice.errors import SluiceError
 from sluice.http1 import Http1Pool
@@ -32,34 +32,30 @@ log = logging.getLogger("sluice.gateway")
 
 
 class DeltaLines:
-    """A server's deltas as the lines a worker would send (dicts, never encoded): the first
-    delta already read, a failure after it one error line."""
+    """A server's stream as the lines a worker would send (dicts, never encoded), the first
+    already read. The engine server's generator makes the lines itself, and a failure after
+    the first line becomes one error line where :class:`gateway.relay.upstream.Upstream`
+    reads it (:meth:`failed`): no generator of its own between them, one step fewer per
+    relayed chunk (loadtest/peers/README.md)."""
 
-    def __init__(self, first: Delta, deltas: AsyncIterator[Delta]) -> None:
-        self._first = first
-        self._deltas = deltas
-        self._lines = self._convert()
-
-    async def _convert(self) -> AsyncIterator[dict[str, Any]]:
-        yield self._first.line()
-        if self._first.finish_reason is not None:
-            return
-        try:
-            async for delta in self._deltas:
-                yield delta.line()
-        except SluiceError as exc:
-            yield exc.body()
-        except Exception as exc:  # like a worker: a failure mid-stream reaches the reader as a line
-            log.exception("engine server stream failed")
-            yield SluiceError(f"engine error: {type(exc).__name__}").body()
+    def __init__(self, first: dict[str, Any], lines: AsyncIterator[dict[str, Any]]) -> None:
+        self.first = first
+        self._lines = lines
 
     def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
         return self._lines
 
+    @staticmethod
+    def failed(exc: Exception) -> dict[str, Any]:
+        """Like a worker: a failure mid-stream reaches the reader as a line."""
+        if isinstance(exc, SluiceError):
+            return exc.body()
+        log.error("engine server stream failed", exc_info=exc)
+        return SluiceError(f"engine error: {type(exc).__name__}").body()
+
     async def aclose(self, finished: bool = False) -> None:
         """``finished`` changes nothing here: the server's stream reads its body's end itself."""
-        await self._lines.aclose()  # type: ignore[attr-defined]
-        await self._deltas.aclose()  # type: ignore[attr-defined]  # closes the server's connection
+        await self._lines.aclose()  # type: ignore[attr-defined]  # closes the server's connection
 
 
 class DirectRelay:
@@ -81,10 +77,10 @@ class DirectRelay:
     async def open(self, relay: str, body: bytes) -> DeltaLines:
         """Start the generation and read its first delta; raises the server's refusal (a
         :class:`SluiceError`) before it, like a worker's HTTP error status."""
-        deltas = self.server(relay).generate(GenerateRequest.parse(body))
+        lines = self.server(relay).lines(GenerateRequest.parse(body))
         try:
-            first = await anext(deltas)
+            first = await anext(lines)
         except BaseException:
-            await deltas.aclose()  # type: ignore[attr-defined]
+            await lines.aclose()  # type: ignore[attr-defined]
             raise
-        return DeltaLines(first, deltas)
+        return DeltaLines(first, lines)

@@ -185,10 +185,11 @@ class Upstream:
         self._finished = False
         #: The finishing line's usage: it corrects the lease's fair-share charge at release.
         self._usage: dict[str, Any] | None = None
-        self.first: Line | None = None
+        self.first: Line | None = lines.first if isinstance(lines, DeltaLines) else None
 
     async def read_first(self) -> Line | None:
-        self.first = await anext(self._lines, None)
+        if self.first is None:
+            self.first = await anext(self._lines, None)
         return self.first
 
     async def lines(self, stall_timeout_s: float, deadline: float) -> AsyncIterator[Line]:
@@ -226,6 +227,10 @@ class Upstream:
                     ) from None
                 except (httpx.TransportError, orjson.JSONDecodeError) as exc:
                     raise UpstreamFailed(f"the worker stream broke: {type(exc).__name__}", code="worker_lost") from None
+                except Exception as exc:
+                    if not isinstance(self._source, DeltaLines):
+                        raise
+                    line = self._source.failed(exc)  # an engine server's failure: its error line, as a worker's
                 finally:
                     watch.done_reading()
         finally:
