@@ -114,7 +114,9 @@ class MessagesMetadata(BaseModel):
 class _Conversation(BaseModel):
     """What ``/v1/messages`` and ``/v1/messages/count_tokens`` share: the prompt."""
 
-    model_config = ConfigDict(extra="allow")
+    # strict: each top-level field takes its own JSON type only, as Anthropic's API does
+    # (lax mode took ``max_tokens: true`` as 1 and ``stream: "yes"`` as a stream).
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: ModelName
     messages: list[MessageParam] = Field(min_length=1)

@@ -367,3 +367,15 @@ def test_validation_messages_name_the_field_once(stack, body, message) -> None:
                    headers={"x-api-key": key}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"] == message
+
+
+@pytest.mark.parametrize(("field", "value"), [("max_tokens", True), ("max_tokens", "5"), ("stream", "yes"),
+                                              ("temperature", "0.5"), ("top_k", 5.0)])
+def test_a_wrongly_typed_field_is_refused_not_coerced(stack, field, value) -> None:
+    """Regression: pydantic's lax mode took ``max_tokens: true`` as 1 and ``stream: "yes"``
+    as a stream, where Anthropic's API refuses a value of the wrong JSON type."""
+    url, key, _ = stack
+    r = httpx.post(f"{url}/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": ASK, field: value},
+                   headers={"x-api-key": key}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(f"{field}: ")
