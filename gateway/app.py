@@ -544,8 +544,8 @@ def _depth(obj: object) -> int:
 
 
 def _validation_error(errors: Any) -> InvalidRequest:
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    first = _telling_error(errors)
+    loc = [str(p) for p in _untagged(first) if p != "body"]
     param = ".".join(loc) or None
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if param is None:
@@ -556,6 +556,46 @@ def _validation_error(errors: Any) -> InvalidRequest:
 
 
 _FIELD_FIRST = re.compile(r"^([a-z_]+): ")
+
+
+def _is_branch_tag(part: object) -> bool:
+    """Whether a location part names a union's branch (``str``, ``list[str]``,
+    ``list[constrained-int]``, a model's class name) rather than a field or an index: a
+    client never wrote it, so it is no part of ``param``."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part or part[:1].isupper())
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "list", "dict", "none", "any"})
+
+
+def _telling_error(errors: Any) -> Any:
+    """The error to report. A value that fits no branch of a union gets one error per branch,
+    the first branch's first. Among the errors of the first one's field, prefer one past the
+    type check (a negative token id: "greater than or equal to 0", not the string branch's
+    "should be a valid string"), then the deepest (a list of the wrong items: the item)."""
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))
+    if _untagged(first) == loc:
+        return first  # no union branch in its location
+    tag = next(i for i, part in enumerate(loc) if _is_branch_tag(part))
+    field = loc[:tag]
+
+    def telling(error: Any) -> tuple[bool, int]:
+        return not str(error.get("type", "")).endswith(_TYPE_MISMATCH), len(_untagged(error))
+
+    same = [e for e in errors if _untagged(e)[:len(field)] == field]
+    return max(same, key=telling)  # the first of the best: max keeps the earliest
+
+
+_TYPE_MISMATCH = ("_type", "_parsing")
+
+
+def _untagged(error: Any) -> tuple[object, ...]:
+    """An error's location without union branch tags; an unexpected key (its last part) is
+    the client's own, whatever it looks like."""
+    loc = tuple(error.get("loc", ()))
+    keep = loc[-1:] if error.get("type") == "extra_forbidden" else ()
+    return tuple(p for p in loc[:len(loc) - len(keep)] if not _is_branch_tag(p)) + keep
 
 
 _REF = "#/components/schemas/{model}"

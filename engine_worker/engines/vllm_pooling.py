@@ -36,11 +36,13 @@ class VllmPooling:
         limit = self._engine.max_model_len
         prompts = [self._ids(item, "input") for item in inputs]
         for index, ids in enumerate(prompts):
+            if ids and len(ids) <= limit:
+                continue
+            what, param = _named(request, index, inputs[index])
             if not ids:
-                raise InvalidRequest(f"input[{index}] is empty", param="input")
-            if len(ids) > limit:
-                raise InvalidRequest(f"input[{index}] is {len(ids)} tokens; this model's context is {limit} tokens",
-                                     param="input", code="context_length_exceeded")
+                raise InvalidRequest(f"{what} is empty (no tokens)", param=param)
+            raise InvalidRequest(f"{what} is {len(ids)} tokens; this model's context is {limit} tokens",
+                                 param=param, code="context_length_exceeded")
         try:
             params = vllm.PoolingParams(task="embed", dimensions=request.dimensions)
             params.verify(self._engine.llm.model_config)  # dimensions on a model without Matryoshka: a 400
@@ -83,3 +85,13 @@ class VllmPooling:
 
     async def detokenize(self, request: PoolRequest) -> str:
         return str(self._engine.tokenizer.decode(self._ids(request.tokens or [], "tokens")))
+
+
+def _named(request: PoolRequest, index: int, item: str | list[int]) -> tuple[str, str | None]:
+    """How an error names one input: ``input[i]`` of an embedding request; for a score or a
+    rerank (whose texts the worker de-duplicates, query first: no index of the client's),
+    the text itself, shortened."""
+    if request.op == "embed":
+        return f"input[{index}]", "input"
+    text = item if isinstance(item, str) else ""
+    return f"the text to score {text[:40]!r}{'...' if len(text) > 40 else ''}", None

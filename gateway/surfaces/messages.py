@@ -77,7 +77,7 @@ class MessagesToolChoice(BaseModel):
     @model_validator(mode="after")
     def _named(self) -> MessagesToolChoice:
         if self.type == "tool" and not self.name:
-            raise ValueError("tool_choice: type 'tool' needs the tool's name")
+            raise ValueError("type 'tool' needs the tool's name")  # the field is named by its location
         return self
 
 
@@ -114,7 +114,9 @@ class MessagesMetadata(BaseModel):
 class _Conversation(BaseModel):
     """What ``/v1/messages`` and ``/v1/messages/count_tokens`` share: the prompt."""
 
-    model_config = ConfigDict(extra="allow")
+    # strict: each top-level field takes its own JSON type only, as Anthropic's API does
+    # (lax mode took ``max_tokens: true`` as 1 and ``stream: "yes"`` as a stream).
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: ModelName
     messages: list[MessageParam] = Field(min_length=1)
@@ -203,20 +205,29 @@ def _unsupported(kind: object, where: str) -> InvalidRequest:
     return InvalidRequest(f"{where}: {why}", param=where)
 
 
+def _call_id(block: dict[str, Any], field: str, where: str) -> str:
+    """A tool call's id as the block gives it: the string that pairs a tool_use with its
+    tool_result (anything else would reach the chat template as some other id)."""
+    value = block.get(field)
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"{where}: a {block.get('type')} block needs a string {field!r}", param=where)
+    return value
+
+
 def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:
     content = block.get("content", "")
     if isinstance(content, list):
         content = _texts(content, f"{where}.content")
     elif not isinstance(content, str):
         raise InvalidRequest(f"{where}: content must be a string or text blocks", param=where)
-    return {"role": "tool", "tool_call_id": str(block.get("tool_use_id") or ""), "content": content}
+    return {"role": "tool", "tool_call_id": _call_id(block, "tool_use_id", where), "content": content}
 
 
 def _tool_call(block: dict[str, Any], where: str) -> dict[str, Any]:
     name, arguments = block.get("name"), block.get("input", {})
     if not isinstance(name, str) or not name or not isinstance(arguments, dict):
         raise InvalidRequest(f"{where}: a tool_use block needs a name and an input object", param=where)
-    return {"id": str(block.get("id") or ""), "type": "function",
+    return {"id": _call_id(block, "id", where), "type": "function",
             "function": {"name": name, "arguments": orjson.dumps(arguments).decode()}}
 
 

@@ -100,7 +100,7 @@ def _build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--sim-fail-first", type=int,
                     help="sim fault injection: the first N requests fail before their first token")
     wk.add_argument("--lora", action="append", metavar="NAME=PATH",
-                    help="a LoRA adapter to serve as model NAME (repeatable; vllm, sim, openai engines)")
+                    help="a LoRA adapter to serve as model NAME (repeatable; vllm and sim engines)")
     wk.add_argument("--max-loras", type=int,
                     help="LoRA adapters this worker may hold, loading more on demand up to it "
                          "(default: the number of --lora)")

@@ -99,3 +99,18 @@ def test_every_response_has_a_request_id(stack) -> None:
         assert len(resp.headers["x-request-id"]) >= 8
     mine = httpx.get(stack.url + "/v1/models", headers={"x-request-id": "mine-123"})
     assert mine.headers["x-request-id"] == "mine-123"
+
+
+@pytest.mark.parametrize(("path", "body", "param", "says"), [
+    ("/v1/embeddings", {"model": "sim", "input": 5}, "input", "valid string"),
+    ("/v1/embeddings", {"model": "sim", "input": [-1]}, "input.0", "greater than or equal to 0"),
+    ("/v1/rerank", {"model": "sim", "query": "q", "documents": [5]}, "documents.0", "valid string"),
+    ("/v1/score", {"model": "sim", "text_1": 5, "text_2": "b"}, "text_1", "valid string"),
+])
+def test_a_wrongly_typed_union_field_is_named_without_pydantics_branch_tags(stack, path, body, param, says) -> None:
+    """Regression: a field typed as a union (``input``: a string, strings or token ids) was
+    named by the union branch pydantic tried first (``param: "input.str"``), and for a
+    negative token id the message was that branch's ("should be a valid string")."""
+    err = _assert_openai_error(_post(stack.url, path, json=body), 400)
+    assert err["param"] == param and err["message"].startswith(f"{param}: "), err
+    assert says in err["message"], err

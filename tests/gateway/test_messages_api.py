@@ -323,3 +323,59 @@ def test_tool_results_keep_their_place_in_the_conversation() -> None:
     call = chat.messages[2].tool_calls[0]
     assert (call.id, call.function.name, call.function.arguments) == ("t1", "get_weather", '{"city":"Paris"}')
     assert chat.messages[4].tool_call_id == "t1"
+
+
+@pytest.mark.parametrize(("block", "says"), [
+    ({"type": "tool_result", "tool_use_id": ["toolu_1"], "content": "Sunny"}, "tool_use_id"),
+    ({"type": "tool_result", "content": "Sunny"}, "tool_use_id"),
+])
+def test_a_tool_result_without_a_string_tool_use_id_is_refused(stack, block, says) -> None:
+    """Regression: a tool_result's ``tool_use_id`` went through ``str()``: a list became the
+    call id "['toolu_1']" and a missing one "", and the request was generated."""
+    url, key, _ = stack
+    body = {"model": MODEL, "max_tokens": 2, "messages": [
+        *ASK, {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                 "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [block]}]}
+    r = httpx.post(f"{url}/v1/messages", json=body, headers={"x-api-key": key}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error" and says in r.json()["error"]["message"]
+
+
+def test_a_tool_use_without_a_string_id_is_refused(stack) -> None:
+    """Regression: an assistant tool_use block with no ``id`` became a tool call with id ""."""
+    url, key, _ = stack
+    body = {"model": MODEL, "max_tokens": 2, "messages": [
+        *ASK, {"role": "assistant", "content": [{"type": "tool_use", "name": "get_weather", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny"}]}]}
+    r = httpx.post(f"{url}/v1/messages", json=body, headers={"x-api-key": key}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert "messages.1.content.0" in r.json()["error"]["message"] and "id" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"tools": [WEATHER], "tool_choice": {"type": "tool"}}, "tool_choice: type 'tool' needs the tool's name"),
+    ({"messages": [{"role": "user", "content": [1]}]},
+     "messages.0.content.0: Input should be a valid dictionary"),
+    ({"system": 5}, "system: Input should be a valid string"),
+])
+def test_validation_messages_name_the_field_once(stack, body, message) -> None:
+    """Regression: a nested validator's message named its field again ("tool_choice:
+    tool_choice: ..."), and a union's error named pydantic's branch ("messages.0.content.str")."""
+    url, key, _ = stack
+    r = httpx.post(f"{url}/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": ASK, **body},
+                   headers={"x-api-key": key}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == message
+
+
+@pytest.mark.parametrize(("field", "value"), [("max_tokens", True), ("max_tokens", "5"), ("stream", "yes"),
+                                              ("temperature", "0.5"), ("top_k", 5.0)])
+def test_a_wrongly_typed_field_is_refused_not_coerced(stack, field, value) -> None:
+    """Regression: pydantic's lax mode took ``max_tokens: true`` as 1 and ``stream: "yes"``
+    as a stream, where Anthropic's API refuses a value of the wrong JSON type."""
+    url, key, _ = stack
+    r = httpx.post(f"{url}/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": ASK, field: value},
+                   headers={"x-api-key": key}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(f"{field}: ")

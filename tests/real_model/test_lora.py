@@ -4,6 +4,7 @@ through the gateway with the official SDK."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from sluice.models import default_model_dir, is_prepared
@@ -28,3 +29,15 @@ def test_the_adapter_is_listed_and_answers_differently_from_its_base_model(clien
     assert tuned[0].model == ADAPTER
     assert tuned[0].choices[0].message.content == tuned[1].choices[0].message.content  # greedy: one answer
     assert tuned[0].choices[0].message.content != base.choices[0].message.content
+
+
+def test_an_unloaded_adapter_is_loaded_again_on_demand(client, vllm_worker) -> None:
+    """vLLM's LoRA API at run time: ``DELETE /internal/adapters/NAME`` removes it from the
+    engine (``remove_lora``) and from the worker's record; the next request naming it finds
+    the worker with room under its cap and loads it again (``add_lora``) before generating."""
+    ask = {"model": ADAPTER, "messages": QUESTION, "temperature": 0, "max_tokens": 16}
+    before = client.chat.completions.create(**ask).choices[0].message.content
+    unloaded = httpx.delete(f"{vllm_worker.url}/internal/adapters/{ADAPTER}", timeout=60)
+    assert unloaded.json() == {"name": ADAPTER, "unloaded": True}
+    assert client.chat.completions.create(**ask).choices[0].message.content == before
+    assert httpx.delete(f"{vllm_worker.url}/internal/adapters/no-such-adapter", timeout=60).status_code == 404

@@ -82,3 +82,16 @@ def test_rerank_score_and_tokenize(gateway: Proc) -> None:
         assert chat["count"] > tokens["count"]
         assert CAT in http.post("/detokenize", json={"model": GENERATING, "tokens": chat["tokens"]}).json()["prompt"]
         assert http.post("/v1/embeddings", json={"model": GENERATING, "input": CAT}).status_code == 400
+
+
+def test_an_empty_text_to_rerank_is_named_as_the_client_sent_it(gateway: Proc) -> None:
+    """Regression: an empty document (no tokens with this tokenizer) was refused as
+    "input[1] is empty", param "input": an index into the worker's de-duplicated texts
+    (query first), in a request that has no ``input``."""
+    with httpx.Client(base_url=gateway.url, timeout=300) as http:
+        for body in ({"query": CAT, "documents": ["", CAT_AGAIN]}, {"query": "", "documents": [CAT]}):
+            refused = http.post("/v1/rerank", json={"model": MODEL, **body})
+            assert refused.status_code == 400, refused.text
+            error = refused.json()["error"]
+            assert "input" not in error["message"] and error["param"] is None, error
+            assert "empty" in error["message"], error
