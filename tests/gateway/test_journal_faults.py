@@ -330,6 +330,18 @@ async def test_a_stream_that_ends_while_redis_is_away_is_journaled_to_its_end(pr
         await client.aclose()
 
 
+def _recorded_take_overs(readers: JournalReaders) -> list[str]:
+    """The streams ``readers`` would take over, recorded instead of taken."""
+    adopted: list[str] = []
+
+    async def adopt(key: str) -> bool:
+        adopted.append(key)
+        return True
+
+    readers.adopt = adopt
+    return adopted
+
+
 async def _quiet_stream(client, committer: JournalCommitter, readers: JournalReaders, idem: Idempotency,
                         resume: asyncio.Event):
     """A resumable stream that sends 3 events, then waits for ``resume``; a reader follows it
@@ -367,13 +379,7 @@ async def test_a_reader_never_takes_over_a_stream_its_own_process_produces(priva
     client = await create_pool(private_redis["server"].url)
     committer, idem = JournalCommitter(client), Idempotency(client, ttl_s=60)
     readers = JournalReaders(client, poll_s=0.01, idle_s=0.05)
-    adopted: list[str] = []
-
-    async def adopt(key: str) -> bool:
-        adopted.append(key)
-        return True
-
-    readers.adopt = adopt
+    adopted = _recorded_take_overs(readers)
     readers.producing = committer.produces
     resume = asyncio.Event()
     try:
@@ -401,13 +407,7 @@ async def test_a_redis_stall_past_live_ttl_is_not_a_dead_producer(private_redis)
     held up restarts the readers' quiet clock: producers get ``idle_s`` to re-claim first."""
     client = await create_pool(private_redis["server"].url)
     readers = JournalReaders(client, poll_s=0.01, idle_s=0.3)
-    adopted: list[str] = []
-
-    async def adopt(key: str) -> bool:
-        adopted.append(key)
-        return True
-
-    readers.adopt = adopt
+    adopted = _recorded_take_overs(readers)
     key = uuid.uuid4().hex
     for number in (1, 2, 3):  # a producer elsewhere wrote three events, and lives
         await client.xadd(keys.journal(key), {"d": b"data: %d\n\n" % number, "s": b""}, id=f"0-{number}")
