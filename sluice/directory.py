@@ -57,6 +57,15 @@ class Epoch:
         """Workers may still be missing from this registry: they have not beaten since the loss."""
         return self.after_loss and self.age_s < keys.REGISTRY_REBUILD_S
 
+    @property
+    def keys_restore_s(self) -> float:
+        """How much longer API keys Redis lacks may be ones gateways are writing back: an
+        epoch marked as following a loss gives them :data:`~sluice.keys.API_KEYS_RESTORE_S`;
+        an unmarked one :data:`~sluice.keys.API_KEYS_UNMARKED_S`, long enough for any
+        process that knew an earlier epoch to mark it. 0 when that time is over."""
+        limit = keys.API_KEYS_RESTORE_S if self.after_loss else keys.API_KEYS_UNMARKED_S
+        return max(0.0, limit - self.age_s)
+
 
 class Directory:
     def __init__(self, redis: Any) -> None:

@@ -16,7 +16,8 @@ writes them back, only where Redis has none:
 
 A process that enforces keys first writes back ``sl:apikeys:enforced``, so a gateway in
 ``auth=auto`` that starts after the loss enforces keys too (gateway/admission/tenancy.py).
-Until the new epoch is :data:`~sluice.keys.API_KEYS_RESTORE_S` old, a key Redis does not
+Until the new epoch is :data:`~sluice.keys.API_KEYS_RESTORE_S` old (an epoch nobody has
+marked as following a loss: :data:`~sluice.keys.API_KEYS_UNMARKED_S`), a key Redis does not
 know may be one being written back: 503 + ``Retry-After`` (SDKs retry it), not 401.
 
 Revocations are never undone by a copy. A record changes once at most, when it is
@@ -168,7 +169,7 @@ class KeyKeeper:
         """Redis has no record for the key: 503 while the keys may be being written back."""
         seen = self._epoch.decode() if isinstance(self._epoch, bytes) and self._epoch != _UNSEEN else None
         epoch = await self._directory.epoch(seen)  # made now if Redis has none, marked as after a loss
-        if epoch.age_s < keys.API_KEYS_RESTORE_S:
+        if epoch.keys_restore_s > 0:
             raise Unavailable("API key not known yet: Redis lost its data moments ago and gateways are writing "
                               "the keys back", retry_after_s=1, code=REGISTRY_REBUILDING)
 

@@ -210,7 +210,7 @@ class Tenancy:
         waiting = False
         while not await self.keys.any_keys():
             epoch = await directory.epoch(None)
-            wait_s = (keys.API_KEYS_RESTORE_S if epoch.after_loss else keys.API_KEYS_UNMARKED_S) - epoch.age_s
+            wait_s = epoch.keys_restore_s
             if wait_s <= 0:
                 return False
             if not waiting:

@@ -445,7 +445,8 @@ async def test_one_gateway_process_reaps_per_period(single: Fleet) -> None:
 async def test_a_model_nobody_serves_leaves_the_directory_with_its_keys(fleet: Fleet) -> None:
     """Regression: ``sl:models`` never shrank, so every reaper pass (and /metrics) went over
     every model ever registered, and the keys of a model long gone stayed forever; the
-    engine stats of dead workers stayed too."""
+    engine stats of dead workers stayed too. The test reaps itself: the period's lock is
+    shared with every other gateway on this Redis, whose reapers run their own settings."""
     stay = await fleet.worker(capacity=2)
     gone = Registration(fleet.redis, model=fleet.model, worker_id="dies", url="http://127.0.0.1:9", engine="sim",
                         capacity=1, heartbeat_ms=50, stats=lambda: {"running": 0})
@@ -454,18 +455,20 @@ async def test_a_model_nobody_serves_leaves_the_directory_with_its_keys(fleet: F
     (lease,) = await gw.acquire(fleet.ask())
     await gw.release(lease)
     stats = keys.stats(fleet.model)
-    for _ in range(500):
+    for _ in range(100):
+        await gw.reap_once()
         if await fleet.redis.hkeys(stats) == [stay.encode()]:  # type: ignore[attr-defined]
             break
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
     assert await fleet.redis.hkeys(stats) == [stay.encode()]  # type: ignore[attr-defined]
     for reg in fleet._workers:
         await reg.deregister()
     await fleet.redis.hdel(keys.workers(fleet.model), stay, "dies")  # type: ignore[attr-defined]
-    for _ in range(500):
+    for _ in range(100):
+        await gw.reap_once()
         if not await fleet.redis.sismember(keys.MODELS, fleet.model):  # type: ignore[attr-defined]
             break
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
     assert not await fleet.redis.sismember(keys.MODELS, fleet.model)  # type: ignore[attr-defined]
     left = [k for k in keys.model_keys(fleet.model) if await fleet.redis.exists(k)]  # type: ignore[attr-defined]
     assert left == []
