@@ -56,11 +56,16 @@ CHECK_S = 0.5
 _UNSEEN = b"\0unseen"
 
 #: Write a finished journal back, if Redis lost it (or its end) and nobody claimed the key
-#: since (no ``:live``; no record, or one this producer owns). KEYS: stream, head, record,
-#: live. ARGV: ttl ms, head, fp, owner, number of events, then (data, state) per event.
-#: Returns the number of events written.
+#: since (no ``:live`` but this producer's own; no record, or one this producer owns). A
+#: failover to a replica that lacked the stream's last writes brings back this producer's
+#: ``:live`` too (its release was one of them): that claim is stale, and deleted once the
+#: end is back (it held the write-back off until it expired, a reader then took the stream
+#: over and generated its tail again: nemesis, Sentinel, billed twice). KEYS: stream, head,
+#: record, live. ARGV: ttl ms, head, fp, owner, number of events, then (data, state) per
+#: event. Returns the number of events written.
 RESTORE = """
-if redis.call('EXISTS', KEYS[4]) == 1 then return 0 end
+local live = redis.call('GET', KEYS[4])
+if live and live ~= ARGV[4] then return 0 end
 local owner = redis.call('HGET', KEYS[3], 'owner')
 if owner and owner ~= ARGV[4] then return 0 end
 local last = 0
@@ -77,7 +82,10 @@ if ARGV[2] ~= '' then redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[1]) end
 if not owner and ARGV[3] ~= '' then
   redis.call('HSET', KEYS[3], 'fp', ARGV[3], 'stream', '1', 'state', 'done', 'owner', ARGV[4])
   redis.call('PEXPIRE', KEYS[3], ARGV[1])
+elseif owner then
+  redis.call('HSET', KEYS[3], 'state', 'done')  -- as this producer settled it before the loss
 end
+if live then redis.call('DEL', KEYS[4]) end
 return n - last
 """
 

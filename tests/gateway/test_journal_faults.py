@@ -258,7 +258,7 @@ def test_one_api_key_cannot_fill_redis_with_journals(private_redis, start_worker
         assert int(client.hget(keys.JOURNAL_QUOTA.tenants, greedy.split("-")[2])) == held
     # Its next resumable request: 429 in OpenAI's shape, before any work.
     refused = httpx.post(url, json={**body, "max_tokens": 5}, headers=as_(greedy), timeout=30)
-    assert refused.status_code == 429
+    assert refused.status_code == 429, refused.text
     assert refused.json()["error"]["code"] == "journal_memory_exceeded"
     assert set(refused.json()["error"]) == {"message", "type", "param", "code"}
     assert int(refused.headers["retry-after"]) >= 1
@@ -546,3 +546,44 @@ async def test_a_reattached_reader_never_goes_on_with_another_generation(private
     finally:
         await readers.close()
         await client.aclose()
+
+
+async def test_a_finished_journal_whose_end_a_failover_lost_is_written_back_over_its_own_stale_live(
+        private_redis) -> None:
+    """Regression (nemesis, Sentinel: billed twice): a failover to a replica that lacked a
+    finished stream's last writes brought back events 1..21 of 34 and the producer's
+    ``:live``, whose release was among the lost writes. The keeper saw the failover but did
+    not write the journal back (``:live`` was held), the stale claim expired, a reader took
+    the stream over and generated (and billed) its tail a second time. The producer's own
+    ``:live`` no longer stops the write-back."""
+    client = await create_pool(private_redis["server"].url)
+    keeper = JournalKeeper(client, check_s=60)
+    scope = uuid.uuid4().hex
+    try:
+        history = JournalHistory()
+        for number in range(1, 35):
+            history.add(b"data: %d\n\n" % number if number < 34 else DONE, b"")
+        await client.hset(keys.EPOCH, "id", "epoch-1")  # the keeper's first look finds nothing lost
+        keeper.keep(Finished(scope, "producer", "fp", b"", history, 60_000, None, 0))
+        await asyncio.sleep(0.2)
+        await _truncate(client, scope, 21)  # what the promoted replica had
+        await client.set(keys.journal_live(scope), "producer", px=3000)
+        await client.hset(keys.idempotency(scope), mapping={"fp": "fp", "stream": "1", "state": "streaming",
+                                                            "owner": "producer"})
+        await keeper.restore_all()
+        assert await client.xlen(keys.journal(scope)) == 34
+        assert not await client.exists(keys.journal_live(scope))  # nobody produces it: readers read its end
+        assert await client.hget(keys.idempotency(scope), "state") == b"done"
+        await client.set(keys.journal_live(scope), "a-taker", px=3000)  # another gateway's claim is respected
+        await _truncate(client, scope, 21)
+        await keeper.restore_all()
+        assert await client.xlen(keys.journal(scope)) == 21
+    finally:
+        await keeper.close()
+        await client.aclose()
+
+
+async def _truncate(client, scope: str, events: int) -> None:
+    await client.delete(keys.journal(scope))
+    for number in range(1, events + 1):
+        await client.xadd(keys.journal(scope), {"d": b"data: %d\n\n" % number, "s": b""}, id=f"0-{number}")
