@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from redis.asyncio import Redis
-from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from gateway.streams.journal_history import JournalHistory
 from sluice import keys
+from sluice.directory import Directory
 from sluice.errors import SluiceError
 
 log = logging.getLogger("sluice.journal")
@@ -122,6 +122,7 @@ class JournalKeeper:
                  check_s: float = CHECK_S) -> None:
         self._redis = redis
         self._busy = busy  # whether streams are being produced: watch the epoch from their start
+        self._directory = Directory(redis)
         self._restore = redis.register_script(RESTORE)
         self._keep_s = keep_s
         self._check_s = check_s
@@ -157,7 +158,7 @@ class JournalKeeper:
         away = False
         while self._kept or self._busy():
             try:
-                epoch, server = await self._look()
+                epoch, server = await self._directory.look()
             except (RedisError, OSError):
                 away = True  # Redis is away: look again once it is back
                 await asyncio.sleep(self._check_s)
@@ -175,21 +176,6 @@ class JournalKeeper:
             await asyncio.sleep(self._check_s)
             self._expire()
         self._epoch, self._server = _UNSEEN, None  # not watched from here on
-
-    async def _look(self) -> tuple[bytes | None, str | None]:
-        """The registry's epoch, and which server processes answer (their ``run_id``s: on a
-        Cluster every master's, since a journal lives on whichever node holds its slot and
-        the epoch on one node only: the nemesis found finished streams whose node failed
-        over regenerated and billed twice)."""
-        if isinstance(self._redis, RedisCluster):
-            epoch = await self._redis.hget(keys.EPOCH, "id")
-            infos = await self._redis.info("server", target_nodes=RedisCluster.PRIMARIES)
-            return epoch, ",".join(sorted(str(info.get("run_id")) for info in infos.values()))
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.hget(keys.EPOCH, "id")
-        pipe.info("server")
-        epoch, info = await pipe.execute()
-        return epoch, str(info.get("run_id"))
 
     def _expire(self) -> None:
         now = time.monotonic()
