@@ -216,8 +216,11 @@ class Serving:
         self._keep(producer)
 
         async def settle() -> None:
-            await asyncio.wait([producer])
+            drained = asyncio.ensure_future(writer.settled())
+            await asyncio.wait([producer, drained], return_when=asyncio.FIRST_COMPLETED)
+            drained.cancel()
             await ending.bill(writer.ended)
+            await asyncio.wait([producer])
             if producer.cancelled() or producer.exception() is not None or not writer.ended:
                 # Lost to a take-over (JournalLost), or its journal failed or was cut short
                 # (Redis unreachable past the drain): the key, and the plan, stay with the

@@ -401,6 +401,9 @@ class JournalWriter:
         self._written = 0
         self._produced = 0
         self._ended = False  # [DONE] written
+        #: Set once the journal's fate is known (its end written, or given up on), before the
+        #: producer's clean-up round trips: see :meth:`settled`.
+        self._drained = asyncio.Event()
         self._progress = asyncio.Event()  # a write ended (well or not)
         self.last_write = time.monotonic()
         self._failure: RedisError | OSError | JournalLost | None = None
@@ -483,6 +486,7 @@ class JournalWriter:
                 self._add(error_event(cut), b"")
                 self._add(DONE, b"")
             await self._drain()
+            self._drained.set()
             self._committer.unfollow(self)
             if not self.lost:
                 await self.release()
@@ -496,6 +500,13 @@ class JournalWriter:
                         self._budget, self.stored_bytes - self._plan_bytes))
             if self._first is not None:
                 self._first.end()
+
+    async def settled(self) -> None:
+        """Return once the journal's fate is known (:attr:`ended` says which), before the
+        producer lets go of ``:live`` and settles its memory reservation: a stream is billed
+        then, not after those round trips (a gateway killed while a failing-over Cluster
+        held them up had served the stream's end and never logged its bill: nemesis, Cluster)."""
+        await self._drained.wait()
 
     def _add(self, event: bytes, state: bytes) -> None:
         stored = compact(self._head, event)

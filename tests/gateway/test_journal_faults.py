@@ -587,3 +587,39 @@ async def _truncate(client, scope: str, events: int) -> None:
     await client.delete(keys.journal(scope))
     for number in range(1, events + 1):
         await client.xadd(keys.journal(scope), {"d": b"data: %d\n\n" % number, "s": b""}, id=f"0-{number}")
+
+
+async def test_a_stream_is_settled_before_its_producer_lets_go_of_it(private_redis) -> None:
+    """Regression (nemesis, Cluster: streams served whole and never billed): the bill (the
+    access-log line) waited for the producer's clean-up round trips after its ``[DONE]``
+    (releasing ``:live``, settling its memory reservation); a failing-over Cluster held
+    those up for seconds and a gateway killed then never logged what it had served. The
+    journal's fate is known, and the stream billed, before them."""
+    client = await create_pool(private_redis["server"].url)
+    committer = JournalCommitter(client)
+    held = asyncio.Event()
+
+    async def release_held(key: str, owner: str) -> bool:  # Redis holds the clean-up up
+        await held.wait()
+        return True
+
+    committer.release = release_held  # type: ignore[method-assign]
+
+    async def events():
+        yield b"data: 1\n\n"
+        yield DONE
+
+    async def nothing() -> None:
+        return None
+
+    try:
+        writer = JournalWriter(committer, uuid.uuid4().hex, ttl_s=60, owner="p")
+        producer = await start_producer(writer, events(), nothing)
+        await asyncio.wait_for(writer.settled(), 5)
+        assert writer.ended and not producer.done()
+        held.set()
+        await producer
+    finally:
+        held.set()
+        await committer.close()
+        await client.aclose()
