@@ -27,6 +27,9 @@ class GatewaySettings(RedisSettings):
     max_attempts: int = Field(default=3, ge=1, le=10)
     retry_backoff_ms: float = Field(default=50.0, ge=0)
     connect_timeout_s: float = Field(default=2.0, gt=0)
+    #: At start, how long to wait for Redis (restarting, failing over) before giving up
+    #: with a message; logged as it waits.
+    redis_startup_wait_s: float = Field(default=30.0, ge=0)
     #: Times one stream may move to another worker after its worker broke off mid-stream.
     max_migrations: int = Field(default=2, ge=0, le=10)
     #: From dispatch to the first token; past it the attempt counts as failed.
