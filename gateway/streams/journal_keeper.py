@@ -52,6 +52,10 @@ KEEP_S = 60.0
 #: the two idle checks (``JournalReaders``' ``idle_s``) after which a reader takes a stream
 #: over whose journal lost its end, so the end is back first.
 CHECK_S = 0.5
+#: A kept journal is back this long after a loss its keeper can see (the loss noticed
+#: within ``CHECK_S``, the write-back's round trips, a failover's reconnect): how long a
+#: re-attach that finds a finished stream's journal missing waits for it.
+WRITE_BACK_S = 3.0
 #: The epoch before the first read.
 _UNSEEN = b"\0unseen"
 
