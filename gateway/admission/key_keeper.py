@@ -212,10 +212,12 @@ class KeyKeeper:
             kept.revoke()
         if int(written):
             self.restored += 1
-            # Listed again (sluice keys list), and its revocation readable by every gateway.
-            await self._redis.sadd(keys.API_KEYS, prefix)
-            if kept.revoked:
-                await self._redis.sadd(keys.API_KEYS_REVOKED, prefix)
+        # Listed again (sluice keys list), and its revocation readable by every gateway; also
+        # when Redis kept the record but lost the lists (on a Cluster they live on another
+        # node than the record: the nemesis found keys missing from `sluice keys list`).
+        await self._redis.sadd(keys.API_KEYS, prefix)
+        if kept.revoked:
+            await self._redis.sadd(keys.API_KEYS_REVOKED, prefix)
         return kept.fields
 
     def _restore_soon(self) -> None:

@@ -20,6 +20,7 @@ import pytest
 import redis
 import redis.asyncio
 
+from gateway.admission.key_keeper import KeyKeeper
 from sluice import keys
 from sluice.apikeys import KeyStore
 from sluice.embedded_redis import EmbeddedCluster, EmbeddedRedis, free_port
@@ -196,3 +197,20 @@ def test_a_key_one_cluster_node_lost_is_never_401(start_worker, start_gateway) -
         assert _complete(second, key, retries=8)
         assert client.hget(keys.api_key(prefix), "sha256")  # written back by the first gateway
         client.close()
+
+
+async def test_a_key_whose_listing_redis_lost_is_listed_again(lossy) -> None:
+    """Regression (nemesis, Cluster: "the gateways had not written the API keys back 30 s
+    after a data loss"): a node lost ``sl:apikeys`` (the list `sluice keys list` reads) but
+    another kept the key's record; the keeper wrote back only records that were missing, so
+    the key stayed unlisted for good."""
+    client = await create_pool(lossy.url)
+    keeper = KeyKeeper(client, KeyStore(client))
+    try:
+        key, record = await KeyStore(client).create("listed")
+        await keeper.verify(key)
+        await client.srem(keys.API_KEYS, record.prefix)
+        await keeper.restore_all()
+        assert await client.sismember(keys.API_KEYS, record.prefix)
+    finally:
+        await client.aclose()
