@@ -120,6 +120,7 @@ class KeyKeeper:
         self._epoch: bytes | None = _UNSEEN
         self._server: str | None = None  # the run_ids last seen (Directory.look)
         self._changed_at = -math.inf  # when Redis was last away or other servers answered (monotonic)
+        self._looked_at = -math.inf  # the watch loop's last answer from Redis (monotonic)
         self._revocations = -1  # size of sl:apikeys:revoked at the last read
         self._task: asyncio.Task[None] | None = None
         self._restoring: asyncio.Task[None] | None = None
@@ -176,7 +177,12 @@ class KeyKeeper:
         """Redis has no record for the key: 503 while the keys may be being written back."""
         seen = self._epoch.decode() if isinstance(self._epoch, bytes) and self._epoch != _UNSEEN else None
         epoch = await self._directory.epoch(seen)  # made now if Redis has none, marked as after a loss
-        if epoch.keys_restore_s > 0 or time.monotonic() - self._changed_at < keys.API_KEYS_RESTORE_S:
+        now = time.monotonic()
+        # Also while this process has no fresh look at Redis (Redis away, or the process
+        # stalled): a loss may have happened unnoticed (nemesis, Cluster: a gateway resumed
+        # from SIGSTOP answered 401 for keys a failover had just lost).
+        if epoch.keys_restore_s > 0 or now - self._changed_at < keys.API_KEYS_RESTORE_S \
+                or now - self._looked_at > 3 * self._check_s:
             raise Unavailable("API key not known yet: Redis lost its data moments ago and gateways are writing "
                               "the keys back", retry_after_s=1, code=REGISTRY_REBUILDING)
 
@@ -274,9 +280,11 @@ class KeyKeeper:
                         await self.restore_all()
                     away = False
                     self._epoch, self._server = epoch, server
+                    self._looked_at = time.monotonic()
                     await self._learn_revocations()
                 except (RedisError, OSError) as exc:
                     if not away:
                         log.warning("API key check failed (written back once Redis answers): %s", exc)
                     away = True
+                    self._changed_at = time.monotonic()
             await asyncio.sleep(self._check_s)
