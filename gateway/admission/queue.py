@@ -510,14 +510,19 @@ class Admission:
         while True:
             await self._prefilled_due.wait()
             await asyncio.sleep(_PREFILLED_BATCH_S)
-            self._prefilled_due.clear()
-            batch, self._prefilled = self._prefilled, {}
-            for model, lease_ids in batch.items():
-                try:
-                    await self._prefilled_script(keys=keys.admission(model), args=self._args(*lease_ids))
-                except (RedisError, OSError) as exc:
-                    # Not lost: the lease's release takes the blocks off instead.
-                    log.warning("could not report %d prefilled lease(s): %s", len(lease_ids), exc)
+            await self.report_prefilled()
+
+    async def report_prefilled(self) -> None:
+        """Tell Redis now what :meth:`prefilled` collected (the reporter does it every
+        :data:`_PREFILLED_BATCH_S`; a test in virtual time, at once)."""
+        self._prefilled_due.clear()
+        batch, self._prefilled = self._prefilled, {}
+        for model, lease_ids in batch.items():
+            try:
+                await self._prefilled_script(keys=keys.admission(model), args=self._args(*lease_ids))
+            except (RedisError, OSError) as exc:
+                # Not lost: the lease's release takes the blocks off instead.
+                log.warning("could not report %d prefilled lease(s): %s", len(lease_ids), exc)
 
     async def retry_after_s(self, model: str, position: int) -> float:
         """Seconds until ``position`` requests ahead have drained at the recent service rate."""
