@@ -78,6 +78,10 @@ class GatewaySettings(RedisSettings):
     #: back to the worker it left (gateway/admission/scripts.py), which the weight alone did
     #: not stop (93% of returns still went back, tests/gateway/closed_loop.py).
     route_least_pending_weight: float = Field(default=0.0, ge=0)
+    #: Least-loaded routing: the workers within this many requests of the least loaded are
+    #: taken in turn. 0 is the least loaded alone (ties in turn), which in a closed loop sends
+    #: every user back to the worker it left (gateway/admission/scripts.py); kept to measure.
+    route_least_spread: float = Field(default=1.0, ge=0)
     #: Cache routing's index (``SLUICE_PREFIX_INDEX``, shared with the workers): ``approx``
     #: names blocks of 64 words and learns from routing and ``cached_tokens``; ``precise``
     #: names blocks of 64 token ids (the ``tokenizer`` folder's tokenizer and chat template,

@@ -54,7 +54,8 @@ stopped beating (it died) are dropped instead of granted.
 
 Routing: which live worker with a free slot gets a request. ``least``: the lowest share
 of slots in use (a request not yet past its first token counting ``1 + prefill``), and among
-the workers within one request of it, each in turn (a counter in Redis, as round robin's).
+the workers within ``spread`` requests of it (1 by default), each in turn (a counter in Redis,
+as round robin's).
 It took the single lowest, ties to the registry's first worker: in a closed loop the worker
 a request just left is the least loaded for its user's next request (the slot it freed), so
 every user went back to the worker it left, for good; the users the start's burst put on
@@ -208,8 +209,8 @@ local function rr_pick(ws, excluded, full)
   return nil
 end
 
--- Least loaded (see the module docstring): the eligible workers within one request of the
--- lowest load, taken in turn from a shared counter (as round robin's), never the lowest alone.
+-- Least loaded (see the module docstring): the eligible workers within `spread` requests of
+-- the lowest load, taken in turn from a shared counter (as round robin's).
 local function least_pick(ws, excluded, full, route)
   local low = nil
   for _, w in ipairs(ws) do
@@ -221,7 +222,7 @@ local function least_pick(ws, excluded, full, route)
   if low == nil then return nil end
   local near = {}
   for _, w in ipairs(ws) do
-    if eligible(w, excluded, full) and w.used + route.prefill * w.prefill <= low * w.cap + 1 then
+    if eligible(w, excluded, full) and w.used + route.prefill * w.prefill <= low * w.cap + route.spread then
       near[#near + 1] = w
     end
   end
@@ -312,7 +313,7 @@ local function route_of(meta)
   return {mode = meta.mode or 'least', blocks = meta.blocks, load = tonumber(meta.load) or 0,
           prefill = tonumber(meta.prefill) or 0, hot = tonumber(meta.hot) or 1,
           session = meta.session, affinity = meta.affinity, bound = tonumber(meta.bound) or 1,
-          away = tonumber(meta.away) or 0, adapter = meta.adapter}
+          away = tonumber(meta.away) or 0, adapter = meta.adapter, spread = tonumber(meta.spread) or 1}
 end
 
 -- Whether the live workers not excluded hold `need` slots in all: a waiting request that
@@ -555,7 +556,8 @@ end
 #: score, tokenize), 22 session key ('': none; :mod:`gateway.admission.affinity`), 23 affinity
 #: (bounded | cost), 24 its load bound (x the mean share), 25 its cost for a worker other than
 #: the session's home, 26 LoRA adapter ('': the base model; :mod:`gateway.admission.adapters`),
-#: 27 the role of the workers a disaggregated hop needs ('': any worker; :mod:`sluice.roles`).
+#: 27 the role of the workers a disaggregated hop needs ('': any worker; :mod:`sluice.roles`),
+#: 28 least's spread (requests above the lowest load still taken in turn).
 #: Returns {'granted', leases JSON [[lease, worker, url, matched blocks, prefill blocks], ...]}
 #: | {'queued', position, the grant stream's last id (its grant can only come after it)}
 #: | {'full', length} | {'none'} | {'too_big', slots of the live workers it may use}
@@ -593,6 +595,7 @@ local meta = {deadline = now + tonumber(ARGV[10]), exclude = exclude, priority =
               gw = gateway, mode = ARGV[17], load = tonumber(ARGV[18]), hot = tonumber(ARGV[19]),
               prefill = tonumber(ARGV[20])}
 if task ~= 'generate' then meta.task = task end
+if ARGV[17] == 'least' then meta.spread = tonumber(ARGV[28]) end
 meta.adapter, meta.role = adapter, role
 if ARGV[22] ~= '' then
   meta.session, meta.affinity, meta.bound, meta.away = ARGV[22], ARGV[23], tonumber(ARGV[24]), tonumber(ARGV[25])

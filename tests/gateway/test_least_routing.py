@@ -50,9 +50,10 @@ async def test_least_still_fills_the_least_loaded_worker_first(fleet: Fleet) -> 
         await gw.release(lease)
 
 
-async def _closed_loop(fleet: Fleet, routing: str, shape: closed_loop.Shape) -> closed_loop.Outcome:
+async def _closed_loop(fleet: Fleet, routing: str, shape: closed_loop.Shape, **settings: object) -> closed_loop.Outcome:
     """The closed loop through two gateways (one counter in Redis serves both)."""
-    gateways: list[Admission] = [await fleet.gateway(routing=routing), await fleet.gateway(routing=routing)]
+    gateways: list[Admission] = [await fleet.gateway(routing=routing, **settings),
+                                 await fleet.gateway(routing=routing, **settings)]
     fleet.model = f"{fleet.model}-{routing}"  # a fresh model: its own workers and counters
     for i in range(shape.workers):
         await fleet.worker(capacity=shape.capacity, worker_id=f"w{i}")
@@ -72,3 +73,10 @@ async def test_least_keeps_no_closed_loop_in_lockstep(fleet: Fleet) -> None:
     assert least.ttft_p50_s <= 1.2 * rr.ttft_p50_s, (least.ttft_p50_s, rr.ttft_p50_s)
     assert least.ttft_p90_s <= 1.2 * rr.ttft_p90_s, (least.ttft_p90_s, rr.ttft_p90_s)
     assert least.ttft_p90_s > least.ttft_p50_s  # not one cohort-wide wait for everyone
+
+
+async def test_least_with_no_spread_is_the_old_least_for_measuring(fleet: Fleet) -> None:
+    """``SLUICE_GATEWAY_ROUTE_LEAST_SPREAD=0`` takes the least loaded alone: the closed loop
+    is pinned again (what the GPU bench compares the default against)."""
+    pinned = await _closed_loop(fleet, "least", closed_loop.Shape(requests=320), route_least_spread=0)
+    assert pinned.same_worker == 1.0
