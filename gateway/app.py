@@ -446,7 +446,9 @@ def _credential(request: Request) -> str | None:
 
 
 def _is_messages(request: Request) -> bool:
-    return request.url.path.startswith(MESSAGES_PATH)
+    # The scope's path, not ``request.url``: that builds and parses the whole URL (a few
+    # per cent of a short request's CPU); only characters outside the prefix differ.
+    return str(request.scope["path"]).startswith(MESSAGES_PATH)
 
 
 #: Routes under this path answer in the Anthropic Messages API's shapes, errors included.
