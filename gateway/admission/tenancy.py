@@ -37,6 +37,7 @@ from sluice.directory import Directory
 from sluice.errors import AuthenticationFailed, InvalidRequest, RateLimited
 from sluice.script_channel import ScriptChannel, script_runner
 from sluice.settings import is_loopback
+from sluice.single_flight import SingleFlight
 
 log = logging.getLogger("sluice.tenancy")
 
@@ -149,7 +150,7 @@ class Tenancy:
         self._renew = self._runner.register_script(_RENEW)
         self._keys_seen = (0.0, False)
         #: The look in Redis for keys under way, shared by every request that waits for it.
-        self._keys_check: asyncio.Future[bool] | None = None
+        self._keys_check = SingleFlight[None, bool]()
         #: Charges running on this gateway, by key prefix: renewed until settled.
         self._running: dict[str, dict[str, int]] = {}
         self._member_ttl_ms = int(settings.lease_ttl_s * 1000)
@@ -229,19 +230,11 @@ class Tenancy:
         if present:
             return True  # once keys were seen, they stay enforced for this process's life
         if time.monotonic() - checked > 2.0:
-            # One look in Redis for every request that finds the answer stale: each of them
-            # asking for itself was a herd of a few dozen calls per look at 64 streams, each
-            # a redis-py round trip, and new pool connections for them (loadtest/peers/README.md).
-            if self._keys_check is None:
-                self._keys_check = asyncio.ensure_future(self._check_keys())
-            present = await asyncio.shield(self._keys_check)
+            present = await self._keys_check.run(None, self._check_keys)  # one look for all who ask
         return present
 
     async def _check_keys(self) -> bool:
-        try:
-            present = await self.keys.any_keys()
-        finally:
-            self._keys_check = None
+        present = await self.keys.any_keys()
         self._keys_seen = (time.monotonic(), present)
         if present:
             self.keeper.enforcing = True

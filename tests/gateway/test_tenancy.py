@@ -325,32 +325,3 @@ def test_generations_a_failover_forgot_count_again(tenant, tenant_redis, start_w
         assert httpx.post(gateway.url + "/v1/completions", json=short, headers=auth).status_code == 429
     client.close()
 
-
-async def test_a_stale_keys_check_is_one_redis_call_for_a_burst_of_requests(redis_url) -> None:
-    """Regression: every request that found the "do API keys exist?" answer of an ``auto``
-    gateway stale asked Redis itself, until the first answer came back: at 64 streams a
-    herd of a few dozen redis-py calls every two seconds, and new pool connections for
-    them. Now the requests that find it stale wait for one look. (The shared Redis: no
-    keys, so the gateway stays open.)"""
-    from redis.asyncio import Redis
-
-    from gateway.admission.tenancy import Tenancy
-    from gateway.config import GatewaySettings
-
-    client = Redis.from_url(redis_url)
-    tenancy = Tenancy(client, GatewaySettings(redis_url=redis_url, auth="auto"))
-    looks = 0
-    any_keys = tenancy.keys.any_keys
-
-    async def counted() -> bool:
-        nonlocal looks
-        looks += 1
-        return await any_keys()
-
-    tenancy.keys.any_keys = counted  # type: ignore[method-assign]
-    try:
-        assert await asyncio.gather(*(tenancy.authenticate(None) for _ in range(50))) == [None] * 50
-        assert looks == 1
-        assert await tenancy.authenticate(None) is None and looks == 1  # fresh for two seconds
-    finally:
-        await client.aclose()
