@@ -324,4 +324,3 @@ def test_generations_a_failover_forgot_count_again(tenant, tenant_redis, start_w
         short = {"model": MODEL, "prompt": "x", "max_tokens": 2}
         assert httpx.post(gateway.url + "/v1/completions", json=short, headers=auth).status_code == 429
     client.close()
-
