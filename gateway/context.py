@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -11,6 +10,7 @@ from gateway.admission.tenancy import Charge
 from gateway.config import GatewaySettings
 from gateway.record import RequestRecord
 from sluice.errors import InvalidRequest
+from sluice.ids import random_hex
 
 #: OpenAI's service tiers as priority classes (lower runs first, as in vLLM).
 SERVICE_TIERS = {"priority": -10, "default": 0, "auto": 0, "flex": 10, "scale": -10}
@@ -39,7 +39,7 @@ class RequestContext:
     cost: int = 1
     #: Server-made and unique: names leases and engine requests, so two clients sending
     #: the same X-Request-Id can never share a slot.
-    internal_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    internal_id: str = field(default_factory=random_hex)
     #: The caller's rate-limit charge (None when the gateway runs without API keys);
     #: settled once, through :meth:`take_charges`.
     charge: Charge | None = None

@@ -30,7 +30,7 @@ from gateway.config import GatewaySettings
 from gateway.metrics import MULTIPROC_DIR_ENV, forget_process
 from sluice.processes import Child, default_procs
 from sluice.redis_pool import create_pool
-from sluice.serve import Server, run_async, uvicorn_config
+from sluice.serve import Server, run_async, settle_gc, uvicorn_config
 from sluice.telemetry import setup_tracing
 
 log = logging.getLogger("sluice.gateway")
@@ -90,6 +90,7 @@ def _serve(settings: GatewaySettings) -> None:
         create_app(settings), settings.host, settings.port,
         graceful_s=settings.shutdown_grace_s, lifespan=True,
     )
+    settle_gc()
     sockets = [listen_socket(settings.host, settings.port)] if settings.reuse_port else None
     run_async(Server(config).serve(sockets=sockets))  # type: ignore[arg-type]
 

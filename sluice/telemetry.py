@@ -79,7 +79,25 @@ def setup_tracing(default_service: str) -> TracerProvider | None:
 
 
 def extract(headers: Mapping[str, str]) -> Context:
+    """The trace context a request's headers carry. A request without any header the
+    W3C propagators read (the common case) gets an empty context without copying its
+    headers into a dict for them: that copy was most of this call's cost."""
+    textmap = propagate.get_global_textmap()
+    global _fields_of
+    if _fields_of[0] is not textmap:
+        _fields_of = (textmap, frozenset(textmap.fields))
+    fields = _fields_of[1]
+    if fields <= _W3C_FIELDS and not any(name in headers for name in fields):
+        return Context()
     return propagate.extract(dict(headers))
+
+
+#: What the default propagators (W3C trace context and baggage) read; another propagator
+#: configured (``OTEL_PROPAGATORS``) always gets every header.
+_W3C_FIELDS = frozenset({"traceparent", "tracestate", "baggage"})
+#: The global propagator last seen and the header names it reads (its ``fields`` is a new
+#: set per call for a composite one).
+_fields_of: tuple[object, frozenset[str]] = (None, frozenset())
 
 
 def inject(context: Context) -> dict[str, str]:

@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 
 from sluice import keys
+from sluice.single_flight import SingleFlight
 
 #: Lua, loaded with the admission scripts (see the module docstring).
 FUNCTIONS = r"""
@@ -74,6 +75,7 @@ class AdapterDirectory:
         self._redis = redis
         self._ttl_s = ttl_s
         self._cache: dict[str, tuple[float, str | None]] = {}
+        self._flights = SingleFlight[str, str | None]()
 
     async def parent(self, name: str) -> str | None:
         """The base model of adapter ``name``, or None if no live worker serves such an adapter."""
@@ -81,6 +83,9 @@ class AdapterDirectory:
         hit = self._cache.get(name)
         if hit is not None and hit[0] > now:
             return hit[1]
+        return await self._flights.run(name, lambda: self._read(name, now))  # one read for all who ask
+
+    async def _read(self, name: str, now: float) -> str | None:
         raw = await self._redis.hget(keys.ADAPTERS, name)
         entry = _live(raw)
         if len(self._cache) >= self.CACHED:

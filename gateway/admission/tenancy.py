@@ -37,6 +37,7 @@ from sluice.directory import Directory
 from sluice.errors import AuthenticationFailed, InvalidRequest, RateLimited
 from sluice.script_channel import ScriptChannel, script_runner
 from sluice.settings import is_loopback
+from sluice.single_flight import SingleFlight
 
 log = logging.getLogger("sluice.tenancy")
 
@@ -148,6 +149,8 @@ class Tenancy:
         self._settle = self._runner.register_script(_SETTLE)
         self._renew = self._runner.register_script(_RENEW)
         self._keys_seen = (0.0, False)
+        #: The look in Redis for keys under way, shared by every request that waits for it.
+        self._keys_check = SingleFlight[None, bool]()
         #: Charges running on this gateway, by key prefix: renewed until settled.
         self._running: dict[str, dict[str, int]] = {}
         self._member_ttl_ms = int(settings.lease_ttl_s * 1000)
@@ -227,11 +230,15 @@ class Tenancy:
         if present:
             return True  # once keys were seen, they stay enforced for this process's life
         if time.monotonic() - checked > 2.0:
-            present = await self.keys.any_keys()
-            self._keys_seen = (time.monotonic(), present)
-            if present:
-                self.keeper.enforcing = True
-                log.info("API keys exist: authentication is enforced from now on")
+            present = await self._keys_check.run(None, self._check_keys)  # one look for all who ask
+        return present
+
+    async def _check_keys(self) -> bool:
+        present = await self.keys.any_keys()
+        self._keys_seen = (time.monotonic(), present)
+        if present:
+            self.keeper.enforcing = True
+            log.info("API keys exist: authentication is enforced from now on")
         return present
 
     async def authenticate(self, authorization: str | None) -> ApiKey | None:

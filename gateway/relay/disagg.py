@@ -47,6 +47,7 @@ from gateway.context import RequestContext
 from sluice import keys
 from sluice.errors import Unavailable, UpstreamFailed
 from sluice.roles import DECODE, PREFILL
+from sluice.single_flight import SingleFlight
 
 if TYPE_CHECKING:
     from gateway.admission.queue import QueueCharge
@@ -71,6 +72,7 @@ class FleetRoles:
         self._redis = redis
         self._ttl_s = ttl_s
         self._cache: dict[str, tuple[float, bool]] = {}
+        self._flights = SingleFlight[str, bool]()
 
     async def disaggregated(self, model: str, fresh: bool = False) -> bool:
         """``fresh``: read the registry now (a hop found no live worker of its role)."""
@@ -78,6 +80,11 @@ class FleetRoles:
         cached = self._cache.get(model)
         if cached is not None and now - cached[0] < self._ttl_s and not fresh:
             return cached[1]
+        if fresh:
+            return await self._refresh(model, now)
+        return await self._flights.run(model, lambda: self._refresh(model, now))  # one read for all who ask
+
+    async def _refresh(self, model: str, now: float) -> bool:
         try:
             split = await self._read(model)
         except (RedisError, OSError):

@@ -136,16 +136,21 @@ class Serving:
         headers["x-sluice-queue-ms"] = str(round(record.queue_wait_s * 1000))
         lines = self._migrator.lines(req.model, upstreams, payloads, ctx)
 
+        ended = False
+
         async def abandon() -> None:
             """Clean-up when the stream generator never ran (client gone at once, Redis failed)."""
-            await self._end_stream(upstreams, record, ctx, ClientGone("the stream ended before it began"))
+            if not ended:  # it ran to its end, which did all of this (again, it changed nothing)
+                await self._end_stream(upstreams, record, ctx, ClientGone("the stream ended before it began"))
 
         if req.stream:
             if ctx.idempotency_key is not None:
                 return await self._produce(kind, req, ctx, upstreams, lines, abandon, headers, shape)
 
             async def end(outcome: str | SluiceError, completed: bool) -> None:
+                nonlocal ended
                 await self._end_stream(upstreams, record, ctx, outcome)
+                ended = True
 
             events = sse_events(kind, req, lines, record, end, shape=shape)
             return SSEResponse(events, self._keepalive, abandon, headers)

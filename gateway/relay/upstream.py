@@ -326,8 +326,12 @@ class Dispatcher:
         if adapter and task != GENERATE:  # the workers' adapters generate; pooling runs the base model
             raise InvalidRequest(f"'{adapter}' is a LoRA adapter of '{model}': it serves generation only, "
                                  f"not task '{task}'", param="model", code="task_not_served")
-        with tracer.start_as_current_span("queue.wait", context=ctx.record.context()) as queue_span:
-            queue_span.set_attribute("sluice.priority", ctx.priority)
+        # Started, not made current: nothing inside reads the current span, and
+        # ``start_as_current_span`` (a context manager, a context attached and detached) cost
+        # about 25 µs of each request's CPU with tracing off (loadtest/peers/README.md).
+        queue_span = tracer.start_span("queue.wait", context=ctx.record.context(),
+                                       attributes={"sluice.priority": ctx.priority})
+        try:
             try:
                 leases = await self._admission.acquire(
                     Ask(model=model, request_id=request_id, priority=ctx.priority, need=need,
@@ -350,6 +354,13 @@ class Dispatcher:
                                        "sluice.role": role or "both",
                                        "sluice.route": self._settings.routing,
                                        "sluice.route.matched_blocks": max(x.matched_blocks for x in leases)})
+        except Exception as exc:  # as start_as_current_span records it (not a cancellation)
+            if queue_span.is_recording():
+                queue_span.record_exception(exc)
+                queue_span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            raise
+        finally:
+            queue_span.end()
         ctx.record.queued(time.monotonic() - waited)
         return leases
 
@@ -435,7 +446,6 @@ class Dispatcher:
     ) -> Upstream:
         s = self._settings
         ttft_s = max(0.0, min(s.ttft_timeout_s, deadline - time.monotonic()))
-        headers = {"content-type": "application/json", **self._auth, **inject(trace.set_span_in_context(span))}
         upstream: Upstream | None = None
         try:
             async with asyncio.timeout(ttft_s):
@@ -443,6 +453,8 @@ class Dispatcher:
                     upstream = Upstream(self._admission, lease, await self._open_direct(lease.url, body), span,
                                         route)
                 else:
+                    headers = {"content-type": "application/json", **self._auth,
+                               **inject(trace.set_span_in_context(span))}
                     response = await self._send(lease.url, path, body, headers)
                     upstream = Upstream(self._admission, lease, WorkerLines(response), span, route)
                     if response.status_code != 200:

@@ -7,12 +7,12 @@ templates with orjson, never through a model per chunk (the hot path).
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from sluice.ids import random_hex
 from sluice.keys import model_name_problem
 
 
@@ -419,7 +419,7 @@ DONE = b"data: [DONE]\n\n"
 
 
 def new_id(kind: Literal["chat", "text"]) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + random_hex()
 
 
 class ToolCallAssembler:

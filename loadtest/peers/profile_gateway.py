@@ -6,6 +6,7 @@ profile of the gateway (optional), and Redis's time per admission script.
     flock /tmp/sluice-heavy.lock .venv/bin/python loadtest/peers/profile_gateway.py --levels 16,64
     ... --max-tokens 1             # request-bound: what one request costs
     ... --py-spy /tmp/gw           # also /tmp/gw-<level>.txt, py-spy's collapsed stacks (needs py-spy)
+    ... --cprofile /tmp/gw.prof    # the gateway under cProfile (its stats written when it stops)
 
 Timing model of the mock as in bench_peers.py (first token 20 ms, one token per 5 ms).
 The figures are for finding the next hot spot, not for comparing with peers: py-spy
@@ -58,6 +59,8 @@ def main() -> None:
     parser.add_argument("--measure-s", type=float, default=10.0)
     parser.add_argument("--base-port", type=int, default=18620)
     parser.add_argument("--py-spy", help="output prefix for py-spy's collapsed stacks of the gateway")
+    parser.add_argument("--cprofile", help="run the gateway under cProfile, its stats to this file (calls per "
+                                           "request and per chunk; it slows the gateway about twofold)")
     args = parser.parse_args()
     base, py = args.base_port, sys.executable
     procs = bp.Procs(Path(tempfile.mkdtemp(prefix="sluice-profile-")))
@@ -71,7 +74,8 @@ def main() -> None:
             procs.start("worker", [py, "-m", "sluice", *common, "worker", "--engine", "openai", "--upstream-url", mock,
                                    "--served-model-name", "m", "--port", str(base + 1), "--redis-url", embedded.url,
                                    "--upstream-capacity", "256", "--relay", "direct"], env=env)
-            procs.start("gateway", [py, "-m", "sluice", *common, "gateway", "--port", str(base + 2), "--redis-url",
+            profiled = ["-m", "cProfile", "-o", args.cprofile] if args.cprofile else []
+            procs.start("gateway", [py, *profiled, "-m", "sluice", *common, "gateway", "--port", str(base + 2), "--redis-url",
                                     embedded.url, "--procs", "1"], env=env)
             gateway = f"http://127.0.0.1:{base + 2}"
             probe = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
