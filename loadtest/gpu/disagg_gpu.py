@@ -33,13 +33,15 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from loadtest.gpu.client import Recorder
-from loadtest.gpu.fleet import Fleet, FleetShape, log
+from loadtest.gpu.fleet import Fleet, FleetShape, log, stop_on_sigterm
 from loadtest.gpu.workloads import text
 from sluice.commands.bench_report import quantile
 from sluice.commands.bench_stack import LoggedChild, _child_env
@@ -68,6 +70,30 @@ def registered_connectors() -> list[str] | None:
     return [c for c in CONNECTORS if c in names] or None if done.returncode == 0 else None
 
 
+@dataclass(frozen=True)
+class Try:
+    """One way to join the pair: a connector, and for NIXL where its KV buffer lives and
+    which UCX transports it may use ("" leaves UCX's choice)."""
+
+    connector: str
+    buffer: str = ""
+    ucx_tls: str = ""
+
+    def __str__(self) -> str:
+        return " ".join(x for x in (self.connector, self.buffer and f"buffer {self.buffer}",
+                                    self.ucx_tls and f"UCX_TLS={self.ucx_tls}") if x)
+
+
+def nixl_tries(spec: str) -> list[Try]:
+    """``cuda;cpu:tcp,self`` -> NIXL with the KV on the GPU (UCX's choice), then through host
+    memory over TCP."""
+    out = []
+    for item in spec.split(";"):
+        buffer, _, tls = item.partition(":")
+        out.append(Try(NIXL, buffer, tls))
+    return out
+
+
 def kv_transfer_config(connector: str, role: str, kv_dir: Path, buffer: str) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for one side of the pair (``kv_both`` is deprecated
     for NIXL since vLLM 0.26: producer on the prefill side, consumer on the decode side)."""
@@ -84,10 +110,13 @@ class PdFleet(Fleet):
         super().__init__(shape, logs)
         self.kv_dir = kv_dir
         self.transfer_ms = transfer_ms
-        self.connector = ""
-        self.buffer = "cuda"  # NIXL: where the KV is registered for transfer (cuda, or cpu: through host memory)
+        self.attempt = Try("")
         self.by_role: dict[str, LoggedChild] = {}
         self.ports: set[str] = set()
+
+    @property
+    def connector(self) -> str:
+        return self.attempt.connector
 
     def spawn(self, i: int, served: str, role: str) -> LoggedChild:
         argv, env = self.worker_argv(i, served)
@@ -98,9 +127,11 @@ class PdFleet(Fleet):
         if role != "both" and self.shape.engine == "vllm":
             argv[argv.index("--log-level") + 1] = "INFO"  # the connector logs each injection at INFO
             argv += ["--kv-transfer-config",
-                     json.dumps(kv_transfer_config(self.connector, role, self.kv_dir, self.buffer))]
+                     json.dumps(kv_transfer_config(self.connector, role, self.kv_dir, self.attempt.buffer))]
             if self.connector == NIXL:  # two engines on one host: each its own handshake port
                 env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(NIXL_SIDE_CHANNEL_BASE + 10 * i)
+                if self.attempt.ucx_tls:
+                    env["UCX_TLS"] = self.attempt.ucx_tls
         elif role == "decode":
             argv.append(f"--sim-kv-transfer-ms-per-token={self.transfer_ms}")
         child = LoggedChild(f"worker-{role}", argv, _child_env(env), self.logs / f"worker-{role}-{i}.log")
@@ -112,29 +143,34 @@ class PdFleet(Fleet):
             time.sleep(2)  # engines that start at one instant race for the GPU memory check
         return child
 
-    def start_all(self, connectors: list[tuple[str, str]], timeout_s: float) -> None:
-        """Start the three workers; a pd worker that dies on its connector is started again
-        with the next (connector, buffer) try."""
+    def start_all(self, tries: list[Try], timeout_s: float, check: Callable[[], str | None]) -> list[dict[str, str]]:
+        """Start the three workers. The pd pair is started with each try in turn until one
+        serves: its workers register and ``check`` (a request through the pair) finds
+        nothing wrong. Returns what each failed try did."""
         until = time.monotonic() + timeout_s  # for every try together
         self.spawn(0, "agg", "both")
         index = 1
-        for k, (name, buffer) in enumerate(connectors):
-            self.connector, self.buffer = name, buffer
+        failures: list[dict[str, str]] = []
+        for attempt in tries:
+            self.attempt = attempt
             pair = [self.spawn(index, "pd", "prefill"), self.spawn(index + 1, "pd", "decode")]
             index += 2
-            failed = self.wait_registered({"agg": 1, "pd": 2}, pair, until - time.monotonic())
-            if failed is None:
-                log(f"pd workers up with {name} (buffer {buffer})")
-                return
-            log_text = failed.log_path.read_text(errors="replace")
-            connector_error = name in log_text and ("rror" in log_text)
+            try:
+                failed = self.wait_registered({"agg": 1, "pd": 2}, pair, until - time.monotonic())
+                problem = f"{failed.name} exited; log {failed.log_path.name}" if failed is not None else check()
+            except RuntimeError as exc:  # out of time
+                problem = str(exc)
+            if problem is None:
+                log(f"pd workers serve with {attempt}")
+                return failures
+            log(f"{attempt}: {problem}")
+            failures.append({"try": str(attempt), "problem": problem})
             for child in pair:
                 child.stop(timeout_s=15)
                 self.workers.remove(child)
-            if not connector_error or k == len(connectors) - 1:
-                raise RuntimeError(f"{failed.name} exited early; log {failed.log_path}")
-            log(f"{failed.name} failed with {name} (log names it); trying the next connector")
-        raise RuntimeError("no connector to try")
+            if time.monotonic() > until:
+                break
+        raise RuntimeError(f"no connector try served: {failures}")
 
     def decode_log_count(self, needles: tuple[str, ...]) -> int:
         decode = self.by_role.get("decode")
@@ -153,6 +189,28 @@ class PdFleet(Fleet):
 def prompt(rng: random.Random, tag: str, words: int) -> str:
     # A unique head: no request finds another's blocks in a prefix cache.
     return f"[{tag}] " + text(rng, words)
+
+
+async def first_request(url: str, fleet: PdFleet, timeout_s: float) -> str | None:
+    """One request through the pair: None if it was served and, with NIXL, its KV came
+    through the connector (the decode hop reports most of the prompt cached, and its log
+    no failed transfer); else what went wrong."""
+    failed_before = fleet.transfer_failures()
+    async with httpx.AsyncClient(timeout=timeout_s) as http:
+        rec = Recorder(http, url, "pd")
+        try:
+            await asyncio.wait_for(rec.send({"prompt": prompt(random.Random(1), "probe", 300), "max_tokens": 8},
+                                            path="/v1/completions"), timeout_s)
+        except TimeoutError:
+            return f"no answer in {timeout_s:.0f} s"
+    r = rec.records[-1]
+    if r["error"]:
+        return f"error: {r['error']}"
+    if fleet.transfer_failures() > failed_before:
+        return "the decode log shows a failed transfer"
+    if fleet.connector == NIXL and r["cached"] < r["prompt"] / 2:
+        return f"the decode hop computed the prompt itself (cached {r['cached']} of {r['prompt']})"
+    return None
 
 
 async def correctness(url: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -301,8 +359,9 @@ def main() -> int:
     p.add_argument("--kv-dir", default="", help="the connector's folder (default /dev/shm/sluice-kv, else /tmp)")
     p.add_argument("--connector", choices=(*CONNECTORS, NIXL),
                    help="NixlConnector, or skip the file connectors' probe and use this one first")
-    p.add_argument("--nixl-buffers", default="cuda,cpu",
-                   help="NIXL: KV buffer devices to try in turn when a worker dies on its connector")
+    p.add_argument("--nixl-tries", default="cuda;cpu:tcp,self",
+                   help="NIXL: ';'-separated BUFFER[:UCX_TLS], tried in turn until the pair serves a first request")
+    p.add_argument("--first-timeout-s", type=float, default=60, help="a try's first request must be served in this")
     p.add_argument("--gpu-util", type=float, default=0.2)
     p.add_argument("--kv-blocks", type=int, default=10240, help="per worker, 16-token blocks (32 x 4k tokens fit)")
     p.add_argument("--enforce-eager", action="store_true")
@@ -318,6 +377,7 @@ def main() -> int:
     p.add_argument("--sim-transfer-ms", type=float, default=0.002, help="sim decode: KV receive ms per prompt token")
     p.add_argument("--quick", action="store_true", help="rehearsal sizes: 4 checks, 8 streams, 8 s per arm")
     args = p.parse_args()
+    stop_on_sigterm()
     if args.quick:
         args.check_requests, args.streams, args.load_s = 4, 8, 8
     out = Path(args.out)
@@ -338,8 +398,7 @@ def main() -> int:
         found = registered_connectors()
         log(f"connectors this vLLM registers: {found}")
         names = found or names
-    connectors = [(NIXL, b) for b in args.nixl_buffers.split(",")] if args.connector == NIXL \
-        else [(n, "") for n in names]
+    tries = nixl_tries(args.nixl_tries) if args.connector == NIXL else [Try(n) for n in names]
     result: dict[str, Any] = {
         "engine": args.engine, "model": args.model, "kv_dir": str(kv_dir), "kv_dir_free_gib": round(shutil.disk_usage(kv_dir).free / 2**30, 1),
         "note": "agg: 1 worker --role both; pd: 1 prefill + 1 decode worker joined by a KV connector; "
@@ -350,14 +409,14 @@ def main() -> int:
     tokenizer = args.tokenizer or (args.model if args.engine == "vllm" else "")
     with PdFleet(shape, logs, kv_dir, args.sim_transfer_ms) as fleet:
         try:
-            budget = (args.deadline - time.time() - 60) if args.deadline else 600
-            fleet.start_all(connectors if args.engine == "vllm" else [("sim", "")], timeout_s=budget)
-            result["connector"] = fleet.connector
-            if fleet.connector == NIXL:
-                result["kv_buffer_device"] = fleet.buffer
-            result["startup_s"] = round(time.time() - started, 1)
-            fleet.start_gateways(["least"], tokenizer)
+            fleet.start_gateways(["least"], tokenizer)  # first: a try's check goes through it
             url = fleet.gateways["least"][1]
+            budget = (args.deadline - time.time() - 60) if args.deadline else 600
+            result["failed_tries"] = fleet.start_all(
+                tries if args.engine == "vllm" else [Try("sim")], timeout_s=budget,
+                check=lambda: asyncio.run(first_request(url, fleet, args.first_timeout_s)))
+            result["connector"] = str(fleet.attempt)
+            result["startup_s"] = round(time.time() - started, 1)
             left = (args.deadline - time.time() - 20) if args.deadline else None  # the workers' stop comes after
             asyncio.run(asyncio.wait_for(measure(fleet, url, args, result, out), left))
         except Exception as exc:  # the figures so far still go out; the lead reads the logs

@@ -35,6 +35,17 @@ ARMS: dict[str, dict[str, str]] = {
 }
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM (a phase's ``timeout``) unwinds like Ctrl-C, so the fleet's ``with`` block stops
+    its workers: each runs in its own session and would otherwise outlive the bench, holding
+    its share of the GPU from the next phase."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 

@@ -39,7 +39,7 @@ import httpx
 from loadtest.gpu import procstat
 from loadtest.gpu.chart import draw
 from loadtest.gpu.client import Recorder, closed_loop
-from loadtest.gpu.fleet import ARMS, Fleet, FleetShape, log
+from loadtest.gpu.fleet import ARMS, Fleet, FleetShape, log, stop_on_sigterm
 from loadtest.gpu.workloads import Sizes, describe, plan, text
 from sluice.commands.bench_report import quantile, table
 
@@ -220,6 +220,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="CPU rehearsal sizes")
     p.add_argument("--out", default="/tmp/routing_gpu_out")
     args = p.parse_args()
+    stop_on_sigterm()
     args.tokenizer = args.tokenizer or args.model
     if args.quick:
         args.arm_s, args.warmup_s, args.users, args.kv_blocks, args.prefix_words = 6, 1, 16, 64, 200

@@ -6,7 +6,7 @@
 #   bash loadtest/gpu/session.sh daemon                 # (start runs it in its own session) the phases in order
 #
 # From the project's root on the device, with .gpu/kit (the GPU kit) and .gpu/cur (the last
-# part, md5, and nixl.tar + nixl.md5: the nixl wheels) beside it. The daemon has TOTAL_S from
+# part and md5; stage.sh lays it out, the earlier parts already in /tmp/parts). The daemon has TOTAL_S from
 # `start` for everything; in order of importance:
 #   1. routing (issue 24): 4 vLLM workers sharing the GPU, a gateway per routing arm, 4
 #      workloads x the arms, each arm as long as the time left allows (routing_gpu.py);
@@ -14,7 +14,7 @@
 #      one worker SIGKILLed, every stream checked token for token (migration.py);
 #   3. disagg (issue 26): agg worker + prefill/decode pair joined by NixlConnector (disagg_gpu.py).
 # Each phase ends by its deadline (MIG_S and PD_S are kept for the last two). `collect` puts
-# the results, charts, the daemon's log and the logs (tar.gz) in $OUT: 7 files.
+# the results, charts, the NIXL probe, the daemon's log and the logs (tar.gz) in $OUT: 8 files.
 #
 # CPU rehearsal (sim workers, rehearsal sizes, no install):
 #   ENGINE=sim PY=/work/main/.venv/bin/python TOKENIZER=~/.cache/sluice/models/SmolLM2-135M-Instruct \
@@ -31,21 +31,14 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_USE_FL
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # NVLink multicast stays off
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
 
-install() {   # the kit's install (vLLM + deps from the parts), then the nixl wheels
-  [ -f /tmp/site/.done ] && [ -f /tmp/site/.nixl ] && return 0
+install() {   # the kit's install: vLLM, its deps and the nixl wheels, from the parts (stage.sh)
+  [ -f /tmp/site/.done ] && return 0
   mkdir -p /tmp/parts && cp .gpu/cur/part.* .gpu/cur/md5 /tmp/parts/ 2>/dev/null
   log "parts here: $(ls /tmp/parts | tr '\n' ' ')"
   K=$PWD/.gpu/kit
   # shellcheck source=/dev/null
   source "$K/common.sh" && source "$K/install.sh" || return 1
-  if [ -f .gpu/cur/nixl.tar ] && [ ! -f /tmp/site/.nixl ]; then
-    [ "$(md5sum < .gpu/cur/nixl.tar)" = "$(cat .gpu/cur/nixl.md5)" ] || { log "nixl.tar: md5 differs"; return 1; }
-    mkdir -p /tmp/nixlw && tar xf .gpu/cur/nixl.tar -C /tmp/nixlw &&
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /tmp/nixlw/*.whl 2>&1 |
-      grep -v "Running pip as"
-    python3 -c "from nixl._api import nixl_agent; print('nixl', nixl_agent.__module__)" && touch /tmp/site/.nixl
-  fi
-  return 0
+  python3 -c "from nixl._api import nixl_agent; print('nixl', nixl_agent.__module__)" || log "nixl does not import"
 }
 
 model() {   # /tmp/m_1b: Llama-3.2-1B's shape with the default model's tokenizer (dummy weights)
@@ -73,7 +66,7 @@ phase() {   # phase NAME DEADLINE_EPOCH CMD...: runs CMD, killed 30 s past its d
   local left=$(( deadline - $(date +%s) ))
   if [ "$left" -lt 60 ]; then log "== $name skipped: ${left} s left"; return 1; fi
   log "== $name: ${left} s"
-  timeout -k 15 $(( left + 30 )) "$@"
+  timeout -k 45 $(( left + 20 )) "$@"
   log "== $name rc=$? after $(( left - (deadline - $(date +%s)) )) s"
   gpu_free
 }
@@ -85,12 +78,24 @@ daemon() {
   if [ "$ENGINE" = sim ]; then sim=(--quick); model=none; else model || return 1; fi
   log "daemon: engine $ENGINE, $(( end - $(date +%s) )) s in all (migration $MIG_S, disagg $PD_S)"
   gpu_free
+  local nixl_tries="cuda;cpu:tcp,self"
+  if [ "$ENGINE" != sim ]; then   # which NIXL transfer works here (~20 s): the disagg phase tries it first
+    timeout 200 $PY -m loadtest.gpu.nixl_probe --timeout-s 20 --out "$out/nixl_probe.json"
+    nixl_tries=$($PY -c 'import json, sys
+try:
+    ok = json.load(open(sys.argv[1]))["first_ok"] or {}
+except (OSError, ValueError):
+    ok = {}
+first = ok.get("buffer", "") + ("" if ok.get("ucx_tls", "(").startswith("(") else ":" + ok["ucx_tls"])
+print(";".join(dict.fromkeys(t for t in (first, *sys.argv[2].split(";")) if t)))' "$out/nixl_probe.json" "$nixl_tries")
+    log "nixl tries: $nixl_tries"
+  fi
   $PY -m loadtest.gpu.tokenize_cost --tokenizer "$tok" --out "$out/tokenize_cost.json" || true
   phase routing $(( end - MIG_S - PD_S )) $PY -m loadtest.gpu.routing_gpu --phase routing --engine "$ENGINE" \
     --model "$model" --tokenizer "$tok" --deadline $(( end - MIG_S - PD_S )) --out "$out" "${sim[@]}" $ROUTING_ARGS
   phase migration $(( end - PD_S )) $PY -m loadtest.gpu.routing_gpu --phase migration --engine "$ENGINE" \
     --model "$model" --tokenizer "$tok" --deadline $(( end - PD_S )) --out "$out" "${sim[@]}" $MIGRATION_ARGS
-  local connector=(--connector NixlConnector)
+  local connector=(--connector NixlConnector --nixl-tries "$nixl_tries")
   [ "$ENGINE" = sim ] && connector=()
   phase disagg "$end" $PY -m loadtest.gpu.disagg_gpu --engine "$ENGINE" --model "$model" --tokenizer "$tok" \
     --deadline "$end" --out "$out/disagg" "${connector[@]}" "${sim[@]}" $DISAGG_ARGS
@@ -101,8 +106,8 @@ daemon() {
 collect() {   # what the daemon has so far -> $OUT (at most 8 files come back)
   local out=$S/out
   mkdir -p "$OUT" /tmp/logcut
-  for f in "$out/results.jsonl" "$out/routing_gpu.png" "$out/tokenize_cost.json" "$out/disagg/disagg.json" \
-           "$out/disagg/disagg.png" "$S/daemon.log"; do
+  for f in "$out/results.jsonl" "$out/routing_gpu.png" "$out/tokenize_cost.json" "$out/nixl_probe.json" \
+           "$out/disagg/disagg.json" "$out/disagg/disagg.png" "$S/daemon.log"; do
     [ -f "$f" ] && cp "$f" "$OUT/"
   done
   rm -rf /tmp/logcut/* && (cd "$out" && find . -name '*.log' | while read -r f; do
