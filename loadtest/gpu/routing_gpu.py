@@ -2,14 +2,16 @@
 
 Phase ``routing``: the workers start once (dummy weights, a fixed number of KV blocks
 each, KV events published for the precise index); one gateway per arm (rr, least,
-least-slots = least before issue 24's fix, cache-approx, cache-precise; ``--gateway-procs``
+cache-approx, cache-precise; least-slots = least counting slots only; ``--gateway-procs``
 processes each); then, per workload (overflow, easy, w5, chat: loadtest/gpu/workloads.py),
-every arm in turn on prompts of its
-own (no arm finds another's blocks). Per arm, one JSON line: hit rate (sum of
-``cached_tokens`` / sum of prompt tokens), the router's predicted hit and its error
-(the gateway's ``prefix_expected`` / ``prefix_error`` counters), TTFT p50/p90/p99, output
-tok/s, errors, and CPU: the arm's gateway (all its processes) per request and per chunk,
-beside the vLLM workers' (worker + engine core) per request.
+every arm in turn (each workload starting with another arm) on prompts of its own (no arm
+finds another's blocks), for ``--arm-s`` seconds, or the arms left's share of the time to
+``--deadline``. Per arm, one JSON line: hit rate (sum of ``cached_tokens`` / sum of prompt
+tokens), TTFT p50/p90/p99 and output tok/s over the requests started after ``--warmup-s``
+(``*_all``: every request), the router's predicted hit and its error (the gateway's
+``prefix_expected`` / ``prefix_error`` counters), errors, and CPU: the arm's gateway (all
+its processes) per request and per chunk, beside the vLLM workers' (worker + engine core)
+per request.
 
 Phase ``migration``: fresh workers (``--migration-env``, e.g. ``VLLM_BATCH_INVARIANT=1``),
 ``--streams`` greedy completions at once, run twice without a fault (the reference, and its
@@ -19,8 +21,10 @@ stream must finish with the reference's text exactly (no gap, no repeat, the con
 conditioned on exactly the prompt plus the tokens sent); the pause is each migrated
 stream's gap across the kill.
 
-    python -m loadtest.gpu.routing_gpu --phase routing --engine vllm --model /tmp/m_1b --out $OUT   (device)
-    python -m loadtest.gpu.routing_gpu --phase routing,migration --engine sim --out /tmp/o --quick  (rehearsal)
+    python -m loadtest.gpu.routing_gpu --phase routing --engine vllm --model /tmp/m_1b --out $OUT   (device;
+        loadtest/gpu/session.sh runs it with the migration and the P/D phase)
+    python -m loadtest.gpu.routing_gpu --phase routing,migration --engine sim --out /tmp/o --quick \
+        --tokenizer ~/.cache/sluice/models/SmolLM2-135M-Instruct                                    (rehearsal)
 """
 
 from __future__ import annotations
