@@ -19,14 +19,15 @@
 # CPU rehearsal (sim workers, rehearsal sizes, no install):
 #   ENGINE=sim PY=/work/main/.venv/bin/python TOKENIZER=~/.cache/sluice/models/SmolLM2-135M-Instruct \
 #     OUT=/tmp/sess-out S=/tmp/sess bash loadtest/gpu/session.sh start 400 400
-cd "$(dirname "$0")/../.." || exit 1
+cd "${ROOT:-$(dirname "$0")/../..}" || exit 1   # the project (ROOT: the daemon runs from its copy in $S)
 mode=${1:-wait}
 S=${S:-/tmp/sess}                      # the daemon's state: out/, daemon.log, end, done
 OUT=${OUT:-/tmp/out}
 ENGINE=${ENGINE:-vllm}
 PY=${PY:-python3}
-MIG_S=${MIG_S:-210}                    # kept for the migration phase
-PD_S=${PD_S:-330}                      # kept for the disagg phase
+MIG_S=${MIG_S:-240}                    # kept for the migration phase
+PD_S=${PD_S:-330}                      # kept for the disagg phase, less when routing would get under ROUTING_MIN_S
+ROUTING_MIN_S=${ROUTING_MIN_S:-480}
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # NVLink multicast stays off
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
@@ -76,6 +77,10 @@ daemon() {
   local out=$S/out sim=() tok=${TOKENIZER:-/tmp/m_1b} model=/tmp/m_1b
   mkdir -p "$out"
   if [ "$ENGINE" = sim ]; then sim=(--quick); model=none; else model || return 1; fi
+  local routing_s=$(( end - $(date +%s) - 40 - MIG_S - PD_S ))   # 40: the NIXL probe and the tokenizer's cost
+  if [ "$routing_s" -lt "$ROUTING_MIN_S" ]; then   # issue 24 first: disagg gives way
+    PD_S=$(( PD_S - (ROUTING_MIN_S - routing_s) )); [ "$PD_S" -lt 0 ] && PD_S=0
+  fi
   log "daemon: engine $ENGINE, $(( end - $(date +%s) )) s in all (migration $MIG_S, disagg $PD_S)"
   gpu_free
   local nixl_tries="cuda;cpu:tcp,self"
@@ -138,7 +143,8 @@ case $mode in
     fi
     echo $(( t0 + total_s )) > "$S/end"
     log "install done after $(( $(date +%s) - t0 )) s; the daemon ends by $(date -u -d @"$(cat "$S/end")" +%H:%M:%S)"
-    setsid nohup bash "$0" daemon > "$S/daemon.log" 2>&1 < /dev/null &
+    cp "$0" "$S/session.sh"   # the daemon reads this copy; later calls: bash /tmp/sess/session.sh wait N
+    ROOT=$PWD setsid nohup bash "$S/session.sh" daemon > "$S/daemon.log" 2>&1 < /dev/null &
     wait_daemon $(( wait_s - ($(date +%s) - t0) ))
     collect ;;
   wait) wait_daemon "${2:-560}"; collect ;;
