@@ -174,7 +174,7 @@ def routing_phase(args: argparse.Namespace, shape: FleetShape, out: Path, logs: 
             if args.deadline:  # the arms left share what is left; an arm costs ~arm_overhead_s beside its load
                 share = (args.deadline - time.time()) / (len(runs) - k) - args.arm_overhead_s
                 seconds = min(seconds, share)
-                if seconds < args.min_arm_s:
+                if seconds < min(args.min_arm_s, args.arm_s):
                     log(f"deadline: {workload} {arm} and later not started")
                     return rows
             row = asyncio.run(run_arm(fleet, workload, arm, sizes, args, seed=100 * w + a, seconds=seconds))
@@ -196,7 +196,7 @@ def main() -> int:
     p.add_argument("--workloads", default="overflow,easy,w5,chat")
     p.add_argument("--arm-s", type=float, default=30, help="seconds of load per arm and workload (less near --deadline)")
     p.add_argument("--min-arm-s", type=float, default=8, help="an arm that would get less is not started")
-    p.add_argument("--arm-overhead-s", type=float, default=4, help="an arm's cost beside its load (warm-up, scrapes)")
+    p.add_argument("--arm-overhead-s", type=float, default=6, help="an arm's cost beside its load (warm-up, scrapes)")
     p.add_argument("--warmup-s", type=float, default=5, help="requests started before this are left out of the steady figures")
     p.add_argument("--requests", type=int, default=100000, help="at most this many requests per arm")
     p.add_argument("--users", type=int, default=64, help="closed-loop users")
