@@ -100,7 +100,7 @@ print(";".join(dict.fromkeys(t for t in (first, *sys.argv[2].split(";")) if t)))
     --model "$model" --tokenizer "$tok" --deadline $(( end - MIG_S - PD_S )) --out "$out" "${sim[@]}" $ROUTING_ARGS
   phase migration $(( end - PD_S )) $PY -m loadtest.gpu.routing_gpu --phase migration --engine "$ENGINE" \
     --model "$model" --tokenizer "$tok" --deadline $(( end - PD_S )) --out "$out" "${sim[@]}" $MIGRATION_ARGS
-  local connector=(--connector NixlConnector --nixl-tries "$nixl_tries")
+  local connector=(--connector NixlConnector --nixl-tries "$nixl_tries" --first-timeout-s 45)
   [ "$ENGINE" = sim ] && connector=()
   phase disagg "$end" $PY -m loadtest.gpu.disagg_gpu --engine "$ENGINE" --model "$model" --tokenizer "$tok" \
     --deadline "$end" --out "$out/disagg" "${connector[@]}" "${sim[@]}" $DISAGG_ARGS
