@@ -144,7 +144,9 @@ case $mode in
     echo $(( t0 + total_s )) > "$S/end"
     log "install done after $(( $(date +%s) - t0 )) s; the daemon ends by $(date -u -d @"$(cat "$S/end")" +%H:%M:%S)"
     cp "$0" "$S/session.sh"   # the daemon reads this copy; later calls: bash /tmp/sess/session.sh wait N
-    ROOT=$PWD setsid nohup bash "$S/session.sh" daemon > "$S/daemon.log" 2>&1 < /dev/null &
+    # its own session, deaf to SIGHUP: it outlives this call (Python's setsid: the binary may be missing there)
+    ROOT=$PWD $PY -c 'import os, signal, sys; os.setsid(); signal.signal(signal.SIGHUP, signal.SIG_IGN)
+os.execvp(sys.argv[1], sys.argv[1:])' bash "$S/session.sh" daemon > "$S/daemon.log" 2>&1 < /dev/null &
     wait_daemon $(( wait_s - ($(date +%s) - t0) ))
     collect ;;
   wait) wait_daemon "${2:-560}"; collect ;;
