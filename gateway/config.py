@@ -27,6 +27,9 @@ class GatewaySettings(RedisSettings):
     max_attempts: int = Field(default=3, ge=1, le=10)
     retry_backoff_ms: float = Field(default=50.0, ge=0)
     connect_timeout_s: float = Field(default=2.0, gt=0)
+    #: At start, how long to wait for Redis (restarting, failing over) before giving up
+    #: with a message; logged as it waits.
+    redis_startup_wait_s: float = Field(default=30.0, ge=0)
     #: Times one stream may move to another worker after its worker broke off mid-stream.
     max_migrations: int = Field(default=2, ge=0, le=10)
     #: From dispatch to the first token; past it the attempt counts as failed.
@@ -72,11 +75,16 @@ class GatewaySettings(RedisSettings):
     #: least-loaded one gets no credit for its cached prefix.
     route_hot_share: float = Field(default=0.75, ge=0, le=1)
     #: Least-loaded routing: a request granted but not yet past its first token counts as
-    #: 1 + this many requests in flight. Default 0 (slots only), by measurement: on one H200
-    #: (4 vLLM workers, loadtest/gpu/h200-2026-12-01-routing/) a weight of 3 gave least a
-    #: worse TTFT p90 than slots alone on every workload (overflow 1,327-2,134 ms against
-    #: 671-725 ms); the hypothesis that a returning batch stalls one worker did not hold there.
+    #: 1 + this many requests in flight. Default 0 (slots only): on one H200 (4 vLLM workers,
+    #: loadtest/gpu/h200-2026-12-01-routing/) a weight of 3 did not help least (w5 TTFT p90
+    #: 1,411 ms, slots alone 1,286, rr 396), measured before least stopped sending each user
+    #: back to the worker it left (gateway/admission/scripts.py), which the weight alone did
+    #: not stop (93% of returns still went back, tests/gateway/closed_loop.py).
     route_least_pending_weight: float = Field(default=0.0, ge=0)
+    #: Least-loaded routing: the workers within this many requests of the least loaded are
+    #: taken in turn. 0 is the least loaded alone (ties in turn), which in a closed loop sends
+    #: every user back to the worker it left (gateway/admission/scripts.py); kept to measure.
+    route_least_spread: float = Field(default=1.0, ge=0)
     #: Cache routing's index (``SLUICE_PREFIX_INDEX``, shared with the workers): ``approx``
     #: names blocks of 64 words and learns from routing and ``cached_tokens``; ``precise``
     #: names blocks of 64 token ids (the ``tokenizer`` folder's tokenizer and chat template,

@@ -11,6 +11,7 @@ backoff) and, on SIGTERM or Ctrl-C, stops them all and waits for their streams.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -20,6 +21,8 @@ import sys
 import tempfile
 import time
 from types import FrameType
+
+from redis.exceptions import RedisError
 
 from gateway.admission.tenancy import StartupRefused, Tenancy
 from gateway.app import create_app
@@ -34,12 +37,28 @@ log = logging.getLogger("sluice.gateway")
 
 
 async def preflight(settings: GatewaySettings) -> None:
-    """Checks that must stop the process with a message, before uvicorn starts."""
-    redis = await create_pool(settings.redis_url)
-    try:
-        await Tenancy(redis, settings).check_startup()
-    finally:
-        await redis.aclose()
+    """Checks that must stop the process with a message, before uvicorn starts. Redis that
+    does not answer (restarting, failing over) is waited for up to ``redis_startup_wait_s``,
+    then refused with a message (it was a traceback)."""
+    deadline = time.monotonic() + settings.redis_startup_wait_s
+    waiting = False
+    while True:
+        try:
+            redis = await create_pool(settings.redis_url)
+            try:
+                return await Tenancy(redis, settings).check_startup()
+            finally:
+                await redis.aclose()
+        except (RedisError, OSError) as exc:
+            if time.monotonic() >= deadline:
+                raise StartupRefused(
+                    f"Redis did not answer for {settings.redis_startup_wait_s:g} s ({type(exc).__name__}: {exc}); "
+                    "is it running, and is the Redis URL (--redis-url, SLUICE_REDIS_URL) right?") from None
+            if not waiting:
+                waiting = True
+                log.warning("Redis does not answer (%s: %s): waiting up to %g s for it before starting",
+                            type(exc).__name__, exc, settings.redis_startup_wait_s)
+            await asyncio.sleep(0.5)
 
 
 def listen_socket(host: str, port: int, backlog: int = 4096) -> socket.socket:

@@ -139,8 +139,8 @@ class RequestRecord:
             self.cached_tokens += int(usage.get("cached_tokens", 0))
 
     def migrated(self, worker_id: str) -> None:
+        """A stream moved to ``worker_id`` (its admission, :meth:`admitted`, named it already)."""
         self.migrations += 1
-        self.workers.append(worker_id)
         self.span.add_event("migration", {"sluice.worker_id": worker_id})
 
     def usage(self) -> dict[str, object]:

@@ -25,6 +25,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from redis.asyncio.cluster import RedisCluster
+
 from sluice import keys
 
 # KEYS epoch. ARGV 1 a new id, used if there is no epoch yet; 2 the id the caller knew ('':
@@ -89,6 +91,23 @@ class Directory:
 
     async def listed(self, model: str) -> bool:
         return bool(await self._redis.sismember(keys.MODELS, model))
+
+    async def look(self) -> tuple[bytes | None, str]:
+        """The epoch's id (None: the registry is gone), and which server processes answer
+        (their ``run_id``s; on a Cluster every master's, since a loss on one node leaves the
+        epoch, on another, as it was). A new epoch, or other servers (a restart, a failover
+        to a replica that lacked the last writes), is when processes that keep copies of
+        what Redis may have lost write them back (gateway/streams/journal_keeper.py,
+        gateway/admission/key_keeper.py)."""
+        if isinstance(self._redis, RedisCluster):
+            epoch = await self._redis.hget(keys.EPOCH, "id")
+            infos = await self._redis.info("server", target_nodes=RedisCluster.PRIMARIES)
+            return epoch, ",".join(sorted(str(info.get("run_id")) for info in infos.values()))
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hget(keys.EPOCH, "id")
+        pipe.info("server")
+        epoch, info = await pipe.execute()
+        return epoch, str(info.get("run_id"))
 
     async def forget(self, model: str) -> None:
         await self._redis.srem(keys.MODELS, model)

@@ -26,7 +26,8 @@ carry their own hash tag for the same reason.
     sl:{m}:depth                   hash priority class -> requests waiting (for /metrics)
     sl:{m}:grants                  stream of grants, read by one listener per gateway process
     sl:{m}:gateways                hash gateway process id -> liveness expiry (ms, Redis clock)
-    sl:{m}:fair                    hash V:<class> -> virtual time, F:<class>:<tenant> -> finish tag
+    sl:{m}:fair                    hash V:<class> -> virtual time, F:<class>:<tenant> -> finish tag;
+                                   seq, rr, least -> counters (arrivals, round robin's and least's turns)
     sl:{m}:done                    list of recent completion times (ms), for Retry-After
     sl:{m}:urgent_seen             exists for a minute after an urgent request: slot headroom is on
     sl:{m}:prefix                  hash prefix block hash -> ids of workers holding it (space-separated)

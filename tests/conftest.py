@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import redis
 
@@ -30,6 +31,19 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None
     while not predicate():
         assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
         time.sleep(0.02)
+
+
+def access_line(gateway, request_id: str) -> dict:
+    """The gateway's access-log fields for one request (its JSON log line)."""
+    found: list[dict] = []
+
+    def logged() -> bool:
+        found[:] = [orjson.loads(line) for line in gateway.log_tail(3000).splitlines()
+                    if f'"msg": "access request_id={request_id} ' in line]
+        return bool(found)
+
+    wait_for(logged, 5, f"the access line of {request_id}")
+    return found[-1]
 
 
 def worker_alive(client: redis.Redis, model: str, worker_id: str) -> bool:

@@ -10,15 +10,19 @@ writes them back, only where Redis has none:
 - at once, when a verify finds the record of a key it keeps missing (that request is
   served; the other kept records follow);
 - within :data:`CHECK_S` of a new registry epoch (``sl:epoch``: Redis lost its data,
-  sluice/directory.py) or of Redis coming back after being unreachable (a restart from a
-  snapshot that missed the last writes keeps the epoch), so every gateway, and one started
-  since, finds them again.
+  sluice/directory.py), of Redis coming back after being unreachable (a restart from a
+  snapshot that missed the last writes keeps the epoch), or of other server processes
+  answering (a failover to a replica that lacked the last writes; on a Cluster, a node that
+  lost its slice while the node holding the epoch kept it), so every gateway, and one
+  started since, finds them again.
 
 A process that enforces keys first writes back ``sl:apikeys:enforced``, so a gateway in
 ``auth=auto`` that starts after the loss enforces keys too (gateway/admission/tenancy.py).
 Until the new epoch is :data:`~sluice.keys.API_KEYS_RESTORE_S` old (an epoch nobody has
-marked as following a loss: :data:`~sluice.keys.API_KEYS_UNMARKED_S`), a key Redis does not
-know may be one being written back: 503 + ``Retry-After`` (SDKs retry it), not 401.
+marked as following a loss: :data:`~sluice.keys.API_KEYS_UNMARKED_S`), or this process saw
+other servers answer that recently, a key Redis does not know may be one being written
+back: 503 + ``Retry-After`` (SDKs retry it), not 401 (the nemesis, Cluster: a node lost
+the records of keys only other gateways had verified, and their clients got 401).
 
 Revocations are never undone by a copy. A record changes once at most, when it is
 revoked, so writing back merges one way: a missing record is written whole, a valid one
@@ -40,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -113,6 +118,9 @@ class KeyKeeper:
         #: This process enforces keys: after a loss it writes ``sl:apikeys:enforced`` back too.
         self.enforcing = False
         self._epoch: bytes | None = _UNSEEN
+        self._server: str | None = None  # the run_ids last seen (Directory.look)
+        self._changed_at = -math.inf  # when Redis was last away or other servers answered (monotonic)
+        self._looked_at = -math.inf  # the watch loop's last answer from Redis (monotonic)
         self._revocations = -1  # size of sl:apikeys:revoked at the last read
         self._task: asyncio.Task[None] | None = None
         self._restoring: asyncio.Task[None] | None = None
@@ -169,7 +177,12 @@ class KeyKeeper:
         """Redis has no record for the key: 503 while the keys may be being written back."""
         seen = self._epoch.decode() if isinstance(self._epoch, bytes) and self._epoch != _UNSEEN else None
         epoch = await self._directory.epoch(seen)  # made now if Redis has none, marked as after a loss
-        if epoch.keys_restore_s > 0:
+        now = time.monotonic()
+        # Also while this process has no fresh look at Redis (Redis away, or the process
+        # stalled): a loss may have happened unnoticed (nemesis, Cluster: a gateway resumed
+        # from SIGSTOP answered 401 for keys a failover had just lost).
+        if epoch.keys_restore_s > 0 or now - self._changed_at < keys.API_KEYS_RESTORE_S \
+                or now - self._looked_at > 3 * self._check_s:
             raise Unavailable("API key not known yet: Redis lost its data moments ago and gateways are writing "
                               "the keys back", retry_after_s=1, code=REGISTRY_REBUILDING)
 
@@ -205,10 +218,12 @@ class KeyKeeper:
             kept.revoke()
         if int(written):
             self.restored += 1
-            # Listed again (sluice keys list), and its revocation readable by every gateway.
-            await self._redis.sadd(keys.API_KEYS, prefix)
-            if kept.revoked:
-                await self._redis.sadd(keys.API_KEYS_REVOKED, prefix)
+        # Listed again (sluice keys list), and its revocation readable by every gateway; also
+        # when Redis kept the record but lost the lists (on a Cluster they live on another
+        # node than the record: the nemesis found keys missing from `sluice keys list`).
+        await self._redis.sadd(keys.API_KEYS, prefix)
+        if kept.revoked:
+            await self._redis.sadd(keys.API_KEYS_REVOKED, prefix)
         return kept.fields
 
     def _restore_soon(self) -> None:
@@ -254,16 +269,22 @@ class KeyKeeper:
             self._expire()
             if self._kept or self.enforcing:
                 try:
-                    epoch = await self._redis.hget(keys.EPOCH, "id")
+                    epoch, server = await self._directory.look()
                     # A new epoch, or none (the registry is gone): Redis lost its data. Back after
-                    # being away: a restart from a snapshot may have lost the last writes.
-                    if away or (epoch != self._epoch and (self._epoch is not _UNSEEN or epoch is None)):
+                    # being away, or other servers answering: a restart from a snapshot, or a
+                    # failover, may have lost the last writes (on a Cluster, one node's).
+                    moved = server != self._server and self._server is not None
+                    if away or moved:
+                        self._changed_at = time.monotonic()
+                    if away or moved or (epoch != self._epoch and (self._epoch is not _UNSEEN or epoch is None)):
                         await self.restore_all()
                     away = False
-                    self._epoch = epoch
+                    self._epoch, self._server = epoch, server
+                    self._looked_at = time.monotonic()
                     await self._learn_revocations()
                 except (RedisError, OSError) as exc:
                     if not away:
                         log.warning("API key check failed (written back once Redis answers): %s", exc)
                     away = True
+                    self._changed_at = time.monotonic()
             await asyncio.sleep(self._check_s)

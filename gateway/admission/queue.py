@@ -307,7 +307,8 @@ class Admission:
                             self._s.route_least_pending_weight if self._s.routing == "least"
                             else self._s.route_prefill_weight, ask.task,
                             ask.session if self._s.session_affinity != "off" else "", self._s.session_affinity,
-                            self._s.session_load_bound, self._s.session_cost_blocks, ask.adapter, ask.role),
+                            self._s.session_load_bound, self._s.session_cost_blocks, ask.adapter, ask.role,
+                            self._s.route_least_spread),
         ))
         try:
             return cast(list[Any], await asyncio.shield(call))
@@ -510,14 +511,19 @@ class Admission:
         while True:
             await self._prefilled_due.wait()
             await asyncio.sleep(_PREFILLED_BATCH_S)
-            self._prefilled_due.clear()
-            batch, self._prefilled = self._prefilled, {}
-            for model, lease_ids in batch.items():
-                try:
-                    await self._prefilled_script(keys=keys.admission(model), args=self._args(*lease_ids))
-                except (RedisError, OSError) as exc:
-                    # Not lost: the lease's release takes the blocks off instead.
-                    log.warning("could not report %d prefilled lease(s): %s", len(lease_ids), exc)
+            await self.report_prefilled()
+
+    async def report_prefilled(self) -> None:
+        """Tell Redis now what :meth:`prefilled` collected (the reporter does it every
+        :data:`_PREFILLED_BATCH_S`; a test in virtual time, at once)."""
+        self._prefilled_due.clear()
+        batch, self._prefilled = self._prefilled, {}
+        for model, lease_ids in batch.items():
+            try:
+                await self._prefilled_script(keys=keys.admission(model), args=self._args(*lease_ids))
+            except (RedisError, OSError) as exc:
+                # Not lost: the lease's release takes the blocks off instead.
+                log.warning("could not report %d prefilled lease(s): %s", len(lease_ids), exc)
 
     async def retry_after_s(self, model: str, position: int) -> float:
         """Seconds until ``position`` requests ahead have drained at the recent service rate."""

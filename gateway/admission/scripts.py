@@ -53,14 +53,17 @@ gateway process; its one listener hands them to local futures. Entries whose gat
 stopped beating (it died) are dropped instead of granted.
 
 Routing: which live worker with a free slot gets a request. ``least``: the lowest share
-of slots in use, counting each request not yet past its first token ``prefill`` times more
-(its prefill still stands between a new request and that request's first token). Counting
-only slots in use sent a closed loop's returning batch back to one worker: requests that
-start together on a worker finish together (fixed-length outputs), their users return at
-once, and that worker, just emptied, is the least loaded for every one of them -- so it
-prefilled the whole batch while the others decoded, and the batch stayed together for
-good. On one H200 with 4 vLLM workers that was 3.4x round robin's TTFT at the same hit
-rate and throughput (issue 24). ``rr``: round robin. ``cache`` (prefix affinity, see
+of slots in use (a request not yet past its first token counting ``1 + prefill``), and among
+the workers within ``spread`` requests of it (1 by default), each in turn (a counter in Redis,
+as round robin's).
+It took the single lowest, ties to the registry's first worker: in a closed loop the worker
+a request just left is the least loaded for its user's next request (the slot it freed), so
+every user went back to the worker it left, for good; the users the start's burst put on
+one worker together then prefilled together, decoded together and came back together, in
+lockstep, each waiting for its whole cohort's prefill. On one H200 with 4 vLLM workers that
+was 3.4x round robin's TTFT at the same hit rate and throughput (issue 24; the regression
+tests in tests/gateway/test_least_routing.py run the closed loop in virtual time).
+``rr``: round robin. ``cache`` (prefix affinity, see
 :mod:`sluice.prefix_index`): each worker costs the prompt blocks it would have to
 prefill, plus the prefill it still owes (``prefill`` per pending block: the uncached
 blocks of its requests not yet past their first token), plus its load: ``load`` blocks
@@ -206,7 +209,28 @@ local function rr_pick(ws, excluded, full)
   return nil
 end
 
--- The cheapest eligible worker (see the module docstring), least loaded on ties.
+-- Least loaded (see the module docstring): the eligible workers within `spread` requests of
+-- the lowest load, taken in turn from a shared counter (as round robin's).
+local function least_pick(ws, excluded, full, route)
+  local low = nil
+  for _, w in ipairs(ws) do
+    if eligible(w, excluded, full) then
+      local share = (w.used + route.prefill * w.prefill) / w.cap
+      if low == nil or share < low then low = share end
+    end
+  end
+  if low == nil then return nil end
+  local near = {}
+  for _, w in ipairs(ws) do
+    if eligible(w, excluded, full) and w.used + route.prefill * w.prefill <= low * w.cap + route.spread then
+      near[#near + 1] = w
+    end
+  end
+  table.sort(near, function(a, b) return a.id < b.id end)
+  return near[redis.call('HINCRBY', K_FAIR, 'least', 1) % #near + 1]
+end
+
+-- The cheapest eligible worker for cache routing (see the module docstring), least loaded on ties.
 local function best_pick(ws, excluded, full, route, matched)
   local cache = route.mode == 'cache'
   local n = #(route.blocks or {})
@@ -223,9 +247,7 @@ local function best_pick(ws, excluded, full, route, matched)
   for _, w in ipairs(ws) do
     if eligible(w, excluded, full) then
       local cost = w.used / w.cap
-      if route.mode == 'least' then
-        cost = (w.used + route.prefill * w.prefill) / w.cap
-      elseif cache then
+      if cache then
         local m = matched[w.id] or 0
         if w.used / w.cap - coolest > route.hot then m = 0 end
         cost = (n - m) + route.prefill * w.prefill + route.load * w.used * total_cap / (#ws * w.cap)
@@ -264,6 +286,7 @@ local function choose(ws, excluded, priority, need, route)
     if route.session and bounded then best = session_pick(ws, ok, ex, route) end
     if best ~= nil then
     elseif route.mode == 'rr' then best = rr_pick(ws, ex, full)
+    elseif route.mode == 'least' then best = least_pick(ws, ex, full, route)
     else best = best_pick(ws, ex, full, route, matched) end
     if best == nil then
       for i, p in ipairs(picks) do
@@ -290,7 +313,7 @@ local function route_of(meta)
   return {mode = meta.mode or 'least', blocks = meta.blocks, load = tonumber(meta.load) or 0,
           prefill = tonumber(meta.prefill) or 0, hot = tonumber(meta.hot) or 1,
           session = meta.session, affinity = meta.affinity, bound = tonumber(meta.bound) or 1,
-          away = tonumber(meta.away) or 0, adapter = meta.adapter}
+          away = tonumber(meta.away) or 0, adapter = meta.adapter, spread = tonumber(meta.spread) or 1}
 end
 
 -- Whether the live workers not excluded hold `need` slots in all: a waiting request that
@@ -533,7 +556,8 @@ end
 #: score, tokenize), 22 session key ('': none; :mod:`gateway.admission.affinity`), 23 affinity
 #: (bounded | cost), 24 its load bound (x the mean share), 25 its cost for a worker other than
 #: the session's home, 26 LoRA adapter ('': the base model; :mod:`gateway.admission.adapters`),
-#: 27 the role of the workers a disaggregated hop needs ('': any worker; :mod:`sluice.roles`).
+#: 27 the role of the workers a disaggregated hop needs ('': any worker; :mod:`sluice.roles`),
+#: 28 least's spread (requests above the lowest load still taken in turn).
 #: Returns {'granted', leases JSON [[lease, worker, url, matched blocks, prefill blocks], ...]}
 #: | {'queued', position, the grant stream's last id (its grant can only come after it)}
 #: | {'full', length} | {'none'} | {'too_big', slots of the live workers it may use}
@@ -571,6 +595,7 @@ local meta = {deadline = now + tonumber(ARGV[10]), exclude = exclude, priority =
               gw = gateway, mode = ARGV[17], load = tonumber(ARGV[18]), hot = tonumber(ARGV[19]),
               prefill = tonumber(ARGV[20])}
 if task ~= 'generate' then meta.task = task end
+if ARGV[17] == 'least' then meta.spread = tonumber(ARGV[28]) end
 meta.adapter, meta.role = adapter, role
 if ARGV[22] ~= '' then
   meta.session, meta.affinity, meta.bound, meta.away = ARGV[22], ARGV[23], tonumber(ARGV[24]), tonumber(ARGV[25])

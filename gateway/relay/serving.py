@@ -33,6 +33,7 @@ from gateway.streams.journal import (
     start_producer,
     stream_key,
 )
+from gateway.streams.journal_keeper import WRITE_BACK_S
 from gateway.streams.journal_quota import JournalQuota, journal_events
 from gateway.streams.journal_readers import JournalReaders
 from gateway.streams.migration import Migrator
@@ -216,8 +217,11 @@ class Serving:
         self._keep(producer)
 
         async def settle() -> None:
-            await asyncio.wait([producer])
+            drained = asyncio.ensure_future(writer.settled())
+            await asyncio.wait([producer, drained], return_when=asyncio.FIRST_COMPLETED)
+            drained.cancel()
             await ending.bill(writer.ended)
+            await asyncio.wait([producer])
             if producer.cancelled() or producer.exception() is not None or not writer.ended:
                 # Lost to a take-over (JournalLost), or its journal failed or was cut short
                 # (Redis unreachable past the drain): the key, and the plan, stay with the
@@ -376,9 +380,24 @@ class Serving:
             if time.monotonic() > deadline:
                 raise DeadlineExceeded(f"the stream for Idempotency-Key {key!r} has not begun yet")
             await asyncio.sleep(0.05)  # its first request is still being admitted
-        if record is not None and record.get("state") == "done" and not await self._redis.exists(stream_key(key)):
-            raise RouteNotFound(f"the stream for Idempotency-Key {key!r} is no longer kept")
+        if record is not None and record.get("state") == "done":
+            await self._finished_journal(key, after)
         return SSEResponse(self._readers.tail(key, after), self._keepalive)
+
+    async def _finished_journal(self, key: str, after: int) -> None:
+        """A finished stream's journal, which Redis may have lost while keeping its record:
+        its producer's keeper writes it back within ``WRITE_BACK_S`` of noticing the loss
+        (gateway/streams/journal_keeper.py). If it does not, a client holding events is told
+        its history is lost (it got 404 "no longer kept": nemesis, Cluster), one holding
+        none that nothing is kept."""
+        until = time.monotonic() + WRITE_BACK_S
+        while not await self._redis.exists(stream_key(key)):
+            if time.monotonic() >= until:
+                if after:
+                    raise HistoryLost(f"the finished stream this Last-Event-ID ({after}) belongs to is no longer "
+                                      "in Redis (it lost data): it cannot be resumed")
+                raise RouteNotFound(f"the stream for Idempotency-Key {key!r} is no longer kept")
+            await asyncio.sleep(0.1)
 
     async def _end_stream(
         self, upstreams: list[Upstream | None], record: RequestRecord, ctx: RequestContext,

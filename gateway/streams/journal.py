@@ -107,8 +107,9 @@ _NO_DEADLINE_MS = 2**53
 def now_ms() -> int:
     return int(time.time() * 1000)
 
-#: Reads a journal from after event N on: ``JournalReaders.tail``.
-CatchUp = Callable[[str, int], AsyncIterator[bytes]]
+#: Reads a journal from after event N on, of the generation whose ``:head`` is given (None:
+#: any): ``JournalReaders.tail``.
+CatchUp = Callable[[str, int, bytes | None], AsyncIterator[bytes]]
 
 
 def stream_key(key: str) -> str:
@@ -122,6 +123,16 @@ def live_key(key: str) -> str:
 def producer_gone() -> bytes:
     """The in-band error a reader gets when the stream ends without its ``[DONE]``."""
     return error_event(UpstreamFailed("the stream's producer is gone; the rest is lost"))
+
+
+def another_generation(after: int) -> bytes:
+    """The in-band error a reader gets when the journal it follows now holds another
+    generation of the stream (Redis lost data, and a failover or a re-sent request brought
+    another one): its client has events 1..``after`` of the first, which never go on with
+    another's."""
+    return error_event(UpstreamFailed(
+        f"the stream's journal no longer holds the generation of events 1..{after} (Redis lost data); "
+        "the stream cannot be resumed from there", code="stream_history_lost"))
 
 
 def history_lost(after: int, found: int | None) -> bytes:
@@ -173,13 +184,18 @@ class FirstReader:
     """The first client of a resumable stream: events as they are produced, not as flushed.
 
     If it falls more than ``lag_max`` events behind, the producer lets go of it and it
-    goes on from the journal (``catch_up``), so a slow client costs no unbounded memory.
+    goes on from the journal (``catch_up``), so a slow client costs no unbounded memory;
+    so does one whose producer lost the stream. From the journal it gets only events of its
+    own generation (``lineage``: the stream's ``:head``): after Redis lost data, the journal
+    may hold another one (the nemesis, Sentinel: a producer lost its journal to an older
+    generation that a failover brought back, and its client went on with that one's events).
     """
 
-    def __init__(self, key: str, catch_up: CatchUp, lag_max: int) -> None:
+    def __init__(self, key: str, catch_up: CatchUp, lag_max: int, lineage: bytes | None = None) -> None:
         self._key = key
         self._catch_up = catch_up
         self._lag_max = lag_max
+        self._lineage = lineage
         self._queue: asyncio.Queue[tuple[int, bytes] | None] = asyncio.Queue()
         self._lagging = False
         self._closed = False
@@ -214,7 +230,8 @@ class FirstReader:
             if data == DONE:
                 return
         if self._lagging:
-            async with contextlib.aclosing(self._catch_up(self._key, last)) as rest:
+            # A client that has no event yet may get any one generation whole.
+            async with contextlib.aclosing(self._catch_up(self._key, last, self._lineage if last else None)) as rest:
                 async for data in rest:
                     yield data
         else:
@@ -384,6 +401,9 @@ class JournalWriter:
         self._written = 0
         self._produced = 0
         self._ended = False  # [DONE] written
+        #: Set once the journal's fate is known (its end written, or given up on), before the
+        #: producer's clean-up round trips: see :meth:`settled`.
+        self._drained = asyncio.Event()
         self._progress = asyncio.Event()  # a write ended (well or not)
         self.last_write = time.monotonic()
         self._failure: RedisError | OSError | JournalLost | None = None
@@ -421,7 +441,7 @@ class JournalWriter:
         """The first client's reader; call it before the producer starts, so it misses nothing."""
         if self._produced:
             raise RuntimeError("subscribe before the producer starts")
-        self._first = FirstReader(self.key, catch_up, lag_max)
+        self._first = FirstReader(self.key, catch_up, lag_max, self._head or None)
         return self._first
 
     async def run(self, events: AsyncIterator[bytes], abandon: Callable[[], Awaitable[None]],
@@ -466,6 +486,7 @@ class JournalWriter:
                 self._add(error_event(cut), b"")
                 self._add(DONE, b"")
             await self._drain()
+            self._drained.set()
             self._committer.unfollow(self)
             if not self.lost:
                 await self.release()
@@ -479,6 +500,13 @@ class JournalWriter:
                         self._budget, self.stored_bytes - self._plan_bytes))
             if self._first is not None:
                 self._first.end()
+
+    async def settled(self) -> None:
+        """Return once the journal's fate is known (:attr:`ended` says which), before the
+        producer lets go of ``:live`` and settles its memory reservation: a stream is billed
+        then, not after those round trips (a gateway killed while a failing-over Cluster
+        held them up had served the stream's end and never logged its bill: nemesis, Cluster)."""
+        await self._drained.wait()
 
     def _add(self, event: bytes, state: bytes) -> None:
         stored = compact(self._head, event)

@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from redis.asyncio import Redis
-from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from gateway.streams.journal_history import JournalHistory
 from sluice import keys
+from sluice.directory import Directory
 from sluice.errors import SluiceError
 
 log = logging.getLogger("sluice.journal")
@@ -52,15 +52,24 @@ KEEP_S = 60.0
 #: the two idle checks (``JournalReaders``' ``idle_s``) after which a reader takes a stream
 #: over whose journal lost its end, so the end is back first.
 CHECK_S = 0.5
+#: A kept journal is back this long after a loss its keeper can see (the loss noticed
+#: within ``CHECK_S``, the write-back's round trips, a failover's reconnect): how long a
+#: re-attach that finds a finished stream's journal missing waits for it.
+WRITE_BACK_S = 3.0
 #: The epoch before the first read.
 _UNSEEN = b"\0unseen"
 
 #: Write a finished journal back, if Redis lost it (or its end) and nobody claimed the key
-#: since (no ``:live``; no record, or one this producer owns). KEYS: stream, head, record,
-#: live. ARGV: ttl ms, head, fp, owner, number of events, then (data, state) per event.
-#: Returns the number of events written.
+#: since (no ``:live`` but this producer's own; no record, or one this producer owns). A
+#: failover to a replica that lacked the stream's last writes brings back this producer's
+#: ``:live`` too (its release was one of them): that claim is stale, and deleted once the
+#: end is back (it held the write-back off until it expired, a reader then took the stream
+#: over and generated its tail again: nemesis, Sentinel, billed twice). KEYS: stream, head,
+#: record, live. ARGV: ttl ms, head, fp, owner, number of events, then (data, state) per
+#: event. Returns the number of events written.
 RESTORE = """
-if redis.call('EXISTS', KEYS[4]) == 1 then return 0 end
+local live = redis.call('GET', KEYS[4])
+if live and live ~= ARGV[4] then return 0 end
 local owner = redis.call('HGET', KEYS[3], 'owner')
 if owner and owner ~= ARGV[4] then return 0 end
 local last = 0
@@ -77,7 +86,10 @@ if ARGV[2] ~= '' then redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[1]) end
 if not owner and ARGV[3] ~= '' then
   redis.call('HSET', KEYS[3], 'fp', ARGV[3], 'stream', '1', 'state', 'done', 'owner', ARGV[4])
   redis.call('PEXPIRE', KEYS[3], ARGV[1])
+elseif owner then
+  redis.call('HSET', KEYS[3], 'state', 'done')  -- as this producer settled it before the loss
 end
+if live then redis.call('DEL', KEYS[4]) end
 return n - last
 """
 
@@ -114,6 +126,7 @@ class JournalKeeper:
                  check_s: float = CHECK_S) -> None:
         self._redis = redis
         self._busy = busy  # whether streams are being produced: watch the epoch from their start
+        self._directory = Directory(redis)
         self._restore = redis.register_script(RESTORE)
         self._keep_s = keep_s
         self._check_s = check_s
@@ -149,7 +162,7 @@ class JournalKeeper:
         away = False
         while self._kept or self._busy():
             try:
-                epoch, server = await self._look()
+                epoch, server = await self._directory.look()
             except (RedisError, OSError):
                 away = True  # Redis is away: look again once it is back
                 await asyncio.sleep(self._check_s)
@@ -167,21 +180,6 @@ class JournalKeeper:
             await asyncio.sleep(self._check_s)
             self._expire()
         self._epoch, self._server = _UNSEEN, None  # not watched from here on
-
-    async def _look(self) -> tuple[bytes | None, str | None]:
-        """The registry's epoch, and which server processes answer (their ``run_id``s: on a
-        Cluster every master's, since a journal lives on whichever node holds its slot and
-        the epoch on one node only: the nemesis found finished streams whose node failed
-        over regenerated and billed twice)."""
-        if isinstance(self._redis, RedisCluster):
-            epoch = await self._redis.hget(keys.EPOCH, "id")
-            infos = await self._redis.info("server", target_nodes=RedisCluster.PRIMARIES)
-            return epoch, ",".join(sorted(str(info.get("run_id")) for info in infos.values()))
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.hget(keys.EPOCH, "id")
-        pipe.info("server")
-        epoch, info = await pipe.execute()
-        return epoch, str(info.get("run_id"))
 
     def _expire(self) -> None:
         now = time.monotonic()

@@ -15,6 +15,14 @@ out to per-reader queues: a gateway's Redis connections no longer depend on its 
 - never a silent gap: a reader whose next entry is not the one after its cursor (Redis
   lost part of the journal, see gateway/streams/journal.py) gets an in-band error, then
   ``[DONE]``; so does one whose entries need the stream's lost ``:head``;
+- never a splice: each reader follows one generation, the one whose ``:head`` (the chunk
+  id every event carries) its first events came with. ``:head`` is read after each
+  ``XREAD`` in the same pipeline, so entries a poll hands out are never older than the head
+  checked with them; a journal whose head changed (Redis lost the stream, then a re-sent
+  request, or a failover back to older data, made another generation of it) ends the
+  reader with the in-band ``stream_history_lost`` error. One ``GET`` per followed stream
+  and poll; a client that re-attaches after the change cannot be told (its
+  ``Last-Event-ID`` is a number);
 - a reader that got nothing for ``idle_s`` has the stream's ``:live`` marker checked;
   if the producer is gone (not running in this process; and not judged from a poll that
   Redis, or this process, stalled: the clock starts again) and a further read still
@@ -39,6 +47,7 @@ from redis.exceptions import RedisError
 
 from gateway.streams.journal import (
     DONE,
+    another_generation,
     entry_number,
     expand,
     frame,
@@ -62,6 +71,8 @@ class _Reader:
     key: str
     cursor: int  # the last event number queued for this reader
     quiet_since: float  # since when nothing arrived, or :live was last seen
+    #: The ``:head`` of the generation this reader's client has events of (None: none yet).
+    lineage: bytes | None = None
     queue: asyncio.Queue[bytes] = field(default_factory=asyncio.Queue)
     doomed: bool = False  # :live was gone after an empty read: one more empty read ends it
 
@@ -92,15 +103,16 @@ class JournalReaders:
         #: says (Redis lost it in a stall or outage; the producer re-claims it).
         self.producing: Callable[[str], bool] = lambda key: False
         self._adopting: dict[str, asyncio.Task[bool]] = {}
-        self._heads: dict[str, bytes] = {}  # each followed stream's :head, once read
         self._last_poll = time.monotonic()  # when the last poll's answer came
 
     def __repr__(self) -> str:
         return f"<JournalReaders readers={len(self._readers)} polls={self._polls}>"
 
-    async def tail(self, key: str, after: int = 0) -> AsyncIterator[bytes]:
-        """Events after number ``after``, each with its ``id:``, following the live stream to [DONE]."""
-        reader = _Reader(key, after, time.monotonic())
+    async def tail(self, key: str, after: int = 0, lineage: bytes | None = None) -> AsyncIterator[bytes]:
+        """Events after number ``after``, each with its ``id:``, following the live stream to
+        [DONE]; only of the generation whose ``:head`` is ``lineage``, if given (else the
+        one the first events come with)."""
+        reader = _Reader(key, after, time.monotonic(), lineage)
         self._readers.add(reader)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="journal-readers")
@@ -111,8 +123,6 @@ class JournalReaders:
             yield DONE
         finally:
             self._readers.discard(reader)
-            if not any(r.key == key for r in self._readers):
-                self._heads.pop(key, None)
 
     async def close(self) -> None:
         for task in list(self._adopting.values()):
@@ -142,22 +152,22 @@ class JournalReaders:
     async def _poll(self) -> bool:
         """One round trip for all readers; True if some stream may have more right away."""
         now = time.monotonic()
-        groups: dict[tuple[str, int], list[_Reader]] = {}
+        groups: dict[tuple[str, int, bytes | None], list[_Reader]] = {}
         for reader in self._readers:
             if reader.queue.qsize() < self._max_queued:
-                groups.setdefault((reader.key, reader.cursor), []).append(reader)
+                groups.setdefault((reader.key, reader.cursor, reader.lineage), []).append(reader)
         if not groups:
             return False
-        checks = sorted({key for (key, _), readers in groups.items()
+        checks = sorted({key for (key, _, _), readers in groups.items()
                          if any(now - r.quiet_since >= self._idle_s for r in readers)})
-        heads = sorted({key for key, _ in groups if key not in self._heads})
         pipe = self._redis.pipeline(transaction=False)
-        for key, cursor in groups:
+        for key, cursor, _ in groups:
             pipe.xread({stream_key(key): f"0-{cursor}"}, count=self._count)
+            # After its XREAD: a head is written with the first entries that need it, and
+            # one read later than the entries is never older than they are.
+            pipe.get(keys.journal_head(key))
         for key in checks:
             pipe.exists(live_key(key))
-        for key in heads:  # after the XREADs: a head is written with the first entries that need it
-            pipe.get(keys.journal_head(key))
         self._polls += 1
         try:
             results = await pipe.execute(raise_on_error=False)
@@ -166,7 +176,7 @@ class JournalReaders:
             self._end_all([reader for readers in groups.values() for reader in readers])
             return False
         answered = time.monotonic()
-        found_live = results[len(groups):len(groups) + len(checks)]
+        found_live = results[2 * len(groups):]
         live = {key: bool(found) for key, found in zip(checks, found_live, strict=True)
                 if not isinstance(found, Exception)}
         if answered - now > self._idle_s or now - self._last_poll > self._idle_s + self._poll_s:
@@ -180,18 +190,24 @@ class JournalReaders:
                 for reader in readers:
                     reader.quiet_since, reader.doomed = answered, False
         self._last_poll = answered
-        for key, head in zip(heads, results[len(groups) + len(checks):], strict=True):
-            if isinstance(head, bytes):
-                self._heads[key] = head
         more = False
-        for ((key, _), readers), got in zip(groups.items(), results, strict=False):
+        for i, ((key, cursor, lineage), readers) in enumerate(groups.items()):
+            got, head = results[2 * i], results[2 * i + 1]
+            head = head if isinstance(head, bytes) else None
             if isinstance(got, Exception):  # this stream only, e.g. its key now holds something else
                 log.warning("reading journal %s failed: %s", key, got)
                 self._end_all(readers)
+            elif lineage is not None and head != lineage and (got or head is not None):
+                # Another generation's head, or entries without the head of ours (a lost
+                # journal with no entries yet is not a change: its producer may write it back).
+                log.warning("journal %s holds another generation than the one %d reader(s) had events 1..%d of",
+                            key, len(readers), cursor)
+                for reader in readers:
+                    self._end(reader, another_generation(cursor))
             elif got:
                 entries = got[0][1]
                 more |= len(entries) >= self._count
-                self._deliver(readers, entries, now, self._heads.get(key))
+                self._deliver(readers, entries, now, head)
             else:
                 self._quiet(key, readers, live, now)
         return more
@@ -261,6 +277,8 @@ class JournalReaders:
                 break
         for reader in readers:
             reader.cursor, reader.quiet_since, reader.doomed = last, now, False
+            if frames and head is not None:
+                reader.lineage = head
             for data in frames:
                 reader.queue.put_nowait(data)
             if lost is not None:

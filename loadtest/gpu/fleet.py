@@ -28,8 +28,10 @@ from sluice.embedded_redis import EmbeddedRedis, free_port
 ARMS: dict[str, dict[str, str]] = {
     "rr": {"SLUICE_GATEWAY_ROUTING": "rr"},
     "least": {"SLUICE_GATEWAY_ROUTING": "least"},
-    # least as it was before issue 24's fix: slots in use only (a returning batch goes back whole)
-    "least-slots": {"SLUICE_GATEWAY_ROUTING": "least", "SLUICE_GATEWAY_ROUTE_LEAST_PENDING_WEIGHT": "0"},
+    # least as it was before issue 24's fix: slots in use only, the least loaded alone (each
+    # closed-loop user back to the worker it left); "least" takes those within one request in turn
+    "least-slots": {"SLUICE_GATEWAY_ROUTING": "least", "SLUICE_GATEWAY_ROUTE_LEAST_PENDING_WEIGHT": "0",
+                    "SLUICE_GATEWAY_ROUTE_LEAST_SPREAD": "0"},
     "cache-approx": {"SLUICE_GATEWAY_ROUTING": "cache", "SLUICE_PREFIX_INDEX": "approx"},
     "cache-precise": {"SLUICE_GATEWAY_ROUTING": "cache", "SLUICE_PREFIX_INDEX": "precise"},
 }

@@ -27,10 +27,13 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 import httpx
+from redis.exceptions import RedisError
 
+from sluice import keys
 from sluice.embedded_redis import EmbeddedRedis, free_port
 from sluice.processes import Child, default_procs
 from sluice.redis_pool import redact_url
+from sluice.redis_url import sync_client
 from sluice.roles import BOTH, DECODE, PREFILL, Role
 
 log = logging.getLogger("sluice.commands.up")
@@ -254,14 +257,27 @@ class Supervisor:
                     return False
                 worker.restart_if_due()
             try:
-                if httpx.get(self.url() + "/ready", timeout=2).status_code == 200:
+                answer = httpx.get(self.url() + "/ready", timeout=2)
+                # Ready once every worker it started serves, not the first one (with --pd, a
+                # prefill worker alone was "ready" and its first requests found no decode one).
+                if answer.status_code == 200 and self._live_workers(answer.json().get("models", [])) >= len(self.workers):
                     return True
-            except httpx.HTTPError:
+            except (httpx.HTTPError, RedisError, ValueError):
                 pass
             time.sleep(0.25)
         if not self._stop:
             print(f"sluice up: not ready after {self.options.ready_timeout_s:.0f}s", file=sys.stderr)
         return self._stop and False
+
+    def _live_workers(self, models: list[str]) -> int:
+        """Workers of ``models`` whose heartbeat has not expired, on Redis's clock."""
+        client = sync_client(self.redis_url or "")
+        try:
+            seconds, micros = client.time()
+            now_ms = seconds * 1000 + micros // 1000
+            return sum(1 for model in models for expiry in client.hvals(keys.alive(model)) if int(expiry) >= now_ms)
+        finally:
+            client.close()
 
     def _banner(self) -> None:
         url = self.url()

@@ -14,7 +14,7 @@ import pytest
 
 from sluice import keys
 from sluice.prefix import BLOCK_TOKENS
-from tests.conftest import streaming, wait_for, worker_alive
+from tests.conftest import access_line, streaming, wait_for, worker_alive
 
 PROMPT = "tell me about the sluice gates of the old canal"
 
@@ -184,19 +184,6 @@ def test_a_pd_requests_output_counts_toward_its_tenants_fair_share_once(client, 
         assert got.usage.completion_tokens == 20
         wait_for(lambda: released(redis_client, model), 5, f"{model}'s leases to be released")
         assert charged(redis_client, model) == got.usage.prompt_tokens + 20, model
-
-
-def access_line(gateway, request_id: str) -> dict:
-    """The gateway's access-log fields for one request (its JSON log line)."""
-    found: list[dict] = []
-
-    def logged() -> bool:
-        found[:] = [orjson.loads(line) for line in gateway.log_tail(3000).splitlines()
-                    if f'"msg": "access request_id={request_id} ' in line]
-        return bool(found)
-
-    wait_for(logged, 5, f"the access line of {request_id}")
-    return found[-1]
 
 
 def test_a_pd_request_reports_both_workers_and_the_prefill_hops_route(gateway, start_worker) -> None:

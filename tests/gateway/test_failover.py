@@ -7,7 +7,7 @@ import time
 import httpx
 import openai
 
-from tests.conftest import worker_alive
+from tests.conftest import access_line, worker_alive
 
 
 def test_sigkill_one_of_two_workers(start_worker, start_gateway, redis_client) -> None:
@@ -91,16 +91,21 @@ def test_a_worker_nobody_answers_for_stops_getting_slots_at_once(start_worker, s
 def test_a_stream_whose_every_worker_died_waits_for_a_replacement(start_worker, start_gateway) -> None:
     """Regression (nemesis): a migration that found no live worker it had not tried (every
     worker killed or restarting at once) ended the stream with "every live worker failed
-    this request" while the replacements were starting."""
+    this request" while the replacements were starting. Its access line names each worker
+    once (it listed the new one twice: "w0,w1,w1")."""
     model = "replaced"
     first = start_worker(model, sim_token_ms=20)
     gateway = start_gateway()
     body = {"model": model, "prompt": "carry on", "max_tokens": 80, "seed": 3, "temperature": 0}
     with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=30) as client:
         reference = client.completions.create(**body).choices[0].text
-        stream = iter(client.completions.create(**body, stream=True))
+        response = client.completions.create(**body, stream=True)
+        stream = iter(response)
         texts = [next(stream).choices[0].text for _ in range(5)]
         first.kill()
-        start_worker(model, sim_token_ms=20)  # a new process: a new worker id
+        second = start_worker(model, sim_token_ms=20)  # a new process: a new worker id
         texts += [chunk.choices[0].text for chunk in stream if chunk.choices]
+        request_id = response.response.headers["x-request-id"]
     assert "".join(texts) == reference
+    fields = access_line(gateway, request_id)
+    assert (fields["workers"], fields["migrations"]) == (f"{first.name},{second.name}", 1)

@@ -258,7 +258,7 @@ def test_one_api_key_cannot_fill_redis_with_journals(private_redis, start_worker
         assert int(client.hget(keys.JOURNAL_QUOTA.tenants, greedy.split("-")[2])) == held
     # Its next resumable request: 429 in OpenAI's shape, before any work.
     refused = httpx.post(url, json={**body, "max_tokens": 5}, headers=as_(greedy), timeout=30)
-    assert refused.status_code == 429
+    assert refused.status_code == 429, refused.text
     assert refused.json()["error"]["code"] == "journal_memory_exceeded"
     assert set(refused.json()["error"]) == {"message", "type", "param", "code"}
     assert int(refused.headers["retry-after"]) >= 1
@@ -463,3 +463,163 @@ async def test_a_finished_journal_on_a_cluster_node_that_lost_its_data_is_writte
         await keeper.close()
         await client.aclose()
         cluster.stop()
+
+
+def _head(chunk_id: str) -> bytes:
+    return b'data: {"id":"' + chunk_id.encode() + b'","object":"chat.completion.chunk","created":1,"model":"sim"'
+
+
+async def _replace_generation(client, key: str, head: bytes, events: int) -> None:
+    """Redis lost the stream and now holds another generation of it (a re-sent request's,
+    or older data a failover brought back), produced by another gateway."""
+    await client.delete(keys.journal(key), keys.journal_head(key), keys.journal_live(key))
+    for number in range(1, events + 1):
+        await client.xadd(keys.journal(key), {"d": b',"n":%d}\n\n' % number, "s": b""}, id=f"0-{number}")
+    await client.set(keys.journal_head(key), head, px=60_000)
+    await client.set(keys.journal_live(key), "elsewhere", px=60_000)
+
+
+async def test_a_first_client_whose_producer_lost_the_journal_to_another_generation_gets_no_splice(
+        private_redis) -> None:
+    """Regression (nemesis, Sentinel: two splices): a re-sent request started a second
+    generation after Redis lost the first one's record; a failover brought the first one's
+    journal back, the second producer lost the stream to it and its first client went on
+    from the journal: events 1..k of one generation, then k+1.. of the other (two chunk
+    ids). The client now gets ``stream_history_lost`` after its k events."""
+    client = await create_pool(private_redis["server"].url)
+    committer, idem = JournalCommitter(client), Idempotency(client, ttl_s=60)
+    readers = JournalReaders(client, poll_s=0.01, idle_s=0.2)
+    ours, theirs = _head("chatcmpl-ours"), _head("chatcmpl-theirs")
+    resume = asyncio.Event()
+    key = uuid.uuid4().hex
+
+    async def events():
+        for i in range(1, 4):
+            yield ours + b',"n":%d}\n\n' % i
+        await resume.wait()
+        yield ours + b',"n":4}\n\n'
+        yield DONE
+
+    async def nothing() -> None:
+        return None
+
+    try:
+        assert await idem.claim(key, "fp", True, time.monotonic() + 30, "p") is None
+        writer = JournalWriter(committer, key, ttl_s=60, owner="p", head=ours)
+        first = writer.subscribe(readers.tail)
+        producer = await start_producer(writer, events(), nothing)
+        consumer = asyncio.create_task(_collect(first.events()))
+        for _ in range(500):  # the first three events journaled
+            if await client.xlen(keys.journal(key)) == 3:
+                break
+            await asyncio.sleep(0.01)
+        await _replace_generation(client, key, theirs, events=8)
+        resume.set()
+        got = await asyncio.wait_for(consumer, 10)
+        await asyncio.gather(producer, return_exceptions=True)
+        assert got[:3] == [b"id: %d\n" % i + ours + b',"n":%d}\n\n' % i for i in range(1, 4)]
+        assert all(theirs not in event for event in got), got
+        assert b"stream_history_lost" in got[3] and got[4:] == [DONE], got
+    finally:
+        await readers.close()
+        await idem.close()
+        await committer.close()
+        await client.aclose()
+
+
+async def test_a_reattached_reader_never_goes_on_with_another_generation(private_redis) -> None:
+    """The same splice for a client that re-attached: it follows the generation its first
+    events came with, and a journal that now holds another one ends it with the error."""
+    client = await create_pool(private_redis["server"].url)
+    readers = JournalReaders(client, poll_s=0.01, idle_s=5.0)
+    ours, theirs = _head("chatcmpl-ours"), _head("chatcmpl-theirs")
+    key = uuid.uuid4().hex
+    await _replace_generation(client, key, ours, events=3)
+    try:
+        follower = asyncio.create_task(_collect(readers.tail(key, after=1)))
+        await asyncio.sleep(0.2)  # events 2 and 3 delivered
+        await _replace_generation(client, key, theirs, events=8)
+        got = await asyncio.wait_for(follower, 10)
+        assert got[:2] == [b"id: %d\n" % i + ours + b',"n":%d}\n\n' % i for i in (2, 3)]
+        assert all(theirs not in event for event in got), got
+        assert b"stream_history_lost" in got[2] and got[3:] == [DONE], got
+    finally:
+        await readers.close()
+        await client.aclose()
+
+
+async def test_a_finished_journal_whose_end_a_failover_lost_is_written_back_over_its_own_stale_live(
+        private_redis) -> None:
+    """Regression (nemesis, Sentinel: billed twice): a failover to a replica that lacked a
+    finished stream's last writes brought back events 1..21 of 34 and the producer's
+    ``:live``, whose release was among the lost writes. The keeper saw the failover but did
+    not write the journal back (``:live`` was held), the stale claim expired, a reader took
+    the stream over and generated (and billed) its tail a second time. The producer's own
+    ``:live`` no longer stops the write-back."""
+    client = await create_pool(private_redis["server"].url)
+    keeper = JournalKeeper(client, check_s=60)
+    scope = uuid.uuid4().hex
+    try:
+        history = JournalHistory()
+        for number in range(1, 35):
+            history.add(b"data: %d\n\n" % number if number < 34 else DONE, b"")
+        await client.hset(keys.EPOCH, "id", "epoch-1")  # the keeper's first look finds nothing lost
+        keeper.keep(Finished(scope, "producer", "fp", b"", history, 60_000, None, 0))
+        await asyncio.sleep(0.2)
+        await _truncate(client, scope, 21)  # what the promoted replica had
+        await client.set(keys.journal_live(scope), "producer", px=3000)
+        await client.hset(keys.idempotency(scope), mapping={"fp": "fp", "stream": "1", "state": "streaming",
+                                                            "owner": "producer"})
+        await keeper.restore_all()
+        assert await client.xlen(keys.journal(scope)) == 34
+        assert not await client.exists(keys.journal_live(scope))  # nobody produces it: readers read its end
+        assert await client.hget(keys.idempotency(scope), "state") == b"done"
+        await client.set(keys.journal_live(scope), "a-taker", px=3000)  # another gateway's claim is respected
+        await _truncate(client, scope, 21)
+        await keeper.restore_all()
+        assert await client.xlen(keys.journal(scope)) == 21
+    finally:
+        await keeper.close()
+        await client.aclose()
+
+
+async def _truncate(client, scope: str, events: int) -> None:
+    await client.delete(keys.journal(scope))
+    for number in range(1, events + 1):
+        await client.xadd(keys.journal(scope), {"d": b"data: %d\n\n" % number, "s": b""}, id=f"0-{number}")
+
+
+async def test_a_stream_is_settled_before_its_producer_lets_go_of_it(private_redis) -> None:
+    """Regression (nemesis, Cluster: streams served whole and never billed): the bill (the
+    access-log line) waited for the producer's clean-up round trips after its ``[DONE]``
+    (releasing ``:live``, settling its memory reservation); a failing-over Cluster held
+    those up for seconds and a gateway killed then never logged what it had served. The
+    journal's fate is known, and the stream billed, before them."""
+    client = await create_pool(private_redis["server"].url)
+    committer = JournalCommitter(client)
+    held = asyncio.Event()
+
+    async def release_held(key: str, owner: str) -> bool:  # Redis holds the clean-up up
+        await held.wait()
+        return True
+
+    committer.release = release_held  # type: ignore[method-assign]
+
+    async def events():
+        yield b"data: 1\n\n"
+        yield DONE
+
+    async def nothing() -> None:
+        return None
+
+    try:
+        writer = JournalWriter(committer, uuid.uuid4().hex, ttl_s=60, owner="p")
+        producer = await start_producer(writer, events(), nothing)
+        await asyncio.wait_for(writer.settled(), 5)
+        assert writer.ended and not producer.done()
+        held.set()
+        await producer
+    finally:
+        held.set()
+        await committer.close()
+        await client.aclose()

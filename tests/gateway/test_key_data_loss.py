@@ -20,9 +20,12 @@ import pytest
 import redis
 import redis.asyncio
 
+from gateway.admission.key_keeper import KeyKeeper
 from sluice import keys
 from sluice.apikeys import KeyStore
-from sluice.embedded_redis import EmbeddedRedis, free_port
+from sluice.embedded_redis import EmbeddedCluster, EmbeddedRedis, free_port
+from sluice.redis_pool import create_pool
+from sluice.redis_url import sync_client
 from tests.conftest import Proc, _env, wait_for
 
 MODEL = "keyloss"
@@ -31,7 +34,7 @@ MODEL = "keyloss"
 def _create(url: str, name: str) -> tuple[str, str]:
     """A new key and its prefix, made as ``sluice keys create`` makes it."""
     async def create() -> tuple[str, str]:
-        client = redis.asyncio.Redis.from_url(url)
+        client = await create_pool(url)
         try:
             key, record = await KeyStore(client).create(name)
         finally:
@@ -168,3 +171,46 @@ def test_an_auto_gateway_started_after_a_loss_does_not_serve_without_a_key(tmp_p
         assert httpx.get(fresh.url + "/v1/models").status_code == 401  # no key: not served
         _list_models(fresh, key)  # written back by the gateway that had verified it
 
+
+
+def test_a_key_one_cluster_node_lost_is_never_401(start_worker, start_gateway) -> None:
+    """Regression (nemesis, Cluster: 5 invalid_api_key): a node restarted empty and lost the
+    records of the keys it held, while the node holding the registry's epoch kept it. A
+    gateway that had never verified such a key answered 401 (the epoch was old), and the
+    gateways that had verified it never wrote it back (they watched the epoch alone). Every
+    gateway now watches which servers answer: those that kept the key write it back, the
+    others answer 503 + Retry-After meanwhile (the SDK retries)."""
+    with EmbeddedCluster() as cluster:
+        client = sync_client(cluster.url)
+        start_worker(MODEL, redis_at=cluster.url, sim_token_ms=0, sim_ttft_ms=0)
+        _create(cluster.url, "first")  # gateways that start with a key enforce keys at once
+        first, second = start_gateway(redis_at=cluster.url), start_gateway(redis_at=cluster.url)
+        epoch_node = client.get_node_from_key(keys.EPOCH).port
+        key, prefix = _create(cluster.url, "lost")
+        while client.get_node_from_key(keys.api_key(prefix)).port == epoch_node:
+            key, prefix = _create(cluster.url, "lost")
+        assert _complete(first, key, retries=0)
+        port = client.get_node_from_key(keys.api_key(prefix)).port
+        node = next(server for server in cluster.servers if server.port == port)
+        node.shutdown(save=False)
+        node.start()  # back empty, with its slots (nodes.conf)
+        assert _complete(second, key, retries=8)
+        assert client.hget(keys.api_key(prefix), "sha256")  # written back by the first gateway
+        client.close()
+
+
+async def test_a_key_whose_listing_redis_lost_is_listed_again(lossy) -> None:
+    """Regression (nemesis, Cluster: "the gateways had not written the API keys back 30 s
+    after a data loss"): a node lost ``sl:apikeys`` (the list `sluice keys list` reads) but
+    another kept the key's record; the keeper wrote back only records that were missing, so
+    the key stayed unlisted for good."""
+    client = await create_pool(lossy.url)
+    keeper = KeyKeeper(client, KeyStore(client))
+    try:
+        key, record = await KeyStore(client).create("listed")
+        await keeper.verify(key)
+        await client.srem(keys.API_KEYS, record.prefix)
+        await keeper.restore_all()
+        assert await client.sismember(keys.API_KEYS, record.prefix)
+    finally:
+        await client.aclose()

@@ -107,3 +107,22 @@ def test_a_stream_taken_over_from_a_stalled_gateway_is_billed_once(gateways, sta
     wait_for(lambda: _billed(other, request_id), 15, "the take-over to log its part")
     assert sum(_billed(stalled, request_id)) + sum(_billed(other, request_id)) == served, \
         (_billed(stalled, request_id), _billed(other, request_id))
+
+
+def test_a_client_holding_events_of_a_finished_stream_whose_journal_redis_lost_is_told_so(
+        gateways, redis_client) -> None:
+    """Regression (nemesis, Cluster: nem-295): Redis lost a finished stream's journal but
+    kept its record ("done"); the client came back with its Last-Event-ID and got 404
+    "no longer kept", not an error its SDK can tell from a typo. It now waits a moment for
+    the producer's keeper to write the journal back, then gets ``stream_history_lost``."""
+    gateway, other = gateways
+    key = uuid.uuid4().hex
+    with httpx.stream("POST", gateway.url + "/v1/chat/completions", json={**BODY, "max_tokens": 10},
+                      headers={"Idempotency-Key": key}, timeout=60) as r:
+        assert _events(r.iter_lines())[-1][1] == "[DONE]"
+    scope = scoped("-", key)
+    wait_for(lambda: redis_client.hget(keys.idempotency(scope), "state") == b"done", 10, "the key to be settled")
+    redis_client.delete(keys.journal(scope), keys.journal_head(scope))  # the loss keeps the record
+    resp = httpx.get(f"{other.url}/v1/streams/{key}", headers={"Last-Event-ID": "5"}, timeout=30)
+    assert resp.status_code == 502, resp.text
+    assert resp.json()["error"]["code"] == "stream_history_lost"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ import redis
 
 from engine_worker.engines.sim import SimSequence
 from sluice import keys
-from sluice.embedded_redis import EmbeddedRedis
+from sluice.embedded_redis import EmbeddedRedis, free_port
 from tests.conftest import ROOT, wait_for
 
 MODEL = "tenant"
@@ -324,3 +325,37 @@ def test_generations_a_failover_forgot_count_again(tenant, tenant_redis, start_w
         short = {"model": MODEL, "prompt": "x", "max_tokens": 2}
         assert httpx.post(gateway.url + "/v1/completions", json=short, headers=auth).status_code == 429
     client.close()
+
+
+def test_a_gateway_started_while_redis_is_away_waits_for_it_then_says_why(tmp_path) -> None:
+    """Regression: a gateway started while Redis restarted or failed over died at once with
+    a traceback (its start-up check's ConnectionError), and one whose Redis never came
+    said nothing useful. It waits ``redis_startup_wait_s`` for Redis, logging that it does,
+    then refuses with a message."""
+    port, gateway_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "sluice", "gateway", "--port", str(gateway_port),
+            "--redis-url", f"redis://127.0.0.1:{port}/0"]
+    refused = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=60,
+                             env={**os.environ, "SLUICE_GATEWAY_REDIS_STARTUP_WAIT_S": "1"})
+    assert refused.returncode == 2
+    assert "Redis did not answer" in refused.stderr and "Traceback" not in refused.stderr
+    server = EmbeddedRedis(port)
+    log = tmp_path / "gateway.log"
+    with open(log, "w") as out:
+        gateway = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        wait_for(lambda: "waiting up to 30 s" in log.read_text(), 30, "the gateway to say it waits for Redis")
+        assert gateway.poll() is None
+        server.start()
+
+        def ready() -> bool:
+            assert gateway.poll() is None, log.read_text()
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.get(f"http://127.0.0.1:{gateway_port}/health", timeout=1).status_code == 200
+            return False
+
+        wait_for(ready, 30, "the gateway to start once Redis answers")
+    finally:
+        gateway.kill()
+        gateway.wait()
+        server.stop()
