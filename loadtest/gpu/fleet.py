@@ -168,7 +168,7 @@ class Fleet:
             port = free_port()
             env = {"SLUICE_GATEWAY_QUEUE_TIMEOUT_S": "600", "SLUICE_GATEWAY_TTFT_TIMEOUT_S": "300",
                    "SLUICE_GATEWAY_CONNECT_TIMEOUT_S": "10", "SLUICE_GATEWAY_MAX_QUEUE": "20000",
-                   "SLUICE_GATEWAY_TOKENIZER": tokenizer, **ARMS[arm]}
+                   "SLUICE_GATEWAY_TOKENIZER": tokenizer, "TOKENIZERS_PARALLELISM": "false", **ARMS[arm]}
             gw = LoggedChild(f"gateway-{arm}", [
                 sys.executable, "-m", "sluice", "--log-level", "WARNING", "gateway", "--procs",
                 str(self.shape.gateway_procs), "--port", str(port),
