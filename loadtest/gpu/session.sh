@@ -43,7 +43,7 @@ install() {   # the kit's install: vLLM, its deps and the nixl wheels, from the 
 }
 
 model() {   # /tmp/m_1b: Llama-3.2-1B's shape with the default model's tokenizer (dummy weights)
-  mkdir -p /tmp/m_1b && cp .gpu/kit/tok/* /tmp/m_1b/ || return 1
+  mkdir -p /tmp/m_1b && cp "${KIT:-.gpu/kit}"/tok/* /tmp/m_1b/ || return 1
   python3 - /tmp/m_1b/config.json <<'PY'
 import json, sys
 c = json.load(open(sys.argv[1]))
@@ -74,6 +74,7 @@ phase() {   # phase NAME DEADLINE_EPOCH CMD...: runs CMD, killed 30 s past its d
 
 daemon() {
   local end; end=$(cat "$S/end")
+  export KIT=$PWD/kit PYTHONPATH=/tmp/site:$PWD
   local out=$S/out sim=() tok=${TOKENIZER:-/tmp/m_1b} model=/tmp/m_1b
   mkdir -p "$out"
   if [ "$ENGINE" = sim ]; then sim=(--quick); model=none; else model || return 1; fi
@@ -144,8 +145,12 @@ case $mode in
     echo $(( t0 + total_s )) > "$S/end"
     log "install done after $(( $(date +%s) - t0 )) s; the daemon ends by $(date -u -d @"$(cat "$S/end")" +%H:%M:%S)"
     cp "$0" "$S/session.sh"   # the daemon reads this copy; later calls: bash /tmp/sess/session.sh wait N
+    # The daemon runs from a copy of the project: a later call that carries no checkout removes
+    # the carried one (2026-12-02: the phases after routing found no 'loadtest' module).
+    mkdir -p "$S/proj" && cp -r gateway engine_worker sluice loadtest "$S/proj/" && cp -r .gpu/kit "$S/proj/kit"
+    export PYTHONPATH=/tmp/site:$S/proj
     # its own session, deaf to SIGHUP: it outlives this call (Python's setsid: the binary may be missing there)
-    ROOT=$PWD $PY -c 'import os, signal, sys; os.setsid(); signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    ROOT=$S/proj $PY -c 'import os, signal, sys; os.setsid(); signal.signal(signal.SIGHUP, signal.SIG_IGN)
 os.execvp(sys.argv[1], sys.argv[1:])' bash "$S/session.sh" daemon > "$S/daemon.log" 2>&1 < /dev/null &
     wait_daemon $(( wait_s - ($(date +%s) - t0) ))
     collect ;;
