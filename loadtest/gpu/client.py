@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -71,15 +72,20 @@ class Recorder:
         return rec
 
 
-async def closed_loop(recorder: Recorder, sessions: list[Session], users: int, max_tokens: int) -> None:
+async def closed_loop(recorder: Recorder, sessions: Iterator[Session], users: int, max_tokens: int,
+                      seconds: float, max_requests: int) -> None:
     """``users`` users, each taking the next session and sending its turns one after another
-    (a turn's answer joins the session's history before the next turn)."""
-    queue = list(reversed(sessions))
+    (a turn's answer joins the session's history before the next turn), until ``seconds``
+    have passed or ``max_requests`` were sent: no request starts after that."""
+    stop_at = time.perf_counter() + seconds
+    sent = 0
 
     async def user() -> None:
-        while queue:
-            session = queue.pop()
-            while not session.done:
+        nonlocal sent
+        while time.perf_counter() < stop_at and sent < max_requests:
+            session = next(sessions)
+            while not session.done and time.perf_counter() < stop_at and sent < max_requests:
+                sent += 1
                 rec = await recorder.send({"messages": session.messages(), "max_tokens": max_tokens,
                                            "ignore_eos": True}, turn=session.turn, multi=len(session.questions) > 1)
                 if rec["error"] is not None:

@@ -37,6 +37,17 @@ ARMS: dict[str, dict[str, str]] = {
 }
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM (a phase's ``timeout``) unwinds like Ctrl-C, so the fleet's ``with`` block stops
+    its workers: each runs in its own session and would otherwise outlive the bench, holding
+    its share of the GPU from the next phase."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -157,7 +168,7 @@ class Fleet:
             port = free_port()
             env = {"SLUICE_GATEWAY_QUEUE_TIMEOUT_S": "600", "SLUICE_GATEWAY_TTFT_TIMEOUT_S": "300",
                    "SLUICE_GATEWAY_CONNECT_TIMEOUT_S": "10", "SLUICE_GATEWAY_MAX_QUEUE": "20000",
-                   "SLUICE_GATEWAY_TOKENIZER": tokenizer, **ARMS[arm]}
+                   "SLUICE_GATEWAY_TOKENIZER": tokenizer, "TOKENIZERS_PARALLELISM": "false", **ARMS[arm]}
             gw = LoggedChild(f"gateway-{arm}", [
                 sys.executable, "-m", "sluice", "--log-level", "WARNING", "gateway", "--procs",
                 str(self.shape.gateway_procs), "--port", str(port),

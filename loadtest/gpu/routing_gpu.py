@@ -2,14 +2,16 @@
 
 Phase ``routing``: the workers start once (dummy weights, a fixed number of KV blocks
 each, KV events published for the precise index); one gateway per arm (rr, least,
-least-slots = least before issue 24's fix, cache-approx, cache-precise; ``--gateway-procs``
+cache-approx, cache-precise; least-slots = least counting slots only; ``--gateway-procs``
 processes each); then, per workload (overflow, easy, w5, chat: loadtest/gpu/workloads.py),
-every arm in turn on prompts of its
-own (no arm finds another's blocks). Per arm, one JSON line: hit rate (sum of
-``cached_tokens`` / sum of prompt tokens), the router's predicted hit and its error
-(the gateway's ``prefix_expected`` / ``prefix_error`` counters), TTFT p50/p90/p99, output
-tok/s, errors, and CPU: the arm's gateway (all its processes) per request and per chunk,
-beside the vLLM workers' (worker + engine core) per request.
+every arm in turn (each workload starting with another arm) on prompts of its own (no arm
+finds another's blocks), for ``--arm-s`` seconds, or the arms left's share of the time to
+``--deadline``. Per arm, one JSON line: hit rate (sum of ``cached_tokens`` / sum of prompt
+tokens), TTFT p50/p90/p99 and output tok/s over the requests started after ``--warmup-s``
+(``*_all``: every request), the router's predicted hit and its error (the gateway's
+``prefix_expected`` / ``prefix_error`` counters), errors, and CPU: the arm's gateway (all
+its processes) per request and per chunk, beside the vLLM workers' (worker + engine core)
+per request.
 
 Phase ``migration``: fresh workers (``--migration-env``, e.g. ``VLLM_BATCH_INVARIANT=1``),
 ``--streams`` greedy completions at once, run twice without a fault (the reference, and its
@@ -19,8 +21,10 @@ stream must finish with the reference's text exactly (no gap, no repeat, the con
 conditioned on exactly the prompt plus the tokens sent); the pause is each migrated
 stream's gap across the kill.
 
-    python -m loadtest.gpu.routing_gpu --phase routing --engine vllm --model /tmp/m_1b --out $OUT   (device)
-    python -m loadtest.gpu.routing_gpu --phase routing,migration --engine sim --out /tmp/o --quick  (rehearsal)
+    python -m loadtest.gpu.routing_gpu --phase routing --engine vllm --model /tmp/m_1b --out $OUT   (device;
+        loadtest/gpu/session.sh runs it with the migration and the P/D phase)
+    python -m loadtest.gpu.routing_gpu --phase routing,migration --engine sim --out /tmp/o --quick \
+        --tokenizer ~/.cache/sluice/models/SmolLM2-135M-Instruct                                    (rehearsal)
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import httpx
 from loadtest.gpu import procstat
 from loadtest.gpu.chart import draw
 from loadtest.gpu.client import Recorder, closed_loop
-from loadtest.gpu.fleet import ARMS, Fleet, FleetShape, log
+from loadtest.gpu.fleet import ARMS, Fleet, FleetShape, log, stop_on_sigterm
 from loadtest.gpu.workloads import Sizes, describe, plan, text
 from sluice.commands.bench_report import quantile, table
 
@@ -50,23 +54,38 @@ def metric(body: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", body, re.M))
 
 
+def ms(values: list[float], q: float) -> float | None:
+    return round(quantile(values, q) * 1000, 1) if values else None
+
+
 def summarize(workload: str, arm: str, records: list[dict[str, Any]], wall: float, cpu: dict[str, float],
-              counters: dict[str, float]) -> dict[str, Any]:
+              counters: dict[str, float], warmup_s: float) -> dict[str, Any]:
+    """The arm's figures. Hit rate, TTFT and throughput are over the steady part: requests
+    that started ``warmup_s`` or more into the arm (the first wave of a closed loop meets
+    empty caches and a burst of cold prefills at once; with a short arm it decides P90);
+    ``*_all`` over every request."""
     ok = [r for r in records if r["error"] is None]
-    prompt = sum(r["prompt"] for r in ok)
-    cached = sum(r["cached"] for r in ok)
-    ttfts = [r["ttft"] for r in ok]
+    steady = [r for r in ok if r["t_start"] >= warmup_s]
+    span = max((r["t_end"] for r in steady), default=wall) - warmup_s
     chunks = sum(r["chunks"] for r in ok)
+
+    def hit(rs: list[dict[str, Any]]) -> float:
+        return round(100 * sum(r["cached"] for r in rs) / max(sum(r["prompt"] for r in rs), 1), 2)
+
+    ttfts = [r["ttft"] for r in steady]
+    every = [r["ttft"] for r in ok]
     out = {
         "phase": "routing", "workload": workload, "arm": arm, "requests": len(records), "ok": len(ok),
         "errors": len(records) - len(ok),
         "error_kinds": sorted({str(r["error"])[:80] for r in records if r["error"]})[:5],
-        "hit_pct": round(100 * cached / max(prompt, 1), 2),
-        "prompt_tok_avg": round(prompt / max(len(ok), 1), 1),
-        "ttft_p50_ms": round(quantile(ttfts, 0.5) * 1000, 1), "ttft_p90_ms": round(quantile(ttfts, 0.9) * 1000, 1),
-        "ttft_p99_ms": round(quantile(ttfts, 0.99) * 1000, 1),
-        "out_tok_s": round(sum(r["completion"] for r in ok) / wall, 1),
-        "req_s": round(len(ok) / wall, 2), "wall_s": round(wall, 2), "chunks": chunks,
+        "steady_requests": len(steady), "warmup_s": warmup_s,
+        "hit_pct": hit(steady), "hit_pct_all": hit(ok),
+        "prompt_tok_avg": round(sum(r["prompt"] for r in ok) / max(len(ok), 1), 1),
+        "ttft_p50_ms": ms(ttfts, 0.5), "ttft_p90_ms": ms(ttfts, 0.9), "ttft_p99_ms": ms(ttfts, 0.99),
+        "ttft_p50_ms_all": ms(every, 0.5), "ttft_p90_ms_all": ms(every, 0.9),
+        "out_tok_s": round(sum(r["completion"] for r in steady) / max(span, 1e-9), 1),
+        "out_tok_s_all": round(sum(r["completion"] for r in ok) / wall, 1),
+        "req_s": round(len(steady) / max(span, 1e-9), 2), "wall_s": round(wall, 2), "chunks": chunks,
         "gateway_cpu_s": round(cpu["gateway"], 2), "workers_cpu_s": round(cpu["workers"], 2),
         "gateway_cpu_ms_per_req": round(1000 * cpu["gateway"] / max(len(records), 1), 3),
         "gateway_cpu_us_per_chunk": round(1e6 * cpu["gateway"] / max(chunks, 1), 1),
@@ -81,7 +100,7 @@ def summarize(workload: str, arm: str, records: list[dict[str, Any]], wall: floa
 
 
 async def run_arm(fleet: Fleet, workload: str, arm: str, sizes: Sizes, args: argparse.Namespace,
-                  seed: int) -> dict[str, Any]:
+                  seed: int, seconds: float) -> dict[str, Any]:
     url = fleet.gateways[arm][1]
     tag = f"{workload}-{arm}-{seed}"
     async with httpx.AsyncClient(timeout=600, limits=LIMITS) as http:
@@ -99,14 +118,14 @@ async def run_arm(fleet: Fleet, workload: str, arm: str, sizes: Sizes, args: arg
         sessions = plan(workload, tag, sizes, seed)
         started = time.perf_counter()
         recorder.t0 = started
-        await closed_loop(recorder, sessions, args.users, args.max_tokens)
+        await closed_loop(recorder, sessions, args.users, args.max_tokens, seconds, args.requests)
         wall = time.perf_counter() - started
         cpu = {"gateway": procstat.tree_cpu_s(fleet.gateway_pid(arm)) - cpu0["gateway"],
                "workers": procstat.trees_cpu_s(fleet.worker_pids()) - cpu0["workers"]}
         after = await scrape_all(http, url, args.gateway_procs)
     counters = {k: after[k] - before[k] for k in after}
-    row = summarize(workload, arm, recorder.records, wall, cpu, counters)
-    return row | describe(workload, sizes)
+    row = summarize(workload, arm, recorder.records, wall, cpu, counters, min(args.warmup_s, seconds / 3))
+    return row | describe(workload, sizes) | {"arm_s": round(seconds, 1), "users": args.users}
 
 
 #: Gateway counters the bench reads: name in results -> Prometheus series.
@@ -139,25 +158,29 @@ def emit(out: Path, row: dict[str, Any]) -> None:
 def routing_phase(args: argparse.Namespace, shape: FleetShape, out: Path, logs: Path) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     arms = args.arms.split(",")
+    workloads = args.workloads.split(",")
     with Fleet(shape, logs) as fleet:
         t0 = time.monotonic()
         fleet.start_gateways(arms, args.tokenizer)  # start while the workers load (gateways wait for none)
         fleet.start_workers(args.start_timeout_s)
         log(f"{shape.workers} workers registered after {time.monotonic() - t0:.1f} s")
-        sizes = Sizes(cache_tokens=shape.cache_tokens, prefix_words=args.prefix_words, requests=args.requests,
-                      overflow_x=args.overflow_x)
-        longest = 0.0
-        for w, workload in enumerate(args.workloads.split(",")):
-            for a, arm in enumerate(arms):
-                if args.deadline and time.time() + 1.3 * longest + 10 > args.deadline:
+        sizes = Sizes(cache_tokens=shape.cache_tokens, prefix_words=args.prefix_words, overflow_x=args.overflow_x,
+                      zipf_s=args.zipf_s)
+        runs = [(w, workload, a, arm) for w, workload in enumerate(workloads)
+                # each workload starts with another arm: no arm always runs first (or last) in the fleet's warm-up
+                for a, arm in [(k, arms[(k + w) % len(arms)]) for k in range(len(arms))]]
+        for k, (w, workload, a, arm) in enumerate(runs):
+            seconds = args.arm_s
+            if args.deadline:  # the arms left share what is left; an arm costs ~arm_overhead_s beside its load
+                share = (args.deadline - time.time()) / (len(runs) - k) - args.arm_overhead_s
+                seconds = min(seconds, share)
+                if seconds < min(args.min_arm_s, args.arm_s):
                     log(f"deadline: {workload} {arm} and later not started")
                     return rows
-                ta = time.monotonic()
-                row = asyncio.run(run_arm(fleet, workload, arm, sizes, args, seed=100 * w + a))
-                longest = max(longest, time.monotonic() - ta)
-                row["kv_blocks_per_worker"], row["cache_tokens_per_worker"] = shape.kv_blocks, shape.cache_tokens
-                rows.append(row)
-                emit(out, row)
+            row = asyncio.run(run_arm(fleet, workload, arm, sizes, args, seed=100 * w + a, seconds=seconds))
+            row["kv_blocks_per_worker"], row["cache_tokens_per_worker"] = shape.kv_blocks, shape.cache_tokens
+            rows.append(row)
+            emit(out, row)
     return rows
 
 
@@ -169,13 +192,18 @@ def main() -> int:
     p.add_argument("--tokenizer", default="", help="folder the precise gateway tokenizes with (default: --model)")
     p.add_argument("--served", default="m1b")
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--arms", default="rr,least,least-slots,cache-approx,cache-precise")
+    p.add_argument("--arms", default="rr,least,cache-approx,cache-precise")
     p.add_argument("--workloads", default="overflow,easy,w5,chat")
-    p.add_argument("--requests", type=int, default=640, help="requests per arm and workload")
+    p.add_argument("--arm-s", type=float, default=30, help="seconds of load per arm and workload (less near --deadline)")
+    p.add_argument("--min-arm-s", type=float, default=8, help="an arm that would get less is not started")
+    p.add_argument("--arm-overhead-s", type=float, default=6, help="an arm's cost beside its load (warm-up, scrapes)")
+    p.add_argument("--warmup-s", type=float, default=5, help="requests started before this are left out of the steady figures")
+    p.add_argument("--requests", type=int, default=100000, help="at most this many requests per arm")
     p.add_argument("--users", type=int, default=64, help="closed-loop users")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prefix-words", type=int, default=1500, help="~1 token each with the SmolLM2 tokenizer")
     p.add_argument("--overflow-x", type=float, default=1.75, help="overflow prefixes / the four caches together")
+    p.add_argument("--zipf-s", type=float, default=0.9, help="overflow: popularity of the k-th prefix ~ 1/k^s")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-batched", type=int, default=8192)
@@ -196,9 +224,10 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="CPU rehearsal sizes")
     p.add_argument("--out", default="/tmp/routing_gpu_out")
     args = p.parse_args()
+    stop_on_sigterm()
     args.tokenizer = args.tokenizer or args.model
     if args.quick:
-        args.requests, args.users, args.kv_blocks, args.prefix_words = 48, 16, 64, 200
+        args.arm_s, args.warmup_s, args.users, args.kv_blocks, args.prefix_words = 6, 1, 16, 64, 200
         args.streams, args.stream_tokens, args.max_tokens, args.gateway_procs = 16, 48, 8, 2
     out = Path(args.out)
     logs = out / "logs"
@@ -231,7 +260,8 @@ def main() -> int:
     routing = [r for r in rows if r["phase"] == "routing"]
     if routing:
         cols = ["workload", "arm", "requests", "errors", "hit_pct", "predicted_hit_pct", "ttft_p50_ms", "ttft_p90_ms",
-                "out_tok_s", "gateway_cpu_ms_per_req", "gateway_cpu_us_per_chunk", "workers_cpu_ms_per_req"]
+                "ttft_p90_ms_all", "out_tok_s", "gateway_cpu_ms_per_req", "gateway_cpu_us_per_chunk",
+                "workers_cpu_ms_per_req"]
         print(table([{c: r.get(c, "") for c in cols} for r in routing]), flush=True)
     return 0 if rows and not any(r.get("errors") for r in rows) else 1
 

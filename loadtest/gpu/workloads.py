@@ -1,4 +1,4 @@
-"""The routing bench's workloads, as lists of conversations a closed loop of users sends.
+"""The routing bench's workloads: the conversations a closed loop of users sends.
 
 Sizes are in words (about one token each with the default model's tokenizer, see
 ``loadtest/prefix_vllm.py``'s WORDS) and relative to the fleet's KV cache: ``cache_tokens``
@@ -12,15 +12,18 @@ is one worker's cache, so the four caches hold ``4 * cache_tokens``.
 - chat: multi-turn sessions on one short system prompt, each turn adds the answer and a
   new question.
 
-Every item is (tag, messages) where messages may end with a callback marker: for
-multi-turn items the client appends the model's answer to the session before the
-session's next turn is sent (:class:`Session`).
+A plan is an endless stream of sessions (a single-turn request is a session of one
+turn), drawn as users pick them up: an arm runs for a time, not a count. For multi-turn
+sessions the client appends the model's answer before the session's next turn is sent
+(:class:`Session`).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 from loadtest.prefix_vllm import WORDS
@@ -57,7 +60,6 @@ class Session:
 class Sizes:
     cache_tokens: int
     prefix_words: int = 1000
-    requests: int = 512
     overflow_x: float = 1.75
     easy_share: float = 0.5
     zipf_s: float = 0.9
@@ -70,60 +72,53 @@ def zipf_weights(n: int, s: float) -> list[float]:
     return [1 / (k + 1) ** s for k in range(n)]
 
 
-def plan(name: str, tag: str, sizes: Sizes, seed: int) -> list[Session]:
-    """The workload as sessions (a single-turn request is a session of one turn), in the
-    order users pick them up."""
-    rng = random.Random(seed)
+def groups_of(name: str, sizes: Sizes) -> int:
+    """How many shared prefixes the workload draws from (0: none shared)."""
     fleet = 4 * sizes.cache_tokens
+    share = {"easy": sizes.easy_share, "overflow": sizes.overflow_x}.get(name)
+    return max(2, round(share * fleet / sizes.prefix_words)) if share else 0
 
-    def prefix(g: int) -> str:
+
+def plan(name: str, tag: str, sizes: Sizes, seed: int) -> Iterator[Session]:
+    """The workload as an endless stream of sessions, in the order users pick them up."""
+    rng = random.Random(seed)
+    groups = groups_of(name, sizes)
+
+    @cache
+    def prefix(g: int) -> str:  # one text per group: drawn once, not per request
         return f"{tag} group {g}. " + text(random.Random(f"{tag}-{g}"), sizes.prefix_words)
 
     def question() -> str:
         return text(rng, sizes.question_words) + "?"
 
-    if name == "easy":
-        groups = max(2, round(sizes.easy_share * fleet / sizes.prefix_words))
-        rounds = max(1, sizes.requests // groups)
-        out = []
-        for _ in range(rounds):
+    if name == "easy":  # every group in turn, round after round, each round shuffled
+        while True:
             order = list(range(groups))
             rng.shuffle(order)
-            out += [Session(prefix(g), [question()]) for g in order]
-        return out
-    if name == "overflow":
-        groups = max(2, round(sizes.overflow_x * fleet / sizes.prefix_words))
+            yield from (Session(prefix(g), [question()]) for g in order)
+    elif name == "overflow":
         weights = zipf_weights(groups, sizes.zipf_s)
-        out = []
-        sent = 0
-        while sent < sizes.requests:
+        while True:
             (g,) = rng.choices(range(groups), weights)
-            if rng.random() < sizes.session_share:
-                out.append(Session(prefix(g), [question() for _ in range(sizes.turns)]))
-                sent += sizes.turns
-            else:
-                out.append(Session(prefix(g), [question()]))
-                sent += 1
-        return out
-    if name == "w5":
-        return [Session(f"{tag} unique {i}. " + text(rng, sizes.prefix_words), [question()])
-                for i in range(sizes.requests)]
-    if name == "chat":
+            turns = sizes.turns if rng.random() < sizes.session_share else 1
+            yield Session(prefix(g), [question() for _ in range(turns)])
+    elif name == "w5":
+        i = 0
+        while True:
+            yield Session(f"{tag} unique {i}. " + text(rng, sizes.prefix_words), [question()])
+            i += 1
+    elif name == "chat":
         system = f"{tag}. You are a helpful assistant. " + text(random.Random(tag), 64)
-        sessions = max(1, sizes.requests // sizes.turns)
-        return [Session(system, [text(rng, 4 * sizes.question_words) + "?" for _ in range(sizes.turns)])
-                for _ in range(sessions)]
-    raise ValueError(f"unknown workload {name}")
+        while True:
+            yield Session(system, [text(rng, 4 * sizes.question_words) + "?" for _ in range(sizes.turns)])
+    else:
+        raise ValueError(f"unknown workload {name}")
 
 
 def describe(name: str, sizes: Sizes) -> dict[str, Any]:
     """What the workload's shared prefixes weigh against the fleet's caches."""
-    fleet = 4 * sizes.cache_tokens
-    if name == "easy":
-        groups = max(2, round(sizes.easy_share * fleet / sizes.prefix_words))
-    elif name == "overflow":
-        groups = max(2, round(sizes.overflow_x * fleet / sizes.prefix_words))
-    else:
+    groups = groups_of(name, sizes)
+    if not groups:
         return {"groups": 0, "prefix_x_fleet_cache": 0.0}
     return {"groups": groups, "prefix_words": sizes.prefix_words,
-            "prefix_x_fleet_cache": round(groups * sizes.prefix_words / fleet, 2)}
+            "prefix_x_fleet_cache": round(groups * sizes.prefix_words / (4 * sizes.cache_tokens), 2)}
