@@ -32,7 +32,8 @@ _RECONCILE_EVERY = 10
 
 #: KEYS :func:`sluice.keys.model_keys` (the admission keys first: workers, alive, inflight,
 #: leases, lease_owner, urgent queue, normal queue, ...; stats and vacant last). ARGV 1 how
-#: long (ms) a model stays vacant before it is forgotten. Also drops the engine stats of
+#: long (ms) a model stays vacant before it is forgotten (the vacancy mark expires after
+#: twice that, at least a minute, so it never outlives a forgotten model). Also drops the engine stats of
 #: workers that are no longer registered. Returns 1 when the model was forgotten (its keys
 #: deleted: the caller takes it out of the directory), else 0.
 VACANCY = r"""
@@ -50,7 +51,9 @@ if redis.call('HLEN', K_WORKERS) > 0 or redis.call('ZCARD', K_LEASES) > 0
 end
 local since = tonumber(redis.call('GET', K_VACANT) or '0')
 if since == 0 then
-  redis.call('SET', K_VACANT, now)
+  -- With a TTL: a reaper that listed the model just before another forgot it comes here
+  -- after its keys are gone, and a marker without one outlived the model for good.
+  redis.call('SET', K_VACANT, now, 'PX', math.max(2 * tonumber(ARGV[1]), 60000))
   return 0
 end
 if now - since < tonumber(ARGV[1]) then return 0 end

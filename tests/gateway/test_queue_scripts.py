@@ -470,8 +470,20 @@ async def test_a_model_nobody_serves_leaves_the_directory_with_its_keys(fleet: F
             break
         await asyncio.sleep(0.05)
     assert not await fleet.redis.sismember(keys.MODELS, fleet.model)  # type: ignore[attr-defined]
-    left = [k for k in keys.model_keys(fleet.model) if await fleet.redis.exists(k)]  # type: ignore[attr-defined]
+    # Gone, or (a reaper that listed the model just before it was forgotten marked it vacant
+    # again) expiring: nothing of a forgotten model stays for good.
+    left = [k for k in keys.model_keys(fleet.model) if await fleet.redis.pttl(k) == -1]  # type: ignore[attr-defined]
     assert left == []
+
+
+async def test_a_reap_that_comes_after_the_model_was_forgotten_leaves_nothing_for_good(fleet: Fleet) -> None:
+    """Regression (CI): a reaper that had listed a model just before another forgot it ran
+    the vacancy check on the model's deleted keys and marked it vacant again, with no TTL:
+    ``sl:{model}:vacant`` outlived the model for good."""
+    gw = await fleet.gateway(reap_interval_s=60, model_forget_s=0.5)
+    assert await gw.reaper._vacancy(keys=keys.model_keys(fleet.model), args=[500]) == 0
+    vacant = keys.model_keys(fleet.model)[-1]
+    assert 0 < await fleet.redis.pttl(vacant) <= 60_000  # type: ignore[attr-defined]
 async def test_urgent_headroom_never_makes_a_queued_request_ungrantable(fleet: Fleet) -> None:
     """Regression: a normal n=8 queued on a cap-8 worker became ungrantable once an urgent
     request arrived (the reserve left 7 slots to it), and every tenant behind it waited
