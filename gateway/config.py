@@ -32,6 +32,8 @@ class GatewaySettings(RedisSettings):
     redis_startup_wait_s: float = Field(default=30.0, ge=0)
     #: Times one stream may move to another worker after its worker broke off mid-stream.
     max_migrations: int = Field(default=2, ge=0, le=10)
+    #: Seconds a mid-stream migration waits for Redis or for a live worker it has not tried.
+    migration_wait_s: float = Field(default=15.0, ge=0)
     #: From dispatch to the first token; past it the attempt counts as failed.
     ttft_timeout_s: float = Field(default=60.0, gt=0)
     #: Longest silence between two upstream lines once tokens flow.

@@ -129,9 +129,7 @@ def _supervise(settings: GatewaySettings, procs: int, log_level: str) -> int:
                     child.restart_if_due()
     finally:
         for child in children:
-            if child.alive():
-                assert child.process is not None
-                child.process.terminate()
+            child.signal_stop()
         for child in children:
             child.stop(timeout_s=settings.shutdown_grace_s + 5)
         shutil.rmtree(metrics_dir, ignore_errors=True)

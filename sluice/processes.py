@@ -38,6 +38,7 @@ class Child:
         self.process: subprocess.Popen[bytes] | None = None
         self.restarts = 0
         self._next_start = 0.0
+        self._signalled = False
 
     def start(self) -> None:
         # Own session: a terminal's Ctrl-C reaches only the supervisor, which then
@@ -45,6 +46,7 @@ class Child:
         self.process = subprocess.Popen(
             self.argv, preexec_fn=child_preexec, start_new_session=True, env=self.env
         )
+        self._signalled = False
         log.info("started %s (pid %d)", self.name, self.process.pid)
 
     def kill_group(self) -> None:
@@ -69,10 +71,20 @@ class Child:
             self._next_start = 0.0
             self.start()
 
+    def signal_stop(self) -> None:
+        """SIGTERM, once: a second one is the child's force-exit (Ctrl-C twice), which cuts
+        the streams its first one lets drain (a supervisor that signalled every child and then
+        stopped each one in turn signalled twice: `docker stop` cut the gateway's streams)."""
+        if self.alive() and not self._signalled:
+            assert self.process is not None
+            self._signalled = True
+            self.process.terminate()
+
     def stop(self, timeout_s: float) -> None:
+        """Signal (unless already signalled), wait up to ``timeout_s``, then kill."""
         if self.alive():
             assert self.process is not None
-            self.process.terminate()
+            self.signal_stop()
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:

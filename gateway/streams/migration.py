@@ -14,7 +14,7 @@ JSON the client has half received. Such a stream ends with one in-band error.
 A migration needs Redis (the new worker's slot is admitted there) and a live worker
 that has not failed this choice. One that finds Redis away (restarting, failing over,
 the link cut) or no such worker (every worker killed or restarting at once, the
-registry being rebuilt after a data loss) waits, up to ``WAIT_S`` and never past the
+registry being rebuilt after a data loss) waits, up to ``migration_wait_s`` (15 s) and never past the
 request's deadline, rather than ending a stream that was already admitted: in the
 nemesis's full runs Redis outages ended 82 streams with ``503`` mid-stream, and
 moments with every worker down ended 5 resumable streams with "every live worker
@@ -41,8 +41,6 @@ from sluice.errors import DeadlineExceeded, SluiceError, Unavailable, UpstreamFa
 
 log = logging.getLogger("sluice.gateway")
 
-#: How long a migration waits for Redis to be reachable again, or for a worker to take it.
-WAIT_S = 15.0
 _RETRY_S = 0.25
 
 
@@ -131,7 +129,7 @@ class Migrator:
     async def _open(self, model: str, payload: dict[str, Any], ctx: RequestContext, failed: list[str]) -> Upstream:
         """The migration's new upstream, waiting out a Redis outage or a moment without a
         worker to take it (see the module)."""
-        until = time.monotonic() + WAIT_S
+        until = time.monotonic() + self._settings.migration_wait_s
         waited = False
         while True:
             try:

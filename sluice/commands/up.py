@@ -304,9 +304,7 @@ class Supervisor:
         if self.gateway is not None:
             self.gateway.stop(timeout_s=35)
         for worker in self.workers:
-            if worker.alive():
-                assert worker.process is not None
-                worker.process.terminate()
+            worker.signal_stop()
         for worker in self.workers:
             worker.stop(timeout_s=40)
         if self.redis is not None:

@@ -32,7 +32,8 @@ def workers(mocks, start_worker):
 
 @pytest.fixture(scope="module")  # type: ignore[no-redef]  # this module's workers
 def gateway(workers, start_gateway):
-    return start_gateway()
+    # A migration with no worker left to take it waits 2 s, not 15, before its in-band error.
+    return start_gateway(env={"SLUICE_GATEWAY_MIGRATION_WAIT_S": "2"})
 
 
 @pytest.fixture(scope="module")  # type: ignore[no-redef]  # workers a test starts itself

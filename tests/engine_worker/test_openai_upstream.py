@@ -46,7 +46,8 @@ def gateway(mocks, start_worker, start_gateway):
     for mock in mocks["vllm"]:
         start_worker("mockv", engine="openai", upstream_url=mock.url, upstream_poll_ms=100)
     start_worker("mockg", engine="openai", upstream_url=mocks["generic"].url, upstream_poll_ms=100)
-    return start_gateway()
+    # A migration with no worker left to take it waits 2 s, not 15, before its in-band error.
+    return start_gateway(env={"SLUICE_GATEWAY_MIGRATION_WAIT_S": "2"})
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import orjson
+import pytest
 
 
 def test_raw_sse_lines(stack) -> None:
@@ -53,19 +56,32 @@ def test_quiet_stream_gets_keepalive_comments_and_still_ends_whole(start_worker,
     assert [orjson.loads(d)["choices"][0]["finish_reason"] for d in data[:-1]][-1] == "length"
 
 
-def test_a_gateway_stopped_with_sigterm_finishes_its_open_streams(start_worker, start_gateway) -> None:
+@pytest.mark.parametrize("processes", [1, 3])
+def test_a_gateway_stopped_with_sigterm_finishes_its_open_streams(start_worker, start_gateway, processes) -> None:
     """SIGTERM: uvicorn stops taking requests and waits (``shutdown_grace_s``) for the open
-    streams, which end whole, not cut off."""
+    streams, which end whole, not cut off. With several processes the supervisor passes the
+    signal on once to each: a second SIGTERM is a child's force-exit (it was sent, and cut
+    the streams of `docker stop`)."""
     start_worker("sigterm-sse", sim_ttft_ms=0, sim_token_ms=50)
-    gateway = start_gateway()
+    gateway = start_gateway(env={"SLUICE_GATEWAY_PROCS": str(processes)})
     body = {"model": "sigterm-sse", "prompt": "x", "max_tokens": 30, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=20) as resp:
-        lines = resp.iter_lines()
-        assert next(lines).startswith("data: ")
+
+    def rest_of_stream(first: threading.Barrier) -> list[str]:
+        with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=20) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: ")
+            first.wait(10)
+            return [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+
+    streams = 2 * processes
+    first = threading.Barrier(streams + 1)
+    with ThreadPoolExecutor(streams) as pool:
+        futures = [pool.submit(rest_of_stream, first) for _ in range(streams)]
+        first.wait(10)
         gateway.process.send_signal(signal.SIGTERM)
-        rest = list(lines)
-    data = [line.removeprefix("data: ") for line in rest if line.startswith("data: ")]
-    assert data[-1] == "[DONE]"
-    assert orjson.loads(data[-2])["choices"][0]["finish_reason"] == "length"
-    assert len(data) - 1 == 29  # every token after the first one
+        for future in futures:
+            data = future.result(30)
+            assert data[-1] == "[DONE]"
+            assert orjson.loads(data[-2])["choices"][0]["finish_reason"] == "length"
+            assert len(data) - 1 == 29  # every token after the first one
     assert gateway.process.wait(10) == 0
