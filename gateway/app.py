@@ -135,7 +135,7 @@ async def open_services(settings: GatewaySettings) -> Services:
     dispatcher = Dispatcher(settings, admission, http, workers, IndexCorrections(PrefixIndex(redis)), adapters,
                             Disaggregation(FleetRoles(redis), settings.stall_timeout_s))
     serving = Serving(
-        settings, dispatcher, Idempotency(redis, settings.idempotency_ttl_s), redis, tenancy, readers, metrics,
+        settings, dispatcher, Idempotency(redis, settings.idempotency_ttl_s, tenancy.keeper.unsure_s), redis, tenancy, readers, metrics,
     )
     readers.adopt = serving.take_over  # a re-attached reader whose producer died: continue it here
     readers.producing = serving.produces  # ... never one whose producer runs here

@@ -216,3 +216,20 @@ def test_up_gpus_flag_is_explained() -> None:
                             cwd=ROOT, timeout=30, check=False)
     assert "--gpus" in result.stdout and "--tensor-parallel" in result.stdout and "--gateway-procs" in result.stdout
     assert "--pd" in result.stdout
+
+
+def test_each_vllm_worker_gets_its_own_nixl_side_channel_port(monkeypatch) -> None:
+    """Regression: every worker of `sluice up --pd` got vLLM's default NIXL side-channel
+    port, so a second NixlConnector worker on the host could not listen."""
+    from sluice.commands.up import _worker_env
+
+    monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_PORT", raising=False)
+    envs = [_worker_env("vllm", i, [str(i)]) for i in range(4)]
+    ports = [int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) for env in envs if env]
+    assert len(set(ports)) == 4 and min(b - a for a, b in zip(ports, ports[1:])) >= 8
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in envs if env] == ["0", "1", "2", "3"]
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "7000")
+    env = _worker_env("vllm", 1, None)
+    assert env is not None and env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "7016"
+    assert _worker_env("trtllm", 0, ["3"])["CUDA_VISIBLE_DEVICES"] == "3"  # type: ignore[index]
+    assert _worker_env("sim", 0, None) is None

@@ -65,8 +65,7 @@ KEEP_S = 600.0
 #: At most this many records are kept (about 300 bytes each: ~3 MB), the least recently
 #: verified dropped first.
 KEPT = 10_000
-#: How often the registry's epoch and the revocations are read (only while something is
-#: kept, or the process enforces keys).
+#: How often the registry's epoch, which servers answer, and the revocations are read.
 CHECK_S = 1.0
 #: Prefixes asked about in one SMISMEMBER.
 _BATCH = 1_000
@@ -173,6 +172,18 @@ class KeyKeeper:
         kept = self._kept.get(prefix)
         return record if record is not None or kept is None else parse_record(kept.fields)
 
+    def unsure_s(self) -> float:
+        """How much longer writes Redis may have lost could still be on their way back from
+        the gateway processes that keep copies (0: none known): after a new epoch, Redis
+        coming back, or other servers answering (:data:`~sluice.keys.API_KEYS_RESTORE_S`
+        from when this process saw it), and while this process has no fresh look at Redis
+        (Redis away, or the process stalled). An Idempotency-Key Redis does not know waits
+        this long before it starts a new generation (gateway/streams/idempotency.py)."""
+        now = time.monotonic()
+        if now - self._looked_at > 3 * self._check_s:
+            return self._check_s
+        return max(0.0, self._changed_at + keys.API_KEYS_RESTORE_S - now)
+
     async def _unknown(self) -> None:
         """Redis has no record for the key: 503 while the keys may be being written back."""
         seen = self._epoch.decode() if isinstance(self._epoch, bytes) and self._epoch != _UNSEEN else None
@@ -267,24 +278,27 @@ class KeyKeeper:
         away = False
         while True:  # the epoch is read at once: a loss right after this process started is a change
             self._expire()
-            if self._kept or self.enforcing:
-                try:
-                    epoch, server = await self._directory.look()
-                    # A new epoch, or none (the registry is gone): Redis lost its data. Back after
-                    # being away, or other servers answering: a restart from a snapshot, or a
-                    # failover, may have lost the last writes (on a Cluster, one node's).
-                    moved = server != self._server and self._server is not None
-                    if away or moved:
-                        self._changed_at = time.monotonic()
-                    if away or moved or (epoch != self._epoch and (self._epoch is not _UNSEEN or epoch is None)):
-                        await self.restore_all()
-                    away = False
-                    self._epoch, self._server = epoch, server
-                    self._looked_at = time.monotonic()
-                    await self._learn_revocations()
-                except (RedisError, OSError) as exc:
-                    if not away:
-                        log.warning("API key check failed (written back once Redis answers): %s", exc)
-                    away = True
+            try:
+                epoch, server = await self._directory.look()
+                # A new epoch, or none (the registry is gone): Redis lost its data. Back after
+                # being away, or other servers answering: a restart from a snapshot, or a
+                # failover, may have lost the last writes (on a Cluster, one node's).
+                moved = server != self._server and self._server is not None
+                # (A registry made where there was none is no loss: a fresh Redis.)
+                renewed = epoch != self._epoch and self._epoch not in (_UNSEEN, None)
+                if away or moved or renewed:
                     self._changed_at = time.monotonic()
+                if away or moved or (epoch != self._epoch and (self._epoch is not _UNSEEN or epoch is None)):
+                    await self.restore_all()
+                away = False
+                self._epoch, self._server = epoch, server
+                self._looked_at = time.monotonic()
+                if self._kept:
+                    await self._learn_revocations()
+            except (RedisError, OSError) as exc:
+                if not away:
+                    log.warning("Redis check failed (API keys and idempotency records are written back once "
+                                "it answers): %s", exc)
+                away = True
+                self._changed_at = time.monotonic()
             await asyncio.sleep(self._check_s)

@@ -158,8 +158,7 @@ class Tenancy:
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._renew_loop(), name="concurrency-renewal")
-        if self._s.auth != "open":
-            self.keeper.start()
+        self.keeper.start()  # also without keys: it watches for losses (KeyKeeper.unsure_s)
 
     async def close(self) -> None:
         await self.keeper.close()

@@ -33,6 +33,14 @@ waits (``:live`` held, no record: pending), so it attaches to the one generation
   gets the stored body once done; re-attaches to a stream (see gateway/streams/journal.py), from
   ``Last-Event-ID`` on;
 - the same key with a different body: 409.
+
+A finished stream's record and journal that Redis lost come back from the gateway that
+produced it (gateway/streams/journal_keeper.py), within a few seconds of the loss. A
+client's retry that came first ran the whole request again and was billed twice (nemesis,
+Cluster: 7 streams, a failed-over node without the record). So while this process knows
+of a loss it may not have seen repaired yet (``unsure``: KeyKeeper.unsure_s, at most
+``API_KEYS_RESTORE_S`` after it, or while it has no fresh look at Redis), a key without a
+record does not start a generation; the caller waits, at most ``UNSURE_MAX_S``.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ import contextlib
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Literal
 
 from redis.asyncio import Redis
@@ -57,6 +66,8 @@ log = logging.getLogger("sluice.gateway")
 MAX_KEY_LENGTH = 255
 #: How often a waiting caller looks at a pending key again.
 _WAIT_S = 0.05
+#: The longest a key without a record waits for a write-back after a loss (see the module).
+UNSURE_MAX_S = 6.0
 
 #: KEYS: record, journal, plan, live, head. ARGV: owner, fp, stream, record ttl ms, live
 #: ttl ms, the caller's Last-Event-ID. The one way a request claims a key, and with it the
@@ -74,7 +85,9 @@ _WAIT_S = 0.05
 #: - the caller holds events but the journal is gone: "lost", an explicit error (its
 #:   events came from a generation a new one would not continue).
 #: Only a caller with no events, on a key whose journal ended or was forgotten after a
-#: failure, or has none, starts a generation.
+#: failure, or has none, starts a generation; and while Redis may have lost writes that
+#: gateways are writing back (ARGV[8] = '1'), not on a key without a record: "unsure", the
+#: caller waits for the write-back.
 CLAIM = """
 local found = redis.call('HMGET', KEYS[1], 'fp', 'state', 'stream')
 if redis.call('EXISTS', KEYS[4]) == 1 then
@@ -87,6 +100,7 @@ if top[1] and (tonumber(ARGV[6]) > 0 or (top[1][2][2] ~= ARGV[7] and redis.call(
   return {false, 'streaming', ARGV[3]}
 end
 if tonumber(ARGV[6]) > 0 then return {false, 'lost', ARGV[3]} end
+if ARGV[8] == '1' and not found[2] then return {false, 'unsure', ARGV[3]} end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[5])
 redis.call('HSET', KEYS[1], 'fp', ARGV[2], 'stream', ARGV[3], 'state', 'pending', 'owner', ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
@@ -182,8 +196,9 @@ class Idempotency:
     ...     await idem.settle(scope, token, completed=True, body=body)
     """
 
-    def __init__(self, redis: Redis, ttl_s: float) -> None:
+    def __init__(self, redis: Redis, ttl_s: float, unsure: Callable[[], float] = lambda: 0.0) -> None:
         self._redis = redis
+        self._unsure = unsure  # seconds writes Redis lost may still be on their way back
         self._ttl_ms = int(ttl_s * 1000)
         self._claim = redis.register_script(CLAIM)
         self._settle = redis.register_script(SETTLE)
@@ -211,13 +226,26 @@ class Idempotency:
         names = [keys.idempotency(key), keys.journal(key), keys.journal_plan(key), keys.journal_live(key),
                  keys.journal_head(key)]
         lost_until: float | None = None
+        unsure_until: float | None = None
         while True:
             ttl_ms = self._ttl_ms + int(max(0.0, deadline - time.monotonic()) * 1000)
-            found = await self._claim(keys=names, args=[owner, fp, int(stream), ttl_ms, LIVE_TTL_MS, after, DONE])
+            cautious = self._unsure() > 0 and (unsure_until is None or time.monotonic() < unsure_until)
+            found = await self._claim(keys=names, args=[owner, fp, int(stream), ttl_ms, LIVE_TTL_MS, after, DONE,
+                                                        int(cautious)])
             if found == 1:
                 self._hold(key, owner)
                 return None
             stored_fp, state, stored_stream = (_text(v) for v in found)
+            if state == "unsure":
+                if unsure_until is None:
+                    unsure_until = time.monotonic() + UNSURE_MAX_S
+                    log.info("Idempotency-Key %s has no record while Redis may have lost it: waiting for "
+                             "its gateway to write it back", key)
+                if time.monotonic() > deadline:
+                    raise DeadlineExceeded("the request with this Idempotency-Key is waiting for Redis's "
+                                           "data to be written back")
+                await asyncio.sleep(_WAIT_S)
+                continue
             if state == "lost":
                 # Redis lost the stream: a producer that still runs re-claims it, and writes
                 # its journal again, within ``:live``'s refresh period; give it that long.

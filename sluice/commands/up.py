@@ -77,14 +77,28 @@ class UpOptions:
         )
 
 
+#: vLLM's NixlConnector listens on a side-channel port per engine (plus its tensor-parallel
+#: rank); workers on one host each get their own, this far apart, from the base vLLM uses.
+NIXL_PORT_BASE = 5600
+NIXL_PORT_STRIDE = 16
+
+
 def _worker_env(engine: str, index: int, devices: list[str] | None) -> dict[str, str] | None:
     """GPU workers see only their own devices; vLLM on CPU pins its compute to core 0 by
-    default: spread CPU workers over the cores."""
-    if devices is not None:
-        return {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(devices)}
-    if engine != "vllm" or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+    default: spread CPU workers over the cores. Every vLLM worker gets its own NIXL
+    side-channel port (all on vLLM's default collided: a second ``--pd`` worker with
+    ``NixlConnector`` could not listen), counted from ``VLLM_NIXL_SIDE_CHANNEL_PORT`` if set."""
+    if engine != "vllm" and devices is None:
         return None
-    return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(index % (os.cpu_count() or 1))}
+    env = {**os.environ}
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    if engine == "vllm":
+        base = int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", NIXL_PORT_BASE))
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(base + NIXL_PORT_STRIDE * index)
+        if devices is None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(index % (os.cpu_count() or 1))
+    return env
 
 
 def gpu_groups(gpus: str | None, tensor_parallel: int) -> list[list[str]] | None:

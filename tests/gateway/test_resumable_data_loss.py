@@ -4,15 +4,21 @@ gateways is billed once."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import orjson
 import pytest
+import redis
 
 from gateway.streams.idempotency import scoped
 from sluice import keys
+from sluice.embedded_redis import EmbeddedRedis
 from tests.conftest import wait_for
 from tests.gateway.test_resumable import _events
 from tests.gateway.test_takeover import stall_while_taken_over
@@ -126,3 +132,46 @@ def test_a_client_holding_events_of_a_finished_stream_whose_journal_redis_lost_i
     resp = httpx.get(f"{other.url}/v1/streams/{key}", headers={"Last-Event-ID": "5"}, timeout=30)
     assert resp.status_code == 502, resp.text
     assert resp.json()["error"]["code"] == "stream_history_lost"
+
+
+def test_a_retry_after_redis_lost_a_finished_stream_waits_for_its_write_back(start_worker, start_gateway) -> None:
+    """Regression (nemesis, Cluster: 7 streams billed twice): a finished stream's record and
+    journal were lost (a node failed over to a replica without them) and the client's retry
+    (no ``Last-Event-ID``: its first attempt had failed before any event) reached a gateway
+    before the producer's keeper had written them back: it claimed the free key and ran the
+    request again, and the tenant paid for two generations. A gateway that knows of a loss
+    now gives the write-back a moment before it starts a key Redis has no record of. The
+    producer is stopped through the loss so that the retry surely comes first."""
+    with EmbeddedRedis() as server:
+        start_worker("forgotten", redis_at=server.url, sim_token_ms=0, sim_ttft_ms=0)
+        producer, other = start_gateway(redis_at=server.url), start_gateway(redis_at=server.url)
+        key = uuid.uuid4().hex
+        body = {**BODY, "model": "forgotten", "max_tokens": 12}
+        with httpx.stream("POST", producer.url + "/v1/chat/completions", json=body,
+                          headers={"Idempotency-Key": key}, timeout=60) as r:
+            first = _events(r.iter_lines())
+        assert first[-1][1] == "[DONE]"
+        client = redis.Redis.from_url(server.url)
+        scope = scoped("-", key)
+        wait_for(lambda: client.hget(keys.idempotency(scope), "state") == b"done", 10, "the key to be settled")
+        os.kill(producer.pid, signal.SIGSTOP)
+        try:
+            client.flushall()
+            time.sleep(1.5)  # the other gateway's look at Redis sees the loss
+            with ThreadPoolExecutor(1) as pool:
+                retry = pool.submit(_post_all, other.url, body, key)
+                time.sleep(0.5)
+                assert not retry.done(), "the retry did not wait for the write-back"
+                os.kill(producer.pid, signal.SIGCONT)
+                again = retry.result(30)
+        finally:
+            os.kill(producer.pid, signal.SIGCONT)
+        client.close()
+    assert again == first
+    assert _chunk_ids(again) == _chunk_ids(first)  # the same generation, billed once
+
+
+def _post_all(url: str, body: dict, key: str) -> Events:
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers={"Idempotency-Key": key},
+                      timeout=60) as r:
+        return _events(r.iter_lines())
