@@ -50,8 +50,7 @@ re-attaches from before the loss gets exactly the rest. A journal Redis loses af
 stream ended is written back by the gateway that produced it, for ``KEEP_S`` after the end
 (gateway/streams/journal_keeper.py); past that, or if that gateway died too, a re-attach
 from before the loss gets the in-band ``stream_history_lost`` error. ``:live`` missing while the journal already
-holds events past this producer's, other than its own last batch (written before a reply
-it never got), means someone else took the stream over and ended it:
+holds events past this producer's means someone else took the stream over and ended it:
 that is :class:`JournalLost`, as is ``:live`` held by another gateway. A producer that lost
 its stream is done for good: it writes nothing more, whatever Redis loses later, and its
 generation is cancelled.
@@ -247,8 +246,7 @@ class FirstReader:
 #: Appends events to a journal if this producer still owns it: a producer that stalled
 #: past ``LIVE_TTL_MS`` and was taken over must not write on. ``:live`` missing is not a
 #: take-over (Redis lost it, or it expired and nobody took over): unless the journal
-#: holds events past this producer's (other than its own batch, written before a reply it
-#: never got: the same bytes), re-claim it and write on. The Idempotency-Key's
+#: holds events past this producer's, re-claim it and write on. The Idempotency-Key's
 #: record, if Redis lost it, is restored the same way (this producer owns the key), so a
 #: retry or a re-attach finds the one generation. A journal that lacks events before the
 #: batch (Redis lost them) gets nothing appended: the producer is told to send them all
@@ -284,16 +282,7 @@ local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 if top[1] then last = tonumber(string.match(top[1][1], '%d+$')) end
 local status = 1
 if owner == false then
-  if last >= first then
-    -- Events past this producer's: its own batch, written before a reply it never got
-    -- (while :live expired), if they are the batch's bytes; else another gateway's.
-    if last > first + (#ARGV - 9) / 2 - 1 then return {0, last} end
-    local written = redis.call('XRANGE', KEYS[1], '0-' .. first, '0-' .. last)
-    if #written ~= last - first + 1 then return {0, last} end
-    for j, entry in ipairs(written) do
-      if entry[2][2] ~= ARGV[8 + 2 * j] then return {0, last} end
-    end
-  end
+  if last >= first then return {0, last} end
   local clock = redis.call('TIME')
   if tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000) > tonumber(ARGV[9]) then return {4, last} end
   status = 2

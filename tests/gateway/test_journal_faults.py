@@ -623,35 +623,3 @@ async def test_a_stream_is_settled_before_its_producer_lets_go_of_it(private_red
         held.set()
         await committer.close()
         await client.aclose()
-
-
-def test_a_batch_whose_reply_was_lost_with_live_is_the_producers_own(redis_client) -> None:
-    """Regression (nemesis, Sentinel nem-4986: served 54, billed 0): a producer's last batch
-    reached Redis, the reply did not (the master was stalled, then failed over and back),
-    and ``:live`` expired meanwhile. Its retry found the journal holding events past its
-    own and no ``:live``, took that for a take-over, stopped and billed nothing, and nobody
-    else ended the stream. Events that are the batch's own bytes are its own write: it
-    re-claims and goes on. Other bytes there are still another gateway's."""
-    from gateway.streams.journal import APPEND
-
-    script = redis_client.register_script(APPEND)
-    scope = uuid.uuid4().hex
-    names = [keys.journal(scope), keys.journal_live(scope), keys.journal_head(scope), keys.journal_plan(scope),
-             keys.idempotency(scope)]
-
-    def append(first: int, events: list[bytes], deadline_ms: int) -> list[int]:
-        args: list[object] = ["producer", 60_000, 3000, first, b"head", "0", "", b"plan", deadline_ms]
-        for data in events:
-            args += [data, b""]
-        return [int(x) for x in script(keys=names, args=args)]
-
-    soon = int(time.time() * 1000) + 10_000
-    assert append(1, [b"e1", b"e2", b"e3"], soon) == [2, 0]  # 2: it claimed a missing :live
-    redis_client.delete(keys.journal_live(scope))  # expired while the reply was lost
-    assert append(2, [b"e2", b"e3", b"e4"], soon) == [2, 3]  # its own 2..3, then 4
-    assert [e[1][b"d"] for e in redis_client.xrange(keys.journal(scope))] == [b"e1", b"e2", b"e3", b"e4"]
-    assert redis_client.get(keys.journal_live(scope)) == b"producer"
-    redis_client.delete(keys.journal_live(scope))
-    assert append(4, [b"other", b"e5"], soon) == [0, 4]  # event 4 is not this batch's: a take-over
-    assert append(3, [b"e3"], soon) == [0, 4]  # the journal goes past the batch: not only its own
-    redis_client.delete(*names)
