@@ -31,7 +31,7 @@ from engine_worker.config import WorkerSettings
 from gateway.config import GatewaySettings
 from sluice.embedded_redis import free_port
 from sluice.settings import RedisSettings
-from tests.compose_stack import Project, build, poll, run, start_engine
+from tests.compose_stack import Project, build, poll, remove_abandoned_projects, run, start_engine
 from tests.test_k8s import worker_demand_query
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -364,6 +364,7 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
     start_engine()
+    remove_abandoned_projects()
     build("Dockerfile", "sluice:0.1.0")
     gateway_port, prometheus_port = free_port(), free_port()
     project = Project(f"sluicetest{os.getpid()}", env={
