@@ -20,6 +20,8 @@ from pathlib import Path
 
 import yaml
 
+from tests.conftest import pid_alive
+
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 SETUP_SCRIPT = Path("shared/docker/base-images.sh")
@@ -108,17 +110,8 @@ def remove_abandoned_projects() -> list[str]:
     restarted 124 times in two hours under a nemesis run)."""
     labels = run(["docker", "ps", "-a", "--format", '{{.Label "com.docker.compose.project"}}']).stdout.split()
     gone = sorted({name for name in labels if name.startswith("sluicetest") and name[10:].isdigit()
-                   and not _alive(int(name[10:]))})
+                   and not pid_alive(int(name[10:]))})
     for name in gone:
         Project(name).compose("down", "-v", "--remove-orphans", "-t", "1", check=False)
     return gone
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

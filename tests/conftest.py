@@ -25,6 +25,15 @@ from sluice.redis_url import sync_client
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
     """Poll ``predicate`` until true; fail naming ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

@@ -18,6 +18,7 @@ import redis
 
 from sluice import keys
 from sluice.embedded_redis import free_port
+from tests.conftest import pid_alive
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,14 +40,6 @@ def _descendants(pid: int) -> set[int]:
             found.add(child)
             todo.append(child)
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @contextlib.contextmanager
@@ -90,8 +83,8 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
         up.send_signal(signal.SIGTERM)
         assert up.wait(60) == 0
         deadline = time.monotonic() + 5
-        while any(_alive(p) for p in children):
-            assert time.monotonic() < deadline, [p for p in children if _alive(p)]
+        while any(pid_alive(p) for p in children):
+            assert time.monotonic() < deadline, [p for p in children if pid_alive(p)]
             time.sleep(0.05)
 
 

@@ -188,12 +188,10 @@ class KeyKeeper:
         """Redis has no record for the key: 503 while the keys may be being written back."""
         seen = self._epoch.decode() if isinstance(self._epoch, bytes) and self._epoch != _UNSEEN else None
         epoch = await self._directory.epoch(seen)  # made now if Redis has none, marked as after a loss
-        now = time.monotonic()
         # Also while this process has no fresh look at Redis (Redis away, or the process
         # stalled): a loss may have happened unnoticed (nemesis, Cluster: a gateway resumed
         # from SIGSTOP answered 401 for keys a failover had just lost).
-        if epoch.keys_restore_s > 0 or now - self._changed_at < keys.API_KEYS_RESTORE_S \
-                or now - self._looked_at > 3 * self._check_s:
+        if epoch.keys_restore_s > 0 or self.unsure_s() > 0:
             raise Unavailable("API key not known yet: Redis lost its data moments ago and gateways are writing "
                               "the keys back", retry_after_s=1, code=REGISTRY_REBUILDING)
 
