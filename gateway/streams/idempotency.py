@@ -70,7 +70,7 @@ _WAIT_S = 0.05
 UNSURE_MAX_S = 6.0
 
 #: KEYS: record, journal, plan, live, head. ARGV: owner, fp, stream, record ttl ms, live
-#: ttl ms, the caller's Last-Event-ID. The one way a request claims a key, and with it the
+#: ttl ms, the caller's Last-Event-ID, the journal's end event, "1" while unsure (below). The one way a request claims a key, and with it the
 #: key's stream: only if it is free (no record, or a pending one, and no ``:live``: nobody
 #: admits or produces it). Then, having won, it drops an earlier attempt's journal, plan and
 #: head, never under a producer that still writes them. Else returns {fp, state, stream}: a
