@@ -127,7 +127,7 @@ async def open_services(settings: GatewaySettings) -> Services:
     tenancy = Tenancy(redis, settings)
     await tenancy.check_startup()
     await tenancy.start()
-    admission = Admission(redis, settings)
+    admission = Admission(redis, settings, tenancy.keeper.since_loss_s)
     await admission.start()
     readers = JournalReaders(redis)  # one reader loop for every re-attached stream of this process
     metrics = GatewayMetrics()

@@ -184,6 +184,16 @@ class KeyKeeper:
             return self._check_s
         return max(0.0, self._changed_at + keys.API_KEYS_RESTORE_S - now)
 
+    def since_loss_s(self) -> float:
+        """Seconds since this process last saw Redis lose data or be away (0 while it has no
+        fresh look at Redis; inf: never). On a Cluster, one node restarted empty leaves the
+        epoch (on another node) as it was: the registry's missing models are then told from
+        typos by this (Admission.missing_model)."""
+        now = time.monotonic()
+        if now - self._looked_at > 3 * self._check_s:
+            return 0.0
+        return now - self._changed_at
+
     async def _unknown(self) -> None:
         """Redis has no record for the key: 503 while the keys may be being written back."""
         seen = self._epoch.decode() if isinstance(self._epoch, bytes) and self._epoch != _UNSEEN else None
@@ -286,6 +296,10 @@ class KeyKeeper:
                 renewed = epoch != self._epoch and self._epoch not in (_UNSEEN, None)
                 if away or moved or renewed:
                     self._changed_at = time.monotonic()
+                if moved or renewed:
+                    log.warning("Redis may have lost writes (%s): kept API keys and finished streams are written "
+                                "back; unknown keys and models are 503 registry_rebuilding for now",
+                                "a new registry epoch" if renewed else "other server processes answer")
                 if away or moved or (epoch != self._epoch and (self._epoch is not _UNSEEN or epoch is None)):
                     await self.restore_all()
                 away = False

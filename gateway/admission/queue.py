@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections import OrderedDict
@@ -189,9 +190,12 @@ def _tenant_name(tenant: str) -> str:
 
 
 class Admission:
-    def __init__(self, redis: Any, settings: GatewaySettings) -> None:
+    def __init__(self, redis: Any, settings: GatewaySettings,
+                 since_loss_s: Callable[[], float] = lambda: math.inf) -> None:
         self._redis = redis
         self._s = settings
+        #: Seconds since this process last saw Redis lose data (KeyKeeper.since_loss_s).
+        self._since_loss_s = since_loss_s
         #: This process's identity in the queue: grants are addressed to it.
         self.gateway_id = uuid.uuid4().hex[:16]
         # Two of these scripts run per request: one pipelined connection where Redis is one
@@ -480,7 +484,9 @@ class Admission:
         seen = self._known.get(model)
         if (seen is not None and time.monotonic() - seen < keys.MODEL_FORGET_S) or await self._directory.listed(model):
             return Unavailable(f"model '{model}' has no live worker", retry_after_s=2)
-        if (await self._watch_epoch()).rebuilding:
+        # A new epoch; or, on a Cluster, one node that lost its data while the epoch's node
+        # kept it (CI, test_key_data_loss: the model 404 right after its node restarted empty).
+        if (await self._watch_epoch()).rebuilding or self._since_loss_s() < keys.REGISTRY_REBUILD_S:
             # Maybe a model, maybe a typo: the code says so (no metrics series for the name).
             return Unavailable(f"model '{model}' is not registered (yet): Redis lost its data moments ago and "
                                "workers are registering again", retry_after_s=2, code=REGISTRY_REBUILDING)

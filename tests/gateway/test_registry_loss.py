@@ -14,7 +14,8 @@ import pytest
 import redis
 
 from sluice import keys
-from sluice.embedded_redis import EmbeddedRedis
+from sluice.embedded_redis import EmbeddedCluster, EmbeddedRedis
+from sluice.redis_url import sync_client
 from tests.conftest import wait_for, worker_alive
 
 
@@ -123,3 +124,36 @@ def test_a_model_unknown_just_after_redis_lost_its_data_is_503_not_404(
         os.kill(worker.pid, signal.SIGCONT)
     wait_for(lambda: worker_alive(client, model, worker.name), 10, "the worker to register again")
     assert httpx.post(fresh.url + "/v1/completions", json=body, timeout=10).status_code == 200
+
+
+def test_a_model_one_cluster_node_lost_is_503_not_404(start_worker, start_gateway) -> None:
+    """Regression (CI, test_key_data_loss on a Cluster): a node restarted empty lost the
+    model's directory entry and its workers, while the epoch, on another node, stayed as it
+    was; a gateway that had never served the model answered 404 model_not_found (SDKs do not
+    retry it) until the worker's next beat. The gateway saw other servers answer, and now
+    says 503 registry_rebuilding meanwhile."""
+    with EmbeddedCluster() as cluster:
+        client = sync_client(cluster.url)
+        port_of = lambda key: client.get_node_from_key(key).port  # noqa: E731
+        lost_port = port_of(keys.MODELS)
+        assert lost_port != port_of(keys.EPOCH)
+        # A model whose keys live with the directory: one node's loss takes both.
+        model = next(m for m in (f"nodeloss{i}" for i in range(1000)) if port_of(keys.workers(m)) == lost_port)
+        worker = start_worker(model, redis_at=cluster.url, sim_token_ms=0, sim_ttft_ms=0)
+        gateway = start_gateway(redis_at=cluster.url)
+        body = {"model": model, "prompt": "x", "max_tokens": 2}
+        os.kill(worker.pid, signal.SIGSTOP)  # no heartbeat can register the model again meanwhile
+        try:
+            node = next(server for server in cluster.servers if server.port == lost_port)
+            node.shutdown(save=False)
+            node.start()  # back empty, with its slots (nodes.conf)
+            wait_for(lambda: "Redis may have lost writes" in gateway.log_tail(50), 10,
+                     "the gateway to see other servers answer")
+            resp = httpx.post(gateway.url + "/v1/completions", json=body, timeout=10)
+            assert resp.status_code == 503, resp.text
+            assert resp.json()["error"]["code"] == "registry_rebuilding"
+        finally:
+            os.kill(worker.pid, signal.SIGCONT)
+        wait_for(lambda: httpx.post(gateway.url + "/v1/completions", json=body, timeout=10).status_code == 200,
+                 15, "the worker to register again")
+        client.close()
