@@ -120,6 +120,7 @@ class KeyKeeper:
         self._server: str | None = None  # the run_ids last seen (Directory.look)
         self._changed_at = -math.inf  # when Redis was last away or other servers answered (monotonic)
         self._looked_at = -math.inf  # the watch loop's last answer from Redis (monotonic)
+        self._started_at = -math.inf  # when start() ran (monotonic)
         self._revocations = -1  # size of sl:apikeys:revoked at the last read
         self._task: asyncio.Task[None] | None = None
         self._restoring: asyncio.Task[None] | None = None
@@ -129,6 +130,7 @@ class KeyKeeper:
         return f"<KeyKeeper kept={len(self._kept)} restored={self.restored}>"
 
     def start(self) -> None:
+        self._started_at = time.monotonic()
         self._task = asyncio.create_task(self._run(), name="key-keeper")
 
     async def close(self) -> None:
@@ -201,7 +203,11 @@ class KeyKeeper:
         # Also while this process has no fresh look at Redis (Redis away, or the process
         # stalled): a loss may have happened unnoticed (nemesis, Cluster: a gateway resumed
         # from SIGSTOP answered 401 for keys a failover had just lost).
-        if epoch.keys_restore_s > 0 or self.unsure_s() > 0:
+        # And in this process's first moments, in a registry rebuilt after a loss: it cannot
+        # know whether the write-backs are late (nemesis, Cluster: a gateway restarted while
+        # the node the keepers had to write to was stalled answered 401 for 4 valid keys).
+        just_started = time.monotonic() - self._started_at < keys.API_KEYS_RESTORE_S
+        if epoch.keys_restore_s > 0 or self.unsure_s() > 0 or (just_started and epoch.rebuilding):
             raise Unavailable("API key not known yet: Redis lost its data moments ago and gateways are writing "
                               "the keys back", retry_after_s=1, code=REGISTRY_REBUILDING)
 

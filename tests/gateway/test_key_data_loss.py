@@ -11,6 +11,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -214,3 +215,31 @@ async def test_a_key_whose_listing_redis_lost_is_listed_again(lossy) -> None:
         assert await client.sismember(keys.API_KEYS, record.prefix)
     finally:
         await client.aclose()
+
+
+def test_a_gateway_started_while_write_backs_are_late_says_503_not_401(start_worker, start_gateway) -> None:
+    """Regression (nemesis, Cluster: 4 invalid_api_key): Redis lost the keys, the gateway that
+    kept them could not write them back at once (stalled here; a stalled node there), and a
+    gateway restarted after the new epoch was 3 s old answered 401 for a valid key: it could
+    not know of the loss. A gateway's first seconds are now as unsure as a young epoch's."""
+    with EmbeddedRedis() as server:
+        key, _ = _create(server.url, "late")
+        start_worker(MODEL, redis_at=server.url, sim_token_ms=0, sim_ttft_ms=0)  # makes the new epoch
+        env = {"SLUICE_GATEWAY_AUTH": "keys"}
+        kept = start_gateway(env=env, redis_at=server.url)
+        assert _complete(kept, key, retries=0)
+        os.kill(kept.pid, signal.SIGSTOP)
+        try:
+            client = redis.Redis.from_url(server.url)
+            client.flushall()
+            wait_for(lambda: client.hget(keys.EPOCH, "id") is not None, 10, "the worker to make a new epoch")
+            time.sleep(keys.API_KEYS_RESTORE_S + 0.5)  # the epoch is too old to say "unsure" by itself
+            client.close()
+            fresh = start_gateway(env=env, redis_at=server.url)
+            resp = httpx.post(fresh.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                              json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=10)
+            assert resp.status_code == 503, resp.text  # was 401
+            assert resp.json()["error"]["code"] == "registry_rebuilding"
+        finally:
+            os.kill(kept.pid, signal.SIGCONT)
+        assert _complete(fresh, key, retries=5)  # written back by the gateway that kept it
