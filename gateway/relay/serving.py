@@ -370,6 +370,9 @@ class Serving:
                     raise HistoryLost(f"the stream this Last-Event-ID ({after}) belongs to is no longer known "
                                       "(Redis lost it): it cannot be resumed; send the request without "
                                       "Last-Event-ID to run it again")
+                if retry:  # the key was claimed moments ago: Redis lost it since (nemesis, Cluster)
+                    raise Unavailable(f"the attempt that held Idempotency-Key {key!r} is no longer known (Redis "
+                                      "lost it); send this request again", retry_after_s=1)
                 raise RouteNotFound(f"no resumable stream for Idempotency-Key {key!r}")
             if record.get("stream", "1") != "1":
                 raise Conflict("this Idempotency-Key belongs to a non-streaming request")

@@ -50,8 +50,9 @@ re-attaches from before the loss gets exactly the rest. A journal Redis loses af
 stream ended is written back by the gateway that produced it, for ``KEEP_S`` after the end
 (gateway/streams/journal_keeper.py); past that, or if that gateway died too, a re-attach
 from before the loss gets the in-band ``stream_history_lost`` error. ``:live`` missing while the journal already
-holds events past this producer's means someone else took the stream over and ended it:
-that is :class:`JournalLost`, as is ``:live`` held by another gateway. A producer that lost
+holds events past this producer's means someone else took the stream over and ended it
+(unless the key's record still names this producer its owner: then they are its own batch,
+whose reply it lost): that is :class:`JournalLost`, as is ``:live`` held by another gateway. A producer that lost
 its stream is done for good: it writes nothing more, whatever Redis loses later, and its
 generation is cancelled.
 """
@@ -271,6 +272,10 @@ class FirstReader:
 #: of the first event, head, "1" when the batch ends the stream, the request's fingerprint
 #: ("": no record to restore), the plan ("": none to restore), the unix ms until which a
 #: missing ``:live`` may be re-claimed, then (data, state) per event.
+#: A batch that finds events from its first on while ``:live`` is missing is this
+#: producer's own when the record names it the owner: its write reached Redis, its reply did
+#: not (a stall, a failover and back), and it goes on (nemesis, Sentinel: it took its own
+#: batch for a take-over, stopped, and billed none of the 54 tokens it served).
 #: Returns {1 written | 2 written, but Redis had lost :live or the record | 3 nothing
 #: written: send events last + 1.. first | 0 lost, last | 4 nothing written: :live missing
 #: past the re-claim deadline, last}.
@@ -282,7 +287,9 @@ local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 if top[1] then last = tonumber(string.match(top[1][1], '%d+$')) end
 local status = 1
 if owner == false then
-  if last >= first then return {0, last} end
+  -- Events past this batch's first: someone else's (a take-over, which made itself the
+  -- record's owner), or this producer's own batch whose reply it never got.
+  if last >= first and redis.call('HGET', KEYS[5], 'owner') ~= ARGV[1] then return {0, last} end
   local clock = redis.call('TIME')
   if tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000) > tonumber(ARGV[9]) then return {4, last} end
   status = 2

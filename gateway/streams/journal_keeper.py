@@ -173,9 +173,13 @@ class JournalKeeper:
             # reader's take-over then generated the tail again and the stream was billed
             # twice): writing back only fills what is missing.
             moved = server != self._server and self._server is not None
+            # A write-back that failed (a node back but not serving yet) is tried again at the
+            # next look (test_journal_faults: a Cluster node restarted empty, and its journal
+            # was never written back once the first try failed).
             if away or moved or (epoch != self._epoch and (self._epoch is not _UNSEEN or epoch is None)):
-                await self.restore_all()
-            away = False
+                away = not await self.restore_all()
+            else:
+                away = False
             self._epoch, self._server = epoch, server
             await asyncio.sleep(self._check_s)
             self._expire()
@@ -187,13 +191,17 @@ class JournalKeeper:
             if now - finished.ended_at > self._keep_s or finished.ttl_ms() <= 0:
                 del self._kept[scope]
 
-    async def restore_all(self) -> None:
-        """Redis lost its data: write every kept journal back (those that still fit their quota)."""
+    async def restore_all(self) -> bool:
+        """Redis lost its data: write every kept journal back (those that still fit their
+        quota). False when some write failed: the watch loop tries again at its next look."""
+        whole = True
         for finished in list(self._kept.values()):
             try:
                 await self._restore_one(finished)
             except (RedisError, OSError) as exc:
                 log.warning("could not write the finished journal %s back: %s", finished.scope, exc)
+                whole = False
+        return whole
 
     async def _restore_one(self, finished: Finished) -> None:
         ttl_ms = finished.ttl_ms()

@@ -256,7 +256,9 @@ async def test_a_producer_whose_journal_another_gateway_continued_does_not_write
             if i == 11:
                 while await redis.xlen(stream_key(key)) < 10:
                     await asyncio.sleep(0.01)
-                # Another gateway took over after event 10, wrote 11..13 and [DONE], let go.
+                # Another gateway took over after event 10 (made itself the key's owner, as
+                # TAKE does), wrote 11..13 and [DONE], let go.
+                await redis.hset(keys.idempotency(key), "owner", "taker")
                 for number, data in [(11, b"data: x\n\n"), (12, b"data: y\n\n"), (13, DONE)]:
                     await redis.xadd(stream_key(key), {"d": data}, id=f"0-{number}")
                 await redis.delete(live_key(key))

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from gateway.streams.idempotency import Idempotency, scoped
-from gateway.streams.journal import DONE, JournalCommitter, JournalWriter, start_producer
+from gateway.streams.journal import APPEND, DONE, JournalCommitter, JournalWriter, start_producer
 from gateway.streams.journal_history import JournalHistory
 from gateway.streams.journal_keeper import Finished, JournalKeeper
 from gateway.streams.journal_readers import JournalReaders
@@ -622,4 +622,38 @@ async def test_a_stream_is_settled_before_its_producer_lets_go_of_it(private_red
     finally:
         held.set()
         await committer.close()
+        await client.aclose()
+
+
+@pytest.mark.parametrize("record_owner", ["me", "taker", None])
+async def test_a_batch_whose_reply_was_lost_is_the_producers_own_only_while_the_record_names_it(
+        private_redis, record_owner) -> None:
+    """Regression (nemesis, Sentinel nem-4986: served 54 tokens, billed 0): a producer's
+    batch reached Redis, its reply did not, and ``:live`` expired meanwhile; the retry found
+    events from its first on and took them for a take-over's, so the producer stopped and
+    billed nothing. The record's owner tells: a take-over makes itself the owner (TAKE); a
+    record Redis lost says nothing, and the batch stays lost (a take-over may have run)."""
+    client = await create_pool(private_redis["server"].url)
+    append = client.register_script(APPEND)
+    scope = uuid.uuid4().hex
+    try:
+        await _truncate(client, scope, 3)  # events 1..3: the batch 2..3 reached Redis
+        if record_owner is not None:
+            await client.hset(keys.idempotency(scope), mapping={"fp": "f", "stream": "1", "state": "streaming",
+                                                                "owner": record_owner})
+        names = [keys.journal(scope), keys.journal_live(scope), keys.journal_head(scope), keys.journal_plan(scope),
+                 keys.idempotency(scope)]
+        args = ["me", 60_000, 3000, 2, b"", "0", "f", b"", 2**53]  # the retry: 2..3, then 4
+        for number in (2, 3, 4):
+            args += [b"data: %d\n\n" % number, b""]
+        status, last = await append(keys=names, args=args)
+        assert last == 3
+        if record_owner == "me":
+            assert status == 2  # written: it goes on, and bills what it served
+            assert await client.xlen(keys.journal(scope)) == 4
+            assert await client.get(keys.journal_live(scope)) == b"me"
+        else:
+            assert status == 0  # another generation's, or unknown: lost, nothing written
+            assert await client.xlen(keys.journal(scope)) == 3
+    finally:
         await client.aclose()
