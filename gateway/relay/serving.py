@@ -113,8 +113,8 @@ class Serving:
                     # Nothing is generated for this caller: refund its charge, close its record.
                     await self._settle_usage(ctx, 0)
                     ctx.record.finish("ok")
-                    if replay == "attach":
-                        return await self.reattach(key, ctx.last_event_id)
+                    if replay == "attach":  # a POST: told to send again (503), never 404
+                        return await self.reattach(key, ctx.last_event_id, retry=True)
                     return replay
                 owned = True
             return await self._generate(kind, req, ctx, shape)
@@ -348,9 +348,10 @@ class Serving:
 
     async def reattach(self, key: str, after: int, *, retry: bool = False) -> Response:
         """The stream of ``key`` from after event ``after``. ``retry``: the caller is a POST
-        that lost the key to another attempt: if that one stopped before its stream began,
-        the POST is told to come again (503), not that there is nothing (404: the nemesis
-        found a re-sent POST told "send the request again")."""
+        (it found the key another attempt's, or lost it to one): if that attempt stopped
+        before its stream began, or Redis lost its record since, the POST is told to come
+        again (503), not that there is nothing (404: the nemesis found re-sent POSTs told
+        "send the request again" and "no resumable stream")."""
         deadline = time.monotonic() + self._settings.queue_timeout_s + self._settings.ttft_timeout_s
         # A client that holds events (``after``) of a stream Redis lost waits for its producer
         # to write the journal again, if it runs, before being told there is none.
