@@ -234,7 +234,12 @@ class Serving:
                 # completed marked the key done over a journal without its end, and a
                 # re-attach got 404 "no longer kept").
                 return
-            await self._idempotency.settle(writer.key, ending.owner, ending.completed)
+            if not await self._idempotency.settle(writer.key, ending.owner, ending.completed) and ending.completed:
+                # Redis lost the record (or another owns it: then this writes nothing): write
+                # it back done now, with the journal if that went too, rather than at the next
+                # loss the keeper sees; a re-sent request would find the key free meanwhile.
+                with contextlib.suppress(RedisError, OSError):
+                    await self._committer.keeper.restore(writer.key)
 
         self._keep(asyncio.create_task(settle(), name="idempotency-settle"))
 

@@ -281,9 +281,10 @@ class Idempotency:
         names = [keys.idempotency(key), keys.journal_live(key), keys.journal_plan(key)]
         return bool(await self._start(keys=names, args=[owner, fp, ttl_ms, plan, self._ttl_ms, LIVE_TTL_MS]))
 
-    async def settle(self, key: str, owner: str, completed: bool, body: bytes | None = None) -> None:
+    async def settle(self, key: str, owner: str, completed: bool, body: bytes | None = None) -> bool:
         """The owner's decision: ``done`` (a retry replays it) or, after a failure, forgotten
-        (a retry runs again). Nothing changes if ``owner`` no longer owns the key."""
+        (a retry runs again). Nothing changes if ``owner`` no longer owns the key (or Redis
+        lost its record): then False."""
         self._held.discard((key, owner))
         try:
             settled = await self._settle(
@@ -292,9 +293,10 @@ class Idempotency:
             )
         except (RedisError, OSError) as exc:
             log.warning("could not settle Idempotency-Key %s: %s", key, exc)
-            return
+            return False
         if not settled:
-            log.info("Idempotency-Key %s is another request's to settle now", key)
+            log.info("Idempotency-Key %s is another request's to settle now, or Redis lost its record", key)
+        return bool(settled)
 
     async def take_stream(self, key: str, owner: str) -> bool:
         """Take the stream ``key`` over if no producer holds it: ``owner`` then produces it

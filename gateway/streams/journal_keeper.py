@@ -65,8 +65,11 @@ _UNSEEN = b"\0unseen"
 #: ``:live`` too (its release was one of them): that claim is stale, and deleted once the
 #: end is back (it held the write-back off until it expired, a reader then took the stream
 #: over and generated its tail again: nemesis, Sentinel, billed twice). KEYS: stream, head,
-#: record, live. ARGV: ttl ms, head, fp, owner, number of events, then (data, state) per
-#: event. Returns the number of events written.
+#: record, live. ARGV: ttl ms, head, fp, owner, number of events, "1" to write the record
+#: back (``done``) also over a whole journal, then (data, state) per event. That is for a
+#: producer that completed its stream and found its record gone when it settled it: Redis
+#: lost the record alone (nemesis, Cluster: a re-sent request then found the key free and
+#: ran it again, billed twice). Returns the number of events written.
 RESTORE = """
 local live = redis.call('GET', KEYS[4])
 if live and live ~= ARGV[4] then return 0 end
@@ -75,14 +78,18 @@ if owner and owner ~= ARGV[4] then return 0 end
 local last = 0
 local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 if top[1] then last = tonumber(string.match(top[1][1], '%d+$')) end
-if last >= tonumber(ARGV[5]) then return 0 end
-local n = 0
-for i = 6, #ARGV, 2 do
-  n = n + 1
-  if n > last then redis.call('XADD', KEYS[1], '0-' .. n, 'd', ARGV[i], 's', ARGV[i + 1]) end
+local n = last
+local short = last < tonumber(ARGV[5])
+if not short and ARGV[6] ~= '1' then return 0 end
+if short then
+  n = 0
+  for i = 7, #ARGV, 2 do
+    n = n + 1
+    if n > last then redis.call('XADD', KEYS[1], '0-' .. n, 'd', ARGV[i], 's', ARGV[i + 1]) end
+  end
+  redis.call('PEXPIRE', KEYS[1], ARGV[1])
+  if ARGV[2] ~= '' then redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[1]) end
 end
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
-if ARGV[2] ~= '' then redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[1]) end
 if not owner and ARGV[3] ~= '' then
   redis.call('HSET', KEYS[3], 'fp', ARGV[3], 'stream', '1', 'state', 'done', 'owner', ARGV[4])
   redis.call('PEXPIRE', KEYS[3], ARGV[1])
@@ -203,12 +210,19 @@ class JournalKeeper:
                 whole = False
         return whole
 
-    async def _restore_one(self, finished: Finished) -> None:
+    async def restore(self, scope: str) -> None:
+        """The kept stream ``scope`` completed, and its producer found its record gone when
+        it settled it: write the record back ``done`` now, and the journal where Redis lacks it."""
+        finished = self._kept.get(scope)
+        if finished is not None:
+            await self._restore_one(finished, record=True)
+
+    async def _restore_one(self, finished: Finished, record: bool = False) -> None:
         ttl_ms = finished.ttl_ms()
         if ttl_ms <= 0:
             return
         args: list[bytes | str | int] = [ttl_ms, finished.head, finished.fingerprint, finished.owner,
-                                         len(finished.history)]
+                                         len(finished.history), "1" if record else "0"]
         for stored, state in finished.history.since(1):
             args += [stored, state]
         scope = finished.scope

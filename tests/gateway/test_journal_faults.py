@@ -657,3 +657,33 @@ async def test_a_batch_whose_reply_was_lost_is_the_producers_own_only_while_the_
             assert await client.xlen(keys.journal(scope)) == 3
     finally:
         await client.aclose()
+
+
+async def test_a_finished_stream_whose_record_alone_redis_lost_gets_it_back_done(private_redis) -> None:
+    """Regression (nemesis, Cluster: 11 streams billed twice): Redis lost a stream's record
+    (not its journal) just before its producer settled it; the settle changed nothing, and
+    the keeper wrote records back only with a lost journal, at the next loss it saw. A
+    re-sent request then found the key free and ran it again. The producer now has the
+    record written back ``done`` at once; a record another attempt owns is left alone."""
+    client = await create_pool(private_redis["server"].url)
+    keeper = JournalKeeper(client)
+    try:
+        scopes = {}
+        for name in ("lost", "others"):
+            scope = scopes[name] = uuid.uuid4().hex
+            history = JournalHistory()
+            for stored in (b"data: 1\n\n", b"data: 2\n\n", DONE):
+                history.add(stored, b"")
+                await client.xadd(keys.journal(scope), {"d": stored, "s": b""}, id=f"0-{len(history)}")
+            keeper.keep(Finished(scope, "p", "fp", b"", history, 60_000, None, 0))
+        await client.hset(keys.idempotency(scopes["others"]), mapping={"fp": "fp2", "state": "pending", "owner": "q"})
+        for scope in scopes.values():
+            await keeper.restore(scope)
+        record = await client.hgetall(keys.idempotency(scopes["lost"]))
+        assert record[b"state"] == b"done" and record[b"fp"] == b"fp" and record[b"owner"] == b"p"
+        assert await client.pttl(keys.idempotency(scopes["lost"])) > 0
+        assert await client.xlen(keys.journal(scopes["lost"])) == 3  # nothing written twice
+        assert (await client.hgetall(keys.idempotency(scopes["others"])))[b"owner"] == b"q"
+    finally:
+        await keeper.close()
+        await client.aclose()
