@@ -42,7 +42,6 @@ gateway verified it is gone (401): both are ``sluice keys`` commands to run agai
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -52,7 +51,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from gateway.admission.queue import REGISTRY_REBUILDING
+from gateway.admission.queue import REGISTRY_REBUILDING, stop_tasks
 from sluice import keys
 from sluice.apikeys import ApiKey, KeyStore, digest, matches, parse_prefix, parse_record
 from sluice.directory import Directory
@@ -134,11 +133,7 @@ class KeyKeeper:
         self._task = asyncio.create_task(self._run(), name="key-keeper")
 
     async def close(self) -> None:
-        for task in (self._task, self._restoring):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await stop_tasks([task for task in (self._task, self._restoring) if task is not None])
 
     async def verify(self, key: str) -> ApiKey:
         """The record of ``key``; raises 401 for a key that is not genuine or is revoked,

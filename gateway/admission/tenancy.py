@@ -30,6 +30,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from gateway.admission.key_keeper import KeyKeeper
+from gateway.admission.queue import stop_tasks
 from gateway.config import GatewaySettings
 from sluice import keys
 from sluice.apikeys import ApiKey, KeyStore
@@ -163,8 +164,7 @@ class Tenancy:
     async def close(self) -> None:
         await self.keeper.close()
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.wait([self._task], timeout=2.0)
+            await stop_tasks([self._task])
         if isinstance(self._runner, ScriptChannel):
             await self._runner.aclose()
 
