@@ -176,20 +176,23 @@ class KeyKeeper:
         from when this process saw it), and while this process has no fresh look at Redis
         (Redis away, or the process stalled). An Idempotency-Key Redis does not know waits
         this long before it starts a new generation (gateway/streams/idempotency.py)."""
-        now = time.monotonic()
-        if now - self._looked_at > 3 * self._check_s:
+        if self._blind():
             return self._check_s
-        return max(0.0, self._changed_at + keys.API_KEYS_RESTORE_S - now)
+        return max(0.0, self._changed_at + keys.API_KEYS_RESTORE_S - time.monotonic())
 
     def since_loss_s(self) -> float:
         """Seconds since this process last saw Redis lose data or be away (0 while it has no
         fresh look at Redis; inf: never). On a Cluster, one node restarted empty leaves the
         epoch (on another node) as it was: the registry's missing models are then told from
         typos by this (Admission.missing_model)."""
-        now = time.monotonic()
-        if now - self._looked_at > 3 * self._check_s:
+        if self._blind():
             return 0.0
-        return now - self._changed_at
+        return time.monotonic() - self._changed_at
+
+    def _blind(self) -> bool:
+        """This process has no fresh look at Redis (Redis away, or the process stalled): a
+        loss may have happened unnoticed."""
+        return time.monotonic() - self._looked_at > 3 * self._check_s
 
     async def _unknown(self) -> None:
         """Redis has no record for the key: 503 while the keys may be being written back."""
