@@ -223,7 +223,7 @@ class BoundedRedisCluster(RedisCluster):
             node.connection_class = closed_safe
 
     async def execute_command(self, *args: EncodableT, **kwargs: Any) -> Any:
-        async with self.bound.permit():
+        async with self.bound.permit(), _unreachable_is_connection_error():
             return await super().execute_command(*args, **kwargs)
 
     def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
@@ -237,8 +237,25 @@ class _BoundedPipeline(ClusterPipeline):
     cluster_client: BoundedRedisCluster
 
     async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list[Any]:
-        async with self.cluster_client.bound.permit():
+        async with self.cluster_client.bound.permit(), _unreachable_is_connection_error():
             return await super().execute(raise_on_error, allow_redirections)
+
+
+@contextlib.asynccontextmanager
+async def _unreachable_is_connection_error() -> AsyncIterator[None]:
+    """A cluster none of whose nodes answers is a ``ConnectionError``. redis-py raises
+    ``RedisClusterException`` ("Redis Cluster cannot be connected"), which is no
+    ``RedisError``: every ``except (RedisError, OSError)`` missed it, so a loop that keeps
+    going through Redis outages (the key keeper, the journal keeper, the lease reaper)
+    ended for good, and a request got a 500 (the nemesis, Cluster: its own data watcher
+    died of it, every node stalled at once). Only this case: the same class also reports
+    mistakes such as keys of one call in different slots, which stay what they are."""
+    try:
+        yield
+    except RedisClusterException as exc:
+        if isinstance(exc, RedisError) or not isinstance(exc.__cause__, (RedisError, OSError)):
+            raise
+        raise RedisConnectionError(str(exc)) from exc
 
 
 def _is_closed_transport(exc: BaseException) -> bool:

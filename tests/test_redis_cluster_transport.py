@@ -7,6 +7,7 @@ Run on uvloop, the loop the gateway runs on (its closed transports raise ``Runti
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Coroutine
 from typing import Any
 import time
@@ -17,7 +18,7 @@ import uvloop
 from redis.asyncio.cluster import RedisCluster
 
 from sluice.embedded_failover import ReplicatedCluster
-from sluice.redis_pool import create_pool
+from sluice.redis_pool import BoundedRedisCluster, create_pool
 
 INCR = "return redis.call('INCR', KEYS[1])"
 
@@ -136,3 +137,26 @@ async def _master_killed_under_load(replicated_cluster: ReplicatedCluster) -> No
         assert all(count >= 20 for count in served_after.values())  # every slot served again
     finally:
         await client.aclose()
+
+
+def test_a_cluster_no_node_of_which_answers_is_a_connection_error() -> None:
+    """redis-py reports a cluster none of whose nodes answers as ``RedisClusterException``,
+    which is no ``RedisError``: the gateway's loops that live through outages caught only
+    ``RedisError``/``OSError`` and died of it (the nemesis, Cluster: every node stalled at
+    once). Commands and pipelines raise ``redis.ConnectionError`` instead."""
+    async def main() -> None:
+        with socket.socket() as probe:  # a port nothing listens on
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        client = BoundedRedisCluster.from_url(f"redis://127.0.0.1:{port}", socket_connect_timeout=0.5)
+        try:
+            with pytest.raises(redis.ConnectionError, match="cannot be connected"):
+                await client.get("k")
+            pipe = client.pipeline(transaction=False)
+            pipe.get("k")
+            with pytest.raises(redis.ConnectionError, match="cannot be connected"):
+                await pipe.execute()
+        finally:
+            await client.aclose()
+
+    uvloop.run(main())
