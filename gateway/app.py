@@ -40,6 +40,7 @@ from gateway.admission.tenancy import Tenancy
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext, resolve_deadline, resolve_priority
 from gateway.lean_routes import LeanRoutes
+from gateway.loss_watch import LossWatch
 from gateway.metrics import GatewayMetrics
 from gateway.record import RequestRecord
 from gateway.relay.counting import PromptCounter
@@ -108,6 +109,7 @@ class Services:
     readers: JournalReaders
     adapters: AdapterDirectory
     counter: PromptCounter
+    watch: LossWatch
 
     async def aclose(self) -> None:
         """Close every part, each given at most ``CLOSE_STEP_S``: a gateway always exits. (One
@@ -116,6 +118,7 @@ class Services:
         gateway/admission/queue.py's stop_tasks; the log names a part that does not end.)"""
         steps = (("admission", self.admission.close), ("tenancy", self.tenancy.close),
                  ("serving", self.serving.close), ("journal readers", self.readers.close),
+                 ("loss watch", self.watch.close),
                  ("HTTP client", self.http.aclose), ("worker pool", self.workers.aclose),
                  ("Redis pool", self.redis.aclose))
         for name, close in steps:
@@ -136,10 +139,11 @@ async def open_services(settings: GatewaySettings) -> Services:
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
     )
     workers = Http1Pool(settings.connect_timeout_s)
-    tenancy = Tenancy(redis, settings)
+    watch = LossWatch(redis)  # one per process: the keepers write back what Redis lost
+    tenancy = Tenancy(redis, settings, watch)
     await tenancy.check_startup()
     await tenancy.start()
-    admission = Admission(redis, settings, tenancy.keeper.since_loss_s)
+    admission = Admission(redis, settings, watch.since_loss_s)
     await admission.start()
     readers = JournalReaders(redis)  # one reader loop for every re-attached stream of this process
     metrics = GatewayMetrics()
@@ -147,13 +151,14 @@ async def open_services(settings: GatewaySettings) -> Services:
     dispatcher = Dispatcher(settings, admission, http, workers, IndexCorrections(PrefixIndex(redis)), adapters,
                             Disaggregation(FleetRoles(redis), settings.stall_timeout_s))
     serving = Serving(
-        settings, dispatcher, Idempotency(redis, settings.idempotency_ttl_s, tenancy.keeper.unsure_s), redis, tenancy, readers, metrics,
+        settings, dispatcher, Idempotency(redis, settings.idempotency_ttl_s, watch.unsure_s), redis, tenancy, readers,
+        metrics, watch,
     )
     readers.adopt = serving.take_over  # a re-attached reader whose producer died: continue it here
     readers.producing = serving.produces  # ... never one whose producer runs here
     return Services(redis=redis, http=http, workers=workers, admission=admission, serving=serving,
                     pooling=PoolingServing(settings, dispatcher, tenancy), tenancy=tenancy, metrics=metrics,
-                    readers=readers, adapters=adapters,
+                    readers=readers, adapters=adapters, watch=watch,
                     counter=PromptCounter(settings, dispatcher, http, workers))
 
 

@@ -9,12 +9,10 @@ writes them back, only where Redis has none:
 
 - at once, when a verify finds the record of a key it keeps missing (that request is
   served; the other kept records follow);
-- within :data:`CHECK_S` of a new registry epoch (``sl:epoch``: Redis lost its data,
-  sluice/directory.py), of Redis coming back after being unreachable (a restart from a
-  snapshot that missed the last writes keeps the epoch), or of other server processes
-  answering (a failover to a replica that lacked the last writes; on a Cluster, a node that
-  lost its slice while the node holding the epoch kept it), so every gateway, and one
-  started since, finds them again.
+- when the process's loss watcher (gateway/loss_watch.py) sees that Redis may have lost
+  writes: a new registry epoch, Redis back after being unreachable, other server processes
+  answering (a failover; on a Cluster, a node that lost its slice while the node holding
+  the epoch kept it), so every gateway, and one started since, finds them again.
 
 A process that enforces keys first writes back ``sl:apikeys:enforced``, so a gateway in
 ``auth=auto`` that starts after the loss enforces keys too (gateway/admission/tenancy.py).
@@ -28,10 +26,10 @@ Revocations are never undone by a copy. A record changes once at most, when it i
 revoked, so writing back merges one way: a missing record is written whole, a valid one
 that this process knows revoked is marked revoked, nothing else is touched (another key's
 record under the same prefix least of all). A kept copy learns the revocation when a
-verify reads the record revoked, or within :data:`CHECK_S` from ``sl:apikeys:revoked``,
-which ``sluice keys revoke`` adds the prefix to; a revocation that Redis loses later is
-then written back by every gateway that kept the key. Not covered: a revocation that Redis
-loses within :data:`CHECK_S` of being made (a restart without persistence right after
+verify reads the record revoked, or from ``sl:apikeys:revoked`` (read after each of the
+watcher's looks), which ``sluice keys revoke`` adds the prefix to; a revocation that Redis
+loses later is then written back by every gateway that kept the key. Not covered: a revocation that Redis
+loses within a look of being made (a restart without persistence right after
 ``sluice keys revoke``) is undone by the copies, and a key created and lost before any
 gateway verified it is gone (401): both are ``sluice keys`` commands to run again.
 
@@ -52,6 +50,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from gateway.admission.queue import REGISTRY_REBUILDING, stop_tasks
+from gateway.loss_watch import LossWatch
 from sluice import keys
 from sluice.apikeys import ApiKey, KeyStore, digest, matches, parse_prefix, parse_record
 from sluice.directory import Directory
@@ -64,11 +63,8 @@ KEEP_S = 600.0
 #: At most this many records are kept (about 300 bytes each: ~3 MB), the least recently
 #: verified dropped first.
 KEPT = 10_000
-#: How often the registry's epoch, which servers answer, and the revocations are read.
-CHECK_S = 1.0
 #: Prefixes asked about in one SMISMEMBER.
 _BATCH = 1_000
-_UNSEEN = b"\0unseen"
 
 #: Write one kept record back. KEYS: the record. ARGV: its sha256, '1' if this process knows
 #: it revoked, then field, value pairs. Returns {1 if written, 'valid' | 'revoked' | 'other'}.
@@ -106,22 +102,21 @@ class KeyKeeper:
     """The kept key records of one gateway process (see the module)."""
 
     def __init__(self, redis: Any, store: KeyStore, *, keep_s: float = KEEP_S, kept: int = KEPT,
-                 check_s: float = CHECK_S) -> None:
+                 watch: LossWatch | None = None) -> None:
         self._redis = redis
         self._store = store
         self._directory = Directory(redis)
         self._write_back_script = redis.register_script(WRITE_BACK)
-        self._keep_s, self._cap, self._check_s = keep_s, kept, check_s
+        self._keep_s, self._cap = keep_s, kept
         self._kept: OrderedDict[str, _Kept] = OrderedDict()  # least recently verified first
         #: This process enforces keys: after a loss it writes ``sl:apikeys:enforced`` back too.
         self.enforcing = False
-        self._epoch: bytes | None = _UNSEEN
-        self._server: str | None = None  # the run_ids last seen (Directory.look)
-        self._changed_at = -math.inf  # when Redis was last away or other servers answered (monotonic)
-        self._looked_at = -math.inf  # the watch loop's last answer from Redis (monotonic)
+        #: The process's loss watcher (its own when none is given).
+        self.watch = watch if watch is not None else LossWatch(redis)
+        self._owns_watch = watch is None
+        self.watch.listen(self._after_look)
         self._started_at = -math.inf  # when start() ran (monotonic)
         self._revocations = -1  # size of sl:apikeys:revoked at the last read
-        self._task: asyncio.Task[None] | None = None
         self._restoring: asyncio.Task[None] | None = None
         self.restored = 0
 
@@ -130,10 +125,13 @@ class KeyKeeper:
 
     def start(self) -> None:
         self._started_at = time.monotonic()
-        self._task = asyncio.create_task(self._run(), name="key-keeper")
+        self.watch.start()
 
     async def close(self) -> None:
-        await stop_tasks([task for task in (self._task, self._restoring) if task is not None])
+        if self._restoring is not None:
+            await stop_tasks([self._restoring])
+        if self._owns_watch:
+            await self.watch.close()
 
     async def verify(self, key: str) -> ApiKey:
         """The record of ``key``; raises 401 for a key that is not genuine or is revoked,
@@ -169,35 +167,10 @@ class KeyKeeper:
         kept = self._kept.get(prefix)
         return record if record is not None or kept is None else parse_record(kept.fields)
 
-    def unsure_s(self) -> float:
-        """How much longer writes Redis may have lost could still be on their way back from
-        the gateway processes that keep copies (0: none known): after a new epoch, Redis
-        coming back, or other servers answering (:data:`~sluice.keys.API_KEYS_RESTORE_S`
-        from when this process saw it), and while this process has no fresh look at Redis
-        (Redis away, or the process stalled). An Idempotency-Key Redis does not know waits
-        this long before it starts a new generation (gateway/streams/idempotency.py)."""
-        if self._blind():
-            return self._check_s
-        return max(0.0, self._changed_at + keys.API_KEYS_RESTORE_S - time.monotonic())
-
-    def since_loss_s(self) -> float:
-        """Seconds since this process last saw Redis lose data or be away (0 while it has no
-        fresh look at Redis; inf: never). On a Cluster, one node restarted empty leaves the
-        epoch (on another node) as it was: the registry's missing models are then told from
-        typos by this (Admission.missing_model)."""
-        if self._blind():
-            return 0.0
-        return time.monotonic() - self._changed_at
-
-    def _blind(self) -> bool:
-        """This process has no fresh look at Redis (Redis away, or the process stalled): a
-        loss may have happened unnoticed."""
-        return time.monotonic() - self._looked_at > 3 * self._check_s
-
     async def _unknown(self) -> None:
         """Redis has no record for the key: 503 while the keys may be being written back."""
-        seen = self._epoch.decode() if isinstance(self._epoch, bytes) and self._epoch != _UNSEEN else None
-        epoch = await self._directory.epoch(seen)  # made now if Redis has none, marked as after a loss
+        # (Made now if Redis has none, marked as after a loss.)
+        epoch = await self._directory.epoch(self.watch.seen_epoch)
         # Also while this process has no fresh look at Redis (Redis away, or the process
         # stalled): a loss may have happened unnoticed (nemesis, Cluster: a gateway resumed
         # from SIGSTOP answered 401 for keys a failover had just lost).
@@ -205,7 +178,7 @@ class KeyKeeper:
         # know whether the write-backs are late (nemesis, Cluster: a gateway restarted while
         # the node the keepers had to write to was stalled answered 401 for 4 valid keys).
         just_started = time.monotonic() - self._started_at < keys.API_KEYS_RESTORE_S
-        if epoch.keys_restore_s > 0 or self.unsure_s() > 0 or (just_started and epoch.rebuilding):
+        if epoch.keys_restore_s > 0 or self.watch.unsure_s() > 0 or (just_started and epoch.rebuilding):
             raise Unavailable("API key not known yet: Redis lost its data moments ago and gateways are writing "
                               "the keys back", retry_after_s=1, code=REGISTRY_REBUILDING)
 
@@ -286,35 +259,13 @@ class KeyKeeper:
                     kept.revoke()
                     log.info("API key %s was revoked: this gateway's copy is marked revoked", prefix)
 
-    async def _run(self) -> None:
-        away = False
-        while True:  # the epoch is read at once: a loss right after this process started is a change
-            self._expire()
-            try:
-                epoch, server = await self._directory.look()
-                # A new epoch, or none (the registry is gone): Redis lost its data. Back after
-                # being away, or other servers answering: a restart from a snapshot, or a
-                # failover, may have lost the last writes (on a Cluster, one node's).
-                moved = server != self._server and self._server is not None
-                # (A registry made where there was none is no loss: a fresh Redis.)
-                renewed = epoch != self._epoch and self._epoch not in (_UNSEEN, None)
-                if away or moved or renewed:
-                    self._changed_at = time.monotonic()
-                if moved or renewed:
-                    log.warning("Redis may have lost writes (%s): kept API keys and finished streams are written "
-                                "back; unknown keys and models are 503 registry_rebuilding for now",
-                                "a new registry epoch" if renewed else "other server processes answer")
-                if away or moved or (epoch != self._epoch and (self._epoch is not _UNSEEN or epoch is None)):
-                    await self.restore_all()
-                away = False
-                self._epoch, self._server = epoch, server
-                self._looked_at = time.monotonic()
-                if self._kept:
-                    await self._learn_revocations()
-            except (RedisError, OSError) as exc:
-                if not away:
-                    log.warning("Redis check failed (API keys and idempotency records are written back once "
-                                "it answers): %s", exc)
-                away = True
-                self._changed_at = time.monotonic()
-            await asyncio.sleep(self._check_s)
+    async def _after_look(self, lost: bool) -> bool:
+        """After each of the watcher's looks: drop old copies, write every copy back if Redis
+        may have lost them (raises if that failed: tried again at the next look), learn
+        revocations."""
+        self._expire()
+        if lost:
+            await self.restore_all()
+        if self._kept:
+            await self._learn_revocations()
+        return True

@@ -201,7 +201,7 @@ class Admission:
                  since_loss_s: Callable[[], float] = lambda: math.inf) -> None:
         self._redis = redis
         self._s = settings
-        #: Seconds since this process last saw Redis lose data (KeyKeeper.since_loss_s).
+        #: Seconds since this process last saw Redis lose data (LossWatch.since_loss_s).
         self._since_loss_s = since_loss_s
         #: This process's identity in the queue: grants are addressed to it.
         self.gateway_id = uuid.uuid4().hex[:16]

@@ -32,6 +32,7 @@ from redis.exceptions import RedisError
 from gateway.admission.key_keeper import KeyKeeper
 from gateway.admission.queue import stop_tasks
 from gateway.config import GatewaySettings
+from gateway.loss_watch import LossWatch
 from sluice import keys
 from sluice.apikeys import ApiKey, KeyStore
 from sluice.directory import Directory
@@ -138,11 +139,11 @@ class Charge:
 
 
 class Tenancy:
-    def __init__(self, redis: Any, settings: GatewaySettings) -> None:
+    def __init__(self, redis: Any, settings: GatewaySettings, watch: LossWatch | None = None) -> None:
         self._redis = redis
         self._s = settings
         self.keys = KeyStore(redis)
-        self.keeper = KeyKeeper(redis, self.keys)
+        self.keeper = KeyKeeper(redis, self.keys, watch=watch)
         self.keeper.enforcing = settings.auth == "keys"
         # Two of these run per request with keys on: see Admission's runner.
         self._runner = script_runner(redis)
@@ -159,7 +160,7 @@ class Tenancy:
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._renew_loop(), name="concurrency-renewal")
-        self.keeper.start()  # also without keys: it watches for losses (KeyKeeper.unsure_s)
+        self.keeper.start()  # also without keys: it starts the watch for losses (gateway/loss_watch.py)
 
     async def close(self) -> None:
         await self.keeper.close()

@@ -20,6 +20,7 @@ from gateway.admission.queue import ClientGone
 from gateway.admission.tenancy import Tenancy
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
+from gateway.loss_watch import LossWatch
 from gateway.metrics import GatewayMetrics
 from gateway.record import RequestRecord
 from gateway.relay.rendering import TYPED, Kind, json_response, sse_events
@@ -60,10 +61,10 @@ log = logging.getLogger("sluice.gateway")
 class Serving:
     def __init__(
         self, settings: GatewaySettings, dispatcher: Dispatcher, idempotency: Idempotency, redis: Redis,
-        tenancy: Tenancy, readers: JournalReaders, metrics: GatewayMetrics,
+        tenancy: Tenancy, readers: JournalReaders, metrics: GatewayMetrics, watch: LossWatch | None = None,
     ) -> None:
         self._metrics = metrics
-        self._committer = JournalCommitter(redis)  # writes every journal this process produces
+        self._committer = JournalCommitter(redis, watch)  # writes every journal this process produces
         self._quota = JournalQuota(redis, settings)  # bounds their memory per API key and in total
         self._settings = settings
         self._tenancy = tenancy

@@ -38,7 +38,7 @@ A finished stream's record and journal that Redis lost come back from the gatewa
 produced it (gateway/streams/journal_keeper.py), within a few seconds of the loss. A
 client's retry that came first ran the whole request again and was billed twice (nemesis,
 Cluster: 7 streams, a failed-over node without the record). So while this process knows
-of a loss it may not have seen repaired yet (``unsure``: KeyKeeper.unsure_s, at most
+of a loss it may not have seen repaired yet (``unsure``: LossWatch.unsure_s, at most
 ``API_KEYS_RESTORE_S`` after it, or while it has no fresh look at Redis), a key without a
 record does not start a generation; the caller waits, at most ``UNSURE_MAX_S``.
 """

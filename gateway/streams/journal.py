@@ -70,6 +70,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError
 
+from gateway.loss_watch import LossWatch
 from gateway.streams.journal_history import JournalHistory
 from gateway.streams.journal_keeper import Finished, JournalKeeper
 from gateway.surfaces.openai import CHOICE_START, PLAIN_END
@@ -674,7 +675,7 @@ class JournalCommitter:
     >>> await committer.close()
     """
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, watch: LossWatch | None = None) -> None:
         self.redis = redis
         self._script = redis.register_script(APPEND)
         self._release = redis.register_script(RELEASE)
@@ -687,7 +688,7 @@ class JournalCommitter:
         self._stall_ended_ms = 0  # when the last stall the ticker saw ended (unix ms)
         self.rounds = 0
         #: Finished journals' events, written back should Redis lose them.
-        self.keeper = JournalKeeper(redis, lambda: bool(self._followed))
+        self.keeper = JournalKeeper(redis, watch=watch)
 
     def __repr__(self) -> str:
         return f"<JournalCommitter streams={len(self._followed)} rounds={self.rounds}>"

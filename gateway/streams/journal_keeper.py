@@ -5,13 +5,11 @@ its connection broke near the end). If Redis lost its data in between (a restart
 persistence, FLUSHALL), the journal is gone and no producer is left to write it again, so
 the client's ``Last-Event-ID`` gets ``stream_history_lost``. The producing gateway process
 therefore keeps each finished stream's events (gateway/streams/journal_history.py) for
-``KEEP_S`` after its end, and watches the registry's epoch (``sl:epoch``: a new id means
-Redis lost its data, sluice/directory.py) and which server answers (its ``run_id``) twice a
-second, one round trip for all of them. On a new epoch, when Redis is back after being
-unreachable, or when another server answers (a restart from a snapshot, or a Sentinel
-failover to a replica that lacked the last writes, can lose a stream's last events, and
-with them its end, and keep the epoch: a reader's take-over then generated the tail again
-and the stream was billed twice), it writes
+``KEEP_S`` after its end. When the process's loss watcher (gateway/loss_watch.py) sees that
+Redis may have lost writes (a new epoch, Redis back after being unreachable, another server
+answering: a restart from a snapshot, or a Sentinel failover to a replica that lacked the
+last writes, can lose a stream's last events, and with them its end, and keep the epoch: a
+reader's take-over then generated the tail again and the stream was billed twice), it writes
 every kept journal back (``RESTORE``, which fills only what is missing), with its ``:head``, its
 Idempotency-Key's record (``done``) and what is left of its TTL, unless the key was claimed
 again meanwhile.
@@ -28,36 +26,29 @@ tenant's or the total bound is kept no longer (it expires with its TTL).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from gateway.loss_watch import CHECK_S, LossWatch
 from gateway.streams.journal_history import JournalHistory
 from sluice import keys
-from sluice.directory import Directory
 from sluice.errors import SluiceError
 
 log = logging.getLogger("sluice.journal")
 
 #: How long after its end a stream's events stay in its gateway's memory.
 KEEP_S = 60.0
-#: How often the keeper reads the registry's epoch (and which server answers): well within
-#: the two idle checks (``JournalReaders``' ``idle_s``) after which a reader takes a stream
-#: over whose journal lost its end, so the end is back first.
-CHECK_S = 0.5
 #: A kept journal is back this long after a loss its keeper can see (the loss noticed
-#: within ``CHECK_S``, the write-back's round trips, a failover's reconnect): how long a
-#: re-attach that finds a finished stream's journal missing waits for it.
+#: within the watcher's ``CHECK_S``, well within the two idle checks, ``JournalReaders``'
+#: ``idle_s``, after which a reader takes over a stream whose journal lost its end; the
+#: write-back's round trips; a failover's reconnect): how long a re-attach that finds a
+#: finished stream's journal missing waits for it.
 WRITE_BACK_S = 3.0
-#: The epoch before the first read.
-_UNSEEN = b"\0unseen"
 
 #: Write a finished journal back, if Redis lost it (or its end) and nobody claimed the key
 #: since (no ``:live`` but this producer's own; no record, or one this producer owns). A
@@ -129,18 +120,16 @@ class Finished:
 class JournalKeeper:
     """The finished journals of one gateway process (see the module)."""
 
-    def __init__(self, redis: Redis, busy: Callable[[], bool] = lambda: False, *, keep_s: float = KEEP_S,
+    def __init__(self, redis: Redis, *, keep_s: float = KEEP_S, watch: LossWatch | None = None,
                  check_s: float = CHECK_S) -> None:
         self._redis = redis
-        self._busy = busy  # whether streams are being produced: watch the epoch from their start
-        self._directory = Directory(redis)
         self._restore = redis.register_script(RESTORE)
         self._keep_s = keep_s
-        self._check_s = check_s
         self._kept: dict[str, Finished] = {}
-        self._epoch: bytes | None = _UNSEEN
-        self._server: str | None = None  # the run_id of the server last seen
-        self._task: asyncio.Task[None] | None = None
+        #: The process's loss watcher (its own, looking every ``check_s``, when none is given).
+        self._watch = watch if watch is not None else LossWatch(redis, check_s=check_s)
+        self._owns_watch = watch is None
+        self._watch.listen(self._after_look)
         self.restored = 0
 
     def __repr__(self) -> str:
@@ -153,44 +142,20 @@ class JournalKeeper:
         self.watch()
 
     def watch(self) -> None:
-        """Watch the epoch while streams are produced or kept (a loss right after a stream
-        ended must find the epoch it was produced in already read)."""
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run(), name="journal-keeper")
+        """Make sure Redis is watched (a loss right after a stream ended must find the epoch it
+        was produced in already read): the committer calls it when a stream starts."""
+        self._watch.start()
 
     async def close(self) -> None:
         self._kept.clear()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        if self._owns_watch:
+            await self._watch.close()
 
-    async def _run(self) -> None:
-        away = False
-        while self._kept or self._busy():
-            try:
-                epoch, server = await self._directory.look()
-            except (RedisError, OSError):
-                away = True  # Redis is away: look again once it is back
-                await asyncio.sleep(self._check_s)
-                continue
-            # A new epoch, or none (the registry is gone): Redis lost its data. Back after
-            # being away, or another server answering (a failover: the replica promoted may
-            # lack the last writes, a journal's end with them, and keeps the epoch; a
-            # reader's take-over then generated the tail again and the stream was billed
-            # twice): writing back only fills what is missing.
-            moved = server != self._server and self._server is not None
-            # A write-back that failed (a node back but not serving yet) is tried again at the
-            # next look (test_journal_faults: a Cluster node restarted empty, and its journal
-            # was never written back once the first try failed).
-            if away or moved or (epoch != self._epoch and (self._epoch is not _UNSEEN or epoch is None)):
-                away = not await self.restore_all()
-            else:
-                away = False
-            self._epoch, self._server = epoch, server
-            await asyncio.sleep(self._check_s)
-            self._expire()
-        self._epoch, self._server = _UNSEEN, None  # not watched from here on
+    async def _after_look(self, lost: bool) -> bool:
+        """After each of the watcher's looks: drop old copies; if Redis may have lost writes,
+        write every kept journal back (False if some write failed: again at the next look)."""
+        self._expire()
+        return await self.restore_all() if lost and self._kept else True
 
     def _expire(self) -> None:
         now = time.monotonic()

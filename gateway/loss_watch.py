@@ -1,0 +1,149 @@
+"""Noticing that Redis may have lost writes: one watcher per gateway process.
+
+Redis loses writes when it restarts without persistence (or from a snapshot older than the
+last writes), on ``FLUSHALL``, when a failover promotes a replica that lacked the last
+writes, and on a Cluster when one node comes back empty while the registry's epoch, on
+another node, stays as it was. Every :data:`CHECK_S` the watcher reads the epoch and which
+server processes answer (``Directory.look``), and after each look calls every listener
+with ``lost`` set when, since the look before:
+
+- the epoch changed, or is gone (the registry went with the data);
+- other server processes answer (a restart, a failover);
+- Redis answers again after being away (a restart from a snapshot keeps the epoch).
+
+Listeners are the process's keepers of what Redis may lose: the API key records it verified
+(gateway/admission/key_keeper.py) and the finished journals it produced
+(gateway/streams/journal_keeper.py). A listener whose write-back failed (it returns False or
+raises a Redis error: a node back but not serving yet) is called with ``lost`` again at the
+next look, the others not.
+
+The watcher also says how long ago this process saw such a change (:meth:`since_loss_s`)
+and how much longer writes may still be on their way back (:meth:`unsure_s`): admission
+tells an unknown model, and the key keeper an unknown key, from a lost one by it; an
+Idempotency-Key Redis does not know waits that long before a new generation starts.
+
+>>> watch = LossWatch(redis)
+>>> watch.listen(keeper.after_look)
+>>> watch.start()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from gateway.admission.queue import stop_tasks
+from sluice import keys
+from sluice.directory import Directory
+
+log = logging.getLogger("sluice.loss")
+
+#: How often Redis is looked at.
+CHECK_S = 0.5
+#: Without an answer from Redis for this long (Redis away, or this process stalled), a
+#: loss may have happened unnoticed.
+BLIND_S = 3.0
+_UNSEEN = b"\0unseen"
+
+#: Called after every look: ``lost`` when Redis may have lost writes since the listener's
+#: last successful call. Returns False (or raises a Redis error) when its write-back failed.
+Listener = Callable[[bool], Awaitable[bool]]
+
+
+class LossWatch:
+    """Watches one Redis for lost writes (see the module)."""
+
+    def __init__(self, redis: Any, *, check_s: float = CHECK_S) -> None:
+        self._directory = Directory(redis)
+        self._check_s = check_s
+        self._listeners: list[Listener] = []
+        self._owed: list[bool] = []  # per listener: a write-back it still owes
+        self._epoch: bytes | None = _UNSEEN
+        self._server: str | None = None  # the run_ids last seen (Directory.look)
+        self._changed_at = -math.inf  # when Redis was last away or other servers answered (monotonic)
+        self._looked_at = -math.inf  # the last answer from Redis (monotonic)
+        self._task: asyncio.Task[None] | None = None
+
+    def __repr__(self) -> str:
+        return f"<LossWatch listeners={len(self._listeners)} since_loss_s={self.since_loss_s():.1f}>"
+
+    def listen(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+        self._owed.append(False)
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="loss-watch")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            await stop_tasks([self._task])
+
+    @property
+    def seen_epoch(self) -> str | None:
+        """The registry epoch's id at the last look (None: none seen yet, or none there)."""
+        return self._epoch.decode() if isinstance(self._epoch, bytes) and self._epoch != _UNSEEN else None
+
+    def since_loss_s(self) -> float:
+        """Seconds since this process last saw Redis lose data or be away (0 while it has no
+        fresh look at Redis; inf: never). On a Cluster, one node restarted empty leaves the
+        epoch (on another node) as it was: the registry's missing models are then told from
+        typos by this (Admission.missing_model)."""
+        if self._blind():
+            return 0.0
+        return time.monotonic() - self._changed_at
+
+    def unsure_s(self) -> float:
+        """How much longer writes Redis may have lost could still be on their way back from
+        the gateway processes that keep copies (0: none known): for
+        :data:`~sluice.keys.API_KEYS_RESTORE_S` after a change this process saw, and while it
+        has no fresh look at Redis."""
+        if self._blind():
+            return self._check_s
+        return max(0.0, self._changed_at + keys.API_KEYS_RESTORE_S - time.monotonic())
+
+    def _blind(self) -> bool:
+        return time.monotonic() - self._looked_at > max(BLIND_S, 3 * self._check_s)
+
+    async def _run(self) -> None:
+        away = False
+        while True:  # the epoch is read at once: a loss right after this process started is a change
+            try:
+                epoch, server = await self._directory.look()
+            except (RedisError, OSError) as exc:
+                if not away:
+                    log.warning("Redis check failed (what this gateway keeps is written back once it "
+                                "answers): %s", exc)
+                away = True
+                self._changed_at = time.monotonic()
+                await asyncio.sleep(self._check_s)
+                continue
+            moved = server != self._server and self._server is not None
+            renewed = epoch != self._epoch and self._epoch not in (_UNSEEN, None)
+            if away or moved or renewed:  # (a registry made where there was none is no loss)
+                self._changed_at = time.monotonic()
+            if moved or renewed:
+                log.warning("Redis may have lost writes (%s): kept API keys and finished streams are written "
+                            "back; unknown keys and models are 503 registry_rebuilding for now",
+                            "a new registry epoch" if renewed else "other server processes answer")
+            lost = away or moved or (epoch != self._epoch and (self._epoch is not _UNSEEN or epoch is None))
+            away = False
+            self._epoch, self._server = epoch, server
+            self._looked_at = time.monotonic()
+            await self._tell(lost)
+            await asyncio.sleep(self._check_s)
+
+    async def _tell(self, lost: bool) -> None:
+        for i, listener in enumerate(self._listeners):
+            owed = lost or self._owed[i]
+            try:
+                self._owed[i] = not await listener(owed) and owed
+            except (RedisError, OSError) as exc:
+                log.warning("writing back what Redis may have lost failed (tried again at the next look): %s", exc)
+                self._owed[i] = owed

@@ -1,0 +1,54 @@
+"""The process's one watcher for lost Redis writes (gateway/loss_watch.py): every keeper
+hears of a loss once; a keeper whose write-back failed hears of it again at the next look,
+the others not."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from gateway.loss_watch import LossWatch
+from sluice import keys
+from sluice.embedded_redis import EmbeddedRedis
+from sluice.redis_pool import create_pool
+
+
+async def test_a_loss_reaches_every_listener_and_a_failed_write_back_is_tried_again() -> None:
+    with EmbeddedRedis() as server:
+        client = await create_pool(server.url)
+        watch = LossWatch(client, check_s=0.05)
+        heard: dict[str, list[bool]] = {"steady": [], "flaky": []}
+        failures = [RedisConnectionError("a node back but not serving yet")]
+
+        async def steady(lost: bool) -> bool:
+            heard["steady"].append(lost)
+            return True
+
+        async def flaky(lost: bool) -> bool:
+            heard["flaky"].append(lost)
+            if lost and failures:
+                raise failures.pop()
+            return True
+
+        watch.listen(steady)
+        watch.listen(flaky)
+        try:
+            await client.hset(keys.EPOCH, "id", "epoch-1")
+            watch.start()
+            await asyncio.sleep(0.3)
+            assert not any(heard["steady"]) and not any(heard["flaky"])  # the first look is no loss
+            assert watch.since_loss_s() == math.inf and watch.unsure_s() == 0
+            assert watch.seen_epoch == "epoch-1"
+            for calls in heard.values():
+                calls.clear()
+            await client.hset(keys.EPOCH, "id", "epoch-2")  # Redis lost its data; a new registry
+            await asyncio.sleep(0.4)
+            assert heard["steady"].count(True) == 1  # told once
+            assert heard["flaky"].count(True) == 2  # told again after its write-back failed
+            assert heard["flaky"][:2] == [True, True]
+            assert watch.since_loss_s() < 1 and watch.unsure_s() > 0
+        finally:
+            await watch.close()
+            await client.aclose()
