@@ -89,10 +89,18 @@ class Registration:
             await self._also()
 
     async def start(self) -> None:
-        await self.beat()
+        """Register and keep beating. Redis away at start (a restart, a failover, a Cluster
+        without a quorum) is no reason to exit: the beats register the worker once Redis
+        answers (the nemesis: workers restarted during a Cluster outage died with a
+        traceback at their first beat, again and again, and stayed down)."""
         self._registered = True
+        try:
+            await self.beat()
+            log.info("registered worker %s for model %r", self.worker_id, self.model)
+        except (RedisError, OSError) as exc:
+            log.warning("worker %s: Redis did not take the registration (%s); registering with the next "
+                        "heartbeat that it takes", self.worker_id, exc)
         self._task = asyncio.create_task(self._loop(), name="heartbeat")
-        log.info("registered worker %s for model %r", self.worker_id, self.model)
 
     async def _loop(self) -> None:
         beating = True

@@ -27,6 +27,8 @@ from sluice.telemetry import setup_tracing
 
 log = logging.getLogger("sluice.worker")
 
+#: Redis pings a starting worker tries before it gives up: about a day, 4 a second.
+WAIT_FOR_REDIS = 345_600
 #: How often the engine's KV events go to the prefix index.
 KV_EVENTS_PERIOD_S = 0.2
 
@@ -266,8 +268,10 @@ class Worker:
         from engine_worker.app import create_app
 
         s = self.settings
+        # Waits for Redis however long it is away (a worker that exits instead is restarted
+        # into the same outage, again and again): the log says so every ~10 s.
         redis = await create_pool(s.redis_url, max_connections=s.redis_max_connections,
-                                  client_name=f"sluice-worker-{s.worker_id}")
+                                  client_name=f"sluice-worker-{s.worker_id}", retries=WAIT_FOR_REDIS)
         self.redis = redis
         try:
             await self.engine.start()

@@ -124,9 +124,10 @@ async def create_pool(
             if attempt == retries:
                 await client.aclose()
                 raise
-            log.warning(
-                "redis %s not reachable (%s), retry %d/%d", redact_url(url), exc, attempt, retries
-            )
+            if attempt == 1 or attempt % 40 == 0:  # a long wait logs every ~10 s, not 4 times a second
+                log.warning(
+                    "redis %s not reachable (%s), retry %d/%d", redact_url(url), exc, attempt, retries
+                )
             await asyncio.sleep(delay_s)
     raise AssertionError("unreachable")
 

@@ -214,7 +214,7 @@ class Nemesis:
                 await asyncio.sleep(f.duration_s)
                 tries = await proc.restart()
                 if tries > 1:
-                    run.note = f"started {tries} times (it exits when Redis is away at start)"
+                    run.note = f"started {tries} times"
             else:
                 proc.signal(signal.SIGSTOP)
                 try:

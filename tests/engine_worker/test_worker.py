@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from pathlib import Path
@@ -10,12 +11,14 @@ import httpx
 import openai
 import orjson
 import pytest
+import redis
 
 from engine_worker.config import WorkerSettings
 from engine_worker.worker import served_name
 from sluice import keys
 from sluice.models import ModelError
-from tests.conftest import running, wait_for
+from sluice.embedded_redis import EmbeddedRedis, free_port
+from tests.conftest import Proc, _env, running, wait_for, worker_alive
 
 
 def test_gateway_disconnect_aborts_engine_request(start_worker, start_gateway) -> None:
@@ -109,3 +112,28 @@ def test_a_vllm_engine_whose_core_died_is_unhealthy() -> None:
     assert engine.healthy
     engine._engine = SimpleNamespace(errored=True)  # what AsyncLLM says once its core is dead
     assert not engine.healthy
+
+
+def test_a_worker_started_while_redis_is_away_waits_and_registers_once_it_answers(
+        procs: list[Proc], tmp_path: Path) -> None:
+    """Regression (the nemesis, Cluster): a worker restarted during a Redis outage exited with
+    a traceback (its first ping after 5 s, or its first heartbeat), was restarted into the
+    same outage, and after 90 s the harness gave up: the worker stayed down for the rest of
+    the run. It now waits for Redis, then serves and registers."""
+    port, redis_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "sluice", "worker", "--engine", "sim", "--port", str(port),
+            "--redis-url", f"redis://127.0.0.1:{redis_port}/0", "--served-model-name", "late-redis",
+            "--worker-id", "w-late", "--heartbeat-ms", "200"]
+    worker = Proc("w-late", argv, tmp_path / "w-late.log", _env())
+    procs.append(worker)
+    time.sleep(8)  # past the 5 s of pings after which it used to exit
+    assert worker.alive(), worker.log_tail()
+    with EmbeddedRedis(port=redis_port) as server:
+        client = redis.Redis.from_url(server.url)
+        try:
+            wait_for(lambda: worker_alive(client, "late-redis", "w-late"), 20, "the worker's registration")
+            assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        finally:
+            client.close()
+        worker.stop()
+    assert b"Traceback" not in worker.log_path.read_bytes()
