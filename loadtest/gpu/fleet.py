@@ -83,6 +83,7 @@ class Fleet:
         self.logs = logs
         self.redis = EmbeddedRedis()
         self.workers: list[LoggedChild] = []
+        self.worker_urls: list[str] = []
         self.gateways: dict[str, tuple[LoggedChild, str]] = {}
 
     @property
@@ -105,11 +106,17 @@ class Fleet:
     def worker_argv(self, i: int, served: str) -> tuple[list[str], dict[str, str]]:
         """Worker ``i``'s command line and environment (``served``: the model name it serves)."""
         s = self.shape
-        argv = [sys.executable, "-m", "sluice", "--log-level", "WARNING", "worker", "--engine", s.engine,
-                "--port", str(free_port()), "--redis-url", self.redis_url, "--served-model-name", served,
+        port = free_port()
+        # vLLM workers run through the probe (loadtest/gpu/probe_worker.py): the same worker,
+        # with vLLM's per-request and per-half-second scheduler stats in logs/engine-w{i}.jsonl
+        entry = "loadtest.gpu.probe_worker" if s.engine == "vllm" else "sluice"
+        argv = [sys.executable, "-m", entry, "--log-level", "WARNING", "worker", "--engine", s.engine,
+                "--port", str(port), "--redis-url", self.redis_url, "--served-model-name", served,
                 "--worker-id", f"w{i}"]
         env = {"SLUICE_PREFIX_INDEX": "precise", **s.worker_env}
+        self.worker_urls.append(f"http://127.0.0.1:{port}")
         if s.engine == "vllm":
+            env["BENCH_ENGINE_PROBE"] = str(self.logs / f"engine-w{i}.jsonl")
             argv += ["--model", s.model, f"--vllm-max-model-len={s.max_model_len}",
                      f"--vllm-max-num-seqs={s.max_num_seqs}",
                      f"--vllm-kv-cache-gib={s.kv_blocks * s.block_bytes / 2**30}"]
@@ -131,6 +138,7 @@ class Fleet:
 
     def start_workers(self, timeout_s: float) -> None:
         s = self.shape
+        self.worker_urls = []
         for i in range(s.workers):
             argv, env = self.worker_argv(i, s.served)
             child = LoggedChild(f"worker-w{i}", argv, _child_env(env), self.logs / f"worker-w{i}.log")
@@ -169,8 +177,10 @@ class Fleet:
             env = {"SLUICE_GATEWAY_QUEUE_TIMEOUT_S": "600", "SLUICE_GATEWAY_TTFT_TIMEOUT_S": "300",
                    "SLUICE_GATEWAY_CONNECT_TIMEOUT_S": "10", "SLUICE_GATEWAY_MAX_QUEUE": "20000",
                    "SLUICE_GATEWAY_TOKENIZER": tokenizer, "TOKENIZERS_PARALLELISM": "false", **ARMS[arm]}
+            # INFO: the gateway's access lines (queue wait, TTFT, worker, route per request:
+            # loadtest/gpu/diagnose.py reads them); its other INFO lines are start-up and shut-down
             gw = LoggedChild(f"gateway-{arm}", [
-                sys.executable, "-m", "sluice", "--log-level", "WARNING", "gateway", "--procs",
+                sys.executable, "-m", "sluice", "--log-level", "INFO", "gateway", "--procs",
                 str(self.shape.gateway_procs), "--port", str(port),
                 "--redis-url", self.redis_url + "?max_connections=4096"], _child_env(env), self.logs / f"gateway-{arm}.log")
             gw.start()
@@ -213,3 +223,15 @@ class Fleet:
 
     def gateway_pid(self, arm: str) -> int:
         return self.gateways[arm][0].pid
+
+    def redis_pid(self) -> int | None:
+        process = getattr(self.redis, "process", None)
+        return process.pid if process is not None else None
+
+    def sampler_groups(self, arm: str | None) -> dict[str, tuple[list[int], str]]:
+        """Process groups for loadtest/gpu/sampler.py while ``arm`` runs (None: no gateway)."""
+        redis = self.redis_pid()
+        return {"client": ([os.getpid()], "self"),
+                "gateway": ([self.gateway_pid(arm)] if arm in self.gateways else [], "tree"),
+                "frontends": (self.worker_pids(), "self"), "engines": (self.worker_pids(), "below"),
+                "redis": ([redis] if redis else [], "tree")}

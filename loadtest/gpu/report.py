@@ -43,6 +43,28 @@ def routing_table(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def split_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Where TTFT P90 goes, per arm (loadtest/gpu/diagnose.py): P90 as the client and as the
+    gateway measure it (from its record's start: without the way in), the slow decile's
+    (client TTFT ≥ P90) mean of each part, then what the engines and the machine did meanwhile."""
+    out = ["| workload | routing | TTFT p90 ms (client / gateway) | slow decile: to gateway / gateway queue / vLLM queue / vLLM prefill "
+           "/ gateway→engine / to client (mean ms) | vLLM waiting max | KV use max % | preemptions "
+           "| busy cores (of) | runnable p90 | GPU busy % | load generator cores, lag p99 ms |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        d = r.get("diag") or {}
+        sp, m, eng = d.get("split") or {}, d.get("machine") or {}, list((d.get("engines") or {}).values())
+        parts = " / ".join(fmt(sp.get(f"slow_{c}_ms")) for c in ("to_gateway", "gw_queue", "eng_queue", "eng_prefill",
+                                                                   "gw_to_engine", "from_gateway"))
+        out.append(f"| {r['workload']} | {r['arm']} | {fmt(r['ttft_p90_ms'])} / {fmt(sp.get('gw_ttft_p90_ms'))} | {parts} "
+                   f"| {fmt(max((e['waiting_max'] for e in eng), default=None))} "
+                   f"| {fmt(100 * max(e['kv_max'] for e in eng) if eng else None)} "
+                   f"| {fmt(sum(e['preempted'] for e in eng) if eng else None)} "
+                   f"| {fmt(m.get('busy_mean'), 1)} ({fmt(m.get('cores'))}) | {fmt(m.get('runnable_p90'))} "
+                   f"| {fmt(m.get('gpu_mean'))} | {fmt(m.get('client_mean'), 2)}, {fmt(d.get('client_lag_p99_ms'))} |")
+    return out
+
+
 def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}×" if a and b else "–"
 
@@ -115,12 +137,20 @@ def main() -> int:
     routing = [r for r in rows if r.get("phase") == "routing"]
     migration = [r for r in rows if r.get("phase") == "migration"]
     lines: list[str] = []
-    if routing:
-        lines += ["### Routing", "", *routing_table(routing), "", *goals(routing), ""]
+    # one section per fleet: rows of a second fleet (other engine settings) carry its --label
+    for label in dict.fromkeys(r.get("label", "") for r in routing):
+        part = [r for r in routing if r.get("label", "") == label]
+        title = f" ({label})" if label else ""
+        lines += [f"### Routing{title}", "", *routing_table(part), "", *goals(part), ""]
+        if any(r.get("diag") for r in part):
+            lines += [f"### Where TTFT P90 goes{title}", "", *split_table([r for r in part if r.get("diag")]), ""]
     if migration:
         lines += ["### Migration", "", *migration_lines(migration), ""]
     if rows:
-        draw(rows, folder / "routing_gpu.png")
+        labels = list(dict.fromkeys(r.get("label", "") for r in routing)) or [""]
+        for label in labels:  # the first fleet's chart (with the migration), then one per other fleet
+            part = [r for r in rows if r.get("label", "") == label or (label == labels[0] and r.get("phase") != "routing")]
+            draw(part, folder / (f"routing_gpu-{label}.png" if label != labels[0] else "routing_gpu.png"))
     disagg = Path(args.disagg or folder) / "disagg.json"
     if disagg.exists():
         from loadtest.gpu.disagg_gpu import chart

@@ -13,6 +13,14 @@ tokens), TTFT p50/p90/p99 and output tok/s over the requests started after ``--w
 its processes) per request and per chunk, beside the vLLM workers' (worker + engine core)
 per request.
 
+Each arm also says where its TTFT went (``diag``: loadtest/gpu/diagnose.py): the client's
+requests joined with the gateway's access lines (queue wait, TTFT, worker) and vLLM's own
+per-request stats (its waiting queue, its prefill; loadtest/gpu/probe_worker.py), the
+engines' scheduler (running, waiting, KV use, preemptions, steps, pauses), CPU per process
+group, runnable threads, steal and GPU busy (loadtest/gpu/sampler.py), and the load
+generator's own event-loop lateness. Arm ``direct`` has no gateway (the client sends to the
+workers in turn); ``ARM@N`` runs ARM with N users (``--first-only``: for the first workload).
+
 Phase ``migration``: fresh workers (``--migration-env``, e.g. ``VLLM_BATCH_INVARIANT=1``),
 ``--streams`` greedy completions at once, run twice without a fault (the reference, and its
 repeat to show the reference is deterministic), then once more with one worker SIGKILLed
@@ -40,14 +48,17 @@ from typing import Any
 
 import httpx
 
-from loadtest.gpu import procstat
+from loadtest.gpu import diagnose, procstat
 from loadtest.gpu.chart import draw
-from loadtest.gpu.client import Recorder, closed_loop
+from loadtest.gpu.client import DirectRecorder, Recorder, closed_loop
 from loadtest.gpu.fleet import ARMS, Fleet, FleetShape, log, stop_on_sigterm
+from loadtest.gpu.sampler import Sampler
 from loadtest.gpu.workloads import Sizes, describe, plan, text
 from sluice.commands.bench_report import quantile, table
 
 LIMITS = httpx.Limits(max_connections=2048, max_keepalive_connections=2048)
+#: The arm without a gateway: the client sends to the workers in turn (loadtest/gpu/client.py).
+DIRECT = "direct"
 
 
 def metric(body: str, name: str) -> float:
@@ -100,32 +111,89 @@ def summarize(workload: str, arm: str, records: list[dict[str, Any]], wall: floa
 
 
 async def run_arm(fleet: Fleet, workload: str, arm: str, sizes: Sizes, args: argparse.Namespace,
-                  seed: int, seconds: float) -> dict[str, Any]:
-    url = fleet.gateways[arm][1]
+                  seed: int, seconds: float, sampler: Sampler | None = None) -> dict[str, Any]:
+    gw, _, users_s = arm.partition("@")  # rr@32: the rr gateway, 32 users
+    users = int(users_s) if users_s else args.users
+    direct = gw == DIRECT
+    url = fleet.worker_urls[0] if direct else fleet.gateways[gw][1]
     tag = f"{workload}-{arm}-{seed}"
+    logs = ([] if direct else [fleet.logs / f"gateway-{gw}.log"]) + \
+        [fleet.logs / f"engine-w{i}.jsonl" for i in range(len(fleet.workers))]
     async with httpx.AsyncClient(timeout=600, limits=LIMITS) as http:
-        warm = Recorder(http, url, args.served)
+        warm = DirectRecorder(http, fleet.worker_urls, args.served) if direct else Recorder(http, url, args.served)
         rng = random.Random(seed)
         await asyncio.gather(*(warm.send({"messages": [{"role": "user", "content": f"warm {tag} {i} " + text(rng, 32)}],
                                           "max_tokens": 4}) for i in range(8)))
         # Counters per process: a --procs gateway answers /metrics from whichever process
         # took the connection, so the arm's counters are read by scraping until every
         # process was seen (their pids differ in the process_* series).
-        before = await scrape_all(http, url, args.gateway_procs)
-        cpu0 = {"gateway": procstat.tree_cpu_s(fleet.gateway_pid(arm)),
-                "workers": procstat.trees_cpu_s(fleet.worker_pids())}
-        recorder = Recorder(http, url, args.served)
+        before = {} if direct else await scrape_all(http, url, args.gateway_procs)
+        gateway_cpu = (lambda: 0.0) if direct else (lambda: procstat.tree_cpu_s(fleet.gateway_pid(gw)))
+        cpu0 = {"gateway": gateway_cpu(), "workers": procstat.trees_cpu_s(fleet.worker_pids())}
+        offs = diagnose.offsets(logs)
+        recorder = DirectRecorder(http, fleet.worker_urls, args.served) if direct else Recorder(http, url, args.served)
+        recorder.rid_prefix = re.sub(r"[^A-Za-z0-9]", "", f"{workload[:2]}{arm}{seed}") + "x"
         sessions = plan(workload, tag, sizes, seed)
         started = time.perf_counter()
+        wall0 = recorder.wall0 = time.time()
         recorder.t0 = started
-        await closed_loop(recorder, sessions, args.users, args.max_tokens, seconds, args.requests)
+        await closed_loop(recorder, sessions, users, args.max_tokens, seconds, args.requests, args.users_per_client)
         wall = time.perf_counter() - started
-        cpu = {"gateway": procstat.tree_cpu_s(fleet.gateway_pid(arm)) - cpu0["gateway"],
+        wall1 = time.time()
+        cpu = {"gateway": gateway_cpu() - cpu0["gateway"],
                "workers": procstat.trees_cpu_s(fleet.worker_pids()) - cpu0["workers"]}
-        after = await scrape_all(http, url, args.gateway_procs)
+        after = {} if direct else await scrape_all(http, url, args.gateway_procs)
     counters = {k: after[k] - before[k] for k in after}
-    row = summarize(workload, arm, recorder.records, wall, cpu, counters, min(args.warmup_s, seconds / 3))
-    return row | describe(workload, sizes) | {"arm_s": round(seconds, 1), "users": args.users}
+    warmup_s = min(args.warmup_s, seconds / 3)
+    row = summarize(workload, arm, recorder.records, wall, cpu, counters, warmup_s)
+    row["diag"] = diagnosis(fleet, recorder, logs, offs, warmup_s, wall0 + warmup_s, wall1, sampler,
+                            fleet.logs / f"requests-{args.label + '-' if args.label else ''}{workload}-{arm}.jsonl")
+    return row | describe(workload, sizes) | {"arm_s": round(seconds, 1), "users": users,
+                                               "users_per_client": args.users_per_client}
+
+
+def diagnosis(fleet: Fleet, recorder: Recorder, logs: list[Path], offs: dict[Path, int], warmup_s: float,
+              t0: float, t1: float, sampler: Sampler | None, keep: Path) -> dict[str, Any]:
+    """Where the arm's TTFT went (loadtest/gpu/diagnose.py), what the engines' schedulers and
+    the machine did meanwhile (steady part), and the load generator's own lateness. ``keep``
+    gets the joined rows, a line per request."""
+    access: list[dict[str, Any]] = []
+    engine: dict[str, list[dict[str, Any]]] = {}
+    ticks: dict[str, list[dict[str, Any]]] = {}
+    for path in logs:
+        lines, _ = diagnose.read_from(path, offs[path])
+        if path.name.startswith("gateway-"):
+            access = diagnose.access_lines(lines)
+        else:
+            worker = path.stem.removeprefix("engine-")
+            engine[worker], ticks[worker] = diagnose.engine_lines(lines)
+    if not access and isinstance(recorder, DirectRecorder):  # no gateway: the client's own record stands in
+        by_url = dict(zip(fleet.worker_urls, (f"w{i}" for i in range(len(fleet.worker_urls))), strict=False))
+        access = [{"request_id": r["rid"], "ttft_ms": round(r["ttft"] * 1000, 1), "queue_wait_ms": 0.0,
+                   "workers": by_url.get(r["worker_url"], "?"), "prompt_tokens": r["prompt"], "cached_tokens": r["cached"],
+                   "completion_tokens": r["completion"], "t_end": recorder_wall(recorder, r)}
+                  for r in recorder.records if r["error"] is None]
+    rows = diagnose.join(recorder.records, access, engine, recorder.wall0)
+    with open(keep, "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    lags = sorted(recorder.lags)
+    out: dict[str, Any] = {"access_lines": len(access), "engine_reqs": sum(map(len, engine.values())),
+                           "split": diagnose.split(rows, warmup_s),
+                           "engines": diagnose.engine_window(ticks, t0, t1),
+                           "client_lag_p99_ms": round(1000 * lags[int(0.99 * (len(lags) - 1))], 1) if lags else None,
+                           "client_lag_max_ms": round(1000 * lags[-1], 1) if lags else None}
+    served: dict[str, int] = {}
+    for a in access:
+        served[a["workers"]] = served.get(a["workers"], 0) + 1
+    out["requests_by_worker"] = dict(sorted(served.items()))
+    if sampler is not None:
+        out["machine"] = sampler.window(t0, t1)
+    return out
+
+
+def recorder_wall(recorder: Recorder, rec: dict[str, Any]) -> float:
+    """A record's end on the wall clock (engine lines carry time.time())."""
+    return recorder.wall0 + rec["t_end"]
 
 
 #: Gateway counters the bench reads: name in results -> Prometheus series.
@@ -152,16 +220,35 @@ async def scrape_all(http: httpx.AsyncClient, url: str, procs: int) -> dict[str,
 def emit(out: Path, row: dict[str, Any]) -> None:
     with open(out / "results.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")
-    log(json.dumps(row))
+    log(brief(row) if row.get("phase") == "routing" else json.dumps(row))
+
+
+def brief(row: dict[str, Any]) -> str:
+    """One line (under 400 characters: session.sh shows that much) of an arm's figures and split."""
+    d = row.get("diag", {})
+    sp, m = d.get("split", {}), d.get("machine", {})
+    eng = d.get("engines", {}).values()
+    slow = "/".join(str(sp.get(f"slow_{c}_ms")) for c in diagnose.COMPONENTS)
+    return (f"{row['workload']} {row['arm']} n={row['steady_requests']} err={row['errors']} hit={row['hit_pct']} "
+            f"ttft={row['ttft_p50_ms']}/{row['ttft_p90_ms']}/{row['ttft_p99_ms']} tok/s={row['out_tok_s']} | "
+            f"slow(in/gwq/eq/pf/g2e/out)={slow} j={sp.get('joined_engine')}/{sp.get('joined')} | "
+            f"wait_max={max((e['waiting_max'] for e in eng), default=None)} "
+            f"kv_max={max((e['kv_max'] for e in eng), default=None)} pre={sum(e['preempted'] for e in eng)} "
+            f"gap={max((e['gap_max_ms'] for e in eng), default=None)} | "
+            f"busy={m.get('busy_mean')} st={m.get('steal_mean')} run90={m.get('runnable_p90')} gpu={m.get('gpu_mean')} "
+            f"cli={m.get('client_mean')} lag99={d.get('client_lag_p99_ms')} by={d.get('requests_by_worker')}")
 
 
 def routing_phase(args: argparse.Namespace, shape: FleetShape, out: Path, logs: Path) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     arms = args.arms.split(",")
     workloads = args.workloads.split(",")
-    with Fleet(shape, logs) as fleet:
+    current: dict[str, str | None] = {"arm": None}
+    with Fleet(shape, logs) as fleet, Sampler(lambda: fleet.sampler_groups(current["arm"])) as sampler:
         t0 = time.monotonic()
-        fleet.start_gateways(arms, args.tokenizer)  # start while the workers load (gateways wait for none)
+        # start while the workers load (gateways wait for none)
+        fleet.start_gateways([g for g in (a.partition("@")[0] for a in arms + args.first_only.split(","))
+                              if g and g != DIRECT], args.tokenizer)
         fleet.start_workers(args.start_timeout_s)
         log(f"{shape.workers} workers registered after {time.monotonic() - t0:.1f} s")
         sizes = Sizes(cache_tokens=shape.cache_tokens, prefix_words=args.prefix_words, overflow_x=args.overflow_x,
@@ -169,6 +256,8 @@ def routing_phase(args: argparse.Namespace, shape: FleetShape, out: Path, logs: 
         runs = [(w, workload, a, arm) for w, workload in enumerate(workloads)
                 # each workload starts with another arm: no arm always runs first (or last) in the fleet's warm-up
                 for a, arm in [(k, arms[(k + w) % len(arms)]) for k in range(len(arms))]]
+        extra = [a for a in args.first_only.split(",") if a]  # diagnostic arms, after the first workload's
+        runs[len(arms):len(arms)] = [(0, workloads[0], len(arms) + k, arm) for k, arm in enumerate(extra)]
         for k, (w, workload, a, arm) in enumerate(runs):
             seconds = args.arm_s
             if args.deadline:  # the arms left share what is left; an arm costs ~arm_overhead_s beside its load
@@ -177,8 +266,13 @@ def routing_phase(args: argparse.Namespace, shape: FleetShape, out: Path, logs: 
                 if seconds < min(args.min_arm_s, args.arm_s):
                     log(f"deadline: {workload} {arm} and later not started")
                     return rows
-            row = asyncio.run(run_arm(fleet, workload, arm, sizes, args, seed=100 * w + a, seconds=seconds))
+            current["arm"] = arm.partition("@")[0]
+            row = asyncio.run(run_arm(fleet, workload, arm, sizes, args, seed=100 * w + a, seconds=seconds,
+                                      sampler=sampler))
             row["kv_blocks_per_worker"], row["cache_tokens_per_worker"] = shape.kv_blocks, shape.cache_tokens
+            row["max_num_seqs"], row["max_batched"] = shape.max_num_seqs, shape.max_batched
+            if args.label:
+                row["label"] = args.label
             rows.append(row)
             emit(out, row)
     return rows
@@ -194,6 +288,8 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--arms", default="rr,least,cache-approx,cache-precise")
     p.add_argument("--workloads", default="overflow,easy,w5,chat")
+    p.add_argument("--first-only", default="", help="more arms for the first workload alone, e.g. direct,rr@32 "
+                   "(direct: no gateway, the client sends to the workers in turn; ARM@N: N users)")
     p.add_argument("--arm-s", type=float, default=30, help="seconds of load per arm and workload (less near --deadline)")
     p.add_argument("--min-arm-s", type=float, default=8, help="an arm that would get less is not started")
     p.add_argument("--arm-overhead-s", type=float, default=6, help="an arm's cost beside its load (warm-up, scrapes)")
@@ -201,6 +297,8 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=100000, help="at most this many requests per arm")
     p.add_argument("--users", type=int, default=64, help="closed-loop users")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--users-per-client", type=int, default=8,
+                   help="users sharing one HTTP client (0: one client for all, as before 2026-12-03)")
     p.add_argument("--prefix-words", type=int, default=1500, help="~1 token each with the SmolLM2 tokenizer")
     p.add_argument("--overflow-x", type=float, default=1.75, help="overflow prefixes / the four caches together")
     p.add_argument("--zipf-s", type=float, default=0.9, help="overflow: popularity of the k-th prefix ~ 1/k^s")
@@ -222,6 +320,7 @@ def main() -> int:
     p.add_argument("--start-timeout-s", type=float, default=300)
     p.add_argument("--deadline", type=float, default=0, help="epoch s: start no arm that may not end before it")
     p.add_argument("--quick", action="store_true", help="CPU rehearsal sizes")
+    p.add_argument("--label", default="", help="a name for this run's settings, kept in each row")
     p.add_argument("--out", default="/tmp/routing_gpu_out")
     args = p.parse_args()
     stop_on_sigterm()

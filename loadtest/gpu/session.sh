@@ -13,7 +13,13 @@
 #   2. migration (issue 24): fresh workers under VLLM_BATCH_INVARIANT=1, 4x64 greedy streams,
 #      one worker SIGKILLed, every stream checked token for token (migration.py);
 #   3. disagg (issue 26): agg worker + prefill/decode pair joined by NixlConnector (disagg_gpu.py).
-# Each phase ends by its deadline (MIG_S and PD_S are kept for the last two). `collect` puts
+# Each phase ends by its deadline (MIG_S and PD_S are kept for the last two).
+# With ROUTING1_S set, the routing phase is two: the first gets ROUTING1_S (ROUTING_ARGS), then
+# the daemon writes $S/ask and waits up to PLAN_WAIT_S for $S/plan2: more routing_gpu arguments
+# for a second fleet (other engine settings, say: --kv-blocks 4096 --label kv4096), or "skip".
+# `wait` returns as soon as the daemon asks, so the next call can answer:
+#   echo '--kv-blocks 4096 --label kv4096' > /tmp/sess/plan2; bash /tmp/sess/session.sh wait 560
+# PD_S=0 skips the disagg phase and its NIXL probe (and the tokenizer's cost, measured before). `collect` puts
 # the results, charts, the NIXL probe, the daemon's log and the logs (tar.gz) in $OUT: 8 files.
 #
 # CPU rehearsal (sim workers, rehearsal sizes, no install):
@@ -28,6 +34,8 @@ PY=${PY:-python3}
 MIG_S=${MIG_S:-240}                    # kept for the migration phase
 PD_S=${PD_S:-330}                      # kept for the disagg phase, less when routing would get under ROUTING_MIN_S
 ROUTING_MIN_S=${ROUTING_MIN_S:-480}
+ROUTING1_S=${ROUTING1_S:-}                # set: the routing phase is split in two (above)
+PLAN_WAIT_S=${PLAN_WAIT_S:-90}
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # NVLink multicast stays off
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
@@ -79,13 +87,13 @@ daemon() {
   mkdir -p "$out"
   if [ "$ENGINE" = sim ]; then sim=(--quick); model=none; else model || return 1; fi
   local routing_s=$(( end - $(date +%s) - 40 - MIG_S - PD_S ))   # 40: the NIXL probe and the tokenizer's cost
-  if [ "$routing_s" -lt "$ROUTING_MIN_S" ]; then   # issue 24 first: disagg gives way
+  if [ "$routing_s" -lt "$ROUTING_MIN_S" ] && [ "$PD_S" -gt 0 ]; then   # issue 24 first: disagg gives way
     PD_S=$(( PD_S - (ROUTING_MIN_S - routing_s) )); [ "$PD_S" -lt 0 ] && PD_S=0
   fi
   log "daemon: engine $ENGINE, $(( end - $(date +%s) )) s in all (migration $MIG_S, disagg $PD_S)"
   gpu_free
   local nixl_tries="cuda;cpu:tcp,self"
-  if [ "$ENGINE" != sim ]; then   # which NIXL transfer works here (~20 s): the disagg phase tries it first
+  if [ "$ENGINE" != sim ] && [ "$PD_S" -gt 0 ]; then   # which NIXL transfer works here (~20 s): the disagg phase tries it first
     timeout 200 $PY -m loadtest.gpu.nixl_probe --timeout-s 20 --out "$out/nixl_probe.json"
     nixl_tries=$($PY -c 'import json, sys
 try:
@@ -96,14 +104,28 @@ first = ok.get("buffer", "") + ("" if ok.get("ucx_tls", "(").startswith("(") els
 print(";".join(dict.fromkeys(t for t in (first, *sys.argv[2].split(";")) if t)))' "$out/nixl_probe.json" "$nixl_tries")
     log "nixl tries: $nixl_tries"
   fi
-  $PY -m loadtest.gpu.tokenize_cost --tokenizer "$tok" --out "$out/tokenize_cost.json" || true
-  phase routing $(( end - MIG_S - PD_S )) $PY -m loadtest.gpu.routing_gpu --phase routing --engine "$ENGINE" \
-    --model "$model" --tokenizer "$tok" --deadline $(( end - MIG_S - PD_S )) --out "$out" "${sim[@]}" $ROUTING_ARGS
+  [ "$PD_S" -gt 0 ] && { $PY -m loadtest.gpu.tokenize_cost --tokenizer "$tok" --out "$out/tokenize_cost.json" || true; }
+  local r1_end=$(( end - MIG_S - PD_S ))
+  [ -n "$ROUTING1_S" ] && r1_end=$(( $(date +%s) + ROUTING1_S ))
+  phase routing $r1_end $PY -m loadtest.gpu.routing_gpu --phase routing --engine "$ENGINE" \
+    --model "$model" --tokenizer "$tok" --deadline $r1_end --out "$out" "${sim[@]}" $ROUTING_ARGS
+  if [ -n "$ROUTING1_S" ]; then   # the second fleet, as the next call says (or the default)
+    touch "$S/ask"; log "ASK: routing phase 1 done; waiting ${PLAN_WAIT_S} s for $S/plan2"
+    local waited=0
+    while [ ! -f "$S/plan2" ] && [ "$waited" -lt "$PLAN_WAIT_S" ]; do sleep 1; waited=$(( waited + 1 )); done
+    local plan2; plan2=$(cat "$S/plan2" 2>/dev/null || echo "${PLAN2_DEFAULT:-skip}")
+    log "plan2 after ${waited} s: $plan2"
+    if [ "$plan2" != skip ]; then
+      phase routing2 $(( end - MIG_S - PD_S )) $PY -m loadtest.gpu.routing_gpu --phase routing --engine "$ENGINE" \
+        --model "$model" --tokenizer "$tok" --deadline $(( end - MIG_S - PD_S )) --out "$out" "${sim[@]}" \
+        $ROUTING_ARGS $plan2
+    fi
+  fi
   phase migration $(( end - PD_S )) $PY -m loadtest.gpu.routing_gpu --phase migration --engine "$ENGINE" \
     --model "$model" --tokenizer "$tok" --deadline $(( end - PD_S )) --out "$out" "${sim[@]}" $MIGRATION_ARGS
   local connector=(--connector NixlConnector --nixl-tries "$nixl_tries" --first-timeout-s 45)
   [ "$ENGINE" = sim ] && connector=()
-  phase disagg "$end" $PY -m loadtest.gpu.disagg_gpu --engine "$ENGINE" --model "$model" --tokenizer "$tok" \
+  [ "$PD_S" -gt 0 ] && phase disagg "$end" $PY -m loadtest.gpu.disagg_gpu --engine "$ENGINE" --model "$model" --tokenizer "$tok" \
     --deadline "$end" --out "$out/disagg" "${connector[@]}" "${sim[@]}" $DISAGG_ARGS
   log "daemon done"
   touch "$S/done"
@@ -116,8 +138,9 @@ collect() {   # what the daemon has so far -> $OUT (at most 8 files come back)
            "$out/disagg/disagg.json" "$out/disagg/disagg.png" "$S/daemon.log"; do
     [ -f "$f" ] && cp "$f" "$OUT/"
   done
-  rm -rf /tmp/logcut/* && (cd "$out" && find . -name '*.log' | while read -r f; do
-    mkdir -p "/tmp/logcut/$(dirname "$f")"; tail -c 2000000 "$f" > "/tmp/logcut/$f"; done)
+  # the logs, the engines' probe lines and the joined requests (loadtest/gpu/diagnose.py)
+  rm -rf /tmp/logcut/* && (cd "$out" && find . -name '*.log' -o -name '*.jsonl' ! -name results.jsonl | while read -r f; do
+    mkdir -p "/tmp/logcut/$(dirname "$f")"; tail -c 8000000 "$f" > "/tmp/logcut/$f"; done)
   tar czf "$OUT/logs.tgz" -C /tmp/logcut . 2>/dev/null
   ls -l "$OUT"
 }
@@ -125,6 +148,7 @@ collect() {   # what the daemon has so far -> $OUT (at most 8 files come back)
 wait_daemon() {   # wait_daemon SECONDS: until the daemon is done or SECONDS pass
   local until=$(( $(date +%s) + $1 )) shown=0
   while [ ! -f "$S/done" ] && [ "$(date +%s)" -lt "$until" ]; do
+    if [ -f "$S/ask" ] && [ ! -f "$S/plan2" ]; then tail -n +$(( shown + 1 )) "$S/daemon.log" | cut -c1-400; log "the daemon asks for plan2"; return; fi
     sleep 5
     local lines; lines=$(wc -l < "$S/daemon.log")
     if [ "$lines" -gt "$shown" ]; then tail -n +$(( shown + 1 )) "$S/daemon.log" | cut -c1-400; shown=$lines; fi

@@ -6,12 +6,13 @@
 # DEST is the checkout the device tool sends (the session's own checkout; a helper's worktree is
 # not sent): the calls' folders go under DEST/.gpu/gpu/, which DEST's .git/info/exclude must
 # ignore ("/.gpu/"). Inputs: DEST/.gpu/wheels (the GPU kit's wheels: ../shared/gpu/README.md,
-# resolve.py) and DEST/.gpu/kit. Here, in this worktree's ignored .gpu/:
+# resolve.py) and DEST/.gpu/kit. Here, in this worktree's ignored .gpu/ (under .gpu/stage/, so
+# that DEST may be this worktree itself: its .gpu/wheels stays the kit's):
 #   .gpu/nixl/   nixl-cu13 (cp312, CUDA 13, ~59 MB) less what vLLM's connector does not load
 #                (nixl_ep's three torch builds, C headers, UCX's perftest): ~28 MB; and the meta package `nixl`;
-#   .gpu/wheels/ the kit's wheels (hard links), vLLM's less its Rust frontend (vllm-rs, 16 MB packed,
+#   .gpu/stage/wheels/ the kit's wheels (hard links), vLLM's less its Rust frontend (vllm-rs, 16 MB packed,
 #                run only with VLLM_USE_RUST_FRONTEND=1), and the nixl wheels: the kit's install takes all;
-#   .gpu/parts/  those wheels as one tar in PART_MIB parts, and md5.
+#   .gpu/stage/parts/  those wheels as one tar in PART_MIB parts, and md5.
 # Then DEST/.gpu/gpu/p/aa ... (one part each, for the transfer calls: carry .gpu/gpu/p/aa, ...)
 # and DEST/.gpu/gpu/proj: this worktree's code + .gpu/kit + .gpu/cur (the last part and md5),
 # carried by the measuring calls. A call carries at most 64 MiB with DEST's tracked tree:
@@ -24,7 +25,7 @@ NIXL_VERSION=${NIXL_VERSION:-1.5.1}
 G=$DEST/.gpu/gpu
 git -C "$DEST" check-ignore -q .gpu/gpu || { echo "$DEST/.gpu/gpu is not ignored there"; exit 1; }
 git -C "$SRC" check-ignore -q .gpu/x || { echo "$SRC/.gpu is not ignored: echo /.gpu/ >> .git/info/exclude"; exit 1; }
-N=$SRC/.gpu/nixl W=$SRC/.gpu/wheels P=$SRC/.gpu/parts
+N=$SRC/.gpu/nixl W=$SRC/.gpu/stage/wheels P=$SRC/.gpu/stage/parts
 mkdir -p "$G" "$N"
 
 if ! ls "$N"/nixl_cu13-*.whl >/dev/null 2>&1; then
@@ -39,7 +40,7 @@ for f in "$DEST"/.gpu/wheels/*.whl; do
 done
 zip -q -d "$W"/vllm-*.whl vllm/vllm-rs
 ln "$N"/*.whl "$W/"
-tar cf - -C "$SRC/.gpu" wheels | split -b "${PART_MIB}M" - "$P/part."
+tar cf - -C "$SRC/.gpu/stage" wheels | split -b "${PART_MIB}M" - "$P/part."
 cat "$P"/part.* | md5sum > "$P/md5"
 
 rm -rf "$G/p"
