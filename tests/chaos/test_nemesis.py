@@ -26,7 +26,7 @@ SEED = 7
 
 @pytest.mark.timeout(420)
 async def test_nemesis_short_run_has_no_forbidden_outcome(tmp_path: Path) -> None:
-    config = NemesisConfig(seed=SEED, streams=320, faults=32, duration_s=100.0, huge=1,
+    config = NemesisConfig(seed=SEED, streams=320, faults=32, duration_s=60.0, huge=1,
                            json_path=tmp_path / "nemesis.json", plot_path=tmp_path / "nemesis.png",
                            logs=tmp_path / "logs")
     config.logs.mkdir()  # type: ignore[union-attr]
