@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -46,6 +47,7 @@ from gateway.surfaces.openai import (
     worker_payloads,
 )
 from gateway.surfaces.shape import Shape
+from sluice import keys
 from sluice.errors import (
     Conflict,
     DeadlineExceeded,
@@ -73,6 +75,8 @@ class Serving:
         self._migrator = Migrator(settings, dispatcher)
         self._idempotency = idempotency
         self._redis = redis
+        #: Seconds since this process saw Redis lose writes (inf: never, or no watcher).
+        self._since_loss_s = watch.since_loss_s if watch is not None else (lambda: math.inf)
         self._producers: set[asyncio.Task[None]] = set()
         self._keepalive = Keepalive(settings.sse_ping_s)
 
@@ -380,6 +384,11 @@ class Serving:
                 if retry:  # the key was claimed moments ago: Redis lost it since (nemesis, Cluster)
                     raise Unavailable(f"the attempt that held Idempotency-Key {key!r} is no longer known (Redis "
                                       "lost it); send this request again", retry_after_s=1)
+                if self._since_loss_s() < keys.REGISTRY_REBUILD_S:
+                    # Redis lost data moments ago: the stream may have been there (nemesis,
+                    # Cluster: a client holding no event of its stream got 404 after a FLUSHALL).
+                    raise Unavailable(f"no stream is known for Idempotency-Key {key!r}, but Redis lost data moments "
+                                      "ago: send the request again with its body", retry_after_s=1)
                 raise RouteNotFound(f"no resumable stream for Idempotency-Key {key!r}")
             if record.get("stream", "1") != "1":
                 raise Conflict("this Idempotency-Key belongs to a non-streaming request")

@@ -64,6 +64,11 @@ log = logging.getLogger("sluice.journal")
 #: A take-over that has not started producing by then (Redis stalled mid-way) gives up:
 #: its readers get an error and may re-attach, rather than wait on it for ever.
 ADOPT_TIMEOUT_S = 30.0
+#: A poll that Redis has not answered by then ends its readers with the in-band "re-attach"
+#: error: on a Cluster, one slow topology refresh (nodes tried one after another, a stalled
+#: one accepting and never answering) held every command of the process, and readers waited
+#: past their clients' deadlines (the nemesis, Cluster: 9 hangs).
+POLL_TIMEOUT_S = 10.0
 
 
 @dataclass(eq=False)
@@ -87,9 +92,10 @@ class JournalReaders:
     """
 
     def __init__(self, redis: Redis, *, poll_s: float = 0.05, idle_s: float = 1.0,
-                 count: int = 256, max_queued: int = 1024) -> None:
+                 count: int = 256, max_queued: int = 1024, poll_timeout_s: float = POLL_TIMEOUT_S) -> None:
         self._redis = redis
         self._poll_s = poll_s
+        self._poll_timeout_s = poll_timeout_s
         self._idle_s = idle_s
         self._count = count
         self._max_queued = max_queued
@@ -170,9 +176,11 @@ class JournalReaders:
             pipe.exists(live_key(key))
         self._polls += 1
         try:
-            results = await pipe.execute(raise_on_error=False)
-        except (RedisError, OSError) as exc:
-            log.warning("reading %d journals failed: %s", len(groups), exc)
+            async with asyncio.timeout(self._poll_timeout_s):
+                results = await pipe.execute(raise_on_error=False)
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.warning("reading %d journals failed: %s", len(groups),
+                        str(exc) or f"no answer in {self._poll_timeout_s:g} s")
             self._end_all([reader for readers in groups.values() for reader in readers])
             return False
         answered = time.monotonic()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -686,4 +688,35 @@ async def test_a_finished_stream_whose_record_alone_redis_lost_gets_it_back_done
         assert (await client.hgetall(keys.idempotency(scopes["others"])))[b"owner"] == b"q"
     finally:
         await keeper.close()
+        await client.aclose()
+
+
+async def test_a_reader_whose_poll_redis_never_answers_ends_with_an_error_not_a_hang(private_redis) -> None:
+    """Regression (nemesis, Cluster: 9 requests with no outcome 20 s past their deadline):
+    Redis accepted the journal readers' poll and never answered (a stalled node; on a
+    Cluster, one slow topology refresh held every command of the process), and the readers
+    waited with it. A poll that has no answer within ``poll_timeout_s`` ends its readers with
+    the in-band "re-attach" error, then ``[DONE]``, well before the socket's own timeout."""
+    server = private_redis["server"]
+    client = await create_pool(server.url)
+    readers = JournalReaders(client, poll_s=0.01, idle_s=5, poll_timeout_s=0.5)
+    key = uuid.uuid4().hex
+    try:
+        await client.xadd(keys.journal(key), {"d": b"data: 1\n\n", "s": b""}, id="0-1")
+        got: list[bytes] = []
+
+        async def follow() -> None:
+            async for data in readers.tail(key):
+                got.append(data)
+                if len(got) == 1:
+                    os.kill(server.process.pid, signal.SIGSTOP)  # the next poll is never answered
+
+        try:
+            await asyncio.wait_for(follow(), 3)  # the socket's own timeout is 5 s
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        assert got[0] == b"id: 1\ndata: 1\n\n" and got[-1] == DONE
+        assert b"re-attach" in got[-2] and b"service_unavailable" in got[-2]
+    finally:
+        await readers.close()
         await client.aclose()

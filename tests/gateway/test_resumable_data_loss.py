@@ -175,3 +175,24 @@ def _post_all(url: str, body: dict, key: str) -> Events:
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers={"Idempotency-Key": key},
                       timeout=60) as r:
         return _events(r.iter_lines())
+
+
+def test_a_stream_unknown_moments_after_redis_lost_data_is_503_not_404(start_gateway) -> None:
+    """Regression (nemesis, Cluster: a forbidden 404): a client that held no event of its
+    stream re-attached (``GET``, no ``Last-Event-ID``) after a FLUSHALL had taken the stream's
+    record and journal, and was told there is no such stream. Within a while of a loss this
+    gateway saw, an unknown stream is ``503`` + ``Retry-After`` ("send the request again");
+    one unknown with no loss in sight stays ``404``."""
+    with EmbeddedRedis() as server:
+        gateway = start_gateway(redis_at=server.url)
+        unknown = gateway.url + f"/v1/streams/{uuid.uuid4().hex}"
+        assert httpx.get(unknown, timeout=10).status_code == 404
+        client = redis.Redis.from_url(server.url)
+        try:
+            client.flushall()
+        finally:
+            client.close()
+        wait_for(lambda: httpx.get(unknown, timeout=10).status_code == 503, 5, "a 503 after the loss")
+        resp = httpx.get(unknown, timeout=10)
+        assert resp.headers.get("retry-after") == "1"
+        assert resp.json()["error"]["type"] and "send the request again" in resp.json()["error"]["message"]
