@@ -24,6 +24,7 @@ import redis.asyncio
 from gateway.admission.key_keeper import KeyKeeper
 from sluice import keys
 from sluice.apikeys import KeyStore
+from sluice.errors import AuthenticationFailed, Unavailable
 from sluice.embedded_redis import EmbeddedCluster, EmbeddedRedis, free_port
 from sluice.redis_pool import create_pool
 from sluice.redis_url import sync_client
@@ -243,3 +244,28 @@ def test_a_gateway_started_while_write_backs_are_late_says_503_not_401(start_wor
         finally:
             os.kill(kept.pid, signal.SIGCONT)
         assert _complete(fresh, key, retries=5)  # written back by the gateway that kept it
+
+
+async def test_a_cluster_gateway_in_its_first_seconds_says_503_for_an_unknown_key() -> None:
+    """Regression (nemesis, Cluster: 2 invalid_api_key): a Cluster node lost key records while
+    the node holding the registry's epoch kept it, and a gateway started 0.6 s later answered
+    401 for valid keys: nothing told it of the loss, and the gateways that kept the keys wrote
+    them back within a second. On a Cluster an unknown key is 503 in a process's first 3 s;
+    after that, 401."""
+    with EmbeddedCluster() as cluster:
+        client = await create_pool(cluster.url)
+        keeper = KeyKeeper(client, KeyStore(client))
+        try:
+            await client.hset(keys.EPOCH, mapping={"id": "old", "at": int(time.time() * 1000) - 60_000})
+            key, record = await KeyStore(client).create("lost-on-a-node")
+            await client.delete(keys.api_key(record.prefix))  # what the node lost
+            keeper.start()
+            await asyncio.sleep(0.6)  # its first look at Redis: nothing changed since it started
+            with pytest.raises(Unavailable):
+                await keeper.verify(key)
+            keeper._started_at -= keys.API_KEYS_RESTORE_S  # past its first seconds
+            with pytest.raises(AuthenticationFailed):
+                await keeper.verify(key)
+        finally:
+            await keeper.close()
+            await client.aclose()
