@@ -17,6 +17,19 @@ import pytest
 from sluice.models import default_model_dir
 from tests.conftest import Proc, StartGateway, StartWorker
 
+#: A vLLM engine starts in 35-120 s on this 2-core machine, slower while other engines run:
+#: whichever test first needs an engine (a session or module fixture) waits for that start
+#: inside its own timeout. The suite's 120 s is too short for it (CI, 2026-12-02: two engines
+#: started side by side for test_disaggregation_vllm took 118 s and the setup timed out).
+REAL_MODEL_TIMEOUT_S = 600
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(REAL_MODEL_TIMEOUT_S))
+
 #: The shared worker's served name (distinct from the upstream module's, which registers
 #: vLLM servers of its own in the same Redis).
 MODEL = "smol-shared"
