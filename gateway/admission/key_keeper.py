@@ -99,6 +99,15 @@ class _Kept:
         self.fields = {**self.fields, "revoked": "1"}
 
 
+def _learn_revoked(prefix: str, kept: _Kept) -> None:
+    """Mark a kept copy revoked, and say so once, whichever way it was learned (a verify, a
+    write-back that found the record revoked, ``sl:apikeys:revoked``): CI, 2026-12-02, a
+    write-back right after a loss learned it first and no line said so."""
+    if not kept.revoked:
+        kept.revoke()
+        log.info("API key %s was revoked: this gateway's copy is marked revoked", prefix)
+
+
 class KeyKeeper:
     """The kept key records of one gateway process (see the module)."""
 
@@ -157,8 +166,8 @@ class KeyKeeper:
             raise AuthenticationFailed("invalid or revoked API key")
         record = parse_record(fields)
         if record.revoked:
-            if kept is not None and not kept.revoked:
-                kept.revoke()
+            if kept is not None:
+                _learn_revoked(prefix, kept)
             raise AuthenticationFailed("invalid or revoked API key")
         self._keep(prefix, fields)
         return record
@@ -217,7 +226,7 @@ class KeyKeeper:
         if state == "other":
             return None
         if state == "revoked":
-            kept.revoke()
+            _learn_revoked(prefix, kept)
         if int(written):
             self.restored += 1
         # Listed again (sluice keys list), and its revocation readable by every gateway; also
@@ -262,8 +271,7 @@ class KeyKeeper:
             for prefix, member in zip(batch, await self._redis.smismember(keys.API_KEYS_REVOKED, batch)):
                 kept = self._kept.get(prefix)
                 if member and kept is not None:
-                    kept.revoke()
-                    log.info("API key %s was revoked: this gateway's copy is marked revoked", prefix)
+                    _learn_revoked(prefix, kept)
 
     async def _after_look(self, lost: bool) -> bool:
         """After each of the watcher's looks: drop old copies, write every copy back if Redis
