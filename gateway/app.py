@@ -50,7 +50,7 @@ from gateway.relay.serving import Serving
 from gateway.relay.sse import SSEResponse
 from gateway.relay.upstream import Dispatcher
 from gateway.streams.idempotency import Idempotency, fingerprint, scoped
-from gateway.streams.journal import last_event_id
+from gateway.streams import event_ids
 from gateway.streams.journal_quota import journal_events
 from gateway.streams.journal_readers import JournalReaders
 from gateway.surfaces import messages
@@ -338,9 +338,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def reattach(key: str, request: Request) -> Response:
         """Re-attach to a stream started with this Idempotency-Key, after Last-Event-ID."""
         caller = await svc(request).tenancy.authenticate(request.headers.get("authorization"))
-        after = last_event_id(request.headers.get("last-event-id") or request.query_params.get("last_event_id"))
+        after, tag = event_ids.parse(request.headers.get("last-event-id") or request.query_params.get("last_event_id"))
         owner = caller.prefix if caller else "-"
-        return await svc(request).serving.reattach(scoped(owner, Idempotency.check_key(key)), after)
+        return await svc(request).serving.reattach(scoped(owner, Idempotency.check_key(key)), after, tag=tag)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
@@ -438,6 +438,7 @@ def _context(
     if key is not None and priority < key.priority_ceiling:
         headers["x-sluice-priority-clamped"] = "true"
         priority = key.priority_ceiling
+    after, tag = event_ids.parse(request.headers.get("last-event-id"))
     return RequestContext(
         request_id=_request_id(request),
         priority=priority,
@@ -446,7 +447,8 @@ def _context(
         idempotency_key=None if idem is None else scoped(owner, Idempotency.check_key(idem)),
         fingerprint=fingerprint(body) if idem is not None else "",
         body=body if idem is not None else b"",
-        last_event_id=last_event_id(request.headers.get("last-event-id")),
+        last_event_id=after,
+        last_event_tag=tag,
         tenant=owner,
         cost=cost,
         headers=headers,

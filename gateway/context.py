@@ -29,8 +29,10 @@ class RequestContext:
     fingerprint: str = ""
     #: The raw body of a resumable request: another gateway may have to continue it.
     body: bytes = b""
-    #: SSE ``Last-Event-ID`` of a client re-attaching to a resumable stream.
+    #: SSE ``Last-Event-ID`` of a client re-attaching to a resumable stream: the event number,
+    #: and the tag of that event's producer (gateway/streams/event_ids.py; None: not given).
     last_event_id: int = 0
+    last_event_tag: bytes | None = None
     #: Whose fair share of the queue this request draws on: the API key's id, or "-".
     tenant: str = "-"
     #: The request's work in tokens (prompt estimate + output budget, all generations):

@@ -526,7 +526,7 @@ def _sse(lines: Iterator[str], events: list[tuple[int | None, str]],
     ident = None
     for line in lines:
         if line.startswith("id: "):
-            ident = int(line[4:])
+            ident = int(line[4:].partition(".")[0])
         elif line.startswith("data: "):
             events.append((ident, line[6:]))
             ident = None

@@ -119,7 +119,7 @@ class Serving:
                     await self._settle_usage(ctx, 0)
                     ctx.record.finish("ok")
                     if replay == "attach":  # a POST: told to send again (503), never 404
-                        return await self.reattach(key, ctx.last_event_id, retry=True)
+                        return await self.reattach(key, ctx.last_event_id, retry=True, tag=ctx.last_event_tag)
                     return replay
                 owned = True
             return await self._generate(kind, req, ctx, shape)
@@ -324,7 +324,7 @@ class Serving:
         ending = _Ending(lambda: _close(upstreams), lambda outcome: self._end_stream(upstreams, record, ctx, outcome),
                          record, owner)
         events = sse_events(kind, req, tap.lines(), record, ending.end, chunks, state.offsets)
-        writer.continue_after(state.last, state.history)
+        writer.continue_after(state.last, state.history, state.tag)
         await self._start_producer(writer, events, tap, ending)
         return True
 
@@ -356,8 +356,9 @@ class Serving:
             raise failure
         return opened
 
-    async def reattach(self, key: str, after: int, *, retry: bool = False) -> Response:
-        """The stream of ``key`` from after event ``after``. ``retry``: the caller is a POST
+    async def reattach(self, key: str, after: int, *, retry: bool = False, tag: bytes | None = None) -> Response:
+        """The stream of ``key`` from after event ``after`` (whose producer's ``tag`` the client
+        gave, gateway/streams/event_ids.py: only that history goes on). ``retry``: the caller is a POST
         (it found the key another attempt's, or lost it to one): if that attempt stopped
         before its stream began, or Redis lost its record since, the POST is told to come
         again (503), not that there is nothing (404: the nemesis found re-sent POSTs told
@@ -406,7 +407,7 @@ class Serving:
             await asyncio.sleep(0.05)  # its first request is still being admitted
         if record is not None and record.get("state") == "done":
             await self._finished_journal(key, after)
-        return SSEResponse(self._readers.tail(key, after), self._keepalive)
+        return SSEResponse(self._readers.tail(key, after, chain=tag), self._keepalive)
 
     async def _finished_journal(self, key: str, after: int) -> None:
         """A finished stream's journal, which Redis may have lost while keeping its record:

@@ -3,8 +3,9 @@ are journaled in Redis, so a client can re-attach and get the rest.
 
     sl:journal:{scope}        Redis stream; entry id ``0-N`` holds event N: "d" = SSE data
                               bytes (a chunk's without what every chunk repeats, see
-                              ``compact``), "s" =
-                              the token ids it carries (see gateway/streams/takeover.py)
+                              ``compact``), "s" = its producer's mark
+                              (gateway/streams/event_ids.py), then the token ids it
+                              carries (see gateway/streams/takeover.py)
     sl:journal:{scope}:live   the producing gateway's token, refreshed while it produces
     sl:journal:{scope}:plan   what another gateway needs to take the stream over (deleted
                               with the stream's last event: a finished stream needs none)
@@ -16,7 +17,8 @@ gateway/streams/idempotency.py), so one tenant can neither read nor disturb anot
 
 The generation runs in a producer task (:class:`JournalWriter`) that does not depend
 on any client. Each event goes to the journal, then to the first client
-(:meth:`JournalWriter.subscribe`) with the ``id: N`` the journal gave it: a client
+(:meth:`JournalWriter.subscribe`) with the ``id: N.tag`` the journal gave it (``tag``
+names the producer's history, gateway/streams/event_ids.py): a client
 never has an event the journal lacks, so when the producing gateway dies, another one
 continues the stream from the journal (gateway/streams/takeover.py) and the client, re-attached
 with its ``Last-Event-ID``, gets exactly the rest. Re-attaching clients read the
@@ -71,6 +73,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError
 
 from gateway.loss_watch import LossWatch
+from gateway.streams.event_ids import DONE, frame, mark, tag_of
 from gateway.streams.journal_history import JournalHistory
 from gateway.streams.journal_keeper import Finished, JournalKeeper
 from gateway.surfaces.openai import CHOICE_START, PLAIN_END
@@ -79,7 +82,6 @@ from sluice.errors import InvalidRequest, SluiceError, UpstreamFailed, error_eve
 
 log = logging.getLogger("sluice.journal")
 
-DONE = b"data: [DONE]\n\n"
 #: ``:live`` expires this long after the last refresh (a gateway that died stops refreshing).
 LIVE_TTL_MS = 3000
 #: Refresh ``:live`` at least this often, even through long silences (a migration).
@@ -110,8 +112,9 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 #: Reads a journal from after event N on, of the generation whose ``:head`` is given (None:
-#: any): ``JournalReaders.tail``.
-CatchUp = Callable[[str, int, bytes | None], AsyncIterator[bytes]]
+#: any), in the history whose event N has the given tag (None: any, see
+#: gateway/streams/event_ids.py): ``JournalReaders.tail``.
+CatchUp = Callable[[str, int, bytes | None, bytes | None], AsyncIterator[bytes]]
 
 
 def stream_key(key: str) -> str:
@@ -177,11 +180,6 @@ def entry_number(entry_id: bytes | str) -> int:
     return int(ident.split("-", 1)[1])
 
 
-def frame(number: int, event: bytes) -> bytes:
-    """Event ``number`` as a reader gets it: with its ``id:``, except the final ``[DONE]``."""
-    return DONE if event == DONE else b"id: %d\n%b" % (number, event)
-
-
 class FirstReader:
     """The first client of a resumable stream: events as they are produced, not as flushed.
 
@@ -193,11 +191,13 @@ class FirstReader:
     generation that a failover brought back, and its client went on with that one's events).
     """
 
-    def __init__(self, key: str, catch_up: CatchUp, lag_max: int, lineage: bytes | None = None) -> None:
+    def __init__(self, key: str, catch_up: CatchUp, lag_max: int, lineage: bytes | None = None,
+                 tag: bytes | None = None) -> None:
         self._key = key
         self._catch_up = catch_up
         self._lag_max = lag_max
         self._lineage = lineage
+        self._tag = tag  # its producer's: every event it gets from the producer carries it
         self._queue: asyncio.Queue[tuple[int, bytes] | None] = asyncio.Queue()
         self._lagging = False
         self._closed = False
@@ -210,7 +210,7 @@ class FirstReader:
             self._lagging = True
             self._queue.put_nowait(None)
             return False
-        self._queue.put_nowait((number, frame(number, event)))
+        self._queue.put_nowait((number, frame(number, event, self._tag)))
         return True
 
     def hand_over(self) -> None:
@@ -232,8 +232,10 @@ class FirstReader:
             if data == DONE:
                 return
         if self._lagging:
-            # A client that has no event yet may get any one generation whole.
-            async with contextlib.aclosing(self._catch_up(self._key, last, self._lineage if last else None)) as rest:
+            # A client that has no event yet may get any one generation whole; one that has
+            # goes on only in its producer's history (a take-over's continuation of it included).
+            async with contextlib.aclosing(self._catch_up(self._key, last, self._lineage if last else None,
+                                                          self._tag if last else None)) as rest:
                 async for data in rest:
                     yield data
         else:
@@ -388,6 +390,10 @@ class JournalWriter:
         self._committer = committer
         self.key = key
         self._owner = owner
+        #: Marks every entry this producer writes (gateway/streams/event_ids.py).
+        self.tag = tag_of(owner)
+        #: A take-over's first event names the producer of the event before it.
+        self._after_tag: bytes | None = None
         self._ttl_ms = int(ttl_s * 1000)
         self._done_ttl_ms = self._ttl_ms if done_ttl_s is None else int(done_ttl_s * 1000)
         self._max = max_events
@@ -435,21 +441,22 @@ class JournalWriter:
         with contextlib.suppress(RedisError, OSError):
             await self._committer.release(self.key, self._owner)
 
-    def continue_after(self, number: int, history: JournalHistory) -> None:
+    def continue_after(self, number: int, history: JournalHistory, tag: bytes | None = None) -> None:
         """A taken-over stream: its next event is ``number + 1``; ``history`` holds events
-        1..``number`` as the journal had them."""
+        1..``number`` as the journal had them, ``tag`` is event ``number``'s producer's."""
         if self._produced:
             raise RuntimeError("continue_after before the producer starts")
         if len(history) != number:
             raise ValueError(f"a history of {len(history)} events to continue after event {number}")
         self._written = self._produced = number
         self._history = history
+        self._after_tag = tag if tag != self.tag else None
 
     def subscribe(self, catch_up: CatchUp, *, lag_max: int = 1024) -> FirstReader:
         """The first client's reader; call it before the producer starts, so it misses nothing."""
         if self._produced:
             raise RuntimeError("subscribe before the producer starts")
-        self._first = FirstReader(self.key, catch_up, lag_max, self._head or None)
+        self._first = FirstReader(self.key, catch_up, lag_max, self._head or None, self.tag)
         return self._first
 
     async def run(self, events: AsyncIterator[bytes], abandon: Callable[[], Awaitable[None]],
@@ -518,6 +525,8 @@ class JournalWriter:
 
     def _add(self, event: bytes, state: bytes) -> None:
         stored = compact(self._head, event)
+        state = mark(state, self.tag, self._after_tag)
+        self._after_tag = None
         self._produced += 1
         self._pending.append((event, stored, state))
         self.stored_bytes += len(stored) + len(state) + ENTRY_OVERHEAD
@@ -810,15 +819,6 @@ class JournalCommitter:
         for keys_, args in batches:
             pipe.evalsha(self._script.sha, len(keys_), *keys_, *args)
         return list(await pipe.execute(raise_on_error=False))
-
-
-def last_event_id(header: str | None) -> int:
-    if header is None:
-        return 0
-    try:
-        return max(0, int(header.strip()))
-    except ValueError:
-        return 0
 
 
 async def start_producer(

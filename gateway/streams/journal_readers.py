@@ -45,12 +45,12 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from gateway.streams.event_ids import follows, frame, marks
 from gateway.streams.journal import (
     DONE,
     another_generation,
     entry_number,
     expand,
-    frame,
     history_lost,
     live_key,
     producer_gone,
@@ -78,6 +78,9 @@ class _Reader:
     quiet_since: float  # since when nothing arrived, or :live was last seen
     #: The ``:head`` of the generation this reader's client has events of (None: none yet).
     lineage: bytes | None = None
+    #: The tag of the last event this reader's client has (gateway/streams/event_ids.py;
+    #: None: unknown): the next one must continue that history.
+    chain: bytes | None = None
     queue: asyncio.Queue[bytes] = field(default_factory=asyncio.Queue)
     doomed: bool = False  # :live was gone after an empty read: one more empty read ends it
 
@@ -114,11 +117,13 @@ class JournalReaders:
     def __repr__(self) -> str:
         return f"<JournalReaders readers={len(self._readers)} polls={self._polls}>"
 
-    async def tail(self, key: str, after: int = 0, lineage: bytes | None = None) -> AsyncIterator[bytes]:
+    async def tail(self, key: str, after: int = 0, lineage: bytes | None = None,
+                   chain: bytes | None = None) -> AsyncIterator[bytes]:
         """Events after number ``after``, each with its ``id:``, following the live stream to
         [DONE]; only of the generation whose ``:head`` is ``lineage``, if given (else the
-        one the first events come with)."""
-        reader = _Reader(key, after, time.monotonic(), lineage)
+        one the first events come with), and only in the history whose event ``after`` is
+        tagged ``chain``, if given (gateway/streams/event_ids.py)."""
+        reader = _Reader(key, after, time.monotonic(), lineage, chain)
         self._readers.add(reader)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="journal-readers")
@@ -158,16 +163,16 @@ class JournalReaders:
     async def _poll(self) -> bool:
         """One round trip for all readers; True if some stream may have more right away."""
         now = time.monotonic()
-        groups: dict[tuple[str, int, bytes | None], list[_Reader]] = {}
+        groups: dict[tuple[str, int, bytes | None, bytes | None], list[_Reader]] = {}
         for reader in self._readers:
             if reader.queue.qsize() < self._max_queued:
-                groups.setdefault((reader.key, reader.cursor, reader.lineage), []).append(reader)
+                groups.setdefault((reader.key, reader.cursor, reader.lineage, reader.chain), []).append(reader)
         if not groups:
             return False
-        checks = sorted({key for (key, _, _), readers in groups.items()
+        checks = sorted({key for (key, _, _, _), readers in groups.items()
                          if any(now - r.quiet_since >= self._idle_s for r in readers)})
         pipe = self._redis.pipeline(transaction=False)
-        for key, cursor, _ in groups:
+        for key, cursor, _, _ in groups:
             pipe.xread({stream_key(key): f"0-{cursor}"}, count=self._count)
             # After its XREAD: a head is written with the first entries that need it, and
             # one read later than the entries is never older than they are.
@@ -199,7 +204,7 @@ class JournalReaders:
                     reader.quiet_since, reader.doomed = answered, False
         self._last_poll = answered
         more = False
-        for i, ((key, cursor, lineage), readers) in enumerate(groups.items()):
+        for i, ((key, cursor, lineage, _), readers) in enumerate(groups.items()):
             got, head = results[2 * i], results[2 * i + 1]
             head = head if isinstance(head, bytes) else None
             if isinstance(got, Exception):  # this stream only, e.g. its key now holds something else
@@ -269,9 +274,10 @@ class JournalReaders:
     def _deliver(self, readers: list[_Reader], entries: list[tuple[bytes, dict[bytes, bytes]]], now: float,
                  head: bytes | None) -> None:
         """Hand the entries after the readers' cursor out, up to ``[DONE]``; a hole before
-        the next one (or a lost head) ends them with the in-band error instead."""
+        the next one (or a lost head), or an event of another history than the readers'
+        (gateway/streams/event_ids.py), ends them with the in-band error instead."""
         frames: list[bytes] = []
-        last = readers[0].cursor
+        last, chain = readers[0].cursor, readers[0].chain
         lost: bytes | None = None
         for entry_id, fields in entries:
             number = entry_number(entry_id)
@@ -279,12 +285,19 @@ class JournalReaders:
             if number != last + 1 or event is None:
                 lost = history_lost(last, number if number != last + 1 else None)
                 break
-            last = number
-            frames.append(frame(number, event))
+            tag, prev = marks(fields.get(b"s", b""))
+            if not follows(chain, tag, prev):
+                log.warning("journal %s: event %d belongs to another history than the one %d reader(s) had "
+                            "events 1..%d of (Redis lost data after a take-over)", readers[0].key, number,
+                            len(readers), last)
+                lost = another_generation(last)
+                break
+            last, chain = number, tag or chain
+            frames.append(frame(number, event, tag))
             if event == DONE:
                 break
         for reader in readers:
-            reader.cursor, reader.quiet_since, reader.doomed = last, now, False
+            reader.cursor, reader.quiet_since, reader.doomed, reader.chain = last, now, False, chain
             if frames and head is not None:
                 reader.lineage = head
             for data in frames:

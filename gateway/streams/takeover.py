@@ -37,6 +37,7 @@ import orjson
 from redis.asyncio import Redis
 
 from gateway.relay.upstream import Line
+from gateway.streams.event_ids import marks, unmarked
 from gateway.streams.journal import DONE, ENTRY_OVERHEAD, entry_number, stream_key
 from gateway.streams.journal_history import JournalHistory
 from gateway.streams.migration import Progress
@@ -86,6 +87,9 @@ class Recovered:
     completion_tokens: int = 0
     stored_bytes: int = 0  # what the journal takes in Redis (as JournalWriter counts it)
     plan: bytes = b""
+    #: The tag of event ``last``'s producer (gateway/streams/event_ids.py): the first event
+    #: of the take-over names it.
+    tag: bytes | None = None
     #: Events 1..last as the journal holds them: the new producer writes them again should
     #: Redis lose them (gateway/streams/journal_history.py).
     history: JournalHistory = field(default_factory=JournalHistory)
@@ -172,7 +176,8 @@ async def recover(redis: Redis, scope: str) -> tuple[Plan, Recovered] | None:
         state.done |= fields.get(b"d") == DONE
         state.stored_bytes += len(fields.get(b"d", b"")) + len(fields.get(b"s", b"")) + ENTRY_OVERHEAD
         state.history.add(fields.get(b"d", b""), fields.get(b"s", b""))
-        for index, ids, chars, finish, prompt, cached in _state_lines(fields.get(b"s", b"")):
+        state.tag = marks(fields.get(b"s", b""))[0]
+        for index, ids, chars, finish, prompt, cached in _state_lines(unmarked(fields.get(b"s", b""))):
             sent[index].extend(ids)
             if finish is not None:
                 state.prompts[index] = (prompt, cached)

@@ -98,7 +98,7 @@ async def _read(resp: httpx.Response, out: Stream, stop_after: int | None = None
     ident: int | None = None
     async for line in resp.aiter_lines():
         if line.startswith("id: "):
-            ident = int(line[4:])
+            ident = int(line[4:].partition(".")[0])
             continue
         if not line.startswith("data: "):
             continue

@@ -144,20 +144,20 @@ class Clients:
 
     async def _resumable(self, spec: RequestSpec, hist: History) -> None:
         key = f"{self.tag}-{spec.index}"
-        port, how, last = spec.port_index, "post", 0
+        port, how, last, last_id = spec.port_index, "post", 0, ""
         for _ in range(MAX_ATTEMPTS):
             if how == "get":
-                headers = {"Authorization": f"Bearer {self.api_keys[spec.tenant]}", "Last-Event-ID": str(last)}
+                headers = {"Authorization": f"Bearer {self.api_keys[spec.tenant]}", "Last-Event-ID": last_id or "0"}
                 att = await self._stream(spec, hist, how, port, "GET", f"/v1/streams/{key}", None, headers,
                                          RESUMABLE_READ_S, last)
             else:
                 headers = {**self._headers(spec, hist), "Idempotency-Key": key}
                 if last:
-                    headers["Last-Event-ID"] = str(last)
+                    headers["Last-Event-ID"] = last_id
                 att = await self._stream(spec, hist, how, port, "POST", "/v1/chat/completions", spec.body(),
                                          headers, RESUMABLE_READ_S, last)
             if att.event_ids:
-                last = att.event_ids[-1]
+                last, last_id = att.event_ids[-1], att.last_id
             if att.done and not (att.errors and att.errors[-1].code in REATTACH_CODES):
                 return
             if self._past_deadline(spec, hist):
@@ -255,6 +255,7 @@ class Clients:
                     seen: int, planned_leave: bool) -> int:
         lines = resp.aiter_lines()
         event_id: int | None = None
+        raw_id = ""
         while True:
             try:
                 line = await asyncio.wait_for(anext(lines), read_s)
@@ -267,7 +268,8 @@ class Clients:
                 att.left = "cut"
                 return seen
             if line.startswith("id: "):
-                event_id = int(line[4:])
+                raw_id = line[4:]
+                event_id = int(raw_id.partition(".")[0])  # N.tag (gateway/streams/event_ids.py)
                 continue
             if not line.startswith("data: "):
                 continue
@@ -277,6 +279,7 @@ class Clients:
             obj = orjson.loads(line[6:])
             if event_id is not None:
                 att.event_ids.append(event_id)
+                att.last_id = raw_id
             if "error" in obj:
                 att.errors.append(ErrorSeen.from_body(200, obj, True))
             else:

@@ -52,6 +52,8 @@ class Attempt:
     chunks: list[Chunk] = field(default_factory=list)
     #: Event ids in arrival order (resumable streams), data events only.
     event_ids: list[int] = field(default_factory=list)
+    #: The last data event's id as sent (``N.tag``: what a re-attach sends back).
+    last_id: str = ""
     errors: list[ErrorSeen] = field(default_factory=list)
     done: bool = False  # "data: [DONE]" seen
     usage: dict[str, Any] | None = None

@@ -13,6 +13,8 @@ import pytest
 import redis as sync_redis
 from redis.asyncio.cluster import RedisCluster
 
+from gateway.streams import event_ids
+from gateway.streams.event_ids import frame, mark, tag_of
 from gateway.streams.idempotency import Idempotency
 from gateway.streams.journal import (
     DONE,
@@ -20,11 +22,12 @@ from gateway.streams.journal import (
     JournalCommitter,
     JournalLost,
     JournalWriter,
-    frame,
+    entry_number,
     live_key,
     start_producer,
     stream_key,
 )
+from gateway.streams.journal_history import JournalHistory
 from gateway.streams.journal_readers import JournalReaders
 from sluice import keys
 from sluice.errors import DeadlineExceeded
@@ -76,8 +79,11 @@ async def _nothing() -> None:
     return None
 
 
-def _expected(n: int, after: int = 0) -> list[bytes]:
-    return [b"id: %d\ndata: %d\n\n" % (i, i) for i in range(after + 1, n + 1)] + [DONE]
+def _expected(n: int, after: int = 0, owner: str | None = "t") -> list[bytes]:
+    """Events after..n as the producer whose claim token is ``owner`` journals them, ids tagged
+    with it (gateway/streams/event_ids.py); None: entries written without a mark."""
+    tag = None if owner is None else tag_of(owner)
+    return [frame(i, b"data: %d\n\n" % i, tag) for i in range(after + 1, n + 1)] + [DONE]
 
 
 async def test_a_first_reader_that_falls_behind_goes_on_from_the_journal(
@@ -143,7 +149,7 @@ async def test_a_producer_taken_over_stops_writing_and_its_reader_follows_the_jo
     with contextlib.suppress(JournalLost):  # raised if it noticed before producing everything
         await producer
     assert await redis.xlen(stream_key(key)) == 4
-    assert [event async for event in first.events()] == _expected(3)
+    assert [event async for event in first.events()] == _expected(3, owner=None)  # the taker's, unmarked
 
 
 async def test_a_journal_past_20000_events_is_not_trimmed_for_late_or_slow_readers(
@@ -158,7 +164,6 @@ async def test_a_journal_past_20000_events_is_not_trimmed_for_late_or_slow_reade
     await (await start_producer(writer, _events(24_000), _nothing))
     assert await redis.xlen(stream_key(key)) == 24_001
     late = [event async for event in readers.tail(key, 10)]
-    assert late[0] == b"id: 11\ndata: 11\n\n"
     assert late == _expected(24_000, 10)
     assert [event async for event in slow.events()] == _expected(24_000)
     await redis.delete(stream_key(key))
@@ -175,7 +180,7 @@ async def test_a_reader_gets_an_error_instead_of_a_gap_in_the_journal(
     await redis.xadd(stream_key(key), {"d": DONE}, id="0-9")
     await redis.set(live_key(key), "producer", px=60_000)
     from_start = [event async for event in readers.tail(key, 0)]
-    assert from_start[:3] == _expected(3)[:3]
+    assert from_start[:3] == _expected(3, owner=None)[:3]
     assert b"stream_history_lost" in from_start[3] and b"events 4..6" in from_start[3]
     assert from_start[4:] == [DONE]
     after_the_hole = [event async for event in readers.tail(key, 7)]  # id 7 itself was sent
@@ -198,7 +203,7 @@ async def test_a_stream_past_its_event_bound_ends_with_an_error(
     assert got[:50] == _expected(50)[:50]
     assert b"stream_too_long" in got[50] and got[51:] == [DONE]
     reattached = [event async for event in readers.tail(key, 48)]
-    assert reattached == got[48:50] + [frame(51, got[50][len(b"id: 51\n"):]), DONE]
+    assert reattached == got[48:51] + [DONE]
     await redis.delete(stream_key(key))
 
 
@@ -363,6 +368,10 @@ async def test_a_producer_stalled_past_its_claim_gives_a_taker_time_to_re_claim_
     with contextlib.suppress(JournalLost):  # raised if it noticed before its generation ended
         await asyncio.wait_for(await start_producer(writer, _stall_then_lose(redis, key, taker=True), _nothing), 10)
     assert writer.lost
+    for _ in range(200):  # the taker's thread set :live before its entries: let it finish
+        if await redis.xlen(stream_key(key)) >= 7:
+            break
+        await asyncio.sleep(0.01)
     entries = await redis.xrange(stream_key(key))
     assert [e[1][b"d"] for e in entries] == [b"data: b%d\n\n" % n for n in range(1, 8)]  # the taker's, untouched
     assert await redis.get(live_key(key)) == b"b"
@@ -379,7 +388,7 @@ async def test_a_producer_stalled_past_its_claim_re_claims_a_journal_redis_lost_
     writer = JournalWriter(committer, key, ttl_s=60, owner="a", plan=b"the plan")
     await asyncio.wait_for(await start_producer(writer, _stall_then_lose(redis, key, taker=False), _nothing), 15)
     assert not writer.lost
-    assert [event async for event in readers.tail(key, 3)] == _expected(10, 3)
+    assert [event async for event in readers.tail(key, 3)] == _expected(10, 3, owner="a")
     await redis.delete(stream_key(key))
 
 
@@ -549,3 +558,55 @@ async def test_a_finished_journal_redis_lost_is_written_back_by_its_producer(
     await committer.keeper.restore_all()
     assert await redis.exists(stream_key(key)) == 0
     await redis.delete(live_key(key), keys.idempotency(key), keys.journal_head(key))
+
+
+async def test_a_reader_never_goes_on_in_another_history_of_the_same_events(
+    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter, idem: Idempotency
+) -> None:
+    """Regression (nemesis, Sentinel: nem-4573): gateway A, cut off from the master the others
+    reached, went on producing while gateway B took the stream over after event 5 and wrote
+    its own events 6.. under the same numbers; Redis then lost its data and A wrote its own
+    history back. A client holding B's events up to 8 read A's 9 on: tokens twice, a gap.
+    Event ids now name their producer (gateway/streams/event_ids.py): that is an error."""
+    key = uuid.uuid4().hex
+    a, b = tag_of("a"), tag_of("b")
+    history = JournalHistory()
+    for n in range(1, 6):  # A's events 1..5, as B's take-over read them back
+        await redis.xadd(stream_key(key), {"d": b"data: %d\n\n" % n, "s": mark(b"", a)}, id=f"0-{n}")
+        history.add(b"data: %d\n\n" % n, mark(b"", a))
+    assert await _claim(idem, key, "b")
+    taker = JournalWriter(committer, key, ttl_s=60, owner="b")
+    taker.continue_after(5, history, a)
+
+    async def bs() -> AsyncIterator[bytes]:
+        for n in range(6, 9):
+            yield b"data: B%d\n\n" % n
+        yield DONE
+
+    await taker.run(bs(), _nothing)
+    stored = {entry_number(i): f[b"s"] for i, f in await redis.xrange(stream_key(key))}
+    assert stored[6] == b"~" + b + b"<" + a and stored[7] == b"~" + b  # the take-over names A once
+    # A client of A's re-attached after 3 goes on into B's continuation: one history.
+    got = [event async for event in readers.tail(key, 3, chain=a)]
+    assert got == [frame(4, b"data: 4\n\n", a), frame(5, b"data: 5\n\n", a),
+                   *(frame(n, b"data: B%d\n\n" % n, b) for n in range(6, 9)), DONE]
+    # Redis loses it all; A, still producing, writes its own history back, 1..10.
+    await redis.delete(stream_key(key))
+    for n in range(1, 11):
+        await redis.xadd(stream_key(key), {"d": b"data: %d\n\n" % n, "s": mark(b"", a)}, id=f"0-{n}")
+    await redis.xadd(stream_key(key), {"d": DONE, "s": mark(b"", a)}, id="0-11")
+    spliced = [event async for event in readers.tail(key, 8, chain=b)]  # holds B's 6..8
+    assert len(spliced) == 2 and b"stream_history_lost" in spliced[0] and spliced[1] == DONE
+    # A's own clients, and clients that give no tag (older ids), go on.
+    assert [event async for event in readers.tail(key, 8, chain=a)] == _expected(10, 8, owner="a")
+    assert [event async for event in readers.tail(key, 8)] == _expected(10, 8, owner="a")
+    await redis.delete(stream_key(key))
+
+
+def test_a_last_event_id_carries_its_producers_tag() -> None:
+    assert event_ids.parse("279.3fa9c2d1") == (279, b"3fa9c2d1")
+    assert event_ids.parse(" 12 ") == (12, None)  # an id without a tag is not checked
+    assert event_ids.parse("12.<script>") == (12, None)  # not one of ours
+    assert event_ids.parse("x.3fa9c2d1") == (0, None) and event_ids.parse(None) == (0, None)
+    assert event_ids.unmarked(mark(b"0|17|5", b"3fa9c2d1", b"77aa01bc")) == b"0|17|5"
+    assert event_ids.marks(b"0|17|5") == (None, None)

@@ -19,6 +19,7 @@ import orjson
 import pytest
 import redis
 
+from gateway.streams.event_ids import frame, tag_of
 from gateway.streams.idempotency import Idempotency, scoped
 from gateway.streams.journal import APPEND, DONE, JournalCommitter, JournalWriter, start_producer
 from gateway.streams.journal_history import JournalHistory
@@ -323,7 +324,7 @@ async def test_a_stream_that_ends_while_redis_is_away_is_journaled_to_its_end(pr
         producer = await start_producer(writer, events(), nothing)
         got = [event async for event in first.events()]
         await producer
-        assert got == [b"id: %d\ndata: %d\n\n" % (i, i) for i in range(1, 6)] + [DONE]
+        assert got == [frame(i, b"data: %d\n\n" % i, tag_of("p")) for i in range(1, 6)] + [DONE]
     finally:
         await asyncio.gather(*back)
         await readers.close()
@@ -392,7 +393,7 @@ async def test_a_reader_never_takes_over_a_stream_its_own_process_produces(priva
             await asyncio.sleep(0.02)
         resume.set()
         await producer
-        assert await follower == [b"id: 2\ndata: 2\n\n", b"id: 3\ndata: 3\n\n", DONE]
+        assert await follower == [frame(2, b"data: 2\n\n", tag_of("p")), frame(3, b"data: 3\n\n", tag_of("p")), DONE]
         assert adopted == []
         await consumer
     finally:
@@ -519,7 +520,7 @@ async def test_a_first_client_whose_producer_lost_the_journal_to_another_generat
         resume.set()
         got = await asyncio.wait_for(consumer, 10)
         await asyncio.gather(producer, return_exceptions=True)
-        assert got[:3] == [b"id: %d\n" % i + ours + b',"n":%d}\n\n' % i for i in range(1, 4)]
+        assert got[:3] == [frame(i, ours + b',"n":%d}\n\n' % i, tag_of("p")) for i in range(1, 4)]
         assert all(theirs not in event for event in got), got
         assert b"stream_history_lost" in got[3] and got[4:] == [DONE], got
     finally:

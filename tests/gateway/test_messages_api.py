@@ -258,7 +258,7 @@ def test_a_resumable_stream_reattaches_with_its_idempotency_key(stack) -> None:
     assert first[-2:] == ["event: message_stop", 'data: {"type":"message_stop"}']
     # The same request again, from after event 3: the rest of the one generation.
     again = _events(url, key, body, {**idem, "Last-Event-ID": "3"})
-    cut = next(i for i, line in enumerate(first) if line == "id: 4")
+    cut = next(i for i, line in enumerate(first) if line.startswith("id: 4."))
     assert again == first[cut:]
     assert not any("[DONE]" in line for line in first + again)
 
@@ -288,7 +288,8 @@ def test_a_stream_migrates_when_its_worker_dies(stack, client, messages_redis, s
 async def test_journal_errors_and_done_are_rewritten_for_anthropic_clients() -> None:
     """A resumable stream's journal ends readers with OpenAI-shaped errors and ``[DONE]``
     (gateway/streams/journal.py); a Messages client gets ``event: error`` and no [DONE]."""
-    from gateway.streams.journal import DONE, frame, history_lost, producer_gone
+    from gateway.streams.event_ids import frame
+    from gateway.streams.journal import DONE, history_lost, producer_gone
     from gateway.surfaces.messages import anthropic_frames
 
     async def journal():

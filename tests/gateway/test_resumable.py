@@ -30,7 +30,7 @@ def _events(
     ident = None
     for line in lines:
         if line.startswith("id: "):
-            ident = int(line[4:])
+            ident = int(line[4:].partition(".")[0])
         elif line.startswith("data: "):
             out.append((ident, line[6:]))
             ident = None
@@ -45,7 +45,7 @@ async def _aevents(response: httpx.Response, seen: Callable[[int], None]) -> lis
     ident = None
     async for line in response.aiter_lines():
         if line.startswith("id: "):
-            ident = int(line[4:])
+            ident = int(line[4:].partition(".")[0])
         elif line.startswith("data: "):
             out.append((ident, line[6:]))
             ident = None
