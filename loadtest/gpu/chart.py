@@ -26,8 +26,10 @@ def draw(rows: list[dict[str, Any]], path: Path) -> None:
     for ax, (key, title) in zip(axes, panels, strict=False):
         for i, arm in enumerate(arms):
             values = [next((r[key] for r in routing if r["workload"] == w and r["arm"] == arm), 0) for w in workloads]
+            # ARM@N (N users): the arm's colour, hatched
             ax.bar([x + i * width for x in range(len(workloads))], values, width, label=arm,
-                   color=COLORS.get(arm))
+                   color=COLORS.get(arm.partition("@")[0]), hatch="//" if "@" in arm else None,
+                   edgecolor="white" if "@" in arm else None)
         ax.set_xticks([x + width * (len(arms) - 1) / 2 for x in range(len(workloads))], workloads)
         ax.set_title(title)
         if key == "ttft_p90_ms":
@@ -36,7 +38,8 @@ def draw(rows: list[dict[str, Any]], path: Path) -> None:
     ax = axes[3]
     cache = [r for r in routing if "predicted_hit_pct" in r]
     for r in cache:
-        ax.scatter(r["hit_pct"], r["predicted_hit_pct"], color=COLORS.get(r["arm"]), label=f"{r['arm']} {r['workload']}")
+        ax.scatter(r["hit_pct"], r["predicted_hit_pct"], color=COLORS.get(r["arm"].partition("@")[0]),
+                   label=f"{r['arm']} {r['workload']}")
         ax.annotate(r["workload"], (r["hit_pct"], r["predicted_hit_pct"]), fontsize=7)
     ax.plot([0, 100], [0, 100], color="#cccccc", linewidth=1)
     ax.set_xlabel("engines' hit % (cached_tokens)")

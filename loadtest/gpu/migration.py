@@ -26,12 +26,21 @@ ARM = "cache-approx"  # the default routing
 async def streams(url: str, args: argparse.Namespace, prompts: list[str], fleet: Fleet | None,
                   kill_share: float = 1 / 3) -> tuple[list[dict[str, Any]], float | None, str | None]:
     """Every prompt at once; with ``fleet``, the busiest worker is SIGKILLed once the streams
-    have received ``kill_share`` of their tokens. Returns the records, the kill's time and the victim."""
+    have received ``kill_share`` of their tokens. Returns the records, the kill's time and the victim.
+
+    Every ``args.users_per_client`` streams share an HTTP client of their own (0: one for all),
+    as in the routing bench (client.closed_loop): one httpx client for hundreds of streams
+    spends its time in httpcore's pool bookkeeping, quadratic in connections (README, 2026-12-03)."""
+    per = getattr(args, "users_per_client", 8)
+    groups = -(-len(prompts) // per) if per > 0 else 0
+    clients = [httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=2 * per,
+                                                                  max_keepalive_connections=2 * per))
+               for _ in range(groups)]
     async with httpx.AsyncClient(timeout=600, limits=LIMITS) as http:
         recorder = Recorder(http, url, args.served)
         tasks = [asyncio.create_task(recorder.send(
             {"prompt": p, "max_tokens": args.stream_tokens, "ignore_eos": True}, path="/v1/completions",
-            keep_times=True, index=i)) for i, p in enumerate(prompts)]
+            keep_times=True, http=clients[i // per] if clients else None, index=i)) for i, p in enumerate(prompts)]
         killed_at, victim = None, None
         if fleet is not None:
             goal = kill_share * len(prompts) * args.stream_tokens
@@ -42,7 +51,11 @@ async def streams(url: str, args: argparse.Namespace, prompts: list[str], fleet:
             fleet.kill_worker(int(victim.lstrip("w")))
             killed_at = time.perf_counter() - recorder.t0
             log(f"SIGKILL {victim} (in flight {load}) at {killed_at:.2f} s")
-        await asyncio.gather(*tasks)
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for client in clients:
+                await client.aclose()
     return sorted(recorder.records, key=lambda r: r["index"]), killed_at, victim
 
 
@@ -105,6 +118,9 @@ def migration_phase(args: argparse.Namespace, shape: FleetShape, out: Path, logs
         "out_tok_s": round(sum(r["completion"] for r in ok) / wall, 1), "wall_s": round(wall, 2),
         "gateway_cpu_us_per_chunk": round(1e6 * cpu / max(chunks, 1), 1),
         "gateway_cpu_ms_per_req": round(1000 * cpu / max(len(faulted), 1), 3),
+        "users_per_client": getattr(args, "users_per_client", 8),
+        "ttft_p50_ms": round(1000 * quantile([r["ttft"] for r in ok], 0.5), 1) if ok else None,
+        "ttft_p99_ms": round(1000 * quantile([r["ttft"] for r in ok], 0.99), 1) if ok else None,
     }
     emit(out, row)
     return [row]
