@@ -78,6 +78,8 @@ class Serving:
         #: Seconds since this process saw Redis lose writes (inf: never, or no watcher).
         self._since_loss_s = watch.since_loss_s if watch is not None else (lambda: math.inf)
         self._producers: set[asyncio.Task[None]] = set()
+        #: Streams a take-over found without a plan, and since when (monotonic): see take_over.
+        self._planless: dict[str, float] = {}
         self._keepalive = Keepalive(settings.sse_ping_s)
 
     async def close(self) -> None:
@@ -272,9 +274,18 @@ class Serving:
                 return True
             if found is None:
                 # Redis lost the plan with its data (a finished stream needs none: its
-                # journal ends with [DONE]). Its readers are told so (was: "producer is
-                # gone"); the key is forgotten, so a retry runs again.
+                # journal ends with [DONE]). Its producer may still run, stalled or cut off
+                # from Redis: it writes the journal and the plan back once it can, unless a
+                # taker holds ``:live`` (nemesis, Sentinel: 9 of 12 streams lost this way had
+                # a producer that came back a second later and found its stream taken). So
+                # this gateway lets go and its readers wait, as a re-attach does, for as long
+                # as such a producer may take; then they are told (was: "producer is gone"),
+                # and the key is forgotten, so a retry runs again.
+                if self._leave_to_producer(key):
+                    await self._committer.release(key, owner)
+                    return True
                 raise HistoryLost("the stream's plan is no longer in Redis (it lost data): it cannot be continued")
+            self._planless.pop(key, None)
             if found[0].kind in TYPED:
                 # A Responses or Messages stream, whose typed events (item ids, sequence
                 # numbers, open content blocks) lived only in the dead gateway: journaled and
@@ -327,6 +338,19 @@ class Serving:
         writer.continue_after(state.last, state.history, state.tag)
         await self._start_producer(writer, events, tap, ending)
         return True
+
+    def _leave_to_producer(self, key: str) -> bool:
+        """Whether a take-over that found ``key``'s stream without a plan leaves it for its
+        producer to write back: for ``wait_for_producer_s()`` after the first such find."""
+        now = time.monotonic()
+        window = wait_for_producer_s()
+        for stale in [k for k, since in self._planless.items() if now - since > 2 * window]:
+            del self._planless[stale]
+        since = self._planless.setdefault(key, now)
+        if now - since < window:
+            return True
+        del self._planless[key]
+        return False
 
     async def _open_all(
         self, req: ChatCompletionRequest | CompletionRequest, payloads: list[dict[str, Any]],

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -196,3 +197,52 @@ def test_a_stream_unknown_moments_after_redis_lost_data_is_503_not_404(start_gat
         resp = httpx.get(unknown, timeout=10)
         assert resp.headers.get("retry-after") == "1"
         assert resp.json()["error"]["type"] and "send the request again" in resp.json()["error"]["message"]
+
+
+def test_a_reader_whose_journal_redis_lost_while_its_producer_was_stopped_gets_the_rest(
+        start_worker, start_gateway) -> None:
+    """Regression (nemesis, one Redis and Sentinel: most of the resumable streams that ended
+    with ``stream_history_lost``): a client followed its stream through another gateway; the
+    producing gateway stalled (SIGSTOP) and Redis lost everything meanwhile (FLUSHALL). The
+    reader's take-over found no plan and ended the stream, and kept ``:live``, so the producer,
+    back a moment later to write the journal again, found its stream taken and stopped too.
+    A take-over without a plan now leaves the stream to its producer for as long as a
+    re-attach waits for one (``wait_for_producer_s``)."""
+    with EmbeddedRedis() as server:
+        start_worker("stopped", redis_at=server.url, sim_token_ms=20, sim_ttft_ms=0)
+        producer, other = start_gateway(redis_at=server.url), start_gateway(redis_at=server.url)
+        body = {**BODY, "model": "stopped"}
+        reference = _post_all(producer.url, {**body, "stream": True}, uuid.uuid4().hex)
+        key = uuid.uuid4().hex
+        with httpx.stream("POST", producer.url + "/v1/chat/completions", json=body,
+                          headers={"Idempotency-Key": key}, timeout=60) as r:
+            lines = r.iter_lines()  # keep a reference: a dropped iterator closes the stream
+            seen = _events(lines, lambda out: len(out) >= 10)
+        rest: Events = []
+
+        def follow() -> None:
+            with httpx.stream("GET", other.url + f"/v1/streams/{key}", headers={"Last-Event-ID": str(len(seen))},
+                              timeout=60) as resp:
+                _events(resp.iter_lines(), out=rest)
+
+        reader = threading.Thread(target=follow)
+        reader.start()
+        wait_for(lambda: len(rest) >= 5, 30, "the reader to follow the stream")
+        client = redis.Redis.from_url(server.url)
+        os.kill(producer.pid, signal.SIGSTOP)
+        try:
+            client.flushall()
+            time.sleep(5.0)  # past :live's TTL: the reader tries to take the stream over, and finds no plan
+        finally:
+            os.kill(producer.pid, signal.SIGCONT)
+        reader.join(60)
+        client.close()
+    assert [i for i, _ in seen] == list(range(1, 11))
+    assert [i for i, _ in rest[:-1]] == list(range(11, 10 + len(rest))), rest[-3:]
+    assert rest[-1][1] == "[DONE]" and not any('"error"' in data for _, data in rest), rest[-3:]
+    assert _content(seen + rest) == _content(reference)  # the one generation, whole
+
+
+def _content(events: Events) -> str:
+    return "".join(choice["delta"].get("content") or "" for _, d in events if d.startswith("{")
+                   for choice in orjson.loads(d).get("choices", ()))
