@@ -47,7 +47,7 @@ def draw(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_title("index accuracy")
     ax = axes[4]
     ax.axis("off")
-    lines = ["migration (SIGKILL one of the workers)"]
+    lines = ["migration (SIGKILL one of the workers)"] + ([] if migration else ["not run in this session"])
     for m in migration:
         lines += [f"env {m['worker_env']}", f"streams {m['streams']} x {m['stream_tokens']} tokens",
                   f"migrated {m['migrated']}, lost {m['lost']}, short {m['short']}",

@@ -25,7 +25,8 @@
 # CPU rehearsal (sim workers, rehearsal sizes, no install):
 #   ENGINE=sim PY=/work/main/.venv/bin/python TOKENIZER=~/.cache/sluice/models/SmolLM2-135M-Instruct \
 #     OUT=/tmp/sess-out S=/tmp/sess bash loadtest/gpu/session.sh start 400 400
-cd "${ROOT:-$(dirname "$0")/../..}" || exit 1   # the project (ROOT: the daemon runs from its copy in $S)
+SELF=$(readlink -f "$0")   # before the cd: `start` copies this file, and a relative $0 breaks once in the project
+cd "${ROOT:-$(dirname "$SELF")/../..}" || exit 1   # the project (ROOT: the daemon runs from its copy in $S)
 mode=${1:-wait}
 S=${S:-/tmp/sess}                      # the daemon's state: out/, daemon.log, end, done
 OUT=${OUT:-/tmp/out}
@@ -168,7 +169,7 @@ case $mode in
     fi
     echo $(( t0 + total_s )) > "$S/end"
     log "install done after $(( $(date +%s) - t0 )) s; the daemon ends by $(date -u -d @"$(cat "$S/end")" +%H:%M:%S)"
-    cp "$0" "$S/session.sh"   # the daemon reads this copy; later calls: bash /tmp/sess/session.sh wait N
+    cp "$SELF" "$S/session.sh" || { log "cannot copy $SELF"; exit 1; }   # the daemon reads this copy; later calls: bash /tmp/sess/session.sh wait N
     # The daemon runs from a copy of the project: a later call that carries no checkout removes
     # the carried one (2026-12-02: the phases after routing found no 'loadtest' module).
     mkdir -p "$S/proj" && cp -r gateway engine_worker sluice loadtest "$S/proj/" && cp -r .gpu/kit "$S/proj/kit"
