@@ -83,6 +83,7 @@ class Recorder:
         rec["text"] = "".join(parts)
         if keep_times:
             rec["times"] = [round(t - self.t0, 4) for t in times]
+            rec["pieces"] = parts
         if rec["error"] is None and ("prompt" not in rec or rec["ttft"] is None):
             rec["error"] = "no usage or no content"
         self.records.append(rec)

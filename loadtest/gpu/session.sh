@@ -14,6 +14,8 @@
 #      one worker SIGKILLed, every stream checked token for token (migration.py);
 #   3. disagg (issue 26): agg worker + prefill/decode pair joined by NixlConnector (disagg_gpu.py).
 # Each phase ends by its deadline (MIG_S and PD_S are kept for the last two).
+# MIG_FIRST=1: migration first (its deadline MIG_S from the daemon's start; what it leaves goes
+# to routing), for a session where migration matters most and routing may be cut.
 # With ROUTING1_S set, the routing phase is two: the first gets ROUTING1_S (ROUTING_ARGS), then
 # the daemon writes $S/ask and waits up to PLAN_WAIT_S for $S/plan2: more routing_gpu arguments
 # for a second fleet (other engine settings, say: --kv-blocks 4096 --label kv4096), or "skip".
@@ -36,6 +38,7 @@ MIG_S=${MIG_S:-240}                    # kept for the migration phase
 PD_S=${PD_S:-330}                      # kept for the disagg phase, less when routing would get under ROUTING_MIN_S
 ROUTING_MIN_S=${ROUTING_MIN_S:-480}
 ROUTING1_S=${ROUTING1_S:-}                # set: the routing phase is split in two (above)
+MIG_FIRST=${MIG_FIRST:-0}                 # 1: the migration phase before routing (above)
 PLAN_WAIT_S=${PLAN_WAIT_S:-90}
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # NVLink multicast stays off
@@ -81,6 +84,11 @@ phase() {   # phase NAME DEADLINE_EPOCH CMD...: runs CMD, killed 30 s past its d
   gpu_free
 }
 
+migration() {   # migration DEADLINE_EPOCH (daemon's locals: out, model, tok, sim)
+  phase migration "$1" $PY -m loadtest.gpu.routing_gpu --phase migration --engine "$ENGINE" \
+    --model "$model" --tokenizer "$tok" --deadline "$1" --out "$out" "${sim[@]}" $MIGRATION_ARGS
+}
+
 daemon() {
   local end; end=$(cat "$S/end")
   export KIT=$PWD/kit PYTHONPATH=/tmp/site:$PWD
@@ -106,6 +114,12 @@ print(";".join(dict.fromkeys(t for t in (first, *sys.argv[2].split(";")) if t)))
     log "nixl tries: $nixl_tries"
   fi
   [ "$PD_S" -gt 0 ] && { $PY -m loadtest.gpu.tokenize_cost --tokenizer "$tok" --out "$out/tokenize_cost.json" || true; }
+  local mig_end=$(( end - PD_S ))
+  if [ "$MIG_FIRST" = 1 ]; then   # migration now, by MIG_S from here; routing then has until end - PD_S
+    mig_end=$(( $(date +%s) + MIG_S )); [ "$mig_end" -gt $(( end - PD_S )) ] && mig_end=$(( end - PD_S ))
+    migration "$mig_end"
+    MIG_S=0
+  fi
   local r1_end=$(( end - MIG_S - PD_S ))
   [ -n "$ROUTING1_S" ] && r1_end=$(( $(date +%s) + ROUTING1_S ))
   phase routing $r1_end $PY -m loadtest.gpu.routing_gpu --phase routing --engine "$ENGINE" \
@@ -122,8 +136,7 @@ print(";".join(dict.fromkeys(t for t in (first, *sys.argv[2].split(";")) if t)))
         $ROUTING_ARGS $plan2
     fi
   fi
-  phase migration $(( end - PD_S )) $PY -m loadtest.gpu.routing_gpu --phase migration --engine "$ENGINE" \
-    --model "$model" --tokenizer "$tok" --deadline $(( end - PD_S )) --out "$out" "${sim[@]}" $MIGRATION_ARGS
+  [ "$MIG_FIRST" = 1 ] || migration $(( end - PD_S ))
   local connector=(--connector NixlConnector --nixl-tries "$nixl_tries" --first-timeout-s 45)
   [ "$ENGINE" = sim ] && connector=()
   [ "$PD_S" -gt 0 ] && phase disagg "$end" $PY -m loadtest.gpu.disagg_gpu --engine "$ENGINE" --model "$model" --tokenizer "$tok" \

@@ -17,10 +17,18 @@
 # and DEST/.gpu/gpu/proj: this worktree's code + .gpu/kit + .gpu/cur (the last part and md5),
 # carried by the measuring calls. A call carries at most 64 MiB with DEST's tracked tree:
 # PART_MIB 54 leaves the tree ~5 MB of room to grow.
+#
+#   REF=HEAD bash loadtest/gpu/stage.sh DEST         # proj from a commit (git archive), not the worktree
+#   PROJ_ONLY=1 REF=HEAD bash loadtest/gpu/stage.sh DEST   # only proj again (the parts already staged)
+#
+# REF: in a tree others work in, their uncommitted changes would travel with the worktree's
+# files and be measured as if they were the code named in the README.
 set -e
 DEST=${1:?DEST}
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
 PART_MIB=${PART_MIB:-54}
+REF=${REF:-}                # a commit: proj from it (git archive); empty: the worktree's files
+PROJ_ONLY=${PROJ_ONLY:-0}   # 1: keep the staged parts (.gpu/stage/parts, DEST/.gpu/gpu/p), make proj again
 NIXL_VERSION=${NIXL_VERSION:-1.5.1}
 G=$DEST/.gpu/gpu
 git -C "$DEST" check-ignore -q .gpu/gpu || { echo "$DEST/.gpu/gpu is not ignored there"; exit 1; }
@@ -28,32 +36,42 @@ git -C "$SRC" check-ignore -q .gpu/x || { echo "$SRC/.gpu is not ignored: echo /
 N=$SRC/.gpu/nixl W=$SRC/.gpu/stage/wheels P=$SRC/.gpu/stage/parts
 mkdir -p "$G" "$N"
 
-if ! ls "$N"/nixl_cu13-*.whl >/dev/null 2>&1; then
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 -d "$N" "nixl-cu13==$NIXL_VERSION" "nixl==$NIXL_VERSION"
-  zip -q -d "$N"/nixl_cu13-*.whl 'nixl_ep_cu13/*' "nixl_cu13-$NIXL_VERSION.data/headers/*" 'nixl_cu13.libs/ucx/libucx_perftest*'
-fi
+parts() {   # the wheels in parts: .gpu/stage/parts and DEST/.gpu/gpu/p
+  if ! ls "$N"/nixl_cu13-*.whl >/dev/null 2>&1; then
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 -d "$N" "nixl-cu13==$NIXL_VERSION" "nixl==$NIXL_VERSION"
+    zip -q -d "$N"/nixl_cu13-*.whl 'nixl_ep_cu13/*' "nixl_cu13-$NIXL_VERSION.data/headers/*" 'nixl_cu13.libs/ucx/libucx_perftest*'
+  fi
 
-rm -rf "$W" "$P" && mkdir -p "$W" "$P"
-for f in "$DEST"/.gpu/wheels/*.whl; do
-  case ${f##*/} in vllm-*) cp "$f" "$W/" ;; *) ln "$f" "$W/" ;; esac
-done
-zip -q -d "$W"/vllm-*.whl vllm/vllm-rs
-ln "$N"/*.whl "$W/"
-tar cf - -C "$SRC/.gpu/stage" wheels | split -b "${PART_MIB}M" - "$P/part."
-cat "$P"/part.* | md5sum > "$P/md5"
+  rm -rf "$W" "$P" && mkdir -p "$W" "$P"
+  for f in "$DEST"/.gpu/wheels/*.whl; do
+    case ${f##*/} in vllm-*) cp "$f" "$W/" ;; *) ln "$f" "$W/" ;; esac
+  done
+  zip -q -d "$W"/vllm-*.whl vllm/vllm-rs
+  ln "$N"/*.whl "$W/"
+  tar cf - -C "$SRC/.gpu/stage" wheels | split -b "${PART_MIB}M" - "$P/part."
+  cat "$P"/part.* | md5sum > "$P/md5"
 
-rm -rf "$G/p"
+  rm -rf "$G/p"
+  last=$(ls "$P"/part.* | tail -1)
+  for f in "$P"/part.*; do
+    [ "$f" = "$last" ] && continue
+    mkdir -p "$G/p/${f##*.}" && cp "$f" "$P/md5" "$G/p/${f##*.}/"
+  done
+}
+[ "$PROJ_ONLY" = 1 ] || parts
 last=$(ls "$P"/part.* | tail -1)
-for f in "$P"/part.*; do
-  [ "$f" = "$last" ] && continue
-  mkdir -p "$G/p/${f##*.}" && cp "$f" "$P/md5" "$G/p/${f##*.}/"
-done
 
-# the project: this worktree's files (tracked and new, not ignored), less pictures and result data
+# the project: REF's files, or this worktree's (tracked and new, not ignored), less pictures and result data
 rm -rf "$G/proj" && mkdir -p "$G/proj/.gpu/cur"
-(cd "$SRC" && git ls-files --cached --others --exclude-standard | grep -Ev '\.(png|jsonl|json|txt)$' |
-  grep -E '^(gateway|engine_worker|sluice|loadtest)/|^pyproject.toml$' | tar cf - -T -) | tar xf - -C "$G/proj"
+keep() { grep -Ev '\.(png|jsonl|json|txt)$' | grep -E '^(gateway|engine_worker|sluice|loadtest)/|^pyproject.toml$'; }
+if [ -n "$REF" ]; then
+  (cd "$SRC" && git ls-tree -r --name-only "$REF" | keep | xargs git archive "$REF" --) | tar xf - -C "$G/proj"
+  echo "proj: $(git -C "$SRC" rev-parse --short "$REF") (git archive)"
+else
+  (cd "$SRC" && git ls-files --cached --others --exclude-standard | keep | tar cf - -T -) | tar xf - -C "$G/proj"
+  echo "proj: the worktree's files ($(git -C "$SRC" status --porcelain -- gateway engine_worker sluice loadtest | wc -l) changed or new)"
+fi
 cp -r "$DEST/.gpu/kit" "$G/proj/.gpu/kit"
 cp "$last" "$P/md5" "$G/proj/.gpu/cur/"
 
