@@ -14,8 +14,8 @@
 #      one worker SIGKILLed, every stream checked token for token (migration.py);
 #   3. disagg (issue 26): agg worker + prefill/decode pair joined by NixlConnector (disagg_gpu.py).
 # Each phase ends by its deadline (MIG_S and PD_S are kept for the last two).
-# MIG_FIRST=1: migration first (its deadline MIG_S from the daemon's start; what it leaves goes
-# to routing), for a session where migration matters most and routing may be cut.
+# MIG_FIRST=1: migration first (by MIG_S from its start; what it leaves goes to routing), for a
+# session where migration matters most and routing may be cut.
 # With ROUTING1_S set, the routing phase is two: the first gets ROUTING1_S (ROUTING_ARGS), then
 # the daemon writes $S/ask and waits up to PLAN_WAIT_S for $S/plan2: more routing_gpu arguments
 # for a second fleet (other engine settings, say: --kv-blocks 4096 --label kv4096), or "skip".
@@ -164,8 +164,8 @@ wait_daemon() {   # wait_daemon SECONDS: until the daemon is done or SECONDS pas
   while [ ! -f "$S/done" ] && [ "$(date +%s)" -lt "$until" ]; do
     if [ -f "$S/ask" ] && [ ! -f "$S/plan2" ]; then tail -n +$(( shown + 1 )) "$S/daemon.log" | cut -c1-400; log "the daemon asks for plan2"; return; fi
     sleep 5
-    local lines; lines=$(wc -l < "$S/daemon.log")
-    if [ "$lines" -gt "$shown" ]; then tail -n +$(( shown + 1 )) "$S/daemon.log" | cut -c1-400; shown=$lines; fi
+    local lines; lines=$(wc -l < "$S/daemon.log")   # whole lines only: one being written waits (tail showed it twice)
+    if [ "$lines" -gt "$shown" ]; then sed -n "$(( shown + 1 )),${lines}p" "$S/daemon.log" | cut -c1-400; shown=$lines; fi
   done
   [ -f "$S/done" ] && log "the daemon is done" || log "the daemon is still running ($(( $(cat "$S/end") - $(date +%s) )) s to its end)"
 }
