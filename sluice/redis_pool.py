@@ -67,6 +67,12 @@ SOCKET_CONNECT_TIMEOUT_S = 2.0
 #: Well above the longest block Sluice asks for (XREAD BLOCK 1000).
 SOCKET_TIMEOUT_S = 5.0
 HEALTH_CHECK_INTERVAL_S = 30
+#: The longest one Cluster command (or pipeline) may take, its retries, redirections and
+#: topology refreshes included, before it fails with ``TimeoutError``. redis-py bounds
+#: each socket read, not the command: a command whose master was killed under it, retried
+#: across nodes and refreshes, once never returned (a suite run hung for hours), and a
+#: stalled topology refresh held every command of a gateway (the nemesis, Cluster).
+CLUSTER_COMMAND_DEADLINE_S = 12.0
 #: After the sentinels said there is no master (mid-failover), connections fail at once
 #: for this long instead of asking them again for every command.
 NO_MASTER_BACKOFF_S = 0.2
@@ -224,7 +230,7 @@ class BoundedRedisCluster(RedisCluster):
             node.connection_class = closed_safe
 
     async def execute_command(self, *args: EncodableT, **kwargs: Any) -> Any:
-        async with self.bound.permit(), _unreachable_is_connection_error():
+        async with self.bound.permit(), _deadline(args[0]), _unreachable_is_connection_error():
             return await super().execute_command(*args, **kwargs)
 
     def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
@@ -238,8 +244,20 @@ class _BoundedPipeline(ClusterPipeline):
     cluster_client: BoundedRedisCluster
 
     async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list[Any]:
-        async with self.cluster_client.bound.permit(), _unreachable_is_connection_error():
+        async with self.cluster_client.bound.permit(), _deadline("pipeline"), _unreachable_is_connection_error():
             return await super().execute(raise_on_error, allow_redirections)
+
+
+@contextlib.asynccontextmanager
+async def _deadline(what: Any) -> AsyncIterator[None]:
+    """At most ``CLUSTER_COMMAND_DEADLINE_S`` for one Cluster command, whatever redis-py
+    retries inside it; past that a ``TimeoutError``, which every Redis caller handles."""
+    try:
+        async with asyncio.timeout(CLUSTER_COMMAND_DEADLINE_S):
+            yield
+    except TimeoutError as exc:
+        raise RedisTimeoutError(f"the Redis Cluster did not answer {what!r} within "
+                                f"{CLUSTER_COMMAND_DEADLINE_S:g} s") from exc
 
 
 @contextlib.asynccontextmanager

@@ -18,6 +18,7 @@ import uvloop
 from redis.asyncio.cluster import RedisCluster
 
 from sluice.embedded_failover import ReplicatedCluster
+from sluice import redis_pool
 from sluice.redis_pool import BoundedRedisCluster, create_pool
 
 INCR = "return redis.call('INCR', KEYS[1])"
@@ -43,6 +44,36 @@ async def _closed_underneath(redis_cluster_url: str) -> None:
         # The closed connection fails as a lost one: the client reconnects and serves it.
         assert await client.get(key) == b"1"
     finally:
+        await client.aclose()
+
+
+def test_a_cluster_command_past_its_deadline_fails_and_the_client_serves_on(
+    redis_cluster_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every Cluster command is bounded as a whole (``CLUSTER_COMMAND_DEADLINE_S``), not only
+    its socket reads: a command to a killed master once never returned, retried across nodes
+    and topology refreshes. A command held past the deadline (here a blocking read, with the
+    deadline shortened) is a ``redis.TimeoutError``, and the client serves the next one."""
+    monkeypatch.setattr(redis_pool, "CLUSTER_COMMAND_DEADLINE_S", 0.3)
+    uvloop.run(_past_deadline(redis_cluster_url))
+
+
+async def _past_deadline(redis_cluster_url: str) -> None:
+    client = await create_pool(redis_cluster_url)
+    key = "sl:{deadline}:s"
+    try:
+        started = time.monotonic()
+        with pytest.raises(redis.TimeoutError, match="did not answer"):
+            await client.xread({key: "$"}, block=3000)
+        assert time.monotonic() - started < 1.5
+        pipe = client.pipeline()
+        pipe.xread({key: "$"}, block=3000)
+        with pytest.raises(redis.TimeoutError, match="did not answer"):
+            await pipe.execute()
+        await client.set(key + "x", "1")
+        assert await client.get(key + "x") == b"1"
+    finally:
+        await client.delete(key + "x")
         await client.aclose()
 
 

@@ -2,9 +2,10 @@
 
 The new worker continues from prompt + the token ids already relayed
 (``resume_token_ids``) with the remaining ``max_tokens``, admitted ahead of the
-queue (boosted) and never on a worker that already failed this choice. The
-client's stream has no gap and no repeated token. Each choice of an ``n > 1``
-request migrates on its own; their lines are merged in arrival order.
+queue (boosted), never on the worker it just left nor on one that failed it before
+it progressed there (below). The client's stream has no gap and no repeated token.
+Each choice of an ``n > 1`` request migrates on its own; their lines are merged in
+arrival order.
 
 A choice under a grammar (``response_format``, forced tool calls) or a tool-call
 parser does not migrate: a new engine would start the grammar (and the parser's
@@ -19,6 +20,18 @@ request's deadline, rather than ending a stream that was already admitted: in th
 nemesis's full runs Redis outages ended 82 streams with ``503`` mid-stream, and
 moments with every worker down ended 5 resumable streams with "every live worker
 failed this request" while their replacements were starting.
+
+A break-off counts against the choice (``max_migrations``, the query-of-death rule,
+the workers it is kept off) only when the choice made no progress on that worker:
+fewer than ``PROGRESS_TOKENS`` tokens since it was placed there. A request that kills
+engines does so in its prefill or within a few tokens of where it resumes (migration
+continues at the exact token), so it is still caught at its second dead worker; a long
+stream whose workers die around it for unrelated reasons (a deploy, a node lost, the
+nemesis's kills every few seconds) goes on as long as each worker moves it forward, and
+it was ended as a ``query_of_death`` after any two deaths in its whole life (7 of the 9 in
+the nemesis's one-Redis run: ``n=16`` streams of 1,300 tokens, 40 s each). Every free
+migration carried the stream ``PROGRESS_TOKENS`` further, so their number stays bounded by
+``max_tokens``.
 """
 
 from __future__ import annotations
@@ -38,6 +51,9 @@ from gateway.config import GatewaySettings
 from gateway.context import RequestContext
 from gateway.relay.upstream import Dispatcher, Line, Upstream, query_of_death
 from sluice.errors import DeadlineExceeded, SluiceError, Unavailable, UpstreamFailed
+
+PROGRESS_TOKENS = 8
+"""Tokens a choice must receive on a worker for that worker's break-off not to count against it."""
 
 log = logging.getLogger("sluice.gateway")
 
@@ -85,11 +101,14 @@ class Migrator:
         """
         sent: list[int] = list(progress.ids) if progress else []
         chars = progress.chars if progress else 0
-        failed: list[str] = []
+        migrations = moves = 0
+        shunned: list[str] = []   # workers that broke off this choice before it progressed on them
+        last_failed: list[str] = []
         while True:
             upstream = upstreams[index]
             resumed = len(payload.get("resume_token_ids", ()))
             if upstream is not None:
+                placed_at = len(sent)
                 try:
                     async for line in upstream.lines(self._settings.stall_timeout_s, ctx.deadline):
                         sent.extend(line.get("ids", ()))
@@ -101,20 +120,25 @@ class Migrator:
                         yield index, line
                     return
                 except (UpstreamFailed, DeadlineExceeded) as exc:
-                    if exc.code == "worker_lost" and not ctx.lost_a_worker(upstream.worker_id):
+                    progressed = len(sent) - placed_at >= PROGRESS_TOKENS
+                    if not progressed and exc.code == "worker_lost" and not ctx.lost_a_worker(upstream.worker_id):
                         raise query_of_death() from None
-                    if not self._may_migrate(exc, len(failed), ctx):
+                    if not self._may_migrate(exc, 0 if progressed else migrations, ctx):
                         raise
-                    failed.append(upstream.worker_id)
-                    log.warning("request %s: worker %s broke off after %d tokens (%s); migrating",
-                                ctx.request_id, upstream.worker_id, len(sent), exc.message)
+                    if not progressed:
+                        migrations += 1
+                        shunned.append(upstream.worker_id)
+                    last_failed = [upstream.worker_id]
+                    moves += 1
+                    log.warning("request %s: worker %s broke off after %d tokens, %d of them its own (%s); migrating",
+                                ctx.request_id, upstream.worker_id, len(sent), len(sent) - placed_at, exc.message)
                     await upstream.aclose()
             if sent and not resumable(payload):
                 raise UpstreamFailed(
                     "this structured (JSON or tool-call) output broke off mid-stream; it cannot be resumed "
                     "on another worker (a new engine would restart its grammar)", code="worker_lost")
             limit = payload.get("max_tokens")
-            payload = {**payload, "request_id": f"{ctx.internal_id}-{index}-m{len(failed)}",
+            payload = {**payload, "request_id": f"{ctx.internal_id}-{index}-m{moves}",
                        "resume_token_ids": list(sent), "resume_text_chars": chars, "echo": False,
                        "max_tokens": None if limit is None else limit - len(sent) + resumed,
                        # Counted from the original start, like max_tokens (5 of 10 already sent).
@@ -122,7 +146,7 @@ class Migrator:
             if payload["max_tokens"] is not None and payload["max_tokens"] <= 0:
                 yield index, {"ids": [], "text": "", "finish_reason": "length"}
                 return
-            opened = await self._open(model, payload, ctx, failed)
+            opened = await self._open(model, payload, ctx, list(dict.fromkeys(shunned + last_failed)))
             upstreams[index] = opened
             ctx.record.migrated(opened.worker_id)
 

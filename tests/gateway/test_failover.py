@@ -109,3 +109,27 @@ def test_a_stream_whose_every_worker_died_waits_for_a_replacement(start_worker, 
     assert "".join(texts) == reference
     fields = access_line(gateway, request_id)
     assert (fields["workers"], fields["migrations"]) == (f"{first.name},{second.name}", 1)
+
+
+def test_a_stream_goes_on_while_each_dying_worker_moved_it_forward(start_worker, start_gateway) -> None:
+    """Regression (nemesis, one Redis: 7 of the 9 ``query_of_death`` endings): any two worker
+    deaths in a stream's whole life ended it as a query of death, and a third as past
+    ``max_migrations``, though each worker had served it for seconds. Here three workers die
+    under one stream, each after it moved forward there: the stream ends exact."""
+    model = "dying-fleet"
+    start_worker(f"{model}-reference", sim_token_ms=0, sim_ttft_ms=0)
+    current = start_worker(model, sim_token_ms=15, sim_ttft_ms=0)
+    gateway = start_gateway()
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=60) as client:
+        reference = client.completions.create(model=f"{model}-reference", prompt="a long walk", max_tokens=600,
+                                              seed=3, extra_body={"ignore_eos": True}).choices[0].text
+        text, kills, mark = "", 0, 20
+        for chunk in client.completions.create(model=model, prompt="a long walk", max_tokens=600, seed=3,
+                                               stream=True, extra_body={"ignore_eos": True}):
+            text += chunk.choices[0].text if chunk.choices else ""
+            if kills < 3 and len(text.split()) >= mark:
+                successor = start_worker(model, sim_token_ms=15, sim_ttft_ms=0)
+                current.kill()
+                current, kills, mark = successor, kills + 1, mark + 130
+    assert kills == 3
+    assert text == reference
