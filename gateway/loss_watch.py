@@ -108,6 +108,24 @@ class LossWatch:
             return self._check_s
         return max(0.0, self._changed_at + keys.API_KEYS_RESTORE_S - time.monotonic())
 
+    async def confirm(self) -> bool:
+        """Look at Redis now: False when it lost data since this process's last look, which
+        then makes this process unsure (:meth:`unsure_s`) at once; its next regular look tells
+        the listeners. For a caller about to act on something's absence: a client's retry
+        that came within a look's interval of a loss found its finished stream's record gone,
+        ran it again and was billed twice (the nemesis, one Redis: nem-1938)."""
+        epoch, server = await self._directory.look()
+        if self._epoch is _UNSEEN or not self._lost(epoch, server):
+            return True
+        self._changed_at = time.monotonic()
+        return False
+
+    def _lost(self, epoch: bytes | None, server: str) -> bool:
+        """Whether (``epoch``, ``server``), as a look found them, say Redis may have lost writes
+        since the last look: other servers answer, or the epoch changed (or went)."""
+        moved = server != self._server and self._server is not None
+        return moved or (epoch != self._epoch and (self._epoch is not _UNSEEN or epoch is None))
+
     def _blind(self) -> bool:
         return time.monotonic() - self._looked_at > max(BLIND_S, 3 * self._check_s)
 
@@ -132,7 +150,7 @@ class LossWatch:
                 log.warning("Redis may have lost writes (%s): kept API keys and finished streams are written "
                             "back; unknown keys and models are 503 registry_rebuilding for now",
                             "a new registry epoch" if renewed else "other server processes answer")
-            lost = away or moved or (epoch != self._epoch and (self._epoch is not _UNSEEN or epoch is None))
+            lost = away or self._lost(epoch, server)
             away = False
             self._epoch, self._server = epoch, server
             self._looked_at = time.monotonic()

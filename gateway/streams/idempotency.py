@@ -40,7 +40,10 @@ client's retry that came first ran the whole request again and was billed twice 
 Cluster: 7 streams, a failed-over node without the record). So while this process knows
 of a loss it may not have seen repaired yet (``unsure``: LossWatch.unsure_s, at most
 ``API_KEYS_RESTORE_S`` after it, or while it has no fresh look at Redis), a key without a
-record does not start a generation; the caller waits, at most ``UNSURE_MAX_S``.
+record does not start a generation; the caller waits, at most ``UNSURE_MAX_S``. A loss
+this process has not looked at yet (its watch looks every half second) is caught by one more
+look when a key is claimed fresh (``confirm``): the nemesis's one-Redis run billed a
+stream twice whose retry came 0.3 s after a restart.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Literal
 
 from redis.asyncio import Redis
@@ -196,9 +199,12 @@ class Idempotency:
     ...     await idem.settle(scope, token, completed=True, body=body)
     """
 
-    def __init__(self, redis: Redis, ttl_s: float, unsure: Callable[[], float] = lambda: 0.0) -> None:
+    def __init__(self, redis: Redis, ttl_s: float, unsure: Callable[[], float] = lambda: 0.0,
+                 confirm: Callable[[], Awaitable[bool]] | None = None) -> None:
         self._redis = redis
         self._unsure = unsure  # seconds writes Redis lost may still be on their way back
+        #: Looks at Redis now: False when it lost data this process has not seen yet (LossWatch.confirm).
+        self._confirm = confirm
         self._ttl_ms = int(ttl_s * 1000)
         self._claim = redis.register_script(CLAIM)
         self._settle = redis.register_script(SETTLE)
@@ -233,6 +239,13 @@ class Idempotency:
             found = await self._claim(keys=names, args=[owner, fp, int(stream), ttl_ms, LIVE_TTL_MS, after, DONE,
                                                         int(cautious)])
             if found == 1:
+                if not cautious and self._confirm is not None and not await self._confirm():
+                    # Redis lost data moments ago, unseen by this process until now: the key's
+                    # record may be on its way back from its producer. Let go, and wait as unsure.
+                    log.info("Idempotency-Key %s: Redis lost data moments ago; waiting for its record to be "
+                             "written back before running it", key)
+                    await self.settle(key, owner, completed=False)
+                    continue
                 self._hold(key, owner)
                 return None
             stored_fp, state, stored_stream = (_text(v) for v in found)

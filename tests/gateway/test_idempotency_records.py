@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from gateway.loss_watch import LossWatch
 from gateway.streams.idempotency import Idempotency
 from gateway.streams.journal import LIVE_TTL_MS
 from sluice import keys
@@ -77,3 +78,35 @@ async def test_a_journal_whose_producer_lives_is_never_claimed_away(idem) -> Non
         await records.claim(key, "fp", True, time.monotonic() + 0.2, owner="retry")
     assert await redis.xlen(keys.journal(key)) == 1
     assert await redis.get(keys.journal_live(key)) == b"producer"
+
+
+async def test_a_fresh_claim_right_after_a_loss_its_watch_has_not_seen_waits_for_the_write_back(idem) -> None:
+    """Regression (nemesis, one Redis: nem-1938 billed twice): a client's retry came 0.3 s
+    after Redis lost a finished request's record, before its gateway's watch had looked at
+    Redis again (every 0.5 s); the key was free, the request ran again. A fresh claim now
+    looks once more, and finding a loss waits for the record's write-back (here 0.5 s later)."""
+    _, redis = idem
+    await redis.hset(keys.EPOCH, "id", uuid.uuid4().hex)
+    watch = LossWatch(redis, check_s=3600)  # it looks once now, and not again in this test
+    watch.start()
+    try:
+        while watch.seen_epoch is None:
+            await asyncio.sleep(0.01)
+        records = Idempotency(redis, ttl_s=60, unsure=watch.unsure_s, confirm=watch.confirm)
+        key, fp, body = f"{{k{uuid.uuid4().hex}}}", "fp", b'{"answer": 1}'
+        assert await records.claim(key, fp, False, _deadline(), "first") is None
+        assert await records.settle(key, "first", completed=True, body=body)
+        record = await redis.hgetall(keys.idempotency(key))
+        await redis.flushall()
+
+        async def write_back() -> None:  # what the producing gateway's keeper does once its watch looked
+            await asyncio.sleep(0.5)
+            await redis.hset(keys.idempotency(key), mapping=record)
+
+        keeper = asyncio.create_task(write_back())
+        answer = await records.claim(key, fp, False, _deadline(), "retry")
+        await keeper
+        assert answer is not None and bytes(answer.body) == body  # the stored answer, not a second run
+        await records.close()
+    finally:
+        await watch.close()
