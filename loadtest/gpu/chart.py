@@ -49,14 +49,15 @@ def draw(rows: list[dict[str, Any]], path: Path) -> None:
     ax.axis("off")
     lines = ["migration (SIGKILL one of the workers)"] + ([] if migration else ["not run in this session"])
     for m in migration:
-        lines += [f"env {m['worker_env']}", f"streams {m['streams']} x {m['stream_tokens']} tokens",
+        lines += [f"model {m.get('model', '?')}{' (' + m['label'] + ')' if m.get('label') else ''}",
+                  f"env {m['worker_env']}", f"streams {m['streams']} x {m['stream_tokens']} tokens",
                   f"killed {m['killed']} at {m['killed_at_s']} s; migrated {m['migrated']}",
                   f"lost {m['lost']}, short {m['short']}, errors {m['errors']}",
                   f"different from reference: {m['diff_vs_reference']}"
                   + (f" (migrated: {m['migrated_diff_vs_reference']})" if "migrated_diff_vs_reference" in m else ""),
                   f"(reference vs its repeat: {m['reference_repeat_diff']})",
                   f"pause p50 / p99 / max: {m['pause_p50_ms']} / {m['pause_p99_ms']} / {m['pause_max_ms']} ms",
-                  f"  others' gap then, p50: {m.get('gap_p50_ms_unmigrated')} ms",
+                  f"  others' longest gap after it, p50: {m.get('gap_p50_ms_unmigrated')} ms",
                   f"gateway CPU {m['gateway_cpu_us_per_chunk']} us/chunk"]
         if "distinct_texts" in m:
             lines += [f"texts: {m['distinct_texts']} distinct of {m['streams']},",

@@ -14,7 +14,9 @@
 #      one worker SIGKILLed, every stream checked token for token (migration.py);
 #   3. disagg (issue 26): agg worker + prefill/decode pair joined by NixlConnector (disagg_gpu.py).
 # Each phase ends by its deadline (MIG_S and PD_S are kept for the last two).
-# MIG_FIRST=1: migration first (by MIG_S from its start; what it leaves goes to routing), for a
+# A real model (stage.sh REAL_MODEL=DIR; its earlier parts already in /tmp/mparts) lands in
+# /tmp/m_real: SLUICE_BENCH_DUMMY=0 MIGRATION_ARGS="--model /tmp/m_real --tokenizer /tmp/m_real".
+# ROUTING=0: no routing phase. MIG_FIRST=1: migration first (by MIG_S from its start; what it leaves goes to routing), for a
 # session where migration matters most and routing may be cut.
 # With ROUTING1_S set, the routing phase is two: the first gets ROUTING1_S (ROUTING_ARGS), then
 # the daemon writes $S/ask and waits up to PLAN_WAIT_S for $S/plan2: more routing_gpu arguments
@@ -39,6 +41,7 @@ PD_S=${PD_S:-330}                      # kept for the disagg phase, less when ro
 ROUTING_MIN_S=${ROUTING_MIN_S:-480}
 ROUTING1_S=${ROUTING1_S:-}                # set: the routing phase is split in two (above)
 MIG_FIRST=${MIG_FIRST:-0}                 # 1: the migration phase before routing (above)
+ROUTING=${ROUTING:-1}                     # 0: no routing phase (a migration-only session)
 PLAN_WAIT_S=${PLAN_WAIT_S:-90}
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # NVLink multicast stays off
@@ -52,6 +55,16 @@ install() {   # the kit's install: vLLM, its deps and the nixl wheels, from the 
   # shellcheck source=/dev/null
   source "$K/common.sh" && source "$K/install.sh" || return 1
   python3 -c "from nixl._api import nixl_agent; print('nixl', nixl_agent.__module__)" || log "nixl does not import"
+}
+
+real_model() {   # /tmp/m_real: a real model sent in parts (stage.sh REAL_MODEL=DIR); none sent: nothing to do
+  [ -f .gpu/model/md5 ] || return 0
+  mkdir -p /tmp/mparts /tmp/m_real && cp .gpu/model/m.* /tmp/mparts/ || return 1
+  if [ "$(cat /tmp/mparts/m.* | md5sum)" != "$(cat .gpu/model/md5)" ]; then
+    log "model parts: md5 differs ($(ls /tmp/mparts | tr '\n' ' '))"; return 1
+  fi
+  cat /tmp/mparts/m.* > "/tmp/m_real/$(cat .gpu/model/weights)" && cp .gpu/kit/tok/* /tmp/m_real/ && cp .gpu/model/files/* /tmp/m_real/ &&
+    log "model /tmp/m_real: $(ls /tmp/m_real | tr '\n' ' ')"
 }
 
 model() {   # /tmp/m_1b: Llama-3.2-1B's shape with the default model's tokenizer (dummy weights)
@@ -122,7 +135,7 @@ print(";".join(dict.fromkeys(t for t in (first, *sys.argv[2].split(";")) if t)))
   fi
   local r1_end=$(( end - MIG_S - PD_S ))
   [ -n "$ROUTING1_S" ] && r1_end=$(( $(date +%s) + ROUTING1_S ))
-  phase routing $r1_end $PY -m loadtest.gpu.routing_gpu --phase routing --engine "$ENGINE" \
+  [ "$ROUTING" = 1 ] && phase routing $r1_end $PY -m loadtest.gpu.routing_gpu --phase routing --engine "$ENGINE" \
     --model "$model" --tokenizer "$tok" --deadline $r1_end --out "$out" "${sim[@]}" $ROUTING_ARGS
   if [ -n "$ROUTING1_S" ]; then   # the second fleet, as the next call says (or the default)
     touch "$S/ask"; log "ASK: routing phase 1 done; waiting ${PLAN_WAIT_S} s for $S/plan2"
@@ -179,6 +192,7 @@ case $mode in
     if [ "$ENGINE" != sim ]; then
       command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
       install || { log "install failed"; exit 1; }
+      real_model || { log "the real model's parts did not assemble"; exit 1; }
     fi
     echo $(( t0 + total_s )) > "$S/end"
     log "install done after $(( $(date +%s) - t0 )) s; the daemon ends by $(date -u -d @"$(cat "$S/end")" +%H:%M:%S)"

@@ -20,6 +20,9 @@
 #
 #   REF=HEAD bash loadtest/gpu/stage.sh DEST         # proj from a commit (git archive), not the worktree
 #   PROJ_ONLY=1 REF=HEAD bash loadtest/gpu/stage.sh DEST   # only proj again (the parts already staged)
+#   REAL_MODEL=DIR ... bash loadtest/gpu/stage.sh DEST     # also a real model's weights: DEST/.gpu/gpu/m/aa
+#       ... (one call each, to /tmp/mparts), the last part and the small files in proj/.gpu/model
+#       (session.sh assembles /tmp/m_real; dummy weights repeat a token or two, real ones do not)
 #
 # REF: in a tree others work in, their uncommitted changes would travel with the worktree's
 # files and be measured as if they were the code named in the README.
@@ -29,6 +32,7 @@ SRC=$(cd "$(dirname "$0")/../.." && pwd)
 PART_MIB=${PART_MIB:-54}
 REF=${REF:-}                # a commit: proj from it (git archive); empty: the worktree's files
 PROJ_ONLY=${PROJ_ONLY:-0}   # 1: keep the staged parts (.gpu/stage/parts, DEST/.gpu/gpu/p), make proj again
+REAL_MODEL=${REAL_MODEL:-}  # a model folder (one *.safetensors): its weights in parts, DEST/.gpu/gpu/m/aa ...
 NIXL_VERSION=${NIXL_VERSION:-1.5.1}
 G=$DEST/.gpu/gpu
 git -C "$DEST" check-ignore -q .gpu/gpu || { echo "$DEST/.gpu/gpu is not ignored there"; exit 1; }
@@ -73,10 +77,26 @@ else
   echo "proj: the worktree's files ($(git -C "$SRC" status --porcelain -- gateway engine_worker sluice loadtest | wc -l) changed or new)"
 fi
 cp -r "$DEST/.gpu/kit" "$G/proj/.gpu/kit"
+rm -rf "$G/m"
+if [ -n "$REAL_MODEL" ]; then
+  weights=$(cd "$REAL_MODEL" && ls ./*.safetensors | head -1) && weights=${weights#./}
+  M=$SRC/.gpu/stage/model && rm -rf "$M" && mkdir -p "$M" "$G/proj/.gpu/model/files"
+  split -b "${PART_MIB}M" "$REAL_MODEL/$weights" "$M/m."
+  cat "$M"/m.* | md5sum > "$G/proj/.gpu/model/md5" && echo "$weights" > "$G/proj/.gpu/model/weights"
+  for f in "$REAL_MODEL"/*; do   # the small files, less those the kit's tok/ has already (the tokenizer: 3.5 MB)
+    case $f in *.safetensors) continue ;; esac
+    cmp -s "$f" "$DEST/.gpu/kit/tok/${f##*/}" || cp "$f" "$G/proj/.gpu/model/files/"
+  done
+  mlast=$(ls "$M"/m.* | tail -1)
+  for f in "$M"/m.*; do
+    if [ "$f" = "$mlast" ]; then cp "$f" "$G/proj/.gpu/model/"; else mkdir -p "$G/m/${f##*.}" && cp "$f" "$G/m/${f##*.}/"; fi
+  done
+fi
 cp "$last" "$P/md5" "$G/proj/.gpu/cur/"
 
 tree_bytes=$(cd "$DEST" && git ls-files -z | xargs -0 stat -c %s | awk '{s+=$1} END {print s}')
 echo "$(ls "$W" | wc -l) wheels; DEST's tree (sent with every call): $tree_bytes bytes; limit 67108864 a call"
-for d in "$G"/p/* "$G/proj"; do
+for d in "$G"/p/* "$G"/m/* "$G/proj"; do
+  [ -d "$d" ] || continue
   echo "carry ${d#"$DEST"/}: $(du -sb "$d" | cut -f1) bytes, with the tree $(( $(du -sb "$d" | cut -f1) + tree_bytes ))"
 done
