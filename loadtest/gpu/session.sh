@@ -63,7 +63,7 @@ real_model() {   # /tmp/m_real: a real model sent in parts (stage.sh REAL_MODEL=
   if [ "$(cat /tmp/mparts/m.* | md5sum)" != "$(cat .gpu/model/md5)" ]; then
     log "model parts: md5 differs ($(ls /tmp/mparts | tr '\n' ' '))"; return 1
   fi
-  cat /tmp/mparts/m.* > "/tmp/m_real/$(cat .gpu/model/weights)" && cp .gpu/kit/tok/* /tmp/m_real/ && cp .gpu/model/files/* /tmp/m_real/ &&
+  cat /tmp/mparts/m.* > "/tmp/m_real/$(cat .gpu/model/weights)" && cp .gpu/kit/tok/* /tmp/m_real/ && cp -r .gpu/model/files/. /tmp/m_real/ &&
     log "model /tmp/m_real: $(ls /tmp/m_real | tr '\n' ' ')"
 }
 
