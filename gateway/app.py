@@ -53,6 +53,7 @@ from gateway.streams.idempotency import Idempotency, fingerprint, scoped
 from gateway.streams import event_ids
 from gateway.streams.journal_quota import journal_events
 from gateway.streams.journal_readers import JournalReaders
+from gateway.streams.regenerate import Held
 from gateway.surfaces import messages
 from gateway.surfaces.messages import CountTokensRequest, MessageShape, MessagesRequest
 from gateway.surfaces.openai import ChatCompletionRequest, CompletionRequest
@@ -436,7 +437,9 @@ def _context(
     if key is not None and priority < key.priority_ceiling:
         headers["x-sluice-priority-clamped"] = "true"
         priority = key.priority_ceiling
-    after, tag = event_ids.parse(request.headers.get("last-event-id"))
+    last_event = request.headers.get("last-event-id")
+    after, tag = event_ids.parse(last_event)
+    digest = event_ids.held(last_event) if after else None
     return RequestContext(
         request_id=_request_id(request),
         priority=priority,
@@ -447,6 +450,7 @@ def _context(
         body=body if idem is not None else b"",
         last_event_id=after,
         last_event_tag=tag,
+        held=None if digest is None else Held(after, tag, *digest),
         tenant=owner,
         cost=cost,
         headers=headers,

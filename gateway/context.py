@@ -5,12 +5,16 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gateway.admission.tenancy import Charge
 from gateway.config import GatewaySettings
 from gateway.record import RequestRecord
 from sluice.errors import InvalidRequest
 from sluice.ids import random_hex
+
+if TYPE_CHECKING:
+    from gateway.streams.regenerate import Held
 
 #: OpenAI's service tiers as priority classes (lower runs first, as in vLLM).
 SERVICE_TIERS = {"priority": -10, "default": 0, "auto": 0, "flex": 10, "scale": -10}
@@ -33,6 +37,9 @@ class RequestContext:
     #: and the tag of that event's producer (gateway/streams/event_ids.py; None: not given).
     last_event_id: int = 0
     last_event_tag: bytes | None = None
+    #: What such a client holds when its id says so: the stream can be generated again and
+    #: checked against it should nobody else have it any more (gateway/streams/regenerate.py).
+    held: Held | None = None
     #: Whose fair share of the queue this request draws on: the API key's id, or "-".
     tenant: str = "-"
     #: The request's work in tokens (prompt estimate + output budget, all generations):

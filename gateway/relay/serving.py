@@ -38,7 +38,9 @@ from gateway.streams.journal import (
 from gateway.streams.journal_keeper import WRITE_BACK_S
 from gateway.streams.journal_quota import JournalQuota, journal_events
 from gateway.streams.journal_readers import JournalReaders
+from gateway.streams.journal_history import JournalHistory
 from gateway.streams.migration import Migrator
+from gateway.streams.regenerate import Held, chunk_id, digestible
 from gateway.streams.takeover import HistoryLost, LineTap, Plan, recover
 from gateway.surfaces.openai import (
     ChatCompletionRequest,
@@ -114,8 +116,16 @@ class Serving:
         owned = False
         try:
             if key is not None:
+                held = ctx.held if req.stream else None
                 replay = await self._idempotency.claim(key, ctx.fingerprint, req.stream, ctx.deadline,
-                                                       ctx.internal_id, ctx.last_event_id if req.stream else 0)
+                                                       ctx.internal_id, ctx.last_event_id if req.stream else 0,
+                                                       regenerate=held is not None)
+                if replay == "regenerate":
+                    owned = True
+                    log.warning("request %s: Redis and its producer lost the stream whose event %d its client "
+                                "holds; running it again from the start and checking it against the client's",
+                                ctx.request_id, ctx.last_event_id)
+                    return await self._generate(kind, req, ctx, shape, held)
                 if replay is not None:
                     # Nothing is generated for this caller: refund its charge, close its record.
                     await self._settle_usage(ctx, 0)
@@ -134,11 +144,14 @@ class Serving:
 
     async def _generate(
         self, kind: Kind, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext,
-        shape: Shape | None,
+        shape: Shape | None, held: Held | None = None,
     ) -> Response:
         record = ctx.record
         headers = {"x-request-id": ctx.request_id, **ctx.headers}
         payloads = worker_payloads(req, ctx.internal_id)
+        if held is not None and not digestible(payloads, shape is not None):  # (an id we never gave)
+            raise HistoryLost(f"the stream this Last-Event-ID ({held.after}) belongs to is no longer known (Redis "
+                              "lost it) and cannot be run again: send the request without Last-Event-ID")
         upstreams: list[Upstream | None] = list(await self._open_all(req, payloads, ctx))
         headers["x-sluice-queue-ms"] = str(round(record.queue_wait_s * 1000))
         lines = self._migrator.lines(req.model, upstreams, payloads, ctx)
@@ -152,7 +165,8 @@ class Serving:
 
         if req.stream:
             if ctx.idempotency_key is not None:
-                return await self._produce(kind, req, ctx, upstreams, lines, abandon, headers, shape)
+                return await self._produce(kind, req, ctx, upstreams, lines, abandon, headers, shape,
+                                           digestible(payloads, shape is not None), held)
 
             async def end(outcome: str | SluiceError, completed: bool) -> None:
                 nonlocal ended
@@ -177,13 +191,17 @@ class Serving:
         self, kind: Kind, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext,
         upstreams: list[Upstream | None], lines: AsyncIterator[tuple[int, Line]],
         abandon: Callable[[], Awaitable[None]], headers: dict[str, str], shape: Shape | None,
+        digest: bool, held: Held | None,
     ) -> Response:
         """A resumable stream: the generation feeds the journal, independent of this client
         (a migration must not give up because the first reader left), and this client is
-        its first reader. The plan lets another gateway continue it if this one dies."""
+        its first reader. The plan lets another gateway continue it if this one dies.
+        ``digest``: its ids carry what the client has; ``held``: a stream generated again,
+        whose client has events 1..``held.after`` (gateway/streams/regenerate.py)."""
         assert ctx.idempotency_key is not None
         ctx.detach_from_client()
-        chunks = ChunkWriter("text" if kind == "text" else "chat", req.model)
+        chunks = ChunkWriter("text" if kind == "text" else "chat", req.model,
+                             id=chunk_id(kind, ctx.idempotency_key) if digest else None)
         plan = Plan(
             kind=kind, body=ctx.body.decode(), internal_id=ctx.internal_id, request_id=ctx.request_id,
             chunk_id=chunks.id, created=chunks.created, priority=ctx.priority, tenant=ctx.tenant, cost=ctx.cost,
@@ -214,8 +232,13 @@ class Serving:
         first = writer.subscribe(self._readers.tail)
         ending = _Ending(lambda: _close(upstreams), lambda outcome: self._end_stream(upstreams, ctx.record, ctx, outcome),
                          ctx.record, owner)
-        tap = LineTap(lines)
-        events = sse_events(kind, req, tap.lines(), ctx.record, ending.end, chunks, shape=shape)
+        if held is None:
+            tap = LineTap(lines, digest=digest)
+            events = sse_events(kind, req, tap.lines(), ctx.record, ending.end, chunks, shape=shape)
+        else:
+            writer.continue_after(held.after, JournalHistory(base=held.after), held.tag)
+            tap = LineTap(held.rest(lines), digest=True, chars=held.chars)
+            events = sse_events(kind, req, tap.lines(), ctx.record, ending.end, chunks, {0: held.chars})
         await self._start_producer(writer, events, tap, ending)
         return SSEResponse(first.events(), self._keepalive, first.close, headers)
 
@@ -225,7 +248,7 @@ class Serving:
         and its owner settles the key (done, or forgotten after a failure), if it still owns
         it: a producer that lost the stream to a take-over leaves the key to the gateway that
         produces it now."""
-        producer = await start_producer(writer, events, ending.abandon, tap.take)
+        producer = await start_producer(writer, events, ending.abandon, tap.take, tap.digest)
         self._keep(producer)
 
         async def settle() -> None:
@@ -331,7 +354,10 @@ class Serving:
                  plan.request_id, state.last, len(state.progress))
         payloads = worker_payloads(req, ctx.internal_id)
         upstreams: list[Upstream | None] = [None] * len(payloads)
-        tap = LineTap(self._migrator.lines(req.model, upstreams, payloads, ctx, state.progress))
+        before = state.progress.get(0)  # a regenerable stream's ids carry what its client has
+        tap = LineTap(self._migrator.lines(req.model, upstreams, payloads, ctx, state.progress),
+                      digest=digestible(payloads, False) and before is not None,
+                      ids=before.ids if before else (), chars=before.chars if before else 0)
         ending = _Ending(lambda: _close(upstreams), lambda outcome: self._end_stream(upstreams, record, ctx, outcome),
                          record, owner)
         events = sse_events(kind, req, tap.lines(), record, ending.end, chunks, state.offsets)

@@ -18,10 +18,19 @@ from the journal) that finds the next event in another history ends with the in-
 ``stream_history_lost`` error instead of a splice. Ids without a tag (plain ``N``) and
 entries without a mark (older gateways) are not checked.
 
+A stream of one choice that can be generated again (gateway/streams/regenerate.py) also
+carries a *digest* of what its client has: ``id: 279.3fa9c2d1.275.1042.5be0a7c1``, the
+completion tokens so far, the characters of their text, and a hash of their ids. When Redis
+lost the stream and its producer died too, the client alone holds it; its re-sent POST with
+that ``Last-Event-ID`` runs the request again, checks the new tokens against the digest,
+and goes on after them.
+
 >>> frame(3, b"data: x\\n\\n", b"3fa9c2d1")
 b'id: 3.3fa9c2d1\\ndata: x\\n\\n'
 >>> parse("3.3fa9c2d1")
 (3, b'3fa9c2d1')
+>>> held("3.3fa9c2d1.4.12.5be0a7c1")
+(4, 12, b'5be0a7c1')
 >>> follows(b"3fa9c2d1", *marks(b"~77aa01bc<3fa9c2d1;0|17|5"))
 True
 """
@@ -29,6 +38,7 @@ True
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 DONE = b"data: [DONE]\n\n"
 
@@ -38,19 +48,42 @@ def tag_of(owner: str) -> bytes:
     return hashlib.blake2b(owner.encode(), digest_size=4).hexdigest().encode()
 
 
-def mark(state: bytes, tag: bytes, prev: bytes | None = None) -> bytes:
+def mark(state: bytes, tag: bytes, prev: bytes | None = None, digest: bytes = b"") -> bytes:
     """``state`` (an entry's token state) with the mark of the producer ``tag`` in front;
-    ``prev``: the producer of the event before, when it was another (a take-over)."""
-    head = b"~" + tag + (b"<" + prev if prev else b"")
+    ``prev``: the producer of the event before, when it was another (a take-over);
+    ``digest``: the text the client has once it has this event (:func:`digest`), if kept."""
+    head = b"~" + tag + (b"." + digest if digest else b"") + (b"<" + prev if prev else b"")
     return head + b";" + state if state else head
 
 
 def marks(state: bytes) -> tuple[bytes | None, bytes | None]:
     """(tag, prev) of an entry's state; (None, None) when it has no mark."""
+    tail, prev = _mark(state)
+    return (None, None) if tail is None else (tail.partition(b".")[0], prev)
+
+
+def id_tail(state: bytes) -> bytes | None:
+    """What follows the event number in the id of an entry marked so: its tag, and its
+    digest if it has one."""
+    return _mark(state)[0]
+
+
+def _mark(state: bytes) -> tuple[bytes | None, bytes | None]:
     if not state.startswith(b"~"):
         return None, None
-    tag, _, prev = state.split(b";", 1)[0][1:].partition(b"<")
-    return tag, prev or None
+    tail, _, prev = state.split(b";", 1)[0][1:].partition(b"<")
+    return tail, prev or None
+
+
+def digest(tokens: int, chars: int, ids_hash: bytes) -> bytes:
+    """The id's account of what a client has: ``tokens`` completion tokens, ``chars``
+    characters of text, ``ids_hash`` the hex digest of the tokens' ids (:func:`text_hasher`)."""
+    return b"%d.%d.%b" % (tokens, chars, ids_hash)
+
+
+def text_hasher() -> Any:
+    """The running hash a :func:`digest` carries: updated with ``b"%d," % id`` per token."""
+    return hashlib.blake2b(digest_size=4)
 
 
 def unmarked(state: bytes) -> bytes:
@@ -67,11 +100,12 @@ def follows(chain: bytes | None, tag: bytes | None, prev: bytes | None) -> bool:
     return chain is None or tag is None or tag == chain or prev == chain
 
 
-def frame(number: int, event: bytes, tag: bytes | None = None) -> bytes:
-    """Event ``number`` as a client gets it: with its ``id:``, except the final ``[DONE]``."""
+def frame(number: int, event: bytes, tail: bytes | None = None) -> bytes:
+    """Event ``number`` as a client gets it: with its ``id:`` (``tail``: :func:`id_tail`),
+    except the final ``[DONE]``."""
     if event == DONE:
         return DONE
-    return b"id: %d.%b\n%b" % (number, tag, event) if tag else b"id: %d\n%b" % (number, event)
+    return b"id: %d.%b\n%b" % (number, tail, event) if tail else b"id: %d\n%b" % (number, event)
 
 
 def parse(header: str | None) -> tuple[int, bytes | None]:
@@ -79,10 +113,22 @@ def parse(header: str | None) -> tuple[int, bytes | None]:
     not one of ours."""
     if header is None:
         return 0, None
-    number, _, tag = header.strip().partition(".")
+    number, _, rest = header.strip().partition(".")
     try:
         after = max(0, int(number))
     except ValueError:
         return 0, None
-    clean = tag.encode() if tag and len(tag) <= 16 and all(c in "0123456789abcdef" for c in tag) else None
-    return after, clean if after else None
+    tag = rest.partition(".")[0]
+    return after, tag.encode() if after and _hex(tag) else None
+
+
+def held(header: str | None) -> tuple[int, int, bytes] | None:
+    """The digest a ``Last-Event-ID`` carries: (tokens, characters, hash of the ids), or None."""
+    parts = (header or "").strip().split(".")
+    if len(parts) != 5 or not _hex(parts[4]) or not all(p.isdigit() and len(p) <= 12 for p in parts[2:4]):
+        return None
+    return int(parts[2]), int(parts[3]), parts[4].encode()
+
+
+def _hex(text: str) -> bool:
+    return 0 < len(text) <= 16 and all(c in "0123456789abcdef" for c in text)

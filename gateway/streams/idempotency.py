@@ -223,16 +223,21 @@ class Idempotency:
         return key
 
     async def claim(
-        self, key: str, fp: str, stream: bool, deadline: float, owner: str, after: int = 0,
-    ) -> Response | Literal["attach"] | None:
+        self, key: str, fp: str, stream: bool, deadline: float, owner: str, after: int = 0, *,
+        regenerate: bool = False,
+    ) -> Response | Literal["attach", "regenerate"] | None:
         """None when ``owner`` now owns the key and must generate (its ``:live`` is renewed
         until :meth:`promote` or :meth:`settle`); "attach" to re-attach to the key's stream;
         else the stored answer to send. ``after``: the caller's Last-Event-ID; a caller that
-        holds events never starts a new generation (``stream_history_lost`` instead)."""
+        holds events never starts a new generation (``stream_history_lost`` instead), unless it
+        can be checked against what it holds (``regenerate``, gateway/streams/regenerate.py):
+        then, once no producer wrote the stream back in time, ``owner`` owns the key and
+        generates it again ("regenerate")."""
         names = [keys.idempotency(key), keys.journal(key), keys.journal_plan(key), keys.journal_live(key),
                  keys.journal_head(key)]
         lost_until: float | None = None
         unsure_until: float | None = None
+        fresh_after: int | None = None  # a regenerating caller's Last-Event-ID, once it claims afresh
         while True:
             ttl_ms = self._ttl_ms + int(max(0.0, deadline - time.monotonic()) * 1000)
             cautious = self._unsure() > 0 and (unsure_until is None or time.monotonic() < unsure_until)
@@ -247,7 +252,7 @@ class Idempotency:
                     await self.settle(key, owner, completed=False)
                     continue
                 self._hold(key, owner)
-                return None
+                return None if fresh_after is None else "regenerate"
             stored_fp, state, stored_stream = (_text(v) for v in found)
             if state == "unsure":
                 if unsure_until is None:
@@ -265,6 +270,9 @@ class Idempotency:
                 lost_until = lost_until or time.monotonic() + wait_for_producer_s()
                 if time.monotonic() < min(lost_until, deadline):
                     await asyncio.sleep(_WAIT_S)
+                    continue
+                if regenerate and fresh_after is None:
+                    fresh_after, after = after, 0  # the next round claims the key for a new generation
                     continue
                 raise UpstreamFailed(
                     f"the stream this Last-Event-ID ({after}) belongs to is no longer known (Redis lost it, or it "

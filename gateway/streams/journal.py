@@ -73,7 +73,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError
 
 from gateway.loss_watch import LossWatch
-from gateway.streams.event_ids import DONE, frame, mark, tag_of
+from gateway.streams.event_ids import DONE, frame, id_tail, mark, tag_of
 from gateway.streams.journal_history import JournalHistory
 from gateway.streams.journal_keeper import Finished, JournalKeeper
 from gateway.surfaces.openai import CHOICE_START, PLAIN_END
@@ -202,15 +202,16 @@ class FirstReader:
         self._lagging = False
         self._closed = False
 
-    def offer(self, number: int, event: bytes) -> bool:
-        """Hand over event ``number``; False once this reader wants no more from the producer."""
+    def offer(self, number: int, event: bytes, tail: bytes | None) -> bool:
+        """Hand over event ``number`` (``tail``: its id's, event_ids.id_tail); False once this
+        reader wants no more from the producer."""
         if self._closed:
             return False
         if self._queue.qsize() >= self._lag_max:
             self._lagging = True
             self._queue.put_nowait(None)
             return False
-        self._queue.put_nowait((number, frame(number, event, self._tag)))
+        self._queue.put_nowait((number, frame(number, event, tail)))
         return True
 
     def hand_over(self) -> None:
@@ -274,7 +275,9 @@ class FirstReader:
 #: KEYS: stream, live, head, plan, record. ARGV: owner, stream ttl ms, live ttl ms, number
 #: of the first event, head, "1" when the batch ends the stream, the request's fingerprint
 #: ("": no record to restore), the plan ("": none to restore), the unix ms until which a
-#: missing ``:live`` may be re-claimed, then (data, state) per event.
+#: missing ``:live`` may be re-claimed, the first event this producer has (its history's
+#: ``base``: the events before a regenerated stream's first are its client's alone), then
+#: (data, state) per event.
 #: A batch that finds events from its first on while ``:live`` is missing is this
 #: producer's own when the record names it the owner: its write reached Redis, its reply did
 #: not (a stall, a failover and back), and it goes on (nemesis, Sentinel: it took its own
@@ -306,13 +309,13 @@ local function restore_record()
     status = 2
   end
 end
-if last < first - 1 then
+if math.max(last, tonumber(ARGV[10])) < first - 1 then
   redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
   restore_record()
-  return {3, last}
+  return {3, math.max(last, tonumber(ARGV[10]))}
 end
 local n = first
-for i = 10, #ARGV, 2 do
+for i = 11, #ARGV, 2 do
   if n > last then redis.call('XADD', KEYS[1], '0-' .. n, 'd', ARGV[i], 's', ARGV[i + 1]) end
   n = n + 1
 end
@@ -446,8 +449,8 @@ class JournalWriter:
         1..``number`` as the journal had them, ``tag`` is event ``number``'s producer's."""
         if self._produced:
             raise RuntimeError("continue_after before the producer starts")
-        if len(history) != number:
-            raise ValueError(f"a history of {len(history)} events to continue after event {number}")
+        if history.last != number:
+            raise ValueError(f"a history up to event {history.last} to continue after event {number}")
         self._written = self._produced = number
         self._history = history
         self._after_tag = tag if tag != self.tag else None
@@ -460,9 +463,10 @@ class JournalWriter:
         return self._first
 
     async def run(self, events: AsyncIterator[bytes], abandon: Callable[[], Awaitable[None]],
-                  state: Callable[[], bytes] = lambda: b"") -> None:
+                  state: Callable[[], bytes] = lambda: b"", digest: Callable[[], bytes] = lambda: b"") -> None:
         """Journal every event; ``events`` ends with ``[DONE]``. ``state()`` after each event
-        gives what a take-over needs of it (the token ids it carries, see takeover.py).
+        gives what a take-over needs of it (the token ids it carries, see takeover.py);
+        ``digest()`` the text its client then has, for the event's id (event_ids.py).
 
         A stream past its bounds (``max_events``, its budget's bytes) stops generating and
         ends with an in-band error, then ``[DONE]``.
@@ -481,7 +485,7 @@ class JournalWriter:
                         "ask for fewer tokens or choices, or stream without an Idempotency-Key",
                         code="stream_too_long")
                     break
-                self._add(event, state())
+                self._add(event, state(), digest())
                 if self._budget is not None and self.stored_bytes > self._budget.reserved:
                     if not await self._budget.grow(self.stored_bytes):
                         cut = self._budget.refusal()
@@ -509,7 +513,7 @@ class JournalWriter:
                     kept = self.stored_bytes - self._plan_bytes if self._ended else self.stored_bytes  # plan dropped
                     with contextlib.suppress(RedisError, OSError):
                         await self._budget.settle(kept, self._done_ttl_ms if self._ended else self._ttl_ms)
-                if self._ended:  # its events stay here a while, should Redis lose them (journal_keeper.py)
+                if self._ended and not self._history.base:  # kept a while, should Redis lose them (journal_keeper.py)
                     self._committer.keeper.keep(Finished(
                         self.key, self._owner, self._fingerprint, self._head, self._history, self._done_ttl_ms,
                         self._budget, self.stored_bytes - self._plan_bytes))
@@ -523,9 +527,9 @@ class JournalWriter:
         held them up had served the stream's end and never logged its bill: nemesis, Cluster)."""
         await self._drained.wait()
 
-    def _add(self, event: bytes, state: bytes) -> None:
+    def _add(self, event: bytes, state: bytes, digest: bytes = b"") -> None:
         stored = compact(self._head, event)
-        state = mark(state, self.tag, self._after_tag)
+        state = mark(state, self.tag, self._after_tag, digest if event != DONE else b"")
         self._after_tag = None
         self._produced += 1
         self._pending.append((event, stored, state))
@@ -570,7 +574,8 @@ class JournalWriter:
             self._owner, self._done_ttl_ms if ends else self._ttl_ms, LIVE_TTL_MS,
             self._written + 1 if rewrite is None else rewrite, self._head, "1" if ends else "0", self._fingerprint,
             b"" if rewrite is None else self._plan,
-            _NO_DEADLINE_MS if self._may_reclaim() else self._confirmed_ms + LIVE_TTL_MS - RECLAIM_MARGIN_MS]
+            _NO_DEADLINE_MS if self._may_reclaim() else self._confirmed_ms + LIVE_TTL_MS - RECLAIM_MARGIN_MS,
+            self._history.base]
         if rewrite is not None:
             for stored, state in self._history.since(rewrite):
                 args += [stored, state]
@@ -624,8 +629,8 @@ class JournalWriter:
         del self._pending[:len(batch)]  # only once written: a failed write is retried with the same ids
         self._failure = None
         if self._first is not None:
-            for number, (event, _, _) in enumerate(batch, start=first):
-                if not self._first.offer(number, event):
+            for number, (event, _, state) in enumerate(batch, start=first):
+                if not self._first.offer(number, event, id_tail(state)):
                     self._first = None
                     break
         self._progress.set()
@@ -823,9 +828,9 @@ class JournalCommitter:
 
 async def start_producer(
     writer: JournalWriter, events: AsyncIterator[bytes], abandon: Callable[[], Awaitable[None]],
-    state: Callable[[], bytes] = lambda: b"",
+    state: Callable[[], bytes] = lambda: b"", digest: Callable[[], bytes] = lambda: b"",
 ) -> asyncio.Task[None]:
-    task = asyncio.create_task(writer.run(events, abandon, state), name="journal-producer")
+    task = asyncio.create_task(writer.run(events, abandon, state, digest), name="journal-producer")
     task.add_done_callback(_log_failure)
     return task
 

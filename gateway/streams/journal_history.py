@@ -28,17 +28,25 @@ from collections.abc import Iterator
 
 
 class JournalHistory:
-    """Events 1..N of one stream as the journal stores them, packed."""
+    """Events ``base + 1``..N of one stream as the journal stores them, packed. ``base`` is 0
+    but for a stream generated again after Redis and its producer lost it (its client holds
+    events 1..base, nobody else: gateway/streams/regenerate.py)."""
 
-    __slots__ = ("_data", "_ends")
+    __slots__ = ("_data", "_ends", "base")
 
-    def __init__(self) -> None:
+    def __init__(self, base: int = 0) -> None:
         self._data = bytearray()
         #: Per event, where its stored bytes end, then where its state ends.
         self._ends = array("Q")
+        self.base = base
 
     def __len__(self) -> int:
         return len(self._ends) // 2
+
+    @property
+    def last(self) -> int:
+        """The number of the last event held (``base`` when none is)."""
+        return self.base + len(self)
 
     def __repr__(self) -> str:
         return f"<JournalHistory events={len(self)} bytes={len(self._data)}>"
@@ -55,7 +63,8 @@ class JournalHistory:
         self._ends.append(len(self._data))
 
     def since(self, first: int) -> Iterator[tuple[bytes, bytes]]:
-        """(stored, state) of events ``first``..N (numbered from 1)."""
+        """(stored, state) of events ``first``..N (numbered from 1; from ``base + 1`` at the earliest)."""
+        first = max(1, first - self.base)
         start = self._ends[2 * first - 3] if first > 1 else 0
         for i in range(2 * (first - 1), len(self._ends), 2):
             middle, end = self._ends[i], self._ends[i + 1]

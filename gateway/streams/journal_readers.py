@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gateway.streams.event_ids import follows, frame, marks
+from gateway.streams.event_ids import follows, frame, id_tail, marks
 from gateway.streams.journal import (
     DONE,
     another_generation,
@@ -293,7 +293,7 @@ class JournalReaders:
                 lost = another_generation(last)
                 break
             last, chain = number, tag or chain
-            frames.append(frame(number, event, tag))
+            frames.append(frame(number, event, id_tail(fields.get(b"s", b""))))
             if event == DONE:
                 break
         for reader in readers:

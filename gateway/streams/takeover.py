@@ -30,14 +30,14 @@ producer gone (gateway/streams/journal_readers.py), so a stream nobody follows c
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import orjson
 from redis.asyncio import Redis
 
 from gateway.relay.upstream import Line
-from gateway.streams.event_ids import marks, unmarked
+from gateway.streams.event_ids import digest, marks, text_hasher, unmarked
 from gateway.streams.journal import DONE, ENTRY_OVERHEAD, entry_number, stream_key
 from gateway.streams.journal_history import JournalHistory
 from gateway.streams.migration import Progress
@@ -107,16 +107,39 @@ class Recovered:
 
 class LineTap:
     """Passes lines through and remembers them, so the journal entry of the event
-    rendered from them can say which token ids it carries (:meth:`take`)."""
+    rendered from them can say which token ids it carries (:meth:`take`). With
+    ``digest``, a stream of one choice that can be generated again, it also keeps the
+    account of what its client has (:meth:`digest`, gateway/streams/event_ids.py), starting
+    from the tokens ``ids`` and ``chars`` characters it had before these lines (a take-over)."""
 
-    def __init__(self, lines: AsyncIterator[tuple[int, Line]]) -> None:
+    def __init__(self, lines: AsyncIterator[tuple[int, Line]], *, digest: bool = False,
+                 ids: Sequence[int] = (), chars: int = 0) -> None:
         self._source = lines
         self._seen: list[tuple[int, Line]] = []
+        self._hash = text_hasher() if digest else None
+        self._tokens, self._chars = 0, chars
+        self._hash_ids(ids)
 
     async def lines(self) -> AsyncIterator[tuple[int, Line]]:
         async for item in self._source:
             self._seen.append(item)
+            if self._hash is not None:
+                line = item[1]
+                self._hash_ids(line.get("ids", ()))
+                self._chars += len(line.get("echo", "")) + len(line.get("text", ""))
             yield item
+
+    def _hash_ids(self, ids: Sequence[int]) -> None:
+        if self._hash is not None:
+            for token in ids:
+                self._hash.update(b"%d," % token)
+            self._tokens += len(ids)
+
+    def digest(self) -> bytes:
+        """What the client has once it has the lines consumed so far (b"": not kept)."""
+        if self._hash is None:
+            return b""
+        return digest(self._tokens, self._chars, self._hash.hexdigest().encode())
 
     def take(self) -> bytes:
         """The token state of the lines consumed since the last call; b"" for none."""

@@ -610,3 +610,16 @@ def test_a_last_event_id_carries_its_producers_tag() -> None:
     assert event_ids.parse("x.3fa9c2d1") == (0, None) and event_ids.parse(None) == (0, None)
     assert event_ids.unmarked(mark(b"0|17|5", b"3fa9c2d1", b"77aa01bc")) == b"0|17|5"
     assert event_ids.marks(b"0|17|5") == (None, None)
+
+
+def test_a_last_event_id_says_what_its_client_holds_of_a_stream_that_can_be_generated_again() -> None:
+    """(gateway/streams/regenerate.py) The id's digest rides in the entry's mark; the tag
+    alone still decides which history an event belongs to."""
+    state = mark(b"0|17|5", b"3fa9c2d1", b"77aa01bc", event_ids.digest(275, 1042, b"5be0a7c1"))
+    assert event_ids.marks(state) == (b"3fa9c2d1", b"77aa01bc")
+    assert event_ids.unmarked(state) == b"0|17|5"
+    assert event_ids.id_tail(state) == b"3fa9c2d1.275.1042.5be0a7c1"
+    header = event_ids.frame(279, b"data: x\n\n", event_ids.id_tail(state)).split(b"\n")[0][4:].decode()
+    assert event_ids.parse(header) == (279, b"3fa9c2d1")
+    assert event_ids.held(header) == (275, 1042, b"5be0a7c1")
+    assert event_ids.held("279.3fa9c2d1") is None and event_ids.held("279.3fa9c2d1.x.1.ab") is None
