@@ -430,8 +430,9 @@ class Serving:
                     continue
                 if after:  # the client holds events of it: its history is what was lost
                     raise HistoryLost(f"the stream this Last-Event-ID ({after}) belongs to is no longer known "
-                                      "(Redis lost it): it cannot be resumed; send the request without "
-                                      "Last-Event-ID to run it again")
+                                      "(Redis lost it): it cannot be resumed here; re-send its POST with the same "
+                                      "Idempotency-Key and Last-Event-ID (a stream of one choice is run again and "
+                                      "checked against what you hold), or without Last-Event-ID to run it anew")
                 if retry:  # the key was claimed moments ago: Redis lost it since (nemesis, Cluster)
                     raise Unavailable(f"the attempt that held Idempotency-Key {key!r} is no longer known (Redis "
                                       "lost it); send this request again", retry_after_s=1)

@@ -7,7 +7,9 @@
   a keep-alive ping, for ``RESUMABLE_READ_S``), ends with a retryable in-band error, or is
   left on purpose, is re-attached on another port with ``GET /v1/streams/{key}`` and
   ``Last-Event-ID``, or (``repost`` clients) with the SDK's retry: the same POST with the
-  same key and ``Last-Event-ID``; a 404 on a GET is answered with that retry too.
+  same key and ``Last-Event-ID``; a 404 on a GET is answered with that retry too, and so,
+  once, is ``stream_history_lost`` on a GET whose ``Last-Event-ID`` says what the client
+  holds (as the error tells it: the POST runs the stream again, checked against that).
 - non-streaming: one POST (half of them with an ``Idempotency-Key``), retried on the other
   port after a connection failure, 429, 502 or 503.
 
@@ -145,6 +147,7 @@ class Clients:
     async def _resumable(self, spec: RequestSpec, hist: History) -> None:
         key = f"{self.tag}-{spec.index}"
         port, how, last, last_id = spec.port_index, "post", 0, ""
+        regenerating = False
         for _ in range(MAX_ATTEMPTS):
             if how == "get":
                 headers = {"Authorization": f"Bearer {self.api_keys[spec.tenant]}", "Last-Event-ID": last_id or "0"}
@@ -169,6 +172,9 @@ class Clients:
                 how = reattach
             elif att.status == 404 and how == "get":
                 how = "repost"  # nothing to attach to: the SDK retries the request itself
+            elif how == "get" and not regenerating and last_id.count(".") == 4 and att.errors \
+                    and att.errors[-1].code == "stream_history_lost":
+                how, regenerating = "repost", True  # lost but for this client: the POST runs it again
             elif att.status in (429, 503) or (att.status == 0 and not att.chunks and how != "get"):
                 await asyncio.sleep(min(att.retry_after_s or 0.3, 2.0))
                 how = "get" if how == "get" else "repost"
