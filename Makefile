@@ -30,8 +30,23 @@ run: $(MODEL)
 	$(BIN)/sluice up $(ARGS)
 
 ## test: run the whole suite (real Redis, real processes, the real model on CPU)
+# The real-model tests run in a second pytest process beside the rest: they spend most of
+# their ~7 minutes starting vLLM engines, which compute on one core, while the rest mostly
+# waits on its own processes. Both must pass; the real-model log follows the rest's.
+# With PYTEST_ARGS (a file, -k ...), one plain pytest run.
+ifeq ($(strip $(PYTEST_ARGS)),)
+test: $(MODEL)
+	@log=$$(mktemp -t sluice-real-model.XXXXXX); \
+	$(BIN)/pytest tests/real_model >"$$log" 2>&1 & real=$$!; \
+	$(BIN)/pytest --ignore=tests/real_model; rest=$$?; \
+	wait $$real; realrc=$$?; \
+	echo "==> tests/real_model (run beside the rest): exit $$realrc"; cat "$$log"; rm -f "$$log"; \
+	echo "==> the rest: exit $$rest; tests/real_model: exit $$realrc"; \
+	test $$rest -eq 0 -a $$realrc -eq 0
+else
 test: $(MODEL)
 	$(BIN)/pytest $(PYTEST_ARGS)
+endif
 
 clean:
 	rm -rf $(VENV) .pytest_cache *.egg-info

@@ -113,8 +113,14 @@ class LossWatch:
         then makes this process unsure (:meth:`unsure_s`) at once; its next regular look tells
         the listeners. For a caller about to act on something's absence: a client's retry
         that came within a look's interval of a loss found its finished stream's record gone,
-        ran it again and was billed twice (the nemesis, one Redis: nem-1938)."""
-        epoch, server = await self._directory.look()
+        ran it again and was billed twice (the nemesis, one Redis: nem-1938). On a Cluster it
+        reads the epoch alone: asking every master which process it is made each new request
+        wait on the slowest master, and a failing one held requests for seconds (the nemesis,
+        Cluster); a loss on one node the epoch does not share is left to the regular looks."""
+        if self._directory.clustered:
+            epoch, server = await self._directory.epoch_id(), self._server or ""
+        else:
+            epoch, server = await self._directory.look()
         if self._epoch is _UNSEEN or not self._lost(epoch, server):
             return True
         self._changed_at = time.monotonic()

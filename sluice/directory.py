@@ -56,8 +56,13 @@ class Epoch:
 
     @property
     def rebuilding(self) -> bool:
-        """Workers may still be missing from this registry: they have not beaten since the loss."""
-        return self.after_loss and self.age_s < keys.REGISTRY_REBUILD_S
+        """Workers may still be missing from this registry: they have not beaten since the loss;
+        or the epoch is too young for every process that knew an earlier one to have marked
+        it (a gateway process started after the loss made it: the nemesis, Sentinel, got two
+        404s for a served model from a gateway restarted while Redis was away)."""
+        if self.after_loss:
+            return self.age_s < keys.REGISTRY_REBUILD_S
+        return self.age_s < keys.API_KEYS_UNMARKED_S
 
     @property
     def keys_restore_s(self) -> float:
@@ -91,6 +96,14 @@ class Directory:
 
     async def listed(self, model: str) -> bool:
         return bool(await self._redis.sismember(keys.MODELS, model))
+
+    @property
+    def clustered(self) -> bool:
+        return isinstance(self._redis, RedisCluster)
+
+    async def epoch_id(self) -> bytes | None:
+        """The epoch's id alone (None: the registry is gone): one command on one server."""
+        return await self._redis.hget(keys.EPOCH, "id")
 
     async def look(self) -> tuple[bytes | None, str]:
         """The epoch's id (None: the registry is gone), and which server processes answer
