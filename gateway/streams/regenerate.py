@@ -43,7 +43,7 @@ from gateway.streams.takeover import HistoryLost
 def digestible(payloads: list[dict[str, Any]], shaped: bool) -> bool:
     """Whether a resumable stream of these worker payloads can be generated again, and so
     carries the account of its client's text in its event ids."""
-    return not shaped and len(payloads) == 1 and resumable(payloads[0]) and not payloads[0].get("logprobs")
+    return not shaped and len(payloads) == 1 and resumable(payloads[0]) and payloads[0].get("logprobs") is None
 
 
 def chunk_id(kind: str, key: str) -> str:
