@@ -149,7 +149,8 @@ class Serving:
         record = ctx.record
         headers = {"x-request-id": ctx.request_id, **ctx.headers}
         payloads = worker_payloads(req, ctx.internal_id)
-        if held is not None and not digestible(payloads, shape is not None):  # (an id we never gave)
+        digest = digestible(payloads, shape is not None)
+        if held is not None and not digest:  # (an id we never gave)
             raise HistoryLost(f"the stream this Last-Event-ID ({held.after}) belongs to is no longer known (Redis "
                               "lost it) and cannot be run again: send the request without Last-Event-ID")
         upstreams: list[Upstream | None] = list(await self._open_all(req, payloads, ctx))
@@ -165,8 +166,7 @@ class Serving:
 
         if req.stream:
             if ctx.idempotency_key is not None:
-                return await self._produce(kind, req, ctx, upstreams, lines, abandon, headers, shape,
-                                           digestible(payloads, shape is not None), held)
+                return await self._produce(kind, req, ctx, upstreams, lines, abandon, headers, shape, digest, held)
 
             async def end(outcome: str | SluiceError, completed: bool) -> None:
                 nonlocal ended

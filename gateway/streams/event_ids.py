@@ -77,11 +77,11 @@ def _mark(state: bytes) -> tuple[bytes | None, bytes | None]:
 
 def digest(tokens: int, chars: int, ids_hash: bytes) -> bytes:
     """The id's account of what a client has: ``tokens`` completion tokens, ``chars``
-    characters of text, ``ids_hash`` the hex digest of the tokens' ids (:func:`text_hasher`)."""
+    characters of text, ``ids_hash`` the hex digest of the tokens' ids (:func:`ids_hasher`)."""
     return b"%d.%d.%b" % (tokens, chars, ids_hash)
 
 
-def text_hasher() -> Any:
+def ids_hasher() -> Any:
     """The running hash a :func:`digest` carries: updated with ``b"%d," % id`` per token."""
     return hashlib.blake2b(digest_size=4)
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.relay.upstream import Line
-from gateway.streams.event_ids import text_hasher
+from gateway.streams.event_ids import ids_hasher
 from gateway.streams.migration import resumable
 from gateway.streams.takeover import HistoryLost
 
@@ -67,7 +67,7 @@ class Held:
     async def rest(self, lines: AsyncIterator[tuple[int, Line]]) -> AsyncIterator[tuple[int, Line]]:
         """The new generation's lines, those the client has emptied of their text (their ids
         stay: usage counts them), once their ids are checked against the client's."""
-        hasher = text_hasher()
+        hasher = ids_hasher()
         seen_ids = seen_chars = 0
         if self.tokens == 0:
             self._check(hasher)

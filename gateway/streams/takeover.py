@@ -37,7 +37,7 @@ import orjson
 from redis.asyncio import Redis
 
 from gateway.relay.upstream import Line
-from gateway.streams.event_ids import digest, marks, text_hasher, unmarked
+from gateway.streams.event_ids import digest, ids_hasher, marks, unmarked
 from gateway.streams.journal import DONE, ENTRY_OVERHEAD, entry_number, stream_key
 from gateway.streams.journal_history import JournalHistory
 from gateway.streams.migration import Progress
@@ -116,7 +116,7 @@ class LineTap:
                  ids: Sequence[int] = (), chars: int = 0) -> None:
         self._source = lines
         self._seen: list[tuple[int, Line]] = []
-        self._hash = text_hasher() if digest else None
+        self._hash = ids_hasher() if digest else None
         self._tokens, self._chars = 0, chars
         self._hash_ids(ids)
 
