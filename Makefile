@@ -5,6 +5,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.sluice-installed
 MODEL := $(VENV)/.sluice-model-prepared
+# Each pytest process of `make test` is interrupted past this (then killed a minute on), so
+# a hang fails the run with the stuck test's name instead of holding CI for its 90 minutes.
+PYTEST_LIMIT ?= 40m
+PYTEST := timeout --foreground -s INT -k 60 $(PYTEST_LIMIT) $(BIN)/pytest
 
 .PHONY: run test install clean
 
@@ -37,15 +41,15 @@ run: $(MODEL)
 ifeq ($(strip $(PYTEST_ARGS)),)
 test: $(MODEL)
 	@log=$$(mktemp -t sluice-real-model.XXXXXX); \
-	$(BIN)/pytest tests/real_model >"$$log" 2>&1 & real=$$!; \
-	$(BIN)/pytest --ignore=tests/real_model; rest=$$?; \
+	$(PYTEST) tests/real_model >"$$log" 2>&1 & real=$$!; \
+	$(PYTEST) --ignore=tests/real_model; rest=$$?; \
 	wait $$real; realrc=$$?; \
 	echo "==> tests/real_model (run beside the rest): exit $$realrc"; cat "$$log"; rm -f "$$log"; \
 	echo "==> the rest: exit $$rest; tests/real_model: exit $$realrc"; \
 	test $$rest -eq 0 -a $$realrc -eq 0
 else
 test: $(MODEL)
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
 endif
 
 clean:

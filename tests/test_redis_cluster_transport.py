@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 from collections.abc import Coroutine
 from typing import Any
 import time
@@ -25,7 +26,7 @@ INCR = "return redis.call('INCR', KEYS[1])"
 
 
 def test_cluster_connection_closed_underneath_a_command_is_a_connection_error(redis_cluster_url: str) -> None:
-    uvloop.run(_closed_underneath(redis_cluster_url))
+    _run_bounded(_closed_underneath(redis_cluster_url))
 
 
 async def _closed_underneath(redis_cluster_url: str) -> None:
@@ -55,7 +56,7 @@ def test_a_cluster_command_past_its_deadline_fails_and_the_client_serves_on(
     and topology refreshes. A command held past the deadline (here a blocking read, with the
     deadline shortened) is a ``redis.TimeoutError``, and the client serves the next one."""
     monkeypatch.setattr(redis_pool, "CLUSTER_COMMAND_DEADLINE_S", 0.3)
-    uvloop.run(_past_deadline(redis_cluster_url))
+    _run_bounded(_past_deadline(redis_cluster_url))
 
 
 async def _past_deadline(redis_cluster_url: str) -> None:
@@ -86,7 +87,7 @@ def test_a_connection_closed_before_its_next_command_is_a_connection_error(
     transport and uvloop's ``RuntimeError`` went up through ``authenticate`` as "internal
     error in the gateway". One server and Sentinel now fail it as a lost connection,
     which redis-py reconnects."""
-    uvloop.run(_closed_before_use(request.getfixturevalue(server)))
+    _run_bounded(_closed_before_use(request.getfixturevalue(server)))
 
 
 async def _closed_before_use(url: str) -> None:
@@ -116,23 +117,37 @@ def test_cluster_master_killed_under_concurrent_scripts_raises_only_connection_e
     _run_bounded(_master_killed_under_load(replicated_cluster))
 
 
-def _run_bounded(main: Coroutine[Any, Any, None]) -> None:
-    """Run ``main`` on its own uvloop; then give leftover tasks 5 s to end. Once, in a full
-    suite run, ``uvloop.run``'s own teardown (cancel every task, close async generators)
-    never returned after this test had passed: a connection to the killed master that
-    redis-py's cluster client left behind. The test's assertions are ``main``'s."""
-    loop = uvloop.new_event_loop()
-    try:
-        # Bounded here: in a suite run (2026-12-02) a command to the killed master never
-        # returned and the suite's timeout never fired inside uvloop's run: CI hung for hours.
-        loop.run_until_complete(asyncio.wait_for(main, 90))
+def _run_bounded(main: Coroutine[Any, Any, None], limit_s: float = 100) -> None:
+    """Run ``main`` on a uvloop of its own thread and wait at most ``limit_s`` for it; the
+    test's assertions are ``main``'s. In full suite runs (2026-12-02, and CI of 2026-12-03)
+    this test hung for good after its work was done: closing a connection to the killed
+    master that redis-py's cluster client left behind never returned, and the suite's
+    timeout, a signal, never fired while uvloop ran (it swallows what the handler raises).
+    A thread that never ends is left behind; the test fails on time or passes on ``main``'s
+    outcome, whatever the loop's teardown does after."""
+    outcome: list[BaseException | None] = []
+    done = threading.Event()
+
+    def run() -> None:
+        loop = uvloop.new_event_loop()
+        try:
+            loop.run_until_complete(main)
+            outcome.append(None)
+        except BaseException as exc:  # handed to the test's thread
+            outcome.append(exc)
+        finally:
+            done.set()
         leftover = asyncio.all_tasks(loop)
         for task in leftover:
             task.cancel()
         if leftover:
             loop.run_until_complete(asyncio.wait(leftover, timeout=5))
-    finally:
         loop.close()
+
+    threading.Thread(target=run, daemon=True, name="cluster-kill").start()
+    assert done.wait(limit_s), f"the scenario did not end within {limit_s} s"
+    if outcome[0] is not None:
+        raise outcome[0]
 
 
 async def _master_killed_under_load(replicated_cluster: ReplicatedCluster) -> None:
@@ -168,8 +183,8 @@ async def _master_killed_under_load(replicated_cluster: ReplicatedCluster) -> No
         replicated_cluster.wait_promoted(old)
         assert foreign == []
         assert all(count >= 20 for count in served_after.values())  # every slot served again
-    finally:
-        await client.aclose()
+    finally:  # bounded: see _run_bounded
+        await asyncio.wait({asyncio.ensure_future(client.aclose())}, timeout=5)
 
 
 def test_a_cluster_no_node_of_which_answers_is_a_connection_error() -> None:
@@ -192,4 +207,4 @@ def test_a_cluster_no_node_of_which_answers_is_a_connection_error() -> None:
         finally:
             await client.aclose()
 
-    uvloop.run(main())
+    _run_bounded(main())

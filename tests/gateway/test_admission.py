@@ -74,7 +74,7 @@ async def test_high_priority_admitted_first(start_worker, start_gateway, backend
     model = f"prio-{replicas}"
     start_worker(model, redis_at=backend.url, sim_max_seqs=1, sim_token_ms=10, sim_ttft_ms=0)
     gateways = [start_gateway(redis_at=backend.url).url for _ in range(replicas)]
-    blocker = _hold_slot(gateways[0], model, tokens=80)
+    blocker = _hold_slot(gateways[0], model, tokens=300)  # 3 s: the plan queues well within it, even under load
     await asyncio.to_thread(wait_for, lambda: _inflight(backend.client, model) == 1, 5, "the blocker")
     plan = [(f"low{i}", 5) for i in range(3)] + [(f"high{i}", -5) for i in range(3)]
     order = await _completion_order(gateways, model, plan)
