@@ -41,7 +41,7 @@ from gateway.streams.journal_readers import JournalReaders
 from gateway.streams.journal_history import JournalHistory
 from gateway.streams.migration import Migrator
 from gateway.streams.regenerate import Held, chunk_id, digestible
-from gateway.streams.takeover import HistoryLost, LineTap, Plan, recover
+from gateway.streams.takeover import RESEND_POST, HistoryLost, LineTap, Plan, recover
 from gateway.surfaces.openai import (
     ChatCompletionRequest,
     ChunkWriter,
@@ -307,7 +307,8 @@ class Serving:
                 if self._leave_to_producer(key):
                     await self._committer.release(key, owner)
                     return True
-                raise HistoryLost("the stream's plan is no longer in Redis (it lost data): it cannot be continued")
+                raise HistoryLost(f"the stream's plan is no longer in Redis (it lost data): it cannot be continued; "
+                                  f"{RESEND_POST}")
             self._planless.pop(key, None)
             if found[0].kind in TYPED:
                 # A Responses or Messages stream, whose typed events (item ids, sequence
@@ -322,7 +323,7 @@ class Serving:
             budget = await self._quota.open(key, plan.tenant, 0, taken_over=state.stored_bytes + len(state.plan),
                                             hold_s=plan.deadline_unix - time.time() + self._settings.idempotency_ttl_s)
         except HistoryLost:  # never continued from a partial history; a retry runs again
-            await self._idempotency.settle(key, owner, completed=False)
+            await self._idempotency.abandon_stream(key, owner)
             raise
         except BaseException:
             await self._committer.release(key, owner)
@@ -430,9 +431,7 @@ class Serving:
                     continue
                 if after:  # the client holds events of it: its history is what was lost
                     raise HistoryLost(f"the stream this Last-Event-ID ({after}) belongs to is no longer known "
-                                      "(Redis lost it): it cannot be resumed here; re-send its POST with the same "
-                                      "Idempotency-Key and Last-Event-ID (a stream of one choice is run again and "
-                                      "checked against what you hold), or without Last-Event-ID to run it anew")
+                                      f"(Redis lost it): it cannot be resumed here; {RESEND_POST}")
                 if retry:  # the key was claimed moments ago: Redis lost it since (nemesis, Cluster)
                     raise Unavailable(f"the attempt that held Idempotency-Key {key!r} is no longer known (Redis "
                                       "lost it); send this request again", retry_after_s=1)

@@ -156,6 +156,17 @@ if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'owner', 
 return 1
 """
 
+#: KEYS: record, live, plan, journal, head. ARGV: owner. A taker that found the stream
+#: cannot be continued (its plan, or events of its journal, lost) forgets it whole, while
+#: it holds ``:live`` (nobody else writes the journal then): what is left of the journal
+#: goes too, else a re-sent POST holding events would attach to it again. A done record stays.
+ABANDON = """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+local held = redis.call('HMGET', KEYS[1], 'owner', 'state')
+if held[2] ~= 'done' and (not held[1] or held[1] == ARGV[1]) then redis.call('DEL', KEYS[1]) end
+return 1
+"""
 
 #: How long past ``:live``'s TTL a producer's process may still be stalled (a long GC or
 #: swap pause, a SIGSTOP, a VM migration) when a client that holds events comes back.
@@ -209,6 +220,7 @@ class Idempotency:
         self._claim = redis.register_script(CLAIM)
         self._settle = redis.register_script(SETTLE)
         self._take = redis.register_script(TAKE)
+        self._abandon = redis.register_script(ABANDON)
         self._start = redis.register_script(START)
         self._held: set[tuple[str, str]] = set()  # pending claims of this process: (key, owner)
         self._renewing: asyncio.Task[None] | None = None
@@ -318,6 +330,16 @@ class Idempotency:
         if not settled:
             log.info("Idempotency-Key %s is another request's to settle now, or Redis lost its record", key)
         return bool(settled)
+
+    async def abandon_stream(self, key: str, owner: str) -> bool:
+        """Forget the stream ``key``, journal and all, that its taker ``owner`` found cannot be
+        continued: a client holding events of it re-sends its POST, which then runs it again
+        (gateway/streams/regenerate.py) instead of attaching to the rest of it, which would
+        tell it the same again (nemesis, Sentinel). False if ``owner`` no longer holds it."""
+        self._held.discard((key, owner))
+        names = [keys.idempotency(key), keys.journal_live(key), keys.journal_plan(key), keys.journal(key),
+                 keys.journal_head(key)]
+        return bool(await self._abandon(keys=names, args=[owner]))
 
     async def take_stream(self, key: str, owner: str) -> bool:
         """Take the stream ``key`` over if no producer holds it: ``owner`` then produces it

@@ -51,6 +51,13 @@ class HistoryLost(UpstreamFailed):
     code = "stream_history_lost"
 
 
+#: What a client holding events of a stream nobody can continue does next, said wherever
+#: the key is left free for it: its POST runs the stream again, and a stream of one choice
+#: is checked against what the client holds (gateway/streams/regenerate.py).
+RESEND_POST = ("re-send its POST with the same Idempotency-Key and Last-Event-ID (a stream of one choice is run "
+               "again and checked against what you hold), or without Last-Event-ID to run it anew")
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """What a gateway needs, besides the journal, to continue someone else's stream."""
@@ -194,7 +201,7 @@ async def recover(redis: Redis, scope: str) -> tuple[Plan, Recovered] | None:
         number = entry_number(entry_id)
         if number != state.last + 1:
             raise HistoryLost(f"the stream's journal lacks events {state.last + 1}..{number - 1} (Redis lost "
-                              "data): it cannot be continued")
+                              f"data): it cannot be continued; {RESEND_POST}")
         state.last = number
         state.done |= fields.get(b"d") == DONE
         state.stored_bytes += len(fields.get(b"d", b"")) + len(fields.get(b"s", b"")) + ENTRY_OVERHEAD

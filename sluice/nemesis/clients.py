@@ -8,8 +8,9 @@
   left on purpose, is re-attached on another port with ``GET /v1/streams/{key}`` and
   ``Last-Event-ID``, or (``repost`` clients) with the SDK's retry: the same POST with the
   same key and ``Last-Event-ID``; a 404 on a GET is answered with that retry too, and so,
-  once, is ``stream_history_lost`` on a GET whose ``Last-Event-ID`` says what the client
-  holds (as the error tells it: the POST runs the stream again, checked against that).
+  once, is ``stream_history_lost`` (on a GET, or in-band on a POST whose stream could not be
+  taken over) when the ``Last-Event-ID`` says what the client holds (as the error tells it:
+  the POST runs the stream again, checked against that).
 - non-streaming: one POST (half of them with an ``Idempotency-Key``), retried on the other
   port after a connection failure, 429, 502 or 503.
 
@@ -172,7 +173,7 @@ class Clients:
                 how = reattach
             elif att.status == 404 and how == "get":
                 how = "repost"  # nothing to attach to: the SDK retries the request itself
-            elif how == "get" and not regenerating and last_id.count(".") == 4 and att.errors \
+            elif not regenerating and last_id.count(".") == 4 and att.errors \
                     and att.errors[-1].code == "stream_history_lost":
                 how, regenerating = "repost", True  # lost but for this client: the POST runs it again
             elif att.status in (429, 503) or (att.status == 0 and not att.chunks and how != "get"):

@@ -318,3 +318,34 @@ def test_a_stream_generated_again_differently_from_what_its_client_holds_is_neve
     assert _content(rest) == ""
     assert [orjson.loads(d)["error"]["code"] for _, d in rest if '"error"' in d] == ["stream_history_lost"], rest
     assert rest[-1][1] == "[DONE]"
+
+
+def test_a_stream_whose_plan_redis_lost_is_generated_again_when_its_client_re_sends_its_post(
+        gateways, start_gateway, redis_client) -> None:
+    """Regression (nemesis, Sentinel: 5 of its 8 inexact single-choice streams): a producing
+    gateway killed, and Redis lost the stream's plan but not its record. The client's re-sent
+    POST found a stream to follow, whose take-over could not continue it: in-band
+    ``stream_history_lost``, "it cannot be continued", and the client stopped there. The
+    error now tells it to re-send its POST, which then runs the stream again, checked against
+    what it holds, and it gets exactly the rest."""
+    _, other = gateways
+    key = uuid.uuid4().hex
+    seen, raw = _start_and_kill_raw(start_gateway(), key)
+    redis_client.delete(keys.journal_plan(scoped("-", key)))
+    headers = {"Idempotency-Key": key, "Last-Event-ID": raw}
+    with httpx.stream("POST", other.url + "/v1/chat/completions", json=BODY, headers=headers, timeout=60) as r:
+        told = _events(r.iter_lines())
+    errors = [orjson.loads(d)["error"] for _, d in told if '"error"' in d]
+    assert [e["code"] for e in errors] == ["stream_history_lost"], told
+    assert "re-send its POST with the same Idempotency-Key and Last-Event-ID" in errors[0]["message"]
+    assert _content(told) == ""
+    with httpx.stream("POST", other.url + "/v1/chat/completions", json=BODY, headers=headers, timeout=60) as r:
+        assert r.status_code == 200
+        rest = _events(r.iter_lines())
+    whole = seen + rest
+    plain = {k: v for k, v in BODY.items() if k != "stream_options"}
+    reference = httpx.post(other.url + "/v1/chat/completions", json={**plain, "stream": False}, timeout=60).json()
+    assert _content(whole) == reference["choices"][0]["message"]["content"]
+    ids = [i for i, _ in whole if i is not None]
+    assert ids == list(range(1, len(ids) + 1)), "an event was repeated or skipped"
+    assert whole[-1][1] == "[DONE]" and not any('"error"' in d for _, d in rest)
