@@ -191,12 +191,12 @@ class Serving:
         self, kind: Kind, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext,
         upstreams: list[Upstream | None], lines: AsyncIterator[tuple[int, Line]],
         abandon: Callable[[], Awaitable[None]], headers: dict[str, str], shape: Shape | None,
-        digest: bool, held: Held | None,
+        digest: int, held: Held | None,
     ) -> Response:
         """A resumable stream: the generation feeds the journal, independent of this client
         (a migration must not give up because the first reader left), and this client is
         its first reader. The plan lets another gateway continue it if this one dies.
-        ``digest``: its ids carry what the client has; ``held``: a stream generated again,
+        ``digest``: its choices, if its ids carry what the client has (else 0); ``held``: a stream generated again,
         whose client has events 1..``held.after`` (gateway/streams/regenerate.py)."""
         assert ctx.idempotency_key is not None
         ctx.detach_from_client()
@@ -237,8 +237,8 @@ class Serving:
             events = sse_events(kind, req, tap.lines(), ctx.record, ending.end, chunks, shape=shape)
         else:
             writer.continue_after(held.after, JournalHistory(base=held.after), held.tag)
-            tap = LineTap(held.rest(lines), digest=True, chars=held.chars)
-            events = sse_events(kind, req, tap.lines(), ctx.record, ending.end, chunks, {0: held.chars})
+            tap = LineTap(held.rest(lines, digest), digest=digest, chars=dict(enumerate(held.chars)))
+            events = sse_events(kind, req, tap.lines(), ctx.record, ending.end, chunks, held.offsets())
         await self._start_producer(writer, events, tap, ending)
         return SSEResponse(first.events(), self._keepalive, first.close, headers)
 
@@ -355,10 +355,9 @@ class Serving:
                  plan.request_id, state.last, len(state.progress))
         payloads = worker_payloads(req, ctx.internal_id)
         upstreams: list[Upstream | None] = [None] * len(payloads)
-        before = state.progress.get(0)  # a regenerable stream's ids carry what its client has
+        # A regenerable stream's ids carry what its client has, from the journal's account on.
         tap = LineTap(self._migrator.lines(req.model, upstreams, payloads, ctx, state.progress),
-                      digest=digestible(payloads, False) and before is not None,
-                      ids=before.ids if before else (), chars=before.chars if before else 0)
+                      digest=digestible(payloads, False), ids=state.sent, chars=state.offsets)
         ending = _Ending(lambda: _close(upstreams), lambda outcome: self._end_stream(upstreams, record, ctx, outcome),
                          record, owner)
         events = sse_events(kind, req, tap.lines(), record, ending.end, chunks, state.offsets)

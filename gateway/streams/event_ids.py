@@ -18,9 +18,10 @@ from the journal) that finds the next event in another history ends with the in-
 ``stream_history_lost`` error instead of a splice. Ids without a tag (plain ``N``) and
 entries without a mark (older gateways) are not checked.
 
-A stream of one choice that can be generated again (gateway/streams/regenerate.py) also
-carries a *digest* of what its client has: ``id: 279.3fa9c2d1.275.1042.5be0a7c1``, the
-completion tokens so far, the characters of their text, and a hash of their ids. When Redis
+A stream that can be generated again (gateway/streams/regenerate.py) also carries a
+*digest* of what its client has: ``id: 279.3fa9c2d1.275.1042.5be0a7c1``, the completion
+tokens so far, the characters of their text, and a hash of their ids (with several choices,
+``K0:K1`` tokens and ``C0:C1`` characters per choice, and one hash of them all). When Redis
 lost the stream and its producer died too, the client alone holds it; its re-sent POST with
 that ``Last-Event-ID`` runs the request again, checks the new tokens against the digest,
 and goes on after them.
@@ -30,7 +31,9 @@ b'id: 3.3fa9c2d1\\ndata: x\\n\\n'
 >>> parse("3.3fa9c2d1")
 (3, b'3fa9c2d1')
 >>> held("3.3fa9c2d1.4.12.5be0a7c1")
-(4, 12, b'5be0a7c1')
+((4,), (12,), b'5be0a7c1')
+>>> held("9.3fa9c2d1.4:3.12:9.0c1d2e3f")
+((4, 3), (12, 9), b'0c1d2e3f')
 >>> follows(b"3fa9c2d1", *marks(b"~77aa01bc<3fa9c2d1;0|17|5"))
 True
 """
@@ -38,6 +41,7 @@ True
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 DONE = b"data: [DONE]\n\n"
@@ -75,15 +79,49 @@ def _mark(state: bytes) -> tuple[bytes | None, bytes | None]:
     return tail, prev or None
 
 
-def digest(tokens: int, chars: int, ids_hash: bytes) -> bytes:
-    """The id's account of what a client has: ``tokens`` completion tokens, ``chars``
-    characters of text, ``ids_hash`` the hex digest of the tokens' ids (:func:`ids_hasher`)."""
-    return b"%d.%d.%b" % (tokens, chars, ids_hash)
-
-
 def ids_hasher() -> Any:
-    """The running hash a :func:`digest` carries: updated with ``b"%d," % id`` per token."""
+    """The running hash of one choice's token ids: updated with ``b"%d," % id`` per token."""
     return hashlib.blake2b(digest_size=4)
+
+
+#: The most choices whose account an id carries (``n`` times the prompts of one request).
+MAX_DIGEST_CHOICES = 128
+
+
+class Account:
+    """What a client has of a stream that can be generated again, per choice: its completion
+    tokens, the characters of their text, and a running hash of their ids (:func:`ids_hasher`).
+    :meth:`digest` is what the event ids carry: ``K.C.H`` for one choice; for several,
+    ``K0:K1:...`` and ``C0:C1:...``, and ``H`` hashes the choices' hashes in order."""
+
+    __slots__ = ("_hashes", "tokens", "chars")
+
+    def __init__(self, choices: int) -> None:
+        self._hashes = [ids_hasher() for _ in range(choices)]
+        self.tokens = [0] * choices
+        self.chars = [0] * choices
+
+    def add(self, index: int, ids: Sequence[int], chars: int = 0) -> None:
+        hasher = self._hashes[index]
+        for token in ids:
+            hasher.update(b"%d," % token)
+        self.tokens[index] += len(ids)
+        self.chars[index] += chars
+
+    def ids_hash(self) -> bytes:
+        if len(self._hashes) == 1:
+            return self._hashes[0].hexdigest().encode()
+        whole = ids_hasher()
+        for hasher in self._hashes:
+            whole.update(hasher.digest())
+        return whole.hexdigest().encode()
+
+    def digest(self) -> bytes:
+        return b"%b.%b.%b" % (_numbers(self.tokens), _numbers(self.chars), self.ids_hash())
+
+
+def _numbers(values: Sequence[int]) -> bytes:
+    return b":".join(b"%d" % value for value in values)
 
 
 def unmarked(state: bytes) -> bytes:
@@ -122,12 +160,17 @@ def parse(header: str | None) -> tuple[int, bytes | None]:
     return after, tag.encode() if after and _hex(tag) else None
 
 
-def held(header: str | None) -> tuple[int, int, bytes] | None:
-    """The digest a ``Last-Event-ID`` carries: (tokens, characters, hash of the ids), or None."""
+def held(header: str | None) -> tuple[tuple[int, ...], tuple[int, ...], bytes] | None:
+    """The account a ``Last-Event-ID`` carries (:class:`Account`): (tokens per choice,
+    characters per choice, the hash of the ids), or None."""
     parts = (header or "").strip().split(".")
-    if len(parts) != 5 or not _hex(parts[4]) or not all(p.isdigit() and len(p) <= 12 for p in parts[2:4]):
+    if len(parts) != 5 or not _hex(parts[4]):
         return None
-    return int(parts[2]), int(parts[3]), parts[4].encode()
+    tokens, chars = parts[2].split(":"), parts[3].split(":")
+    if len(tokens) != len(chars) or len(tokens) > MAX_DIGEST_CHOICES \
+            or not all(p.isdigit() and len(p) <= 12 for p in tokens + chars):
+        return None
+    return tuple(map(int, tokens)), tuple(map(int, chars)), parts[4].encode()
 
 
 def _hex(text: str) -> bool:

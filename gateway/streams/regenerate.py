@@ -22,8 +22,11 @@ in-band ``stream_history_lost`` error, never a splice. The regenerated journal s
 ``N + 1``: a client holding fewer events, or a later take-over, finds it short and is told
 its history is lost (then re-sends its POST in turn).
 
-Left as it was: streams of several choices (each choice's account would go in every id),
-logprobs (the tokens before the client's last one cannot be split off a line's logprobs),
+A stream of several choices carries each choice's tokens and characters in its ids, and
+one hash of every choice's ids: its new generation's lines wait until every choice has
+given the client's tokens and the hash is checked (streams of up to 128 choices).
+
+Left as it was: logprobs (the tokens before the client's last one cannot be split off a line's logprobs),
 and the Responses and Messages surfaces (their typed events keep their own counters).
 """
 
@@ -35,15 +38,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.relay.upstream import Line
-from gateway.streams.event_ids import ids_hasher
+from gateway.streams.event_ids import MAX_DIGEST_CHOICES, Account
 from gateway.streams.migration import resumable
 from gateway.streams.takeover import HistoryLost
 
 
-def digestible(payloads: list[dict[str, Any]], shaped: bool) -> bool:
-    """Whether a resumable stream of these worker payloads can be generated again, and so
-    carries the account of its client's text in its event ids."""
-    return not shaped and len(payloads) == 1 and resumable(payloads[0]) and payloads[0].get("logprobs") is None
+def digestible(payloads: list[dict[str, Any]], shaped: bool) -> int:
+    """How many choices a resumable stream of these worker payloads has, if it can be
+    generated again (its event ids then carry the account of what its client has); else 0."""
+    if shaped or not all(resumable(p) and p.get("logprobs") is None for p in payloads):
+        return 0
+    return len(payloads) if len(payloads) <= MAX_DIGEST_CHOICES else 0
 
 
 def chunk_id(kind: str, key: str) -> str:
@@ -55,50 +60,71 @@ def chunk_id(kind: str, key: str) -> str:
 @dataclass(frozen=True, slots=True)
 class Held:
     """What a client re-sending its POST holds of a stream nobody else has: events 1..``after``
-    of the history ``tag``, ``tokens`` completion tokens whose ids hash to ``ids_hash``,
-    ``chars`` characters of text."""
+    of the history ``tag``; per choice, ``tokens`` completion tokens and ``chars`` characters
+    of text; ``ids_hash``, the hash of their ids (:class:`gateway.streams.event_ids.Account`)."""
 
     after: int
     tag: bytes | None
-    tokens: int
-    chars: int
+    tokens: tuple[int, ...]
+    chars: tuple[int, ...]
     ids_hash: bytes
 
-    async def rest(self, lines: AsyncIterator[tuple[int, Line]]) -> AsyncIterator[tuple[int, Line]]:
+    def offsets(self) -> dict[int, int]:
+        """The characters of each choice the client has, for choices it has any event of
+        (those got their first chunk: no second role chunk)."""
+        return {index: chars for index, (tokens, chars) in enumerate(zip(self.tokens, self.chars, strict=True))
+                if tokens or chars or len(self.tokens) == 1}
+
+    async def rest(self, lines: AsyncIterator[tuple[int, Line]], choices: int) -> AsyncIterator[tuple[int, Line]]:
         """The new generation's lines, those the client has emptied of their text (their ids
-        stay: usage counts them), once their ids are checked against the client's."""
-        hasher = ids_hasher()
-        seen_ids = seen_chars = 0
-        if self.tokens == 0:
-            self._check(hasher)
+        stay: usage counts them), once the ids of every choice's first tokens are checked
+        against the client's. Lines past what the client has wait for that check."""
+        if choices != len(self.tokens):
+            raise self._lost(f"it has {choices} choice(s), the client's account {len(self.tokens)}")
+        account = Account(choices)
+        chars = [0] * choices  # the text of the lines before each choice's last held token
+        pending = sum(1 for tokens in self.tokens if tokens)  # choices short of what the client has
+        waiting: list[tuple[int, Line]] | None = []  # None once checked
+        if not pending:
+            waiting = self._check(account, waiting)
         async for index, line in lines:
-            if seen_ids >= self.tokens:
+            held = self.tokens[index]
+            if account.tokens[index] < held:
+                ids = line.get("ids", ())
+                text = line.get("echo", "") + line.get("text", "")
+                take = min(len(ids), held - account.tokens[index])
+                account.add(index, ids[:take])
+                bare = {k: v for k, v in line.items() if k not in ("echo", "lp")}
+                if account.tokens[index] < held:
+                    if line.get("finish_reason") is not None:
+                        raise self._lost(f"choice {index} of the new generation ended after "
+                                         f"{account.tokens[index]} tokens")
+                    chars[index] += len(text)
+                    yield index, {**bare, "text": ""}
+                    continue
+                cut = self.chars[index] - chars[index]
+                if not 0 <= cut <= len(text):
+                    raise self._lost(f"the text of choice {index} does not match the client's")
+                line = {**bare, "text": text[cut:]}
+                pending -= 1
+            if waiting is None:
                 yield index, line
                 continue
-            ids = line.get("ids", ())
-            text = line.get("echo", "") + line.get("text", "")
-            take = min(len(ids), self.tokens - seen_ids)
-            for token in ids[:take]:
-                hasher.update(b"%d," % token)
-            seen_ids += take
-            bare = {k: v for k, v in line.items() if k not in ("echo", "lp")}
-            if seen_ids < self.tokens:
-                if line.get("finish_reason") is not None:
-                    raise self._lost(f"the new generation ended after {seen_ids} tokens")
-                seen_chars += len(text)
-                yield index, {**bare, "text": ""}
-                continue
-            self._check(hasher)
-            cut = self.chars - seen_chars
-            if not 0 <= cut <= len(text):
-                raise self._lost("its text does not match the client's")
-            yield index, {**bare, "text": text[cut:]}
-        if seen_ids < self.tokens:
-            raise self._lost(f"the new generation ended after {seen_ids} tokens")
+            waiting.append((index, line))
+            if not pending:
+                for item in self._check(account, waiting):
+                    yield item
+                waiting = None
+        if pending:
+            raise self._lost("the new generation ended before it gave the client's tokens")
+        for item in waiting or ():
+            yield item
 
-    def _check(self, hasher: Any) -> None:
-        if hasher.hexdigest().encode() != self.ids_hash:
-            raise self._lost(f"its first {self.tokens} tokens differ from the client's")
+    def _check(self, account: Account, waiting: list[tuple[int, Line]]) -> list[tuple[int, Line]]:
+        """The lines that waited for the check, once the ids match the client's."""
+        if account.ids_hash() != self.ids_hash:
+            raise self._lost(f"its first {':'.join(map(str, self.tokens))} tokens differ from the client's")
+        return waiting
 
     def _lost(self, why: str) -> HistoryLost:
         return HistoryLost(f"the stream this Last-Event-ID ({self.after}) belongs to was lost (Redis and its "

@@ -30,14 +30,14 @@ producer gone (gateway/streams/journal_readers.py), so a stream nobody follows c
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import orjson
 from redis.asyncio import Redis
 
 from gateway.relay.upstream import Line
-from gateway.streams.event_ids import digest, ids_hasher, marks, unmarked
+from gateway.streams.event_ids import Account, marks, unmarked
 from gateway.streams.journal import DONE, ENTRY_OVERHEAD, entry_number, stream_key
 from gateway.streams.journal_history import JournalHistory
 from gateway.streams.migration import Progress
@@ -90,6 +90,7 @@ class Recovered:
     last: int = 0
     done: bool = False
     progress: dict[int, Progress] = field(default_factory=dict)  # unfinished choices
+    sent: dict[int, list[int]] = field(default_factory=dict)  # the token ids of every choice so far
     offsets: dict[int, int] = field(default_factory=dict)  # characters sent, per started choice
     completion_tokens: int = 0
     stored_bytes: int = 0  # what the journal takes in Redis (as JournalWriter counts it)
@@ -115,38 +116,34 @@ class Recovered:
 class LineTap:
     """Passes lines through and remembers them, so the journal entry of the event
     rendered from them can say which token ids it carries (:meth:`take`). With
-    ``digest``, a stream of one choice that can be generated again, it also keeps the
-    account of what its client has (:meth:`digest`, gateway/streams/event_ids.py), starting
-    from the tokens ``ids`` and ``chars`` characters it had before these lines (a take-over)."""
+    ``digest`` (its number of choices), a stream that can be generated again, it also keeps
+    the account of what its client has (:meth:`digest`, gateway/streams/event_ids.py),
+    starting from the token ``ids`` and ``chars`` characters each choice had before these
+    lines (a take-over, a stream generated again)."""
 
-    def __init__(self, lines: AsyncIterator[tuple[int, Line]], *, digest: bool = False,
-                 ids: Sequence[int] = (), chars: int = 0) -> None:
+    def __init__(self, lines: AsyncIterator[tuple[int, Line]], *, digest: int = 0,
+                 ids: Mapping[int, Sequence[int]] | None = None, chars: Mapping[int, int] | None = None) -> None:
         self._source = lines
         self._seen: list[tuple[int, Line]] = []
-        self._hash = ids_hasher() if digest else None
-        self._tokens, self._chars = 0, chars
-        self._hash_ids(ids)
+        self._account = Account(digest) if digest else None
+        if self._account is not None:
+            for index, before in (ids or {}).items():
+                self._account.add(index, before)
+            for index, count in (chars or {}).items():
+                self._account.add(index, (), count)
 
     async def lines(self) -> AsyncIterator[tuple[int, Line]]:
+        account = self._account
         async for item in self._source:
             self._seen.append(item)
-            if self._hash is not None:
-                line = item[1]
-                self._hash_ids(line.get("ids", ()))
-                self._chars += len(line.get("echo", "")) + len(line.get("text", ""))
+            if account is not None:
+                index, line = item
+                account.add(index, line.get("ids", ()), len(line.get("echo", "")) + len(line.get("text", "")))
             yield item
-
-    def _hash_ids(self, ids: Sequence[int]) -> None:
-        if self._hash is not None:
-            for token in ids:
-                self._hash.update(b"%d," % token)
-            self._tokens += len(ids)
 
     def digest(self) -> bytes:
         """What the client has once it has the lines consumed so far (b"": not kept)."""
-        if self._hash is None:
-            return b""
-        return digest(self._tokens, self._chars, self._hash.hexdigest().encode())
+        return b"" if self._account is None else self._account.digest()
 
     def take(self) -> bytes:
         """The token state of the lines consumed since the last call; b"" for none."""
@@ -219,4 +216,5 @@ async def recover(redis: Redis, scope: str) -> tuple[Plan, Recovered] | None:
         index: Progress(tuple(ids), state.offsets.get(index, 0))
         for index, ids in sent.items() if index not in finished
     }
+    state.sent = sent
     return plan, state

@@ -615,11 +615,35 @@ def test_a_last_event_id_carries_its_producers_tag() -> None:
 def test_a_last_event_id_says_what_its_client_holds_of_a_stream_that_can_be_generated_again() -> None:
     """(gateway/streams/regenerate.py) The id's digest rides in the entry's mark; the tag
     alone still decides which history an event belongs to."""
-    state = mark(b"0|17|5", b"3fa9c2d1", b"77aa01bc", event_ids.digest(275, 1042, b"5be0a7c1"))
+    state = mark(b"0|17|5", b"3fa9c2d1", b"77aa01bc", b"275.1042.5be0a7c1")
     assert event_ids.marks(state) == (b"3fa9c2d1", b"77aa01bc")
     assert event_ids.unmarked(state) == b"0|17|5"
     assert event_ids.id_tail(state) == b"3fa9c2d1.275.1042.5be0a7c1"
     header = event_ids.frame(279, b"data: x\n\n", event_ids.id_tail(state)).split(b"\n")[0][4:].decode()
     assert event_ids.parse(header) == (279, b"3fa9c2d1")
-    assert event_ids.held(header) == (275, 1042, b"5be0a7c1")
+    assert event_ids.held(header) == ((275,), (1042,), b"5be0a7c1")
     assert event_ids.held("279.3fa9c2d1") is None and event_ids.held("279.3fa9c2d1.x.1.ab") is None
+    assert event_ids.held("279.3fa9c2d1.1:2.3.ab") is None  # a count per choice, for every choice
+
+
+def test_a_stream_of_several_choices_accounts_for_each_in_its_ids() -> None:
+    """Each choice's tokens and characters, and one hash over every choice's: the same ids
+    give the same hash whichever way the choices' lines interleaved."""
+    one, two = event_ids.Account(2), event_ids.Account(2)
+    for index, ids, chars in [(0, [5, 7], 4), (1, [9], 2), (0, [3], 1)]:
+        one.add(index, ids, chars)
+    for index, ids, chars in [(1, [9], 2), (0, [5], 2), (0, [7, 3], 3)]:
+        two.add(index, ids, chars)
+    assert one.digest() == two.digest()
+    tokens, chars, ids_hash = one.digest().split(b".")
+    assert (tokens, chars) == (b"3:1", b"5:2")
+    assert event_ids.held("8.3fa9c2d1." + one.digest().decode()) == ((3, 1), (5, 2), ids_hash)
+    three = event_ids.Account(2)
+    three.add(0, [5, 7, 3], 5)
+    three.add(1, [8], 2)
+    assert three.ids_hash() != one.ids_hash()
+    single = event_ids.Account(1)
+    single.add(0, [5, 7])  # one choice: the hash of its ids alone (ids given before this change)
+    hasher = event_ids.ids_hasher()
+    hasher.update(b"5,7,")
+    assert single.ids_hash() == hasher.hexdigest().encode()

@@ -248,7 +248,7 @@ def _content(events: Events) -> str:
                    for choice in orjson.loads(d).get("choices", ()))
 
 
-def _start_and_kill_raw(gateway, key: str, events: int = 20) -> tuple[Events, str]:
+def _start_and_kill_raw(gateway, key: str, events: int = 20, body: dict | None = None) -> tuple[Events, str]:
     """The events a client got before its gateway was killed, and the last ``id:`` as it came."""
     raw = [""]
 
@@ -258,7 +258,7 @@ def _start_and_kill_raw(gateway, key: str, events: int = 20) -> tuple[Events, st
                 raw[0] = line[4:]
             yield line
 
-    with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=BODY,
+    with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body or BODY,
                       headers={"Idempotency-Key": key}, timeout=60) as r:
         seen = _events(noting(r.iter_lines()), lambda out: len(out) >= events)
         gateway.kill()
@@ -349,3 +349,39 @@ def test_a_stream_whose_plan_redis_lost_is_generated_again_when_its_client_re_se
     ids = [i for i, _ in whole if i is not None]
     assert ids == list(range(1, len(ids) + 1)), "an event was repeated or skipped"
     assert whole[-1][1] == "[DONE]" and not any('"error"' in d for _, d in rest)
+
+
+def _choices(events: Events) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for _, d in events:
+        if d.startswith("{"):
+            for choice in orjson.loads(d).get("choices", ()):
+                texts[choice["index"]] = texts.get(choice["index"], "") + (choice["delta"].get("content") or "")
+    return texts
+
+
+def test_a_stream_of_several_choices_both_lost_is_generated_again_for_its_client(
+        gateways, start_gateway, redis_client) -> None:
+    """The same for a stream of three choices (nemesis, Sentinel: 9 of its 20 inexact
+    resumable streams had several): its ids carry each choice's tokens and characters and
+    one hash of them all; the re-sent POST gets exactly the rest of every choice, and no
+    choice goes on before all three are checked."""
+    _, other = gateways
+    key = uuid.uuid4().hex
+    body = {**BODY, "n": 3, "seed": 11, "max_tokens": 60}
+    seen, raw = _start_and_kill_raw(start_gateway(), key, events=30, body=body)
+    assert raw.split(".")[2].count(":") == 2, raw  # a count per choice
+    _forget(redis_client, key)
+    with httpx.stream("POST", other.url + "/v1/chat/completions", json=body,
+                      headers={"Idempotency-Key": key, "Last-Event-ID": raw}, timeout=60) as r:
+        assert r.status_code == 200
+        rest = _events(r.iter_lines())
+    whole = seen + rest
+    plain = {k: v for k, v in body.items() if k != "stream_options"}
+    reference = httpx.post(other.url + "/v1/chat/completions", json={**plain, "stream": False}, timeout=60).json()
+    assert _choices(whole) == {c["index"]: c["message"]["content"] for c in reference["choices"]}
+    ids = [i for i, _ in whole if i is not None]
+    assert ids == list(range(1, len(ids) + 1)), "an event was repeated or skipped"
+    assert not any('"role"' in d for _, d in rest), "a second role chunk"
+    assert whole[-1][1] == "[DONE]" and not any('"error"' in d for _, d in whole)
+    assert orjson.loads(whole[-2][1])["usage"]["completion_tokens"] == 180
