@@ -7,11 +7,11 @@ take-over, leave the stream nowhere but in its client: the nemesis's one-Redis r
 all of its last 10 inexact resumable streams so (a producing gateway killed, then Redis
 restarted empty or flushed before ``:live`` expired), with ``stream_history_lost``.
 
-So a stream of one choice that another engine could continue from its tokens alone (no
+So a stream that another engine could continue from its tokens alone (no
 grammar, no tool-call parser, no logprobs, the chat and completions surfaces) carries, in
 every event id, what the client holds: ``id: N.tag.K.C.H``, the number ``K`` of completion
 tokens it has, the characters ``C`` of text they make, and ``H`` a hash of their ids
-(:func:`gateway.streams.event_ids.digest`). When the client re-sends its POST with that
+(:class:`gateway.streams.event_ids.Account`). When the client re-sends its POST with that
 ``Last-Event-ID`` and Redis knows nothing of the key (after waiting, as any such POST does,
 for a producer that may still write it back), the gateway runs the request again as a new
 producer and, before the first event it sends, checks that the new generation's first ``K``
@@ -26,8 +26,9 @@ A stream of several choices carries each choice's tokens and characters in its i
 one hash of every choice's ids: its new generation's lines wait until every choice has
 given the client's tokens and the hash is checked (streams of up to 128 choices).
 
-Left as it was: logprobs (the tokens before the client's last one cannot be split off a line's logprobs),
-and the Responses and Messages surfaces (their typed events keep their own counters).
+Left as it was: logprobs (the tokens before the client's last one cannot be split off a
+line's logprobs), and the Responses and Messages surfaces (their typed events keep their
+own counters).
 """
 
 from __future__ import annotations
