@@ -272,6 +272,25 @@ def _forget(redis_client, key: str) -> None:
                         keys.journal_plan(scope), keys.journal_head(scope))
 
 
+def _resend(url: str, body: dict, key: str, last_event_id: str) -> Events:
+    """A client's re-sent POST holding events up to ``last_event_id``: what it gets."""
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body,
+                      headers={"Idempotency-Key": key, "Last-Event-ID": last_event_id}, timeout=60) as r:
+        assert r.status_code == 200
+        return _events(r.iter_lines())
+
+
+def _reference(url: str, body: dict) -> dict:
+    """The same request's whole answer, generated anew."""
+    plain = {k: v for k, v in body.items() if k not in ("stream_options", "stream")}
+    return httpx.post(url + "/v1/chat/completions", json=plain, timeout=60).json()
+
+
+def _numbered(whole: Events) -> None:
+    ids = [i for i, _ in whole if i is not None]
+    assert ids == list(range(1, len(ids) + 1)), "an event was repeated or skipped"
+
+
 def test_a_stream_its_producer_and_redis_both_lost_is_generated_again_for_its_client(
         gateways, start_gateway, redis_client) -> None:
     """Regression (nemesis, one Redis: all 10 inexact resumable streams): a producing gateway
@@ -285,17 +304,11 @@ def test_a_stream_its_producer_and_redis_both_lost_is_generated_again_for_its_cl
     last, _, digest = raw.partition(".")
     assert digest.count(".") == 3, raw  # tag.tokens.chars.hash
     _forget(redis_client, key)
-    with httpx.stream("POST", other.url + "/v1/chat/completions", json=BODY,
-                      headers={"Idempotency-Key": key, "Last-Event-ID": raw}, timeout=60) as r:
-        assert r.status_code == 200
-        rest = _events(r.iter_lines())
+    rest = _resend(other.url, BODY, key, raw)
     whole = seen + rest
-    plain = {k: v for k, v in BODY.items() if k != "stream_options"}
-    reference = httpx.post(other.url + "/v1/chat/completions", json={**plain, "stream": False}, timeout=60).json()
-    assert _content(whole) == reference["choices"][0]["message"]["content"]
-    ids = [i for i, _ in whole if i is not None]
-    assert ids == list(range(1, len(ids) + 1)), "an event was repeated or skipped"
-    assert ids[len(seen)] == int(last) + 1
+    assert _content(whole) == _reference(other.url, BODY)["choices"][0]["message"]["content"]
+    _numbered(whole)
+    assert rest[0][0] == int(last) + 1
     assert _chunk_ids(rest) == _chunk_ids(seen), "the stream changed its id"
     assert not any('"role"' in d for _, d in rest), "a second role chunk"
     assert whole[-1][1] == "[DONE]" and not any('"error"' in d for _, d in whole)
@@ -332,22 +345,15 @@ def test_a_stream_whose_plan_redis_lost_is_generated_again_when_its_client_re_se
     key = uuid.uuid4().hex
     seen, raw = _start_and_kill_raw(start_gateway(), key)
     redis_client.delete(keys.journal_plan(scoped("-", key)))
-    headers = {"Idempotency-Key": key, "Last-Event-ID": raw}
-    with httpx.stream("POST", other.url + "/v1/chat/completions", json=BODY, headers=headers, timeout=60) as r:
-        told = _events(r.iter_lines())
+    told = _resend(other.url, BODY, key, raw)
     errors = [orjson.loads(d)["error"] for _, d in told if '"error"' in d]
     assert [e["code"] for e in errors] == ["stream_history_lost"], told
     assert "re-send its POST with the same Idempotency-Key and Last-Event-ID" in errors[0]["message"]
     assert _content(told) == ""
-    with httpx.stream("POST", other.url + "/v1/chat/completions", json=BODY, headers=headers, timeout=60) as r:
-        assert r.status_code == 200
-        rest = _events(r.iter_lines())
+    rest = _resend(other.url, BODY, key, raw)
     whole = seen + rest
-    plain = {k: v for k, v in BODY.items() if k != "stream_options"}
-    reference = httpx.post(other.url + "/v1/chat/completions", json={**plain, "stream": False}, timeout=60).json()
-    assert _content(whole) == reference["choices"][0]["message"]["content"]
-    ids = [i for i, _ in whole if i is not None]
-    assert ids == list(range(1, len(ids) + 1)), "an event was repeated or skipped"
+    assert _content(whole) == _reference(other.url, BODY)["choices"][0]["message"]["content"]
+    _numbered(whole)
     assert whole[-1][1] == "[DONE]" and not any('"error"' in d for _, d in rest)
 
 
@@ -372,16 +378,10 @@ def test_a_stream_of_several_choices_both_lost_is_generated_again_for_its_client
     seen, raw = _start_and_kill_raw(start_gateway(), key, events=30, body=body)
     assert raw.split(".")[2].count(":") == 2, raw  # a count per choice
     _forget(redis_client, key)
-    with httpx.stream("POST", other.url + "/v1/chat/completions", json=body,
-                      headers={"Idempotency-Key": key, "Last-Event-ID": raw}, timeout=60) as r:
-        assert r.status_code == 200
-        rest = _events(r.iter_lines())
+    rest = _resend(other.url, body, key, raw)
     whole = seen + rest
-    plain = {k: v for k, v in body.items() if k != "stream_options"}
-    reference = httpx.post(other.url + "/v1/chat/completions", json={**plain, "stream": False}, timeout=60).json()
-    assert _choices(whole) == {c["index"]: c["message"]["content"] for c in reference["choices"]}
-    ids = [i for i, _ in whole if i is not None]
-    assert ids == list(range(1, len(ids) + 1)), "an event was repeated or skipped"
+    assert _choices(whole) == {c["index"]: c["message"]["content"] for c in _reference(other.url, body)["choices"]}
+    _numbered(whole)
     assert not any('"role"' in d for _, d in rest), "a second role chunk"
     assert whole[-1][1] == "[DONE]" and not any('"error"' in d for _, d in whole)
     assert orjson.loads(whole[-2][1])["usage"]["completion_tokens"] == 180
