@@ -154,3 +154,27 @@ def test_a_queue_timeout_while_a_later_request_is_served_is_queue_order() -> Non
     assert verdicts[0].outcome == "explicit"
     queue_order([early, late], histories, verdicts, [])
     assert verdicts[0].kinds == ["queue_order"]
+
+
+def test_a_stream_whose_gateway_died_just_after_its_end_is_unbilled_not_wrong(tmp_path) -> None:
+    """A stream is billed once its journal is settled, just after its client read [DONE]: a
+    gateway killed then logs nothing (nemesis, Sentinel: nem-778, killed milliseconds after
+    its end). Within ``BILLING_LAG_S`` of the end that is unbilled; later, a wrong bill."""
+    from types import SimpleNamespace
+
+    from sluice.nemesis.invariants import BILLING_LAG_S, usage
+
+    spec = _spec()
+    log = tmp_path / "gateway-0.log"
+    log.write_text("")  # nothing logged: the gateway died before its access line
+    system = SimpleNamespace(gateways=[SimpleNamespace(log_path=log)])
+    hist = _history(_attempt(spec, _words(spec)))
+    verdict = check(spec, reference(spec), hist, [], [PORT])
+
+    def billing(kill_after_end_s: float) -> dict:
+        kill = FaultRun(Fault(1, 0.0, "gateway_kill", "gateway-0", 1.0), started_s=hist.ended_s + kill_after_end_s,
+                        ended_s=hist.ended_s + kill_after_end_s + 1)
+        return usage(system, [spec], [hist], [verdict], [kill]).value  # type: ignore[arg-type]
+
+    assert billing(BILLING_LAG_S / 2) == {**billing(BILLING_LAG_S / 2), "wrong": [], "unbilled_killed": 1}
+    assert billing(BILLING_LAG_S + 2.5)["wrong"] == [f"nem-1: served {len(_words(spec))}, billed 0 in 0 line(s)"]
