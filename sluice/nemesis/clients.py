@@ -7,10 +7,12 @@
   a keep-alive ping, for ``RESUMABLE_READ_S``), ends with a retryable in-band error, or is
   left on purpose, is re-attached on another port with ``GET /v1/streams/{key}`` and
   ``Last-Event-ID``, or (``repost`` clients) with the SDK's retry: the same POST with the
-  same key and ``Last-Event-ID``; a 404 on a GET is answered with that retry too, and so,
-  once, is ``stream_history_lost`` (on a GET, or in-band on a POST whose stream could not be
-  taken over) when the ``Last-Event-ID`` says what the client holds (as the error tells it:
-  the POST runs the stream again, checked against that).
+  same key and ``Last-Event-ID``; a 404 on a GET is answered with that retry too (so is a
+  503 to a GET holding no event: the stream may be one Redis lost, and holding nothing, the
+  request is simply sent again), and so, once, is ``stream_history_lost`` (on a GET, or
+  in-band on a POST whose stream could not be taken over) when the ``Last-Event-ID`` says
+  what the client holds (as the error tells it: the POST runs the stream again, checked
+  against that).
 - non-streaming: one POST (half of them with an ``Idempotency-Key``), retried on the other
   port after a connection failure, 429, 502 or 503.
 
@@ -171,8 +173,11 @@ class Clients:
             if att.left == "planned":
                 await asyncio.sleep(spec.away_s)
                 how = reattach
-            elif att.status == 404 and how == "get":
-                how = "repost"  # nothing to attach to: the SDK retries the request itself
+            elif how == "get" and (att.status == 404 or (att.status == 503 and not last)):
+                # Nothing to attach to, or nothing held of a stream Redis may have lost (the
+                # 503 says to send the request again with its body): the SDK retries it.
+                await asyncio.sleep(min(att.retry_after_s or 0.0, 2.0))
+                how = "repost"
             elif not regenerating and last_id.count(".") == 4 and att.errors \
                     and att.errors[-1].code == "stream_history_lost":
                 how, regenerating = "repost", True  # lost but for this client: the POST runs it again

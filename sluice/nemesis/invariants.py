@@ -125,7 +125,7 @@ async def check_all(system: System, specs: list[RequestSpec], refs: list[Referen
 
 #: How long after a client read its stream's end the gateway may still be billing it (the
 #: journal settled, the access line written): a kill within it loses the line (nemesis,
-#: Sentinel: nem-778, its gateway killed a few milliseconds after its [DONE]).
+#: Sentinel: nem-778, its one POST's gateway killed moments after its [DONE]).
 BILLING_LAG_S = 1.0
 
 

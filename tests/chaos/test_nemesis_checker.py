@@ -158,8 +158,8 @@ def test_a_queue_timeout_while_a_later_request_is_served_is_queue_order() -> Non
 
 def test_a_stream_whose_gateway_died_just_after_its_end_is_unbilled_not_wrong(tmp_path) -> None:
     """A stream is billed once its journal is settled, just after its client read [DONE]: a
-    gateway killed then logs nothing (nemesis, Sentinel: nem-778, killed milliseconds after
-    its end). Within ``BILLING_LAG_S`` of the end that is unbilled; later, a wrong bill."""
+    gateway killed then logs nothing (nemesis, Sentinel: nem-778, killed moments after its
+    end). Within ``BILLING_LAG_S`` of the end that is unbilled; later, a wrong bill."""
     from types import SimpleNamespace
 
     from sluice.nemesis.invariants import BILLING_LAG_S, usage
