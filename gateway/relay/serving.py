@@ -237,7 +237,8 @@ class Serving:
             events = sse_events(kind, req, tap.lines(), ctx.record, ending.end, chunks, shape=shape)
         else:
             writer.continue_after(held.after, JournalHistory(base=held.after), held.tag)
-            tap = LineTap(held.rest(lines, digest), digest=digest, chars=dict(enumerate(held.chars)))
+            tap = LineTap(held.rest(lines, [req.token_limit()] * digest), digest=digest,
+                          chars=dict(enumerate(held.chars)))
             events = sse_events(kind, req, tap.lines(), ctx.record, ending.end, chunks, held.offsets())
         await self._start_producer(writer, events, tap, ending)
         return SSEResponse(first.events(), self._keepalive, first.close, headers)

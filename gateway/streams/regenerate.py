@@ -34,7 +34,7 @@ own counters).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,12 +76,19 @@ class Held:
         return {index: chars for index, (tokens, chars) in enumerate(zip(self.tokens, self.chars, strict=True))
                 if tokens or chars or len(self.tokens) == 1}
 
-    async def rest(self, lines: AsyncIterator[tuple[int, Line]], choices: int) -> AsyncIterator[tuple[int, Line]]:
+    async def rest(self, lines: AsyncIterator[tuple[int, Line]],
+                   limits: Sequence[int | None]) -> AsyncIterator[tuple[int, Line]]:
         """The new generation's lines, those the client has emptied of their text (their ids
         stay: usage counts them), once the ids of every choice's first tokens are checked
-        against the client's. Lines past what the client has wait for that check."""
-        if choices != len(self.tokens):
-            raise self._lost(f"it has {choices} choice(s), the client's account {len(self.tokens)}")
+        against the client's. Lines past what the client has wait for that check (at most
+        the generation itself: no choice's account may exceed its ``limits``, max_tokens)."""
+        if len(limits) != len(self.tokens):
+            raise self._lost(f"it has {len(limits)} choice(s), the client's account {len(self.tokens)}")
+        if any(limit is not None and held > limit for held, limit in zip(self.tokens, limits, strict=True)):
+            # An id we never gave: no generation could reach it, and waiting for it would hold
+            # every other choice's lines until the end.
+            raise self._lost("the client's account has more tokens than the request allows")
+        choices = len(limits)
         account = Account(choices)
         chars = [0] * choices  # the text of the lines before each choice's last held token
         pending = sum(1 for tokens in self.tokens if tokens)  # choices short of what the client has

@@ -52,10 +52,10 @@ class HistoryLost(UpstreamFailed):
 
 
 #: What a client holding events of a stream nobody can continue does next, said wherever
-#: the key is left free for it: its POST runs the stream again, and a stream of one choice
-#: is checked against what the client holds (gateway/streams/regenerate.py).
-RESEND_POST = ("re-send its POST with the same Idempotency-Key and Last-Event-ID (a stream of one choice is run "
-               "again and checked against what you hold), or without Last-Event-ID to run it anew")
+#: the key is left free for it: its POST runs the stream again, checked against what the
+#: client holds (gateway/streams/regenerate.py).
+RESEND_POST = ("re-send its POST with the same Idempotency-Key and Last-Event-ID (the stream is run again and "
+               "checked against what you hold), or without Last-Event-ID to run it anew")
 
 
 @dataclass(frozen=True, slots=True)

@@ -385,3 +385,20 @@ def test_a_stream_of_several_choices_both_lost_is_generated_again_for_its_client
     assert not any('"role"' in d for _, d in rest), "a second role chunk"
     assert whole[-1][1] == "[DONE]" and not any('"error"' in d for _, d in whole)
     assert orjson.loads(whole[-2][1])["usage"]["completion_tokens"] == 180
+
+
+def test_an_account_beyond_max_tokens_is_refused_before_anything_is_held(
+        gateways, start_gateway, redis_client) -> None:
+    """An id claiming more tokens than the request allows was never ours: no generation can
+    reach it, and its lines would wait for it to the end. It is told so at once."""
+    _, other = gateways
+    key = uuid.uuid4().hex
+    _, raw = _start_and_kill_raw(start_gateway(), key)
+    _forget(redis_client, key)
+    number, tag, _, chars, ids_hash = raw.split(".")
+    forged = f"{number}.{tag}.{BODY['max_tokens'] + 1}.{chars}.{ids_hash}"
+    rest = _resend(other.url, BODY, key, forged)
+    assert _content(rest) == ""
+    errors = [orjson.loads(d)["error"] for _, d in rest if '"error"' in d]
+    assert [e["code"] for e in errors] == ["stream_history_lost"], rest
+    assert "more tokens than the request allows" in errors[0]["message"]
