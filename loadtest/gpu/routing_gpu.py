@@ -242,22 +242,26 @@ def brief(row: dict[str, Any]) -> str:
 def routing_phase(args: argparse.Namespace, shape: FleetShape, out: Path, logs: Path) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     arms = args.arms.split(",")
-    workloads = args.workloads.split(",")
+    # "overflow-z0.6:rr+cache-approx": that workload with those arms only (the default: --arms)
+    spec = [(w, a.split("+") if a else arms) for w, _, a in (s.partition(":") for s in args.workloads.split(","))]
+    workloads = [w for w, _ in spec]
     current: dict[str, str | None] = {"arm": None}
     with Fleet(shape, logs) as fleet, Sampler(lambda: fleet.sampler_groups(current["arm"])) as sampler:
         t0 = time.monotonic()
         # start while the workers load (gateways wait for none)
-        fleet.start_gateways([g for g in (a.partition("@")[0] for a in arms + args.first_only.split(","))
-                              if g and g != DIRECT], args.tokenizer)
+        every = [a for _, own in spec for a in own] + args.first_only.split(",")
+        fleet.start_gateways(list(dict.fromkeys(g for g in (a.partition("@")[0] for a in every) if g and g != DIRECT)),
+                             args.tokenizer)
         fleet.start_workers(args.start_timeout_s)
         log(f"{shape.workers} workers registered after {time.monotonic() - t0:.1f} s")
         sizes = Sizes(cache_tokens=shape.cache_tokens, prefix_words=args.prefix_words, overflow_x=args.overflow_x,
                       zipf_s=args.zipf_s)
-        runs = [(w, workload, a, arm) for w, workload in enumerate(workloads)
+        runs = [(w, workload, a, arm) for w, (workload, own) in enumerate(spec)
                 # each workload starts with another arm: no arm always runs first (or last) in the fleet's warm-up
-                for a, arm in [(k, arms[(k + w) % len(arms)]) for k in range(len(arms))]]
+                for a, arm in [(k, own[(k + w) % len(own)]) for k in range(len(own))]]
         extra = [a for a in args.first_only.split(",") if a]  # diagnostic arms, after the first workload's
-        runs[len(arms):len(arms)] = [(0, workloads[0], len(arms) + k, arm) for k, arm in enumerate(extra)]
+        first = len(spec[0][1])
+        runs[first:first] = [(0, workloads[0], first + k, arm) for k, arm in enumerate(extra)]
         for k, (w, workload, a, arm) in enumerate(runs):
             seconds = args.arm_s
             if args.deadline:  # the arms left share what is left; an arm costs ~arm_overhead_s beside its load
@@ -287,7 +291,9 @@ def main() -> int:
     p.add_argument("--served", default="m1b")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--arms", default="rr,least,cache-approx,cache-precise")
-    p.add_argument("--workloads", default="overflow,easy,w5,chat")
+    p.add_argument("--workloads", default="overflow,easy,w5,chat",
+                   help="comma-separated; NAME:ARM+ARM runs only those arms on it; overflow-z0.6: Zipf 0.6 "
+                        "(loadtest/gpu/workloads.py)")
     p.add_argument("--first-only", default="", help="more arms for the first workload alone, e.g. direct,rr@32 "
                    "(direct: no gateway, the client sends to the workers in turn; ARM@N: N users)")
     p.add_argument("--arm-s", type=float, default=30, help="seconds of load per arm and workload (less near --deadline)")

@@ -16,6 +16,8 @@
 # Each phase ends by its deadline (MIG_S and PD_S are kept for the last two).
 # A real model (stage.sh REAL_MODEL=DIR; its earlier parts already in /tmp/mparts) lands in
 # /tmp/m_real: SLUICE_BENCH_DUMMY=0 MIGRATION_ARGS="--model /tmp/m_real --tokenizer /tmp/m_real".
+# SHAPE=8b: the routing fleet runs Llama-3-8B's shape (dummy weights) instead of 1b, whose prefill costs
+# ~8x more (where cache routing saves TTFT and throughput); plan2 may run the other shape (block_bytes below).
 # ROUTING=0: no routing phase. MIG_FIRST=1: migration first (by MIG_S from its start; what it leaves goes to routing), for a
 # session where migration matters most and routing may be cut.
 # With ROUTING1_S set, the routing phase is two: the first gets ROUTING1_S (ROUTING_ARGS), then
@@ -43,6 +45,7 @@ ROUTING1_S=${ROUTING1_S:-}                # set: the routing phase is split in t
 MIG_FIRST=${MIG_FIRST:-0}                 # 1: the migration phase before routing (above)
 ROUTING=${ROUTING:-1}                     # 0: no routing phase (a migration-only session)
 PLAN_WAIT_S=${PLAN_WAIT_S:-90}
+SHAPE=${SHAPE:-1b}                        # the dummy model's shape: 1b (Llama-3.2-1B) or 8b (Llama-3-8B), model() below
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # NVLink multicast stays off
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
@@ -67,17 +70,28 @@ real_model() {   # /tmp/m_real: a real model sent in parts (stage.sh REAL_MODEL=
     log "model /tmp/m_real: $(ls /tmp/m_real | tr '\n' ' ')"
 }
 
-model() {   # /tmp/m_1b: Llama-3.2-1B's shape with the default model's tokenizer (dummy weights)
-  mkdir -p /tmp/m_1b && cp "${KIT:-.gpu/kit}"/tok/* /tmp/m_1b/ || return 1
-  python3 - /tmp/m_1b/config.json <<'PY'
+model() {   # /tmp/m_1b and /tmp/m_8b: Llama-3.2-1B's and Llama-3-8B's shapes with the default model's tokenizer (dummy weights)
+  local shape
+  for shape in 1b 8b; do
+    mkdir -p "/tmp/m_$shape" && cp "${KIT:-.gpu/kit}"/tok/* "/tmp/m_$shape/" || return 1
+    model_config "/tmp/m_$shape/config.json" "$shape" || return 1
+  done
+}
+model_config() {
+  python3 - "$@" <<'PY'
 import json, sys
 c = json.load(open(sys.argv[1]))
-c.update(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-         head_dim=64, tie_word_embeddings=True, max_position_embeddings=8192,
-         rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})
+shapes = {"1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
+          "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)}
+c.update(shapes[sys.argv[2]], max_position_embeddings=8192, rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})
 json.dump(c, open(sys.argv[1], "w"), indent=1)
 PY
 }
+# A KV block (16 tokens, bf16) of each shape: layers x KV heads x head_dim x 2 (K and V) x 2 bytes x 16.
+# A second fleet of the other shape (plan2): --model /tmp/m_1b --block-bytes 524288 --served m1b --label m1b
+block_bytes() { case $SHAPE in 8b) echo $(( 32 * 8 * 128 * 2 * 2 * 16 )) ;; *) echo $(( 16 * 8 * 64 * 2 * 2 * 16 )) ;; esac; }
 
 gpu_free() {   # what a phase left on the GPU goes before the next phase's engines start
   command -v nvidia-smi >/dev/null || return 0
@@ -105,7 +119,7 @@ migration() {   # migration DEADLINE_EPOCH (daemon's locals: out, model, tok, si
 daemon() {
   local end; end=$(cat "$S/end")
   export KIT=$PWD/kit PYTHONPATH=/tmp/site:$PWD
-  local out=$S/out sim=() tok=${TOKENIZER:-/tmp/m_1b} model=/tmp/m_1b
+  local out=$S/out sim=() tok=${TOKENIZER:-/tmp/m_$SHAPE} model=/tmp/m_$SHAPE
   mkdir -p "$out"
   if [ "$ENGINE" = sim ]; then sim=(--quick); model=none; else model || return 1; fi
   local routing_s=$(( end - $(date +%s) - 40 - MIG_S - PD_S ))   # 40: the NIXL probe and the tokenizer's cost
@@ -136,7 +150,8 @@ print(";".join(dict.fromkeys(t for t in (first, *sys.argv[2].split(";")) if t)))
   local r1_end=$(( end - MIG_S - PD_S ))
   [ -n "$ROUTING1_S" ] && r1_end=$(( $(date +%s) + ROUTING1_S ))
   [ "$ROUTING" = 1 ] && phase routing $r1_end $PY -m loadtest.gpu.routing_gpu --phase routing --engine "$ENGINE" \
-    --model "$model" --tokenizer "$tok" --deadline $r1_end --out "$out" "${sim[@]}" $ROUTING_ARGS
+    --model "$model" --tokenizer "$tok" --deadline $r1_end --out "$out" "${sim[@]}" \
+    --block-bytes "$(block_bytes)" --served "m$SHAPE" --label "m$SHAPE" $ROUTING_ARGS
   if [ -n "$ROUTING1_S" ]; then   # the second fleet, as the next call says (or the default)
     touch "$S/ask"; log "ASK: routing phase 1 done; waiting ${PLAN_WAIT_S} s for $S/plan2"
     local waited=0

@@ -12,6 +12,10 @@ is one worker's cache, so the four caches hold ``4 * cache_tokens``.
 - chat: multi-turn sessions on one short system prompt, each turn adds the answer and a
   new question.
 
+A name may carry its own settings: ``overflow-z0.6`` is overflow with Zipf exponent 0.6,
+``overflow-x1.5`` with prefixes 1.5 times the caches (:func:`resolve`), so one fleet runs
+several shapes of a workload.
+
 A plan is an endless stream of sessions (a single-turn request is a session of one
 turn), drawn as users pick them up: an arm runs for a time, not a count. For multi-turn
 sessions the client appends the model's answer before the session's next turn is sent
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
 
@@ -72,8 +76,21 @@ def zipf_weights(n: int, s: float) -> list[float]:
     return [1 / (k + 1) ** s for k in range(n)]
 
 
+def resolve(name: str, sizes: Sizes) -> tuple[str, Sizes]:
+    """A workload's name less its settings, and the sizes with them applied:
+    ``overflow-z0.6-x1.5`` -> ("overflow", zipf_s=0.6, overflow_x=1.5)."""
+    base, *opts = name.split("-")
+    fields = {"z": "zipf_s", "x": "overflow_x"}
+    for opt in opts:
+        if opt[:1] not in fields:
+            raise ValueError(f"unknown workload setting {opt!r} in {name!r} (z: Zipf exponent, x: overflow factor)")
+        sizes = replace(sizes, **{fields[opt[0]]: float(opt[1:])})
+    return base, sizes
+
+
 def groups_of(name: str, sizes: Sizes) -> int:
     """How many shared prefixes the workload draws from (0: none shared)."""
+    name, sizes = resolve(name, sizes)
     fleet = 4 * sizes.cache_tokens
     share = {"easy": sizes.easy_share, "overflow": sizes.overflow_x}.get(name)
     return max(2, round(share * fleet / sizes.prefix_words)) if share else 0
@@ -83,6 +100,7 @@ def plan(name: str, tag: str, sizes: Sizes, seed: int) -> Iterator[Session]:
     """The workload as an endless stream of sessions, in the order users pick them up."""
     rng = random.Random(seed)
     groups = groups_of(name, sizes)
+    name, sizes = resolve(name, sizes)
 
     @cache
     def prefix(g: int) -> str:  # one text per group: drawn once, not per request
@@ -118,7 +136,9 @@ def plan(name: str, tag: str, sizes: Sizes, seed: int) -> Iterator[Session]:
 def describe(name: str, sizes: Sizes) -> dict[str, Any]:
     """What the workload's shared prefixes weigh against the fleet's caches."""
     groups = groups_of(name, sizes)
+    name, sizes = resolve(name, sizes)
     if not groups:
         return {"groups": 0, "prefix_x_fleet_cache": 0.0}
-    return {"groups": groups, "prefix_words": sizes.prefix_words,
-            "prefix_x_fleet_cache": round(groups * sizes.prefix_words / (4 * sizes.cache_tokens), 2)}
+    out = {"groups": groups, "prefix_words": sizes.prefix_words,
+           "prefix_x_fleet_cache": round(groups * sizes.prefix_words / (4 * sizes.cache_tokens), 2)}
+    return out | ({"zipf_s": sizes.zipf_s} if name == "overflow" else {})
