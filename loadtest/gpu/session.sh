@@ -164,7 +164,7 @@ print(";".join(dict.fromkeys(t for t in (first, *sys.argv[2].split(";")) if t)))
         $ROUTING_ARGS $plan2
     fi
   fi
-  [ "$MIG_FIRST" = 1 ] || migration $(( end - PD_S ))
+  [ "$MIG_FIRST" = 1 ] || [ "$MIG_S" = 0 ] || migration $(( end - PD_S ))   # MIG_S=0: no migration phase
   local connector=(--connector NixlConnector --nixl-tries "$nixl_tries" --first-timeout-s 45)
   [ "$ENGINE" = sim ] && connector=()
   [ "$PD_S" -gt 0 ] && phase disagg "$end" $PY -m loadtest.gpu.disagg_gpu --engine "$ENGINE" --model "$model" --tokenizer "$tok" \
