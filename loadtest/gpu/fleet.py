@@ -32,6 +32,10 @@ ARMS: dict[str, dict[str, str]] = {
     # closed-loop user back to the worker it left); "least" takes those within one request in turn
     "least-slots": {"SLUICE_GATEWAY_ROUTING": "least", "SLUICE_GATEWAY_ROUTE_LEAST_PENDING_WEIGHT": "0",
                     "SLUICE_GATEWAY_ROUTE_LEAST_SPREAD": "0"},
+    # least with a request before its first token weighing 1 + W (the pending-prefill weight): a
+    # closed loop's returning wave then spills from the worker that freed it after a few requests
+    **{f"least-w{w}": {"SLUICE_GATEWAY_ROUTING": "least", "SLUICE_GATEWAY_ROUTE_LEAST_PENDING_WEIGHT": str(w),
+                       "SLUICE_GATEWAY_ROUTE_LEAST_SPREAD": "1"} for w in (0, 2, 4)},
     "cache-approx": {"SLUICE_GATEWAY_ROUTING": "cache", "SLUICE_PREFIX_INDEX": "approx"},
     "cache-precise": {"SLUICE_GATEWAY_ROUTING": "cache", "SLUICE_PREFIX_INDEX": "precise"},
 }
