@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-COLORS = {"rr": "#999999", "least": "#d98c3f", "least-slots": "#f2c98f", "cache-approx": "#4c78a8", "cache-precise": "#2a9d5c"}
+COLORS = {"rr": "#999999", "least": "#d98c3f", "least-slots": "#f2c98f", "least-spread": "#e8ab68", "cache-approx": "#4c78a8", "cache-precise": "#2a9d5c"}
 
 
 def draw(rows: list[dict[str, Any]], path: Path) -> None:

@@ -29,9 +29,14 @@ ARMS: dict[str, dict[str, str]] = {
     "rr": {"SLUICE_GATEWAY_ROUTING": "rr"},
     "least": {"SLUICE_GATEWAY_ROUTING": "least"},
     # least as it was before issue 24's fix: slots in use only, the least loaded alone (each
-    # closed-loop user back to the worker it left); "least" takes those within one request in turn
+    # closed-loop user back to the worker it left)
     "least-slots": {"SLUICE_GATEWAY_ROUTING": "least", "SLUICE_GATEWAY_ROUTE_LEAST_PENDING_WEIGHT": "0",
                     "SLUICE_GATEWAY_ROUTE_LEAST_SPREAD": "0"},
+    # least's previous default: slots in use only, those within one request of the least loaded
+    # in turn (a worker's arrivals in waves on the H200 of 2026-12-03); "least" weighs a request
+    # before its first token (gateway/config.py)
+    "least-spread": {"SLUICE_GATEWAY_ROUTING": "least", "SLUICE_GATEWAY_ROUTE_LEAST_PENDING_WEIGHT": "0",
+                     "SLUICE_GATEWAY_ROUTE_LEAST_SPREAD": "1"},
     "cache-approx": {"SLUICE_GATEWAY_ROUTING": "cache", "SLUICE_PREFIX_INDEX": "approx"},
     "cache-precise": {"SLUICE_GATEWAY_ROUTING": "cache", "SLUICE_PREFIX_INDEX": "precise"},
 }
