@@ -77,16 +77,30 @@ class GatewaySettings(RedisSettings):
     #: least-loaded one gets no credit for its cached prefix.
     route_hot_share: float = Field(default=0.75, ge=0, le=1)
     #: Least-loaded routing: a request granted but not yet past its first token counts as
-    #: 1 + this many requests in flight. Default 0 (slots only): on one H200 (4 vLLM workers,
-    #: loadtest/gpu/h200-2026-12-01-routing/) a weight of 3 did not help least (w5 TTFT p90
-    #: 1,411 ms, slots alone 1,286, rr 396), measured before least stopped sending each user
-    #: back to the worker it left (gateway/admission/scripts.py), which the weight alone did
-    #: not stop (93% of returns still went back, tests/gateway/closed_loop.py).
-    route_least_pending_weight: float = Field(default=0.0, ge=0)
-    #: Least-loaded routing: the workers within this many requests of the least loaded are
-    #: taken in turn. 0 is the least loaded alone (ties in turn), which in a closed loop sends
-    #: every user back to the worker it left (gateway/admission/scripts.py); kept to measure.
-    route_least_spread: float = Field(default=1.0, ge=0)
+    #: 1 + this many requests in flight. Such a request is what the next one's first token
+    #: would wait behind (the worker's front end tokenizes one request at a time, then the
+    #: engine prefills it); a decoding one costs that next request next to nothing. Counting
+    #: slots alone (0), least sent a worker its requests in waves: the users a worker freed at
+    #: one step all found it the least loaded and came back together, and their prompts queued
+    #: in its front end: on one H200, 2.5-3.2x rr's TTFT p90, 67-70 % of a worker's arrivals
+    #: within 10 ms of the one before (rr 5-7 %; README.md, "Migration at GPU speed, and the
+    #: easy and w5 arms"). At 12 a worker holding one such request is passed over until the
+    #: others hold one too. In virtual time (tests/gateway/closed_loop.py ``H200``: a 6 ms front
+    #: end per prompt; 12 seeds, least's p90 against rr's) weights 0, 1, 3, 6, 12 at spread 1
+    #: gave 2.66x, 1.50x, 1.25x, 1.13x, 1.13x, and 12 at spread 3 1.04x (worst seed 1.23x; 24
+    #: no better), arrivals in waves 60 % -> 25 % (rr 10 %). The H200 run of 2026-12-01 where
+    #: a weight of 3 "did not help" (w5 p90 1,411 ms, slots alone 1,286) proves nothing: its
+    #: load generator (one httpx client for 64 users) sent requests in convoys, which its TTFT
+    #: columns measured (README.md, "Where the 2.5 s TTFT floor came from"). On the H200 since
+    #: (loadtest/gpu/h200-2026-12-03-m8b-routing/, 1B fleet, easy workload, 64 users): least's
+    #: p90 against rr's 1.60x with slots alone, 1.56x / 1.31x at weights 2 / 4, 1.35x at 12 with
+    #: spread 3 (the p50 1.24x): better, not yet within 1.2x; w5 0.95x with slots alone.
+    route_least_pending_weight: float = Field(default=12.0, ge=0)
+    #: Least-loaded routing: the workers within this many requests (weighted as above) of the
+    #: least loaded are taken in turn. 0 is the least loaded alone (ties in turn), which in a
+    #: closed loop sends every user back to the worker it left (gateway/admission/scripts.py);
+    #: kept to measure. 3, measured with the weight above (1 before, with slots alone).
+    route_least_spread: float = Field(default=3.0, ge=0)
     #: Cache routing's index (``SLUICE_PREFIX_INDEX``, shared with the workers): ``approx``
     #: names blocks of 64 words and learns from routing and ``cached_tokens``; ``precise``
     #: names blocks of 64 token ids (the ``tokenizer`` folder's tokenizer and chat template,

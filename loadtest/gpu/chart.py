@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-COLORS = {"rr": "#999999", "least": "#d98c3f", "least-slots": "#f2c98f", "cache-approx": "#4c78a8", "cache-precise": "#2a9d5c"}
+COLORS = {"rr": "#999999", "least": "#d98c3f", "least-slots": "#f2c98f", "least-w0": "#e8ab68", "least-w2": "#e0a050", "least-w4": "#c8782a", "least-w12s3": "#d98c3f", "cache-approx": "#4c78a8", "cache-precise": "#2a9d5c"}
 
 
 def draw(rows: list[dict[str, Any]], path: Path) -> None:

@@ -29,13 +29,16 @@ ARMS: dict[str, dict[str, str]] = {
     "rr": {"SLUICE_GATEWAY_ROUTING": "rr"},
     "least": {"SLUICE_GATEWAY_ROUTING": "least"},
     # least as it was before issue 24's fix: slots in use only, the least loaded alone (each
-    # closed-loop user back to the worker it left); "least" takes those within one request in turn
+    # closed-loop user back to the worker it left)
     "least-slots": {"SLUICE_GATEWAY_ROUTING": "least", "SLUICE_GATEWAY_ROUTE_LEAST_PENDING_WEIGHT": "0",
                     "SLUICE_GATEWAY_ROUTE_LEAST_SPREAD": "0"},
-    # least with a request before its first token weighing 1 + W (the pending-prefill weight): a
-    # closed loop's returning wave then spills from the worker that freed it after a few requests
+    # least with a request before its first token weighing 1 + W (the pending-prefill weight) and
+    # those within S requests of the least loaded taken in turn: least-w0 is the default before
+    # 2026-12-03's fix (waves at a worker on the H200), least-w12s3 the default since (gateway/config.py)
     **{f"least-w{w}": {"SLUICE_GATEWAY_ROUTING": "least", "SLUICE_GATEWAY_ROUTE_LEAST_PENDING_WEIGHT": str(w),
                        "SLUICE_GATEWAY_ROUTE_LEAST_SPREAD": "1"} for w in (0, 2, 4)},
+    "least-w12s3": {"SLUICE_GATEWAY_ROUTING": "least", "SLUICE_GATEWAY_ROUTE_LEAST_PENDING_WEIGHT": "12",
+                    "SLUICE_GATEWAY_ROUTE_LEAST_SPREAD": "3"},
     "cache-approx": {"SLUICE_GATEWAY_ROUTING": "cache", "SLUICE_PREFIX_INDEX": "approx"},
     "cache-precise": {"SLUICE_GATEWAY_ROUTING": "cache", "SLUICE_PREFIX_INDEX": "precise"},
 }

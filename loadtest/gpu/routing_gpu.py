@@ -1,17 +1,17 @@
 """Routing and migration at GPU speed: 4 vLLM workers sharing one GPU, one gateway per arm.
 
-Phase ``routing``: the workers start once (dummy weights, a fixed number of KV blocks
-each, KV events published for the precise index); one gateway per arm (rr, least,
-cache-approx, cache-precise; least-slots = least counting slots only; ``--gateway-procs``
-processes each); then, per workload (overflow, easy, w5, chat: loadtest/gpu/workloads.py),
-every arm in turn (each workload starting with another arm) on prompts of its own (no arm
-finds another's blocks), for ``--arm-s`` seconds, or the arms left's share of the time to
-``--deadline``. Per arm, one JSON line: hit rate (sum of ``cached_tokens`` / sum of prompt
-tokens), TTFT p50/p90/p99 and output tok/s over the requests started after ``--warmup-s``
-(``*_all``: every request), the router's predicted hit and its error (the gateway's
-``prefix_expected`` / ``prefix_error`` counters), errors, and CPU: the arm's gateway (all
-its processes) per request and per chunk, beside the vLLM workers' (worker + engine core)
-per request.
+Phase ``routing``: the workers start once (dummy weights, a fixed number of KV blocks each,
+KV events published for the precise index); one gateway per arm (rr, least, cache-approx,
+cache-precise; least-slots, least-wW[sS]: least's other settings, fleet.py;
+``--gateway-procs`` processes each); then, per workload (overflow, easy, w5, chat:
+loadtest/gpu/workloads.py), every arm in turn (each workload starting with another arm) on
+prompts of its own (no arm finds another's blocks), for ``--arm-s`` seconds, or the arms
+left's share of the time to ``--deadline``. Per arm, one JSON line: hit rate (sum of
+``cached_tokens`` / sum of prompt tokens), TTFT p50/p90/p99 and output tok/s over the
+requests started after ``--warmup-s`` (``*_all``: every request), the router's predicted hit
+and its error (the gateway's ``prefix_expected`` / ``prefix_error`` counters), errors, and
+CPU: the arm's gateway (all its processes) per request and per chunk, beside the vLLM
+workers' (worker + engine core) per request.
 
 Each arm also says where its TTFT went (``diag``: loadtest/gpu/diagnose.py): the client's
 requests joined with the gateway's access lines (queue wait, TTFT, worker) and vLLM's own
