@@ -44,6 +44,10 @@ record does not start a generation; the caller waits, at most ``UNSURE_MAX_S``. 
 this process has not looked at yet (its watch looks every half second) is caught by one more
 look when a key is claimed fresh (``confirm``): the nemesis's one-Redis run billed a
 stream twice whose retry came 0.3 s after a restart.
+
+Every wait of a claim ends within ``CLAIM_MAX_S`` (or the request's deadline, if sooner),
+Redis commands included: then ``503`` + ``Retry-After`` ("send it again"), or ``504`` at the
+deadline. Nothing has been sent to the client yet, so a longer wait is silence.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ from starlette.responses import Response
 
 from gateway.streams.journal import DONE, LIVE_TTL_MS, RECLAIM_GRACE_S
 from sluice import keys
-from sluice.errors import Conflict, DeadlineExceeded, InvalidRequest, UpstreamFailed
+from sluice.errors import Conflict, DeadlineExceeded, InvalidRequest, SluiceError, Unavailable, UpstreamFailed
 
 log = logging.getLogger("sluice.gateway")
 
@@ -71,6 +75,14 @@ MAX_KEY_LENGTH = 255
 _WAIT_S = 0.05
 #: The longest a key without a record waits for a write-back after a loss (see the module).
 UNSURE_MAX_S = 6.0
+#: The longest a claim waits, all of its rounds and Redis commands together, before it
+#: answers 503 + Retry-After: no byte has reached the client yet. Its longest designed
+#: waits fit (a lost stream's producer, ``wait_for_producer_s``, 10 s, then a write-back,
+#: ``UNSURE_MAX_S``); a Cluster command alone may take 12 s (``CLUSTER_COMMAND_DEADLINE_S``).
+#: Unbounded, a claim whose every look found a loss went round for as long as a Cluster
+#: node was away: the nemesis's clients, which give up on a silent POST after 35 s, got
+#: nothing for 35 s (nem-3307, nem-4256).
+CLAIM_MAX_S = 20.0
 
 #: KEYS: record, journal, plan, live, head. ARGV: owner, fp, stream, record ttl ms, live
 #: ttl ms, the caller's Last-Event-ID, the journal's end event, "1" while unsure (below). The one way a request claims a key, and with it the
@@ -197,6 +209,16 @@ def fingerprint(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest()
 
 
+def _late(deadline: float, what: str) -> SluiceError:
+    """A claim that waited as long as it may: 504 at the request's deadline, else 503 with
+    Retry-After (the wait ended at ``CLAIM_MAX_S``; sent again, the request may find the key
+    settled)."""
+    if time.monotonic() >= deadline:
+        return DeadlineExceeded(f"the request with this Idempotency-Key {what}")
+    return Unavailable(f"the request with this Idempotency-Key {what} (past {CLAIM_MAX_S:g} s); "
+                       "send it again", retry_after_s=1)
+
+
 def _text(value: bytes | str | None) -> str | None:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -244,7 +266,27 @@ class Idempotency:
         holds events never starts a new generation (``stream_history_lost`` instead), unless it
         can be checked against what it holds (``regenerate``, gateway/streams/regenerate.py):
         then, once no producer wrote the stream back in time, ``owner`` owns the key and
-        generates it again ("regenerate")."""
+        generates it again ("regenerate"). Answers within ``CLAIM_MAX_S``, or by ``deadline``
+        if that comes first: past it, :class:`Unavailable` (503, send it again), or
+        :class:`DeadlineExceeded` at the deadline."""
+        give_up = min(deadline, time.monotonic() + CLAIM_MAX_S)
+        try:
+            # A wait ends itself at ``give_up``, saying what it waited for; this cuts, just
+            # after, a Redis command still unanswered (a stalled node, a failover). A round
+            # that had won the key then leaves its ``:live`` to expire (3 s), as a gateway
+            # that died would.
+            async with asyncio.timeout(give_up + _WAIT_S - time.monotonic()) as bound:
+                return await self._claim_by(key, fp, stream, deadline, give_up, owner, after, regenerate)
+        except TimeoutError:
+            if not bound.expired():
+                raise
+            raise _late(deadline, "is waiting for Redis") from None
+
+    async def _claim_by(
+        self, key: str, fp: str, stream: bool, deadline: float, give_up: float, owner: str, after: int,
+        regenerate: bool,
+    ) -> Response | Literal["attach", "regenerate"] | None:
+        """:meth:`claim`'s rounds; each wait ends at ``give_up``."""
         names = [keys.idempotency(key), keys.journal(key), keys.journal_plan(key), keys.journal_live(key),
                  keys.journal_head(key)]
         lost_until: float | None = None
@@ -262,6 +304,11 @@ class Idempotency:
                     log.info("Idempotency-Key %s: Redis lost data moments ago; waiting for its record to be "
                              "written back before running it", key)
                     await self.settle(key, owner, completed=False)
+                    # A loss seen now gets its own wait, even after one for an earlier loss
+                    # ran out: claiming again at once went round without end while every
+                    # look found a loss (the nemesis, Cluster: nem-3307, nem-4256).
+                    unsure_until = time.monotonic() + UNSURE_MAX_S
+                    await self._pause(give_up, deadline, "is waiting for Redis's data to be written back")
                     continue
                 self._hold(key, owner)
                 return None if fresh_after is None else "regenerate"
@@ -271,17 +318,14 @@ class Idempotency:
                     unsure_until = time.monotonic() + UNSURE_MAX_S
                     log.info("Idempotency-Key %s has no record while Redis may have lost it: waiting for "
                              "its gateway to write it back", key)
-                if time.monotonic() > deadline:
-                    raise DeadlineExceeded("the request with this Idempotency-Key is waiting for Redis's "
-                                           "data to be written back")
-                await asyncio.sleep(_WAIT_S)
+                await self._pause(give_up, deadline, "is waiting for Redis's data to be written back")
                 continue
             if state == "lost":
                 # Redis lost the stream: a producer that still runs re-claims it, and writes
                 # its journal again, within ``:live``'s refresh period; give it that long.
                 lost_until = lost_until or time.monotonic() + wait_for_producer_s()
                 if time.monotonic() < min(lost_until, deadline):
-                    await asyncio.sleep(_WAIT_S)
+                    await self._pause(give_up, deadline, "is waiting for its stream's producer to write it back")
                     continue
                 if regenerate and fresh_after is None:
                     fresh_after, after = after, 0  # the next round claims the key for a new generation
@@ -300,9 +344,16 @@ class Idempotency:
                 return "attach"
             # Pending, and its owner lives: wait. If it dies, its :live expires within
             # LIVE_TTL_MS and a later round claims the key here.
-            if time.monotonic() > deadline:
-                raise DeadlineExceeded("the request with this Idempotency-Key is still running")
-            await asyncio.sleep(_WAIT_S)
+            await self._pause(give_up, deadline, "is still running")
+
+    @staticmethod
+    async def _pause(give_up: float, deadline: float, what: str) -> None:
+        """Wait before the claim's next round; at ``give_up``, tell the caller instead."""
+        left_s = give_up - time.monotonic()
+        if left_s > 0:
+            await asyncio.sleep(min(_WAIT_S, left_s))
+        if time.monotonic() >= give_up:
+            raise _late(deadline, what)
 
     async def promote(self, key: str, owner: str, fp: str, remaining_s: float, plan: bytes) -> bool:
         """Start the claim's stream: the record now lives as long as the journal may, the

@@ -4,17 +4,22 @@ Cluster), without HTTP: only the key's current owner settles it."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
 import pytest
 
 from gateway.loss_watch import LossWatch
+from gateway.streams import idempotency
 from gateway.streams.idempotency import Idempotency
 from gateway.streams.journal import LIVE_TTL_MS
 from sluice import keys
-from sluice.errors import DeadlineExceeded
+from sluice.embedded_redis import EmbeddedCluster
+from sluice.errors import DeadlineExceeded, Unavailable
 from sluice.redis_pool import RedisClient, create_pool
 
 
@@ -110,3 +115,143 @@ async def test_a_fresh_claim_right_after_a_loss_its_watch_has_not_seen_waits_for
         await records.close()
     finally:
         await watch.close()
+
+
+class HeldWatch:
+    """A process's loss watch whose write-backs after a loss do not return (a degraded Cluster
+    held nem-4256's gateway's journal keeper 34 s): it sees the first loss, then no later one."""
+
+    def __init__(self, redis: RedisClient) -> None:
+        self.redis = redis
+        self.watch = LossWatch(redis, check_s=0.05)
+        self.released = asyncio.Event()
+        self.watch.listen(self._writing_back)
+
+    async def _writing_back(self, lost: bool) -> bool:
+        if lost:
+            await self.released.wait()
+        return True
+
+    async def lose(self) -> str:
+        """Redis loses its data (a new registry epoch); returns the new epoch's id."""
+        epoch = uuid.uuid4().hex
+        await self.redis.hset(keys.EPOCH, "id", epoch)
+        return epoch
+
+    async def seen(self, epoch: str) -> None:
+        while self.watch.seen_epoch != epoch:
+            await asyncio.sleep(0.01)
+
+    async def __aenter__(self) -> HeldWatch:
+        first = await self.lose()
+        self.watch.start()
+        await self.seen(first)
+        await self.seen(await self.lose())  # seen, and writing back from now on
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.released.set()
+        await self.watch.close()
+
+
+def _records(redis: RedisClient, watch: LossWatch) -> Idempotency:
+    return Idempotency(redis, ttl_s=60, unsure=watch.unsure_s, confirm=watch.confirm)
+
+
+async def _answer(claim: Coroutine[Any, Any, Any], within_s: float) -> Any:
+    """The claim's answer (or its error), which must come within ``within_s``: a claim that
+    has none by then leaves its client with no byte."""
+    task = asyncio.ensure_future(claim)
+    done, _ = await asyncio.wait({task}, timeout=within_s)
+    if not done:
+        task.cancel()
+        pytest.fail(f"the claim had no answer within {within_s} s")
+    return task.result()
+
+
+async def test_a_fresh_claim_while_the_watch_is_held_up_runs_once_the_new_loss_was_waited_for(
+    idem, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression (nemesis, Cluster: nem-3307, nem-4256, no byte for 35 s): a gateway's loss
+    watch, held up writing back after a loss, did not look at Redis again while Redis lost
+    more; every claim's look (``confirm``) then found a loss its watch had not seen, let go of
+    the key and took it again at once, without end and past its deadline. A loss seen is now
+    waited for once; then the claim runs."""
+    _, redis = idem
+    monkeypatch.setattr(idempotency, "UNSURE_MAX_S", 0.3)
+    async with HeldWatch(redis) as held:
+        await held.lose()  # unseen by the held watch
+        records = _records(redis, held.watch)
+        key = uuid.uuid4().hex
+        assert await _answer(records.claim(key, "fp", True, time.monotonic() + 8, owner="retry"), 3) is None
+        assert await redis.get(keys.journal_live(key)) == b"retry"
+        await records.close()
+
+
+async def test_a_claim_that_finds_a_new_loss_at_every_look_is_told_503_within_claim_max_s(
+    idem, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While Redis keeps losing data (FLUSHALLs and failovers one after another), a key
+    without a record waits for write-backs each time: its client hears 503 + Retry-After
+    within ``CLAIM_MAX_S``, not silence until its deadline."""
+    _, redis = idem
+    monkeypatch.setattr(idempotency, "UNSURE_MAX_S", 0.3)
+    monkeypatch.setattr(idempotency, "CLAIM_MAX_S", 1.5)
+    async with HeldWatch(redis) as held:
+        async def losing() -> None:
+            while True:
+                await held.lose()
+                await asyncio.sleep(0.1)
+
+        loser = asyncio.create_task(losing())
+        records = _records(redis, held.watch)
+        started = time.monotonic()
+        try:
+            with pytest.raises(Unavailable) as refused:
+                await _answer(records.claim(uuid.uuid4().hex, "fp", True, time.monotonic() + 30, owner="retry"), 3)
+        finally:
+            loser.cancel()
+            await records.close()
+        assert 1.5 <= time.monotonic() - started < 3
+        assert refused.value.headers() == {"Retry-After": "1"}
+
+
+async def test_a_retry_of_a_key_still_pending_is_told_503_within_claim_max_s(
+    idem, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A retry whose first attempt still holds the key (queued, or its claim stuck on Redis)
+    waited up to its whole deadline with no byte sent (60 s in the nemesis, whose client gives
+    up after 35 s): it is told to come again at ``CLAIM_MAX_S``."""
+    records, _ = idem
+    monkeypatch.setattr(idempotency, "CLAIM_MAX_S", 1.0)
+    key = uuid.uuid4().hex
+    assert await records.claim(key, "fp", True, _deadline(), owner="first") is None  # renewed meanwhile
+    started = time.monotonic()
+    with pytest.raises(Unavailable, match="still running"):
+        await _answer(records.claim(key, "fp", True, time.monotonic() + 60, owner="retry"), 2)
+    assert time.monotonic() - started >= 1.0
+
+
+async def test_a_claim_on_a_stalled_cluster_node_is_told_503_within_claim_max_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Cluster command to a stalled node (SIGSTOP: connected, silent) returns only at the
+    command deadline (12 s), and a claim's rounds add such waits up: the claim is cut at
+    ``CLAIM_MAX_S`` whatever command it waits on, and its client told to come again."""
+    monkeypatch.setattr(idempotency, "CLAIM_MAX_S", 1.0)
+    with EmbeddedCluster() as cluster:
+        redis = await create_pool(cluster.url)
+        records = Idempotency(redis, ttl_s=60)
+        key = uuid.uuid4().hex
+        node = redis.get_node_from_key(keys.idempotency(key))
+        stalled = next(server for server in cluster.servers if server.port == node.port)
+        await redis.set(keys.journal_live(key) + ":warm", "1", px=60_000)  # a connection to that node
+        os.kill(stalled.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(Unavailable, match="waiting for Redis"):
+                await _answer(records.claim(key, "fp", True, time.monotonic() + 60, owner="retry"), 2)
+        finally:
+            os.kill(stalled.pid, signal.SIGCONT)
+        assert await redis.get(keys.journal_live(key) + ":warm") is not None  # the client serves on
+        await records.close()
+        await redis.aclose()
