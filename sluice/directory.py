@@ -43,7 +43,14 @@ if ARGV[2] ~= '' and ARGV[2] ~= got[1] and not got[3] then
   redis.call('HSET', KEYS[1], 'lost', 1)
   got[3] = '1'
 end
-return {got[1], now - tonumber(got[2]), got[3] and 1 or 0}
+-- an epoch without its time (written by hand, or half restored) counts from now, not an error
+-- in every process's next beat and look
+local at = tonumber(got[2])
+if not at then
+  at = now
+  redis.call('HSET', KEYS[1], 'at', now)
+end
+return {got[1], now - at, got[3] and 1 or 0}
 """
 
 

@@ -135,7 +135,7 @@ class HeldWatch:
     async def lose(self) -> str:
         """Redis loses its data (a new registry epoch); returns the new epoch's id."""
         epoch = uuid.uuid4().hex
-        await self.redis.hset(keys.EPOCH, "id", epoch)
+        await self.redis.hset(keys.EPOCH, mapping={"id": epoch, "at": int(time.time() * 1000)})
         return epoch
 
     async def seen(self, epoch: str) -> None:

@@ -11,6 +11,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.loss_watch import LossWatch
 from sluice import keys
+from sluice.directory import Directory
 from sluice.embedded_redis import EmbeddedRedis
 from sluice.redis_pool import create_pool
 
@@ -51,4 +52,19 @@ async def test_a_loss_reaches_every_listener_and_a_failed_write_back_is_tried_ag
             assert watch.since_loss_s() < 1 and watch.unsure_s() > 0
         finally:
             await watch.close()
+            await client.aclose()
+
+
+async def test_an_epoch_without_its_time_counts_from_now_rather_than_failing_every_beat() -> None:
+    """A registry epoch holding its id alone (written by hand, or half restored) made the epoch
+    script fail on every worker's beat ("arithmetic on a nil value"): no worker registered
+    again until someone deleted the key."""
+    with EmbeddedRedis() as server:
+        client = await create_pool(server.url)
+        try:
+            await client.hset(keys.EPOCH, "id", "by-hand")
+            epoch = await Directory(client).register("m", None)
+            assert epoch.id == "by-hand" and 0 <= epoch.age_s < 1
+            assert await client.hget(keys.EPOCH, "at") is not None
+        finally:
             await client.aclose()
