@@ -97,13 +97,36 @@ async def sse_events(
     yield DONE
 
 
+class DeliveredJSON(Response):
+    """A whole JSON answer whose ``delivered()`` runs once its body was handed to the client's
+    connection (or the handing failed), shielded: where a non-streaming answer is billed.
+    Billed before, a gateway killed between its bill and its send left a bill for an answer
+    its client never got, and the client's retry was billed again (the nemesis, Cluster: four
+    requests billed twice); killed before the send now, the request is unbilled."""
+
+    media_type = "application/json"
+
+    def __init__(self, body: bytes, headers: dict[str, str], delivered: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(body, headers=headers)
+        self._delivered = delivered
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._delivered()
+
+
 async def json_response(
     kind: Kind, req: ChatCompletionRequest | CompletionRequest, lines: AsyncIterator[tuple[int, Line]],
     record: RequestRecord, headers: dict[str, str], disconnected: Callable[[], Awaitable[bool]] | None,
-    choices: int, end: Callable[[], Awaitable[None]], shape: Shape | None = None,
+    choices: int, end: Callable[[], Awaitable[None]], delivered: Callable[[], Awaitable[None]],
+    shape: Shape | None = None,
 ) -> Response:
-    """A whole completion as one JSON body; ``end()`` runs once, shielded, when the lines stop.
-    A client that leaves meanwhile cancels the generation."""
+    """A whole completion as one JSON body; ``end()`` runs once, shielded, when the lines stop,
+    and ``delivered()`` once the body was sent (:class:`DeliveredJSON`). A client that leaves
+    meanwhile cancels the generation."""
     texts = [""] * choices
     finishes: list[str | None] = [None] * choices
     stops: list[str | None] = [None] * choices  # the stop string that ended each, if one did
@@ -134,7 +157,7 @@ async def json_response(
             await end()
     if shape is not None:
         body = shape.json_body(texts[0], finishes[0], stops[0], calls[0].calls(), record.usage())
-        return Response(body, media_type="application/json", headers=headers)
+        return DeliveredJSON(body, headers, delivered)
     wants = req.logprobs_count() is not None
     rendered = [
         (text, finish, render_logprobs("text" if kind == "text" else "chat", lp) if wants else None,
@@ -142,7 +165,7 @@ async def json_response(
         for text, finish, lp, assembled in zip(texts, finishes, entries, calls, strict=True)
     ]
     body = completion_body("text" if kind == "text" else "chat", req.model, rendered, record.usage())
-    return Response(body, media_type="application/json", headers=headers)
+    return DeliveredJSON(body, headers, delivered)
 
 
 async def _unless_disconnected(

@@ -177,7 +177,7 @@ class Serving:
             return SSEResponse(events, self._keepalive, abandon, headers)
         try:
             response = await json_response(kind, req, lines, record, headers, ctx.disconnected, len(upstreams),
-                                           lambda: self._end_json(upstreams, ctx), shape)
+                                           lambda: _close(upstreams), lambda: self._bill_json(ctx), shape)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 record.served_nothing()  # no body reached the client (a cancelled one too)
@@ -490,9 +490,9 @@ class Serving:
         for charge in ctx.take_charges():
             await self._tenancy.settle_quietly(charge, used_tokens, ctx.request_id)
 
-    async def _end_json(self, upstreams: list[Upstream | None], ctx: RequestContext) -> None:
-        """A JSON answer's clean-up: close upstreams, finish the record, settle the charge."""
-        await _close(upstreams)
+    async def _bill_json(self, ctx: RequestContext) -> None:
+        """A JSON answer handed to its client's connection: finish the record (the access line
+        bills it) and settle the charge (rendering.DeliveredJSON)."""
         ctx.record.finish()
         await self._settle_usage(ctx, ctx.record.prompt_tokens + ctx.record.completion_tokens)
 

@@ -8,6 +8,7 @@ import uuid
 import openai
 import pytest
 
+from gateway.relay.rendering import DeliveredJSON
 from tests.conftest import wait_for
 
 _ACCESS = re.compile(r"access request_id=(\S+) .*?status=(\S+) .*?prompt_tokens=(\d+) completion_tokens=(\d+)")
@@ -47,3 +48,32 @@ def test_a_failed_non_streaming_attempt_bills_none_of_the_tokens_its_client_neve
     failed_line, served_line = _lines(gateway, request_id)
     assert failed_line[0] != "ok" and failed_line[1:] == (0, 0), failed_line
     assert served_line == ("ok", retried.usage.prompt_tokens, 100)
+
+
+async def test_a_json_answer_is_billed_once_its_body_was_handed_to_the_connection() -> None:
+    """Regression (the nemesis, Cluster, 045af44: four requests billed twice): a non-streaming
+    answer was billed when its body was built, before it was sent; a gateway killed in
+    between left a bill for an answer its client never got, and the client's retry was
+    billed again. Now the bill follows the send, and a send that fails still closes it."""
+    events: list[str] = []
+
+    async def delivered() -> None:
+        events.append("billed")
+
+    async def receive() -> dict[str, str]:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, object]) -> None:
+        events.append(str(message["type"]))
+
+    await DeliveredJSON(b"{}", {}, delivered)({"type": "http", "method": "POST"}, receive, send)
+    assert events == ["http.response.start", "http.response.body", "billed"]
+
+    events.clear()
+
+    async def broken(message: dict[str, object]) -> None:
+        raise OSError("the connection broke")
+
+    with pytest.raises(OSError):
+        await DeliveredJSON(b"{}", {}, delivered)({"type": "http", "method": "POST"}, receive, broken)
+    assert events == ["billed"]
