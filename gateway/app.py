@@ -10,6 +10,7 @@ import hmac
 import logging
 import os
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -72,6 +73,7 @@ from sluice.apikeys import ApiKey
 from sluice.errors import (
     AuthenticationFailed,
     BodyTooLarge,
+    DeadlineExceeded,
     InvalidRequest,
     MethodNotAllowed,
     ModelNotFound,
@@ -238,12 +240,24 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
         async def route(request: Request) -> Response:
             record = begin(request, name)
+            # Until the response exists nothing has reached the client: every wait before it
+            # (authentication, the charge, an Idempotency-Key's claim, the queue, a JSON
+            # answer's generation) ends by the request's deadline, each by its own rule, and
+            # this bounds them all together. Unbounded, a request sent with 1 s left stayed
+            # silent for 18 s while a Cluster node was away, each Redis command taking its
+            # own 12 s (the nemesis, Cluster: nem-1968 and five more past their deadline).
+            bound = asyncio.timeout(_answer_within_s(request, settings))
             try:
-                req, ctx, shape = await admitted(request, model, record)
-                response = await svc(request).serving.serve(req, ctx, shape)
+                async with bound:
+                    req, ctx, shape = await admitted(request, model, record)
+                    response = await svc(request).serving.serve(req, ctx, shape)
             except BaseException as exc:
+                late = isinstance(exc, TimeoutError) and bound.expired()
+                error = DeadlineExceeded("the request's deadline passed before it could be answered") if late else exc
                 record.served_nothing()  # an error answers it: none of its tokens reached the client
-                record.finish(as_sluice_error(exc))
+                record.finish(as_sluice_error(error))
+                if late:
+                    raise error from None
                 raise
             if frames is not None and isinstance(response, SSEResponse):
                 response.map_events(frames)
@@ -456,6 +470,21 @@ def _context(
         headers=headers,
         record=record,
     )
+
+
+#: A completion's waits each end by its deadline with an answer of their own (a 504, in
+#: band or as a status); the bound on them all comes this much later, a backstop.
+ANSWER_GRACE_S = 1.0
+
+
+def _answer_within_s(request: Request, settings: GatewaySettings) -> float:
+    """Seconds until a completion must have its response (its deadline, plus the grace). A
+    malformed ``X-Sluice-Timeout-Ms`` counts as absent here: parsing the request says so."""
+    try:
+        deadline = resolve_deadline(request.headers, settings)
+    except InvalidRequest:
+        deadline = time.monotonic() + settings.request_timeout_s
+    return deadline - time.monotonic() + ANSWER_GRACE_S
 
 
 def _credential(request: Request) -> str | None:

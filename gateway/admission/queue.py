@@ -40,6 +40,7 @@ from gateway.admission.grants import GrantListener, GrantMessage
 from gateway.admission.reaper import Reaper
 from gateway.config import GatewaySettings
 from sluice import keys
+from sluice.aftercare import detach
 from sluice.directory import Directory, Epoch
 from sluice.errors import (
     InvalidRequest,
@@ -304,10 +305,11 @@ class Admission:
     async def _ask(self, ask: Ask, timeout_s: float) -> list[Any]:
         """ACQUIRE for ``ask``, queueing it for at most ``timeout_s``.
 
-        Cancelled meanwhile (the client left during a migration's re-acquire), the call
-        still runs to its answer, and what Redis did is undone: a grant is released, a queue
-        entry removed. Otherwise the grant would hold its slot for a lease TTL, and the
-        entry would wait for a waiter that is gone."""
+        Cancelled meanwhile (the client left during a migration's re-acquire, the request's
+        deadline), the call still runs to its answer, and what Redis did is undone: a grant
+        is released, a queue entry removed. Otherwise the grant would hold its slot for a
+        lease TTL, and the entry would wait for a waiter that is gone. That runs on its own
+        (:func:`sluice.aftercare.detach`): the cancelled request answers at once."""
         call = asyncio.ensure_future(self._acquire(
             keys=keys.admission(ask.model),
             args=self._args(ask.request_id, ask.priority, ask.need, max(1, int(timeout_s * 1000)),
@@ -324,15 +326,18 @@ class Admission:
         try:
             return cast(list[Any], await asyncio.shield(call))
         except asyncio.CancelledError:
-            with anyio.CancelScope(shield=True):
-                with contextlib.suppress(RedisError, OSError):
-                    result = await call
-                    if result[0] == b"granted":
-                        for lease in self._granted(ask, result[1]):
-                            await self.release(lease)
-                    elif result[0] == b"queued":
-                        await self._leave_and_release(ask)
+            detach(self._undo(ask, call), f"undoing the admission of cancelled request {ask.request_id}")
             raise
+
+    async def _undo(self, ask: Ask, call: asyncio.Future[Any]) -> None:
+        """What a cancelled ACQUIRE did, undone once it answers."""
+        with contextlib.suppress(RedisError, OSError):
+            result = await call
+            if result[0] == b"granted":
+                for lease in self._granted(ask, result[1]):
+                    await self.release(lease)
+            elif result[0] == b"queued":
+                await self._leave_and_release(ask)
 
     async def _wait(self, waiter: _Waiter, disconnected: Callable[[], Awaitable[bool]] | None) -> list[Lease]:
         ask = waiter.ask

@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 from starlette.responses import Response
 
 from gateway.admission.queue import ClientGone
-from gateway.admission.tenancy import Tenancy
+from gateway.admission.tenancy import Charge, Tenancy
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
 from gateway.loss_watch import LossWatch
@@ -50,6 +50,7 @@ from gateway.surfaces.openai import (
 )
 from gateway.surfaces.shape import Shape
 from sluice import keys
+from sluice.aftercare import detach
 from sluice.errors import (
     Conflict,
     DeadlineExceeded,
@@ -136,11 +137,19 @@ class Serving:
                 owned = True
             return await self._generate(kind, req, ctx, shape)
         except BaseException:
-            with anyio.CancelScope(shield=True):
-                if owned and key is not None:  # failed before its stream began: a retry runs again
-                    await self._idempotency.settle(key, ctx.internal_id, completed=False)
-                await self._settle_usage(ctx, 0)
+            # Failed before its stream began: a retry runs again, and nothing is billed. On
+            # its own: the error goes out now, whatever Redis is doing (sluice/aftercare.py).
+            detach(self._let_go(key if owned else None, ctx, ctx.take_charges()),
+                   f"letting go of failed request {ctx.request_id}")
             raise
+
+    async def _let_go(self, key: str | None, ctx: RequestContext, charges: list[Charge]) -> None:
+        """A request that failed before its stream began: its Idempotency-Key (if it held one)
+        is free again, its charges refunded."""
+        if key is not None:
+            await self._idempotency.settle(key, ctx.internal_id, completed=False)
+        for charge in charges:
+            await self._tenancy.settle_quietly(charge, 0, ctx.request_id)
 
     async def _generate(
         self, kind: Kind, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext,

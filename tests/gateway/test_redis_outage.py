@@ -3,6 +3,8 @@ and everything recovers without a restart and without leaked slots."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -74,3 +76,31 @@ def test_redis_outage_and_recovery(private_redis, start_worker, start_gateway) -
     finally:
         client.close()
     assert worker.alive() and gateway.alive()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_request_is_answered_by_its_deadline_while_redis_is_stalled(private_redis, start_worker, start_gateway,
+                                                                       path: str) -> None:
+    """Regression (the nemesis, Cluster: six requests silent for 18-20 s past a deadline of
+    1 s, until their client gave up): a stalled Redis (SIGSTOP: connected, silent) held a
+    request until each of its Redis commands gave up in turn, whatever its deadline. Every
+    wait before the response is bounded by the deadline now: a 504 (or the 503 of a
+    command that gave up first) within the deadline and a moment."""
+    server = private_redis["server"]
+    model = "stalled"
+    start_worker(model, redis_at=server.url, sim_token_ms=5, sim_ttft_ms=0)
+    gateway = start_gateway(redis_at=server.url)
+    body = {"model": model, "max_tokens": 3}
+    body |= {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    assert httpx.post(gateway.url + path, json=body, timeout=10).status_code == 200
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        for headers in ({"X-Sluice-Timeout-Ms": "1500"}, {"X-Sluice-Timeout-Ms": "1500", "Idempotency-Key": "k-1"}):
+            started = time.monotonic()
+            resp = httpx.post(gateway.url + path, json=body, headers=headers, timeout=30)
+            took = time.monotonic() - started
+            assert resp.status_code in (503, 504), resp.text
+            assert took < 1.5 + 1.5, f"answered after {took:.1f} s ({resp.status_code})"
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    assert gateway.alive()
