@@ -121,6 +121,21 @@ class LossWatch:
             epoch, server = await self._directory.epoch_id(), self._server or ""
         else:
             epoch, server = await self._directory.look()
+        return self._confirmed(epoch, server)
+
+    def confirm_with(self, pipe: Any) -> Callable[[list[Any]], bool] | None:
+        """:meth:`confirm` in the same round trip as the command it follows: its look is
+        queued on ``pipe`` (a pipeline to one server) after that command, so Redis runs it
+        after the command, on the same connection, and it sees at least what the command
+        saw. Returns what turns the look's replies (the pipeline's last two) into
+        :meth:`confirm`'s answer. None on a Cluster (the epoch lives on another node, in no
+        order with the command): there :meth:`confirm` follows the command's reply."""
+        if self._directory.clustered:
+            return None
+        self._directory.queue_look(pipe)
+        return lambda replies: self._confirmed(*Directory.looked(replies))
+
+    def _confirmed(self, epoch: bytes | None, server: str) -> bool:
         if self._epoch is _UNSEEN or not self._lost(epoch, server):
             return True
         self._changed_at = time.monotonic()
