@@ -153,7 +153,7 @@ async def open_services(settings: GatewaySettings) -> Services:
     adapters = AdapterDirectory(redis)
     dispatcher = Dispatcher(settings, admission, http, workers, IndexCorrections(PrefixIndex(redis)), adapters,
                             Disaggregation(FleetRoles(redis), settings.stall_timeout_s))
-    idempotency = Idempotency(redis, settings.idempotency_ttl_s, watch.unsure_s, watch.confirm)
+    idempotency = Idempotency(redis, settings.idempotency_ttl_s, watch.unsure_s, watch)
     serving = Serving(settings, dispatcher, idempotency, redis, tenancy, readers, metrics, watch)
     readers.adopt = serving.take_over  # a re-attached reader whose producer died: continue it here
     readers.producing = serving.produces  # ... never one whose producer runs here

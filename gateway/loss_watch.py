@@ -68,7 +68,7 @@ class LossWatch:
         self._server: str | None = None  # the run_ids last seen (Directory.look)
         self._changed_at = -math.inf  # when Redis was last away or other servers answered (monotonic)
         self._looked_at = -math.inf  # the last answer from Redis (monotonic)
-        self._confirmed: tuple[bytes | None, str] | None = None  # the last loss confirm reported
+        self._reported: tuple[bytes | None, str] | None = None  # the last loss confirm reported
         self._task: asyncio.Task[None] | None = None
 
     def __repr__(self) -> str:
@@ -130,9 +130,24 @@ class LossWatch:
             epoch, server = await self._directory.epoch_id(), self._server or ""
         else:
             epoch, server = await self._directory.look()
-        if self._epoch is _UNSEEN or not self._lost(epoch, server) or self._confirmed == (epoch, server):
+        return self._confirmed(epoch, server)
+
+    def confirm_with(self, pipe: Any) -> Callable[[list[Any]], bool] | None:
+        """:meth:`confirm` in the same round trip as the command it follows: its look is
+        queued on ``pipe`` (a pipeline to one server) after that command, so Redis runs it
+        after the command, on the same connection, and it sees at least what the command
+        saw. Returns what turns the look's replies (the pipeline's last two) into
+        :meth:`confirm`'s answer. None on a Cluster (the epoch lives on another node, in no
+        order with the command): there :meth:`confirm` follows the command's reply."""
+        if self._directory.clustered:
+            return None
+        self._directory.queue_look(pipe)
+        return lambda replies: self._confirmed(*Directory.looked(replies))
+
+    def _confirmed(self, epoch: bytes | None, server: str) -> bool:
+        if self._epoch is _UNSEEN or not self._lost(epoch, server) or self._reported == (epoch, server):
             return True
-        self._confirmed = (epoch, server)
+        self._reported = (epoch, server)
         self._changed_at = time.monotonic()
         return False
 

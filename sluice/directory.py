@@ -124,9 +124,20 @@ class Directory:
             infos = await self._redis.info("server", target_nodes=RedisCluster.PRIMARIES)
             return epoch, ",".join(sorted(str(info.get("run_id")) for info in infos.values()))
         pipe = self._redis.pipeline(transaction=False)
+        self.queue_look(pipe)
+        return self.looked(await pipe.execute())
+
+    @staticmethod
+    def queue_look(pipe: Any) -> None:
+        """Queue :meth:`look`'s commands (one server, not a Cluster) on ``pipe``, after what is
+        already queued there: Redis answers them after it, on the same connection."""
         pipe.hget(keys.EPOCH, "id")
         pipe.info("server")
-        epoch, info = await pipe.execute()
+
+    @staticmethod
+    def looked(replies: list[Any]) -> tuple[bytes | None, str]:
+        """:meth:`look`'s answer from the replies to :meth:`queue_look`'s commands."""
+        epoch, info = replies
         return epoch, str(info.get("run_id"))
 
     async def forget(self, model: str) -> None:

@@ -61,7 +61,8 @@ creates no key (``check_model_name`` bounds the name itself).
     sl:{journals}:owner            hash scope -> tenant it is charged to
     sl:{journals}:tenants          hash tenant -> journal bytes reserved by all its streams
     sl:{journals}:total            journal bytes reserved by every tenant
-                                   (these five: TTL = their latest reservation's expiry, set on
+    sl:{journals}:holder           hash scope -> token of the producer whose first reservation it is
+                                   (these six: TTL = their latest reservation's expiry, set on
                                    every write; gone once nothing is reserved)
 """
 
@@ -263,6 +264,7 @@ class JournalQuotaKeys(NamedTuple):
     owner: str
     tenants: str
     total: str
+    holder: str
 
 
 JOURNAL_QUOTA = JournalQuotaKeys(*("sl:{journals}:" + name for name in JournalQuotaKeys._fields))

@@ -30,13 +30,14 @@ from gateway.relay.upstream import Dispatcher, Line, Upstream
 from gateway.streams.idempotency import Idempotency, wait_for_producer_s
 from gateway.streams.journal import (
     JournalCommitter,
+    JournalLost,
     JournalWriter,
     now_ms,
     start_producer,
     stream_key,
 )
 from gateway.streams.journal_keeper import WRITE_BACK_S
-from gateway.streams.journal_quota import JournalQuota, journal_events
+from gateway.streams.journal_quota import JournalQuota, StreamBudget, journal_events
 from gateway.streams.journal_readers import JournalReaders
 from gateway.streams.journal_history import JournalHistory
 from gateway.streams.migration import Migrator
@@ -218,26 +219,18 @@ class Serving:
         )
         key, owner = ctx.idempotency_key, ctx.internal_id
         raw_plan = plan.dumps()
-        claimed = now_ms()  # promote sets :live after this
-        try:
-            if not await self._idempotency.promote(key, owner, ctx.fingerprint, ctx.remaining_s(), raw_plan):
-                # This gateway stalled past its claim's TTL and a retry claimed the key: that
-                # one generates it. This client follows it rather than a second generation.
-                log.warning("request %s: lost its Idempotency-Key to a retry; following that one", ctx.request_id)
-                await self._end_stream(upstreams, ctx.record, ctx, "ok")  # served, by the retry's stream
-                return await self.reattach(key, 0, retry=True)
-            # 429 here: the caller (_serve) forgets the key, and with it the plan.
-            budget = await self._quota.open(key, ctx.tenant, len(raw_plan),
-                                            hold_s=ctx.remaining_s() + self._settings.idempotency_ttl_s)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await abandon()
-            raise
+        # The stream begins with its journal's first write, in one round trip: the claim
+        # becomes the key's stream (its plan stored), and its journal memory is reserved
+        # (a 429 here: the caller, _serve, forgets the key).
+        claimed = self._idempotency.hand_over(key, owner)  # its producer renews :live from here on
+        budget = self._quota.budget(key, ctx.tenant, len(raw_plan), holder=owner,
+                                    hold_s=ctx.remaining_s() + self._settings.idempotency_ttl_s)
         writer = JournalWriter(
             self._committer, key, ttl_s=self._settings.idempotency_ttl_s, owner=owner,
             max_events=journal_events(req, self._settings, typed=kind in TYPED), head=chunks.head,
             done_ttl_s=self._settings.journal_done_ttl_s, budget=budget, plan=raw_plan,
-            fingerprint=ctx.fingerprint, claimed_ms=claimed)
+            fingerprint=ctx.fingerprint, claimed_ms=claimed,
+            promotion_ttl_ms=self._idempotency.record_ttl_ms(ctx.remaining_s()))
         first = writer.subscribe(self._readers.tail)
         ending = _Ending(lambda: _close(upstreams), lambda outcome: self._end_stream(upstreams, ctx.record, ctx, outcome),
                          ctx.record, owner)
@@ -249,17 +242,60 @@ class Serving:
             tap = LineTap(held.rest(lines, [req.token_limit()] * digest), digest=digest,
                           chars=dict(enumerate(held.chars)))
             events = sse_events(kind, req, tap.lines(), ctx.record, ending.end, chunks, held.offsets())
-        await self._start_producer(writer, events, tap, ending)
+        try:
+            failure = await self._start_producer(writer, events, tap, ending)
+        except BaseException:  # cancelled before its stream began
+            with anyio.CancelScope(shield=True):
+                await self._undo_start(key, owner, budget)
+                ctx.record.served_nothing()
+                await abandon()
+            raise
+        if isinstance(failure, JournalLost):
+            # This gateway stalled past its claim's TTL and a retry claimed the key: that one
+            # generates it. This client follows it rather than a second generation.
+            log.warning("request %s: lost its Idempotency-Key to a retry; following that one", ctx.request_id)
+            with contextlib.suppress(RedisError, OSError):
+                await budget.undo_opening()  # never the retry's reservation
+            ctx.record.served_nothing()
+            await self._end_stream(upstreams, ctx.record, ctx, "ok")  # served, by the retry's stream
+            return await self.reattach(key, 0, retry=True)
+        if failure is not None:  # the quota's 429, or Redis failing: what its first write did goes
+            with anyio.CancelScope(shield=True):
+                await self._undo_start(key, owner, budget)
+                ctx.record.served_nothing()
+                await abandon()
+            raise failure
         return SSEResponse(first.events(), self._keepalive, first.close, headers)
 
+    async def _undo_start(self, key: str, owner: str, budget: StreamBudget) -> None:
+        """Undo what a stream's first write did, or may have done, when the stream did not
+        begin: its promotion and events (the key goes with them, while this request holds
+        ``:live``), and its first reservation (only while it is still the key's)."""
+        try:
+            await self._idempotency.abandon_stream(key, owner)
+            await budget.undo_opening()
+        except (RedisError, OSError) as exc:
+            log.warning("request %s: could not undo its stream's start: %s", key, exc)
+
     async def _start_producer(self, writer: JournalWriter, events: AsyncIterator[bytes], tap: LineTap,
-                              ending: _Ending) -> None:
-        """Produce the stream; once its journal is written, bill it (see :class:`_Ending`)
-        and its owner settles the key (done, or forgotten after a failure), if it still owns
-        it: a producer that lost the stream to a take-over leaves the key to the gateway that
-        produces it now."""
+                              ending: _Ending) -> BaseException | None:
+        """Produce the stream; once it has begun (:meth:`JournalWriter.started`: None, else
+        why not, and the producer has ended), and once its journal is written, bill it (see
+        :class:`_Ending`) and its owner settles the key (done, or forgotten after a failure),
+        if it still owns it: a producer that lost the stream to a take-over leaves the key
+        to the gateway that produces it now."""
         producer = await start_producer(writer, events, ending.abandon, tap.take, tap.digest)
         self._keep(producer)
+        try:
+            failure = await writer.started()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await writer.abort()
+                await asyncio.wait([producer])
+            raise
+        if failure is not None:
+            await asyncio.wait([producer])  # its generation's clean-up has run
+            return failure
 
         async def settle() -> None:
             drained = asyncio.ensure_future(writer.settled())
@@ -282,6 +318,7 @@ class Serving:
                     await self._committer.keeper.restore(writer.key)
 
         self._keep(asyncio.create_task(settle(), name="idempotency-settle"))
+        return None
 
     def _keep(self, producer: asyncio.Task[None]) -> None:
         self._producers.add(producer)

@@ -21,9 +21,10 @@ to a take-over, or its pending claim to a retry, changes nothing.
 
 Redis losing its data (a restart without persistence, a failover, FLUSHALL) loses the
 record while its owner still runs. The owner restores it: a pending claim when its stream
-starts (:meth:`Idempotency.promote`), a producer with its next journal write, which
-re-claims ``:live`` too (gateway/streams/journal.py, at most ~0.5 s later). Meanwhile a retry
-waits (``:live`` held, no record: pending), so it attaches to the one generation.
+starts (the journal's first write promotes it, gateway/streams/journal.py; START alone does the
+same), a producer with its next journal write, which re-claims ``:live`` too (at most ~0.5 s
+later). Meanwhile a retry waits (``:live`` held, no record: pending), so it attaches to the one
+generation.
 
 - first caller: claims the key (and drops the journal of an earlier, failed attempt);
   never a caller with a ``Last-Event-ID`` (it holds events of a generation Redis lost:
@@ -43,7 +44,15 @@ of a loss it may not have seen repaired yet (``unsure``: LossWatch.unsure_s, at 
 record does not start a generation; the caller waits, at most ``UNSURE_MAX_S``. A loss
 this process has not looked at yet (its watch looks every half second) is caught by one more
 look when a key is claimed fresh (``confirm``): the nemesis's one-Redis run billed a
-stream twice whose retry came 0.3 s after a restart.
+stream twice whose retry came 0.3 s after a restart. On one server that look goes in the
+claim's own round trip, right after it on the same connection (LossWatch.confirm_with), so it
+still sees at least what the claim saw; on a Cluster (the epoch on another node) it follows
+the claim's reply.
+
+A fresh resumable stream waits, before its first event, on two round trips more than a plain
+one: the claim (with that look), and the journal's first write, which also promotes the claim
+and, in the same pipeline, reserves its journal memory (gateway/streams/journal.py). They were
+five: the claim, the look, promote (START), the reservation, the first write.
 
 Every wait of a claim ends within ``CLAIM_MAX_S`` (or the request's deadline, if sooner),
 Redis commands included: then ``503`` + ``Retry-After`` ("send it again"), or ``504`` at the
@@ -57,14 +66,16 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Literal
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError, RedisError
 from starlette.responses import Response
 
-from gateway.streams.journal import DONE, LIVE_TTL_MS, RECLAIM_GRACE_S
+from gateway.loss_watch import LossWatch
+from gateway.streams.journal import DONE, LIVE_TTL_MS, RECLAIM_GRACE_S, now_ms
 from sluice import keys
 from sluice.errors import Conflict, DeadlineExceeded, InvalidRequest, SluiceError, Unavailable, UpstreamFailed
 
@@ -127,6 +138,9 @@ return 1
 #: A claimed stream starts: record ``streaming`` and its plan, in one step, only while
 #: ``owner`` still owns the key and nobody else holds ``:live``. A record Redis lost while
 #: the claim was pending is restored (nobody claimed the key since: ``:live`` is not theirs).
+#: A served stream does this with its first journal write instead (``APPEND``'s promotion,
+#: gateway/streams/journal.py, the same checks), saving the round trip; this script serves
+#: :meth:`Idempotency.promote`, for a stream started without one.
 START = """
 local live = redis.call('GET', KEYS[2])
 if live and live ~= ARGV[1] then return 0 end
@@ -233,18 +247,21 @@ class Idempotency:
     """
 
     def __init__(self, redis: Redis, ttl_s: float, unsure: Callable[[], float] = lambda: 0.0,
-                 confirm: Callable[[], Awaitable[bool]] | None = None) -> None:
+                 watch: LossWatch | None = None) -> None:
         self._redis = redis
         self._unsure = unsure  # seconds writes Redis lost may still be on their way back
-        #: Looks at Redis now: False when it lost data this process has not seen yet (LossWatch.confirm).
-        self._confirm = confirm
+        #: Looks at Redis when a key is claimed fresh: False when it lost data this process has
+        #: not seen yet (LossWatch.confirm).
+        self._watch = watch
         self._ttl_ms = int(ttl_s * 1000)
         self._claim = redis.register_script(CLAIM)
         self._settle = redis.register_script(SETTLE)
         self._take = redis.register_script(TAKE)
         self._abandon = redis.register_script(ABANDON)
         self._start = redis.register_script(START)
-        self._held: set[tuple[str, str]] = set()  # pending claims of this process: (key, owner)
+        #: Pending claims of this process, (key, owner) -> when their ``:live`` was last set or
+        #: renewed, at the latest (unix ms, as it was sent).
+        self._held: dict[tuple[str, str], int] = {}
         self._renewing: asyncio.Task[None] | None = None
 
     def __repr__(self) -> str:
@@ -261,7 +278,7 @@ class Idempotency:
         regenerate: bool = False,
     ) -> Response | Literal["attach", "regenerate"] | None:
         """None when ``owner`` now owns the key and must generate (its ``:live`` is renewed
-        until :meth:`promote` or :meth:`settle`); "attach" to re-attach to the key's stream;
+        until :meth:`hand_over` or :meth:`settle`); "attach" to re-attach to the key's stream;
         else the stored answer to send. ``after``: the caller's Last-Event-ID; a caller that
         holds events never starts a new generation (``stream_history_lost`` instead), unless it
         can be checked against what it holds (``regenerate``, gateway/streams/regenerate.py):
@@ -292,13 +309,21 @@ class Idempotency:
         lost_until: float | None = None
         unsure_until: float | None = None
         fresh_after: int | None = None  # a regenerating caller's Last-Event-ID, once it claims afresh
+        first = True
         while True:
             ttl_ms = self._ttl_ms + int(max(0.0, deadline - time.monotonic()) * 1000)
             cautious = self._unsure() > 0 and (unsure_until is None or time.monotonic() < unsure_until)
-            found = await self._claim(keys=names, args=[owner, fp, int(stream), ttl_ms, LIVE_TTL_MS, after, DONE,
-                                                        int(cautious)])
+            args = [owner, fp, int(stream), ttl_ms, LIVE_TTL_MS, after, DONE, int(cautious)]
+            sent_ms = now_ms()
+            confirmed: bool | None = None  # the watch's look, when it came with the claim
+            if first and not cautious and self._watch is not None:
+                found, confirmed = await self._claim_and_look(names, args)
+            else:  # a round after waiting: rare, and its look (if it wins) follows it
+                found = await self._claim(keys=names, args=args)
+            first = False
             if found == 1:
-                if not cautious and self._confirm is not None and not await self._confirm():
+                if not cautious and self._watch is not None and not (
+                        confirmed if confirmed is not None else await self._watch.confirm()):
                     # Redis lost data moments ago, unseen by this process until now: the key's
                     # record may be on its way back from its producer. Let go, and wait as unsure.
                     log.info("Idempotency-Key %s: Redis lost data moments ago; waiting for its record to be "
@@ -310,7 +335,7 @@ class Idempotency:
                     unsure_until = time.monotonic() + UNSURE_MAX_S
                     await self._pause(give_up, deadline, "is waiting for Redis's data to be written back")
                     continue
-                self._hold(key, owner)
+                self._hold(key, owner, sent_ms)
                 return None if fresh_after is None else "regenerate"
             stored_fp, state, stored_stream = (_text(v) for v in found)
             if state == "unsure":
@@ -355,13 +380,49 @@ class Idempotency:
         if time.monotonic() >= give_up:
             raise _late(deadline, what)
 
+    async def _claim_and_look(self, names: list[str], args: list[str | int]) -> tuple[object, bool | None]:
+        """``CLAIM``, and the loss watch's look right after it in the same round trip (one
+        server: a pipeline, answered in order); the look's answer only when the claim won the
+        key. On a Cluster, or when Redis had to be sent the script again, the look is left to
+        follow the claim (None)."""
+        assert self._watch is not None
+        if isinstance(self._redis, RedisCluster):
+            return await self._claim(keys=names, args=args), None
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.evalsha(self._claim.sha, len(names), *names, *args)
+        read = self._watch.confirm_with(pipe)
+        found, *look = await pipe.execute(raise_on_error=False)
+        if isinstance(found, NoScriptError):  # Redis restarted or flushed its scripts: the look came first
+            return await self._claim(keys=names, args=args), None
+        if isinstance(found, BaseException):
+            raise found
+        if found != 1 or read is None:
+            return found, None
+        failed = next((reply for reply in look if isinstance(reply, BaseException)), None)
+        if failed is not None:
+            raise failed
+        return found, read(look)
+
+    def hand_over(self, key: str, owner: str) -> int:
+        """The claim's stream starts: its journal's producer renews ``:live`` from now on, and
+        makes the claim the key's stream with its first write (gateway/streams/journal.py,
+        ``APPEND``). When ``:live`` was last set for the claim, at the latest (unix ms;
+        0 when this process no longer holds the claim: a renewal found another's token)."""
+        return self._held.pop((key, owner), 0)
+
+    def record_ttl_ms(self, remaining_s: float) -> int:
+        """How long a streaming key's record lives: as long as its journal may."""
+        return self._ttl_ms + int(max(0.0, remaining_s) * 1000)
+
     async def promote(self, key: str, owner: str, fp: str, remaining_s: float, plan: bytes) -> bool:
-        """Start the claim's stream: the record now lives as long as the journal may, the
-        stream's ``plan`` (gateway/streams/takeover.py) is stored, and the journal's producer renews
+        """Start the claim's stream without its first journal write (a served stream has its
+        first write do this, in the same round trip: gateway/streams/journal.py's
+        ``Promotion``): the record now lives as long as the journal may, the stream's
+        ``plan`` (gateway/streams/takeover.py) is stored, and the journal's producer renews
         ``:live`` from here on. False if ``owner`` lost the key meanwhile (it stalled past
         ``:live``'s TTL and a retry claimed it): then it must not touch the journal."""
-        self._held.discard((key, owner))
-        ttl_ms = self._ttl_ms + int(max(0.0, remaining_s) * 1000)
+        self._held.pop((key, owner), None)
+        ttl_ms = self.record_ttl_ms(remaining_s)
         names = [keys.idempotency(key), keys.journal_live(key), keys.journal_plan(key)]
         return bool(await self._start(keys=names, args=[owner, fp, ttl_ms, plan, self._ttl_ms, LIVE_TTL_MS]))
 
@@ -369,7 +430,7 @@ class Idempotency:
         """The owner's decision: ``done`` (a retry replays it) or, after a failure, forgotten
         (a retry runs again). Nothing changes if ``owner`` no longer owns the key (or Redis
         lost its record): then False."""
-        self._held.discard((key, owner))
+        self._held.pop((key, owner), None)
         try:
             settled = await self._settle(
                 keys=[keys.idempotency(key), keys.journal_live(key), keys.journal_plan(key)],
@@ -387,7 +448,7 @@ class Idempotency:
         continued: a client holding events of it re-sends its POST, which then runs it again
         (gateway/streams/regenerate.py) instead of attaching to the rest of it, which would
         tell it the same again (nemesis, Sentinel). False if ``owner`` no longer holds it."""
-        self._held.discard((key, owner))
+        self._held.pop((key, owner), None)
         names = [keys.idempotency(key), keys.journal_live(key), keys.journal_plan(key), keys.journal(key),
                  keys.journal_head(key)]
         return bool(await self._abandon(keys=names, args=[owner]))
@@ -415,8 +476,8 @@ class Idempotency:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._renewing
 
-    def _hold(self, key: str, owner: str) -> None:
-        self._held.add((key, owner))
+    def _hold(self, key: str, owner: str, set_ms: int) -> None:
+        self._held[key, owner] = set_ms
         if self._renewing is None or self._renewing.done():
             self._renewing = asyncio.create_task(self._renew(), name="idempotency-renewal")
 
@@ -424,7 +485,7 @@ class Idempotency:
         """One task per process renews the ``:live`` of every pending claim it holds, one
         round trip per interval. A claim whose ``:live`` holds another token now was lost
         (this gateway stalled past the TTL): it is dropped, and its request learns it at
-        :meth:`promote` or :meth:`settle`. (Renewing someone else's ``:live`` once, or one
+        its journal's first write (or :meth:`promote`) or :meth:`settle`. (Renewing someone else's ``:live`` once, or one
         that was just deleted, is harmless: its owner renews it anyway.)"""
         while self._held:
             await asyncio.sleep(LIVE_TTL_MS / 1000 / 3)
@@ -433,6 +494,7 @@ class Idempotency:
             for key, _ in held:
                 pipe.get(keys.journal_live(key))
                 pipe.pexpire(keys.journal_live(key), LIVE_TTL_MS)
+            sent_ms = now_ms()
             try:
                 results = await pipe.execute()
             except (RedisError, OSError) as exc:
@@ -442,10 +504,17 @@ class Idempotency:
             for (key, owner), found in zip(held, results[::2], strict=True):
                 if found is None:
                     missing.append((key, owner))  # Redis lost it: missing is not taken
-                elif _text(found) != owner and (key, owner) in self._held:
+                elif (key, owner) not in self._held:
+                    continue  # settled or handed over meanwhile
+                elif _text(found) != owner:
                     log.warning("Idempotency-Key %s: this gateway lost its claim (it stalled past its TTL)", key)
-                    self._held.discard((key, owner))
+                    del self._held[key, owner]
+                else:
+                    self._held[key, owner] = sent_ms
             with contextlib.suppress(RedisError, OSError):
                 for key, owner in missing:
                     if (key, owner) in self._held:  # not settled meanwhile
-                        await self._redis.set(keys.journal_live(key), owner, nx=True, px=LIVE_TTL_MS)
+                        sent_ms = now_ms()
+                        if await self._redis.set(keys.journal_live(key), owner, nx=True, px=LIVE_TTL_MS) \
+                                and (key, owner) in self._held:
+                            self._held[key, owner] = sent_ms

@@ -25,6 +25,16 @@ with its ``Last-Event-ID``, gets exactly the rest. Re-attaching clients read the
 journal through the one shared reader loop of gateway/streams/journal_readers.py; so does a
 first client that falls too far behind.
 
+A stream begins with its first write, in one round trip: ``APPEND`` with its first events
+also promotes the key's claim (record ``streaming``, plan stored: gateway/streams/idempotency.py),
+and the same pipeline carries the stream's first journal memory reservation
+(gateway/streams/journal_quota.py). The producer sends that write itself, at once, rather
+than through the committer's next round (:meth:`JournalCommitter.write_now`); its request
+answers only once both are known (:meth:`JournalWriter.started`): a refused promotion (the
+key is another request's now) or reservation (429), or Redis failing, never reaches a
+client, and the request undoes what the write did (Idempotency.abandon_stream, and the
+reservation only while it is still the key's). Later writes go in the committer's rounds.
+
 Never a silent gap:
 
 - a journal is never trimmed. Its events are bounded by the request (every event but
@@ -70,6 +80,7 @@ from typing import Any, Protocol
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, RedisError
 
 from gateway.loss_watch import LossWatch
@@ -276,8 +287,14 @@ class FirstReader:
 #: of the first event, head, "1" when the batch ends the stream, the request's fingerprint
 #: ("": no record to restore), the plan ("": none to restore), the unix ms until which a
 #: missing ``:live`` may be re-claimed, the first event this producer has (its history's
-#: ``base``: the events before a regenerated stream's first are its client's alone), then
-#: (data, state) per event.
+#: ``base``: the events before a regenerated stream's first are its client's alone), the
+#: Idempotency-Key record's TTL ms when the batch promotes the claim ("": it does not, see
+#: below), then (data, state) per event.
+#: A claimed stream's first batch promotes it (what gateway/streams/idempotency.py's START
+#: does alone, in the same round trip as the first events): only while nobody else owns the
+#: key (``:live`` as above, and the record's ``owner``: 0 otherwise, nothing written), it
+#: makes the record ``streaming`` with that TTL, and stores the plan (sent with it). A
+#: record Redis lost while the claim was pending is restored (status 2).
 #: A batch that finds events from its first on while ``:live`` is missing is this
 #: producer's own when the record names it the owner: its write reached Redis, its reply did
 #: not (a stall, a failover and back), and it goes on (nemesis, Sentinel: it took its own
@@ -292,6 +309,7 @@ local last = 0
 local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 if top[1] then last = tonumber(string.match(top[1][1], '%d+$')) end
 local status = 1
+local promote = ARGV[11] ~= ''
 if owner == false then
   -- Events past this batch's first: someone else's (a take-over, which made itself the
   -- record's owner), or this producer's own batch whose reply it never got.
@@ -302,6 +320,10 @@ if owner == false then
 elseif owner ~= ARGV[1] then
   return {0, last}
 end
+if promote then
+  local held = redis.call('HGET', KEYS[5], 'owner')
+  if held and held ~= ARGV[1] then return {0, last} end
+end
 local function restore_record()
   if ARGV[7] ~= '' and redis.call('EXISTS', KEYS[5]) == 0 then
     redis.call('HSET', KEYS[5], 'fp', ARGV[7], 'stream', '1', 'state', 'streaming', 'owner', ARGV[1])
@@ -311,11 +333,11 @@ local function restore_record()
 end
 if math.max(last, tonumber(ARGV[10])) < first - 1 then
   redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
-  restore_record()
+  if not promote then restore_record() end
   return {3, math.max(last, tonumber(ARGV[10]))}
 end
 local n = first
-for i = 11, #ARGV, 2 do
+for i = 12, #ARGV, 2 do
   if n > last then redis.call('XADD', KEYS[1], '0-' .. n, 'd', ARGV[i], 's', ARGV[i + 1]) end
   n = n + 1
 end
@@ -329,7 +351,13 @@ else
   redis.call('PEXPIRE', KEYS[4], ARGV[2])
 end
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
-restore_record()
+if promote then
+  if redis.call('EXISTS', KEYS[5]) == 0 then status = 2 end
+  redis.call('HSET', KEYS[5], 'fp', ARGV[7], 'stream', '1', 'state', 'streaming', 'owner', ARGV[1])
+  redis.call('PEXPIRE', KEYS[5], ARGV[11])
+else
+  restore_record()
+end
 return {status, last}
 """
 
@@ -353,7 +381,11 @@ class Budget(Protocol):
     """The memory a stream's journal may take (gateway/streams/journal_quota.py)."""
 
     reserved: int
+    #: Bytes of its first reservation, to be made with the journal's first write (0: none).
+    opening: int
 
+    def opening_call(self) -> tuple[AsyncScript, list[str], list[str | int]]: ...
+    def opened(self, reply: list[Any]) -> SluiceError | None: ...
     async def reserve(self, more: int, *, new: bool = False) -> SluiceError | None: ...
     async def grow(self, used: int) -> bool: ...
     def refusal(self) -> SluiceError: ...
@@ -377,19 +409,27 @@ class JournalWriter:
     The writer keeps a copy of every event it journaled (:class:`JournalHistory`, as many
     bytes as the journal's quota counts for them) and writes the journal again whole when
     Redis lost it.
-    The stream is claimed first, and its plan stored, by its key (gateway/streams/idempotency.py).
+    The stream is claimed first by its key (gateway/streams/idempotency.py). With
+    ``promotion_ttl_ms`` its first write also makes the claim the key's stream (the record
+    ``streaming`` with that TTL, the plan stored: see ``APPEND``), and the ``budget``'s first
+    reservation (its ``opening``) goes in the same round trip: :meth:`started` says when both
+    are done, or why the stream did not begin. Without, the stream is the key's already (a
+    take-over; :meth:`Idempotency.promote`).
 
-    >>> await idempotency.promote(scope, token, fp, remaining_s, plan)  # this gateway produces it now
-    >>> writer = JournalWriter(committer, scope, ttl_s=3600, owner=token, max_events=bound, fingerprint=fp)
+    >>> claimed_ms = idempotency.hand_over(scope, token)  # this gateway's producer renews :live now
+    >>> writer = JournalWriter(committer, scope, ttl_s=3600, owner=token, max_events=bound, fingerprint=fp,
+    ...                        plan=plan, budget=quota.budget(...), claimed_ms=claimed_ms, promotion_ttl_ms=ttl)
     >>> first = writer.subscribe(readers.tail)  # before the producer starts
     >>> producer = await start_producer(writer, events, abandon, tap.take)
-    >>> response = SSEResponse(first.events(), keepalive, first.close)  # the first client reads this
+    >>> if await writer.started() is None:  # promoted and reserved, with its first events
+    ...     response = SSEResponse(first.events(), keepalive, first.close)  # the first client reads this
     """
 
     def __init__(self, committer: JournalCommitter, key: str, *, ttl_s: float, owner: str,
                  max_events: int = 131_072, max_pending: int = 4096, head: bytes = b"",
                  done_ttl_s: float | None = None, budget: Budget | None = None, stored_bytes: int = 0,
-                 plan: bytes = b"", fingerprint: str = "", claimed_ms: int | None = None) -> None:
+                 plan: bytes = b"", fingerprint: str = "", claimed_ms: int | None = None,
+                 promotion_ttl_ms: int | None = None) -> None:
         self._committer = committer
         self.key = key
         self._owner = owner
@@ -435,6 +475,15 @@ class JournalWriter:
         #: The producer task, while it waits for the generation's next event: a producer
         #: that lost its stream cancels its generation then, so the engine stops at once.
         self._generating: asyncio.Task[Any] | None = None
+        #: The record's TTL for the promotion its next write makes (None: done, or none to make).
+        self._promotion_ttl_ms = promotion_ttl_ms
+        if promotion_ttl_ms is not None:  # :live was last set by its claim: refreshed as if by a write then
+            self.last_write -= max(0.0, (now_ms() - self._confirmed_ms) / 1000)
+        #: Set once the stream has begun (promoted, its first reservation made), or failed to.
+        self._begun = asyncio.Event()
+        self._start_failure: BaseException | None = None
+        self._sending = False  # a batch of this writer is in a round now
+        self._check_begun()
 
     def __repr__(self) -> str:
         return f"<JournalWriter {self.key} produced={self._produced} written={self._written}>"
@@ -474,6 +523,10 @@ class JournalWriter:
         ``abandon`` cleans up the generation if ``events`` never got to run (its own
         ``finally`` only runs once it has started); it must be idempotent.
         """
+        if self.lost:  # stopped before it ran (its request gave up before the stream began)
+            await events.aclose()  # type: ignore[attr-defined]
+            await abandon()
+            return
         self._committer.follow(self)
         cut: SluiceError | None = None
         self._generating = asyncio.current_task()
@@ -486,8 +539,13 @@ class JournalWriter:
                         code="stream_too_long")
                     break
                 self._add(event, state(), digest())
-                if self._budget is not None and self.stored_bytes > self._budget.reserved:
-                    if not await self._budget.grow(self.stored_bytes):
+                if not self._begun.is_set() and not self._sending:
+                    await self._committer.write_now(self)  # its first write: its client waits for it
+                if self._budget is not None and self.stored_bytes > self._budget.reserved + self._budget.opening:
+                    # Its first reservation first: that one replaces whatever the key held.
+                    await self._begun.wait()
+                    if not self.lost and self.stored_bytes > self._budget.reserved \
+                            and not await self._budget.grow(self.stored_bytes):
                         cut = self._budget.refusal()
                         break
                 await self._hold_back()
@@ -519,6 +577,34 @@ class JournalWriter:
                         self._budget, self.stored_bytes - self._plan_bytes))
             if self._first is not None:
                 self._first.end()
+
+    async def started(self) -> BaseException | None:
+        """Once the stream has begun: its first write made the claim the key's stream, and its
+        budget's first reservation was made, in one round trip (see the class). None then;
+        else why it did not begin, and this writer has stopped (it writes nothing more, its
+        generation is cancelled): :class:`JournalLost` (another request owns the key now),
+        the quota's refusal (429), or Redis's error. What that write did is the caller's to
+        undo (Idempotency.abandon_stream, the budget's ``undo_opening``)."""
+        await self._begun.wait()
+        return self._start_failure
+
+    async def abort(self) -> None:
+        """Stop a writer whose stream has not begun (its request gave up), once a write of it
+        that is on its way has been answered, so that what it did can be undone after."""
+        if not self.lost:
+            self._fail_start(JournalLost(self.key), "its request stopped before the stream began")
+        while self._sending:
+            self._progress.clear()
+            await self._progress.wait()
+
+    def _check_begun(self) -> None:
+        if self._promotion_ttl_ms is None and (self._budget is None or not self._budget.opening):
+            self._begun.set()
+
+    def _fail_start(self, failure: BaseException, why: str) -> None:
+        self._start_failure = failure
+        self._lose(why)
+        self._begun.set()
 
     async def settled(self) -> None:
         """Return once the journal's fate is known (:attr:`ended` says which), before the
@@ -563,19 +649,37 @@ class JournalWriter:
 
     # The committer's side: take a batch, then report how its write went.
 
+    def opening(self) -> tuple[AsyncScript, list[str], list[str | int]] | None:
+        """The budget's first reservation while it is to be made: sent in the same round as
+        this writer's batch (script, KEYS, ARGV); :meth:`opened` takes its reply."""
+        if self._budget is None or not self._budget.opening:
+            return None
+        return self._budget.opening_call()
+
+    def opened(self, reply: list[Any]) -> None:
+        assert self._budget is not None
+        refusal = self._budget.opened(reply)  # kept even by a stopped writer: its caller undoes it
+        if refusal is not None and not self.lost:
+            self._fail_start(refusal, f"its journal's memory was refused: {refusal.message}")
+            return
+        self._check_begun()
+
     def batch(self) -> tuple[list[str], list[bytes | str | int]]:
         """KEYS and ARGV of ``APPEND`` for everything pending (only ``:live`` when nothing is);
-        after Redis lost events, those first, and the plan, all in the same call."""
+        after Redis lost events, those first, and the plan, all in the same call; until the
+        claim is promoted, the promotion and the plan too."""
         self._in_flight = len(self._pending)
         self._sent_ms = now_ms()
+        self._sending = True
         ends = bool(self._pending) and self._pending[-1][0] == DONE
         rewrite = self._rewrite_from
+        promotion = self._promotion_ttl_ms
         args: list[bytes | str | int] = [
             self._owner, self._done_ttl_ms if ends else self._ttl_ms, LIVE_TTL_MS,
             self._written + 1 if rewrite is None else rewrite, self._head, "1" if ends else "0", self._fingerprint,
-            b"" if rewrite is None else self._plan,
+            self._plan if rewrite is not None or promotion is not None else b"",
             _NO_DEADLINE_MS if self._may_reclaim() else self._confirmed_ms + LIVE_TTL_MS - RECLAIM_MARGIN_MS,
-            self._history.base]
+            self._history.base, "" if promotion is None else promotion]
         if rewrite is not None:
             for stored, state in self._history.since(rewrite):
                 args += [stored, state]
@@ -591,7 +695,11 @@ class JournalWriter:
         self.last_write = time.monotonic()
         status, last = int(result[0]), int(result[1])
         if status == 0:
-            self._lose("it was taken over by another gateway")
+            if self._promotion_ttl_ms is not None:
+                self._fail_start(JournalLost(self.key), "another request owns its Idempotency-Key now (this "
+                                 "gateway stalled past its claim's TTL)")
+            else:
+                self._lose("it was taken over by another gateway")
             return
         if status == 4:
             if self._reclaim_after is None:
@@ -603,6 +711,8 @@ class JournalWriter:
             self._progress.set()
             return
         self._confirmed_ms = self._sent_ms  # :live was set by this batch
+        if status in (1, 2):
+            self._promotion_ttl_ms = None  # promoted (if it was to be)
         if status == 3:
             # Redis lost events last + 1..: nothing was appended after the hole; write them
             # again, then the pending ones, in the next round. Redis lost the stream's memory
@@ -633,13 +743,27 @@ class JournalWriter:
                 if not self._first.offer(number, event, id_tail(state)):
                     self._first = None
                     break
+        self._check_begun()
         self._progress.set()
 
     def failed(self, exc: RedisError | OSError) -> None:
         if self.lost:
             return
+        if not self._begun.is_set():  # as when promote failed alone: the request fails, its caller retries
+            self._fail_start(exc, f"its first journal write failed: {exc}")
+            return
         self._failure = exc
         log.warning("journal write failed for %s: %s", self.key, exc)
+        self._progress.set()
+
+    @property
+    def sending(self) -> bool:
+        """Whether a batch of it is on its way (in a round not answered yet)."""
+        return self._sending
+
+    def round_over(self) -> None:
+        """The round that carried this writer's batch has been answered (or failed)."""
+        self._sending = False
         self._progress.set()
 
     def _may_reclaim(self) -> bool:
@@ -659,8 +783,8 @@ class JournalWriter:
         if self._first is not None:
             self._first.hand_over()
             self._first = None
-        if self._generating is not None:
-            self._generating.cancel()
+        if self._generating is not None and self._generating is not asyncio.current_task():
+            self._generating.cancel()  # (the producer itself, writing its first batch, stops at its next check)
         self._progress.set()
 
     @property
@@ -675,7 +799,9 @@ class JournalWriter:
 
     @property
     def dirty(self) -> bool:
-        return bool(self._pending) or self._rewrite_from is not None
+        """Whether it has something to write: events, a lost journal's, or its stream's
+        beginning (the promotion, the first reservation)."""
+        return bool(self._pending) or self._rewrite_from is not None or not self._begun.is_set()
 
 
 class JournalCommitter:
@@ -778,31 +904,60 @@ class JournalCommitter:
             for writer in self._followed:
                 if writer.last_write < stale:
                     self._due[writer] = None
-            writers = [w for w in self._due if not w.lost and (w.dirty or w in self._followed)]
-            self._due.clear()
+            due, self._due = self._due, {}
+            writers = []
+            for writer in due:
+                if writer.sending:  # its own first round is on its way (write_now): in a later one
+                    self._due[writer] = None
+                elif not writer.lost and (writer.dirty or writer in self._followed):
+                    writers.append(writer)
             if writers:
                 await self._round(writers)
 
-    async def _round(self, writers: list[JournalWriter]) -> None:
-        self.rounds += 1
-        batches = [writer.batch() for writer in writers]
+    async def write_now(self, writer: JournalWriter) -> None:
+        """A round for ``writer`` alone, at once, in its producer's task: a stream's first
+        write (its client waits for it) does not wait for the round in flight, nor for this
+        committer's task to wake. It writes what ``writer`` has, then the next round goes on."""
+        self._due.pop(writer, None)
         try:
-            results = await self._append_all(batches)
+            await self._round([writer])
+        finally:
+            if writer.dirty and not writer.lost:
+                self.schedule(writer)
+
+    async def _round(self, writers: list[JournalWriter]) -> None:
+        try:
+            await self._write(writers)
+        finally:
+            for writer in writers:
+                writer.round_over()
+
+    async def _write(self, writers: list[JournalWriter]) -> None:
+        self.rounds += 1
+        openings = [(writer, call) for writer in writers if (call := writer.opening()) is not None]
+        batches = [writer.batch() for writer in writers]
+        calls = [call for _, call in openings] + [(self._script, keys_, args) for keys_, args in batches]
+        try:
+            results = await self._append_all(calls)
         except (RedisError, OSError) as exc:
             for writer in writers:
                 writer.failed(exc)
+                writer.round_over()
             await asyncio.sleep(_FAILED_ROUND_PAUSE_S)
             return
         failed = False
-        for writer, result in zip(writers, results, strict=True):
+        # A stream's first reservation before its batch: a refusal stops it before its events count.
+        for (writer, (script, _, _)), result in zip(openings, results[:len(openings)], strict=True):
+            if isinstance(result, NoScriptError):  # sent again with the next round
+                failed |= not await self._load(writer, script.script)
+            elif isinstance(result, BaseException):
+                writer.failed(result if isinstance(result, (RedisError, OSError)) else RedisError(repr(result)))
+                failed = True
+            else:
+                writer.opened(result)
+        for writer, result in zip(writers, results[len(openings):], strict=True):
             if isinstance(result, NoScriptError):  # Redis restarted or failed over
-                try:
-                    await self.redis.script_load(APPEND)
-                except (RedisError, OSError) as exc:
-                    writer.failed(exc)
-                    failed = True
-                    continue
-                self.schedule(writer)
+                failed |= not await self._load(writer, APPEND)
             elif isinstance(result, BaseException):
                 # Whatever a gathered call failed with (not only Redis's errors) fails that
                 # writer's write, to be retried; it is never a result to read.
@@ -810,19 +965,33 @@ class JournalCommitter:
                 failed = True
             else:
                 writer.written(result)
+        for writer in writers:
+            writer.round_over()  # (before a pause)
         if failed:  # a Cluster node down fails its calls at once (gathered, not raised): do not spin
             await asyncio.sleep(_FAILED_ROUND_PAUSE_S)
 
-    async def _append_all(self, batches: list[tuple[list[str], list[bytes | str | int]]]) -> list[Any]:
-        """One ``APPEND`` per batch: one pipeline on a single server; on a Cluster (whose
-        pipelines refuse scripts) concurrent calls, each to its stream's node."""
+    async def _load(self, writer: JournalWriter, source: str) -> bool:
+        """Load a script Redis did not know, and have ``writer`` send its call again."""
+        try:
+            await self.redis.script_load(source)
+        except (RedisError, OSError) as exc:
+            writer.failed(exc)
+            return False
+        self.schedule(writer)
+        return True
+
+    async def _append_all(self, calls: list[tuple[AsyncScript, list[str], list[Any]]]) -> list[Any]:
+        """Every call of a round (each writer's ``APPEND``, and the first reservation of a
+        stream that starts): one pipeline on a single server, so one write and one round
+        trip; on a Cluster (whose pipelines refuse scripts) concurrent calls, each to its
+        key's node."""
         if isinstance(self.redis, RedisCluster):
             return await asyncio.gather(
-                *(self._script(keys=keys_, args=args) for keys_, args in batches), return_exceptions=True
+                *(script(keys=keys_, args=args) for script, keys_, args in calls), return_exceptions=True
             )
         pipe = self.redis.pipeline(transaction=False)
-        for keys_, args in batches:
-            pipe.evalsha(self._script.sha, len(keys_), *keys_, *args)
+        for script, keys_, args in calls:
+            pipe.evalsha(script.sha, len(keys_), *keys_, *args)
         return list(await pipe.execute(raise_on_error=False))
 
 

@@ -97,7 +97,7 @@ async def test_a_fresh_claim_right_after_a_loss_its_watch_has_not_seen_waits_for
     try:
         while watch.seen_epoch is None:
             await asyncio.sleep(0.01)
-        records = Idempotency(redis, ttl_s=60, unsure=watch.unsure_s, confirm=watch.confirm)
+        records = Idempotency(redis, ttl_s=60, unsure=watch.unsure_s, watch=watch)
         key, fp, body = f"{{k{uuid.uuid4().hex}}}", "fp", b'{"answer": 1}'
         assert await records.claim(key, fp, False, _deadline(), "first") is None
         assert await records.settle(key, "first", completed=True, body=body)
@@ -155,7 +155,7 @@ class HeldWatch:
 
 
 def _records(redis: RedisClient, watch: LossWatch) -> Idempotency:
-    return Idempotency(redis, ttl_s=60, unsure=watch.unsure_s, confirm=watch.confirm)
+    return Idempotency(redis, ttl_s=60, unsure=watch.unsure_s, watch=watch)
 
 
 async def _answer(claim: Coroutine[Any, Any, Any], within_s: float) -> Any:

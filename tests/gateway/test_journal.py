@@ -17,6 +17,7 @@ from gateway.streams import event_ids
 from gateway.streams.event_ids import frame, mark, tag_of
 from gateway.streams.idempotency import Idempotency
 from gateway.streams.journal import (
+    APPEND,
     DONE,
     LIVE_TTL_MS,
     JournalCommitter,
@@ -27,10 +28,12 @@ from gateway.streams.journal import (
     start_producer,
     stream_key,
 )
+from gateway.config import GatewaySettings
 from gateway.streams.journal_history import JournalHistory
+from gateway.streams.journal_quota import CHUNK_BYTES, RESERVE, JournalQuota, StreamBudget
 from gateway.streams.journal_readers import JournalReaders
 from sluice import keys
-from sluice.errors import DeadlineExceeded
+from sluice.errors import DeadlineExceeded, RateLimited
 from sluice.redis_pool import RedisClient, create_pool
 
 
@@ -510,6 +513,133 @@ async def test_a_streams_plan_lives_as_long_as_its_journal_and_goes_with_its_end
     assert not await redis.exists(keys.journal_plan(key))
     assert 0 < await redis.pttl(stream_key(key)) <= 5000
     await redis.delete(stream_key(key))
+
+
+def _beginning(committer: JournalCommitter, idem: Idempotency, quota: JournalQuota, key: str, owner: str,
+               plan: bytes = b'{"plan": 1}') -> tuple[JournalWriter, StreamBudget]:
+    """A claimed stream's writer as a request builds it: promoted, and its journal memory
+    reserved, by its first write (gateway/relay/serving.py)."""
+    budget = quota.budget(key, "tenant", len(plan), hold_s=60, holder=owner)
+    writer = JournalWriter(committer, key, ttl_s=60, owner=owner, fingerprint="fp", plan=plan, budget=budget,
+                           claimed_ms=idem.hand_over(key, owner), promotion_ttl_ms=idem.record_ttl_ms(10))
+    return writer, budget
+
+
+async def _first_then(more: asyncio.Event) -> AsyncIterator[bytes]:
+    yield b"data: 1\n\n"
+    await more.wait()
+    yield DONE
+
+
+async def test_a_claimed_stream_begins_with_its_first_write_promoted_and_reserved(
+    redis: RedisClient, readers: JournalReaders, committer: JournalCommitter, idem: Idempotency
+) -> None:
+    """One round trip begins a stream: the claim becomes the key's stream (record
+    ``streaming``, plan stored) with its first event, and its journal memory is reserved
+    alongside (they were two round trips before the first write: promote, then the quota)."""
+    key, plan = uuid.uuid4().hex, b'{"plan": 1}'
+    for source in (APPEND, RESERVE):  # (a Redis that does not know a script yet costs a round more)
+        await redis.script_load(source)
+    assert await idem.claim(key, "fp", True, time.monotonic() + 10, "t") is None
+    assert (await idem.lookup(key) or {}).get("state") == "pending"
+    writer, budget = _beginning(committer, idem, JournalQuota(redis, GatewaySettings()), key, "t", plan)
+    first = writer.subscribe(readers.tail)
+    more = asyncio.Event()
+    producer = await start_producer(writer, _first_then(more), _nothing)
+    assert await writer.started() is None
+    assert committer.rounds == 1  # promotion, reservation and event 1 in one round
+    record = await idem.lookup(key)
+    assert record is not None and record["state"] == "streaming" and record["owner"] == "t", record
+    assert await redis.get(keys.journal_plan(key)) == plan
+    assert await redis.xlen(stream_key(key)) == 1
+    assert budget.reserved == len(plan) + CHUNK_BYTES
+    assert int(await redis.hget(keys.JOURNAL_QUOTA.size, key)) == budget.reserved
+    assert await idem.claim(key, "fp", True, time.monotonic() + 10, "retry") == "attach"
+    more.set()
+    await producer
+    assert [event async for event in first.events()] == _expected(1)
+
+
+async def test_a_claim_another_request_took_is_never_promoted_and_its_reservation_is_undone(
+    redis: RedisClient, committer: JournalCommitter, idem: Idempotency
+) -> None:
+    """A gateway that stalled past its claim's TTL lost the key to a retry (here: ``:live``
+    expired, the retry claimed it): its first write finds the key the retry's and writes
+    nothing; the reservation it made in the same round trip is undone, the retry's stays."""
+    key = uuid.uuid4().hex
+    quota = JournalQuota(redis, GatewaySettings())
+    assert await idem.claim(key, "fp", True, time.monotonic() + 10, "stalled") is None
+    writer, budget = _beginning(committer, idem, quota, key, "stalled")
+    await redis.delete(live_key(key))  # its claim expired while it stalled
+    retry = Idempotency(redis, ttl_s=60)
+    try:
+        assert await retry.claim(key, "fp", True, time.monotonic() + 10, "retry") is None
+        taken = await quota.open(key, "tenant", 100, hold_s=60)  # the retry's stream reserved first
+        held = int(await redis.hget(keys.JOURNAL_QUOTA.size, key))
+        more = asyncio.Event()
+        producer = await start_producer(writer, _first_then(more), _nothing)
+        failure = await writer.started()
+        assert isinstance(failure, JournalLost)
+        with pytest.raises(JournalLost):
+            await producer  # its generation was cancelled before its second event
+        assert await redis.xlen(stream_key(key)) == 0 and not await redis.exists(keys.journal_plan(key))
+        record = await idem.lookup(key)
+        assert record is not None and record["state"] == "pending" and record["owner"] == "retry", record
+        assert await budget.undo_opening()
+        assert int(await redis.hget(keys.JOURNAL_QUOTA.size, key)) == held == taken.reserved
+    finally:
+        await retry.close()
+
+
+async def test_a_stream_whose_first_reservation_is_refused_stops_before_its_first_client_sees_it(
+    redis: RedisClient, committer: JournalCommitter, idem: Idempotency
+) -> None:
+    """The quota's 429 comes with the first write: the writer stops there (the request
+    undoes what that write did and answers 429, gateway/relay/serving.py)."""
+    key = uuid.uuid4().hex
+    settings = GatewaySettings(journal_tenant_max_bytes=1 << 20)
+    quota = JournalQuota(redis, settings)
+    assert await idem.claim(key, "fp", True, time.monotonic() + 10, "t") is None
+    plan = b"p" * settings.journal_tenant_max_bytes  # with its first chunk, past its tenant's bound
+    writer, budget = _beginning(committer, idem, quota, key, "t", plan)
+    more = asyncio.Event()
+    producer = await start_producer(writer, _first_then(more), _nothing)
+    failure = await writer.started()
+    assert isinstance(failure, RateLimited) and failure.code == "journal_memory_exceeded"
+    with pytest.raises(JournalLost):
+        await producer  # its generation was cancelled before its second event
+    assert await redis.xlen(stream_key(key)) == 1  # its first round's event, which no client got
+    assert budget.reserved == 0 and not await redis.hexists(keys.JOURNAL_QUOTA.size, key)
+    assert await idem.abandon_stream(key, "t")  # what serving's undo does
+    assert not await redis.exists(stream_key(key), keys.idempotency(key), keys.journal_plan(key), live_key(key))
+
+
+async def test_a_stream_fast_past_its_first_chunk_grows_its_budget_only_after_its_first_reservation(
+    redis: RedisClient, committer: JournalCommitter, idem: Idempotency
+) -> None:
+    """A generation faster than the first round trip: the budget grows only once its first
+    reservation (which replaces whatever the key held) is made, so every byte reserved stays
+    counted."""
+    key = uuid.uuid4().hex
+    assert await idem.claim(key, "fp", True, time.monotonic() + 10, "t") is None
+    writer, budget = _beginning(committer, idem, JournalQuota(redis, GatewaySettings()), key, "t")
+
+    burst, more = asyncio.Event(), asyncio.Event()
+
+    async def events() -> AsyncIterator[bytes]:
+        for i in range(3 * CHUNK_BYTES // 1000):  # three chunks' worth before any reply
+            yield b"data: %04d %s\n\n" % (i, b"x" * 1000)
+        burst.set()
+        await more.wait()
+        yield DONE
+
+    producer = await start_producer(writer, events(), _nothing)
+    assert await writer.started() is None
+    await burst.wait()
+    assert budget.reserved > 3 * CHUNK_BYTES
+    assert int(await redis.hget(keys.JOURNAL_QUOTA.size, key)) == budget.reserved
+    more.set()
+    await producer
 
 
 async def test_the_committer_survives_an_exception_object_in_a_result(

@@ -646,7 +646,7 @@ async def test_a_batch_whose_reply_was_lost_is_the_producers_own_only_while_the_
                                                                 "owner": record_owner})
         names = [keys.journal(scope), keys.journal_live(scope), keys.journal_head(scope), keys.journal_plan(scope),
                  keys.idempotency(scope)]
-        args = ["me", 60_000, 3000, 2, b"", "0", "f", b"", 2**53, 0]  # the retry: 2..3, then 4
+        args = ["me", 60_000, 3000, 2, b"", "0", "f", b"", 2**53, 0, ""]  # the retry: 2..3, then 4
         for number in (2, 3, 4):
             args += [b"data: %d\n\n" % number, b""]
         status, last = await append(keys=names, args=args)
