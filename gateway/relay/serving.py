@@ -27,6 +27,7 @@ from gateway.record import RequestRecord
 from gateway.relay.rendering import TYPED, Kind, json_response, sse_events
 from gateway.relay.sse import Keepalive, SSEResponse
 from gateway.relay.upstream import Dispatcher, Line, Upstream
+from gateway.streams.event_ids import DONE
 from gateway.streams.idempotency import Idempotency, wait_for_producer_s
 from gateway.streams.journal import (
     JournalCommitter,
@@ -58,6 +59,7 @@ from sluice.errors import (
     RouteNotFound,
     SluiceError,
     Unavailable,
+    error_event,
 )
 
 log = logging.getLogger("sluice.gateway")
@@ -133,7 +135,8 @@ class Serving:
                     await self._settle_usage(ctx, 0)
                     ctx.record.finish("ok")
                     if replay == "attach":  # a POST: told to send again (503), never 404
-                        return await self.reattach(key, ctx.last_event_id, retry=True, tag=ctx.last_event_tag)
+                        return await self.reattach(key, ctx.last_event_id, retry=True, tag=ctx.last_event_tag,
+                                                   until=ctx.deadline)
                     return replay
                 owned = True
             return await self._generate(kind, req, ctx, shape)
@@ -258,7 +261,7 @@ class Serving:
                 await budget.undo_opening()  # never the retry's reservation
             ctx.record.served_nothing()
             await self._end_stream(upstreams, ctx.record, ctx, "ok")  # served, by the retry's stream
-            return await self.reattach(key, 0, retry=True)
+            return await self.reattach(key, 0, retry=True, until=ctx.deadline)
         if failure is not None:  # the quota's 429, or Redis failing: what its first write did goes
             with anyio.CancelScope(shield=True):
                 await self._undo_start(key, owner, budget)
@@ -453,13 +456,15 @@ class Serving:
             raise failure
         return opened
 
-    async def reattach(self, key: str, after: int, *, retry: bool = False, tag: bytes | None = None) -> Response:
+    async def reattach(self, key: str, after: int, *, retry: bool = False, tag: bytes | None = None,
+                       until: float | None = None) -> Response:
         """The stream of ``key`` from after event ``after`` (whose producer's ``tag`` the client
         gave, gateway/streams/event_ids.py: only that history goes on). ``retry``: the caller is a POST
         (it found the key another attempt's, or lost it to one): if that attempt stopped
         before its stream began, or Redis lost its record since, the POST is told to come
         again (503), not that there is nothing (404: the nemesis found re-sent POSTs told
-        "send the request again" and "no resumable stream")."""
+        "send the request again" and "no resumable stream"). ``until``: the request's deadline,
+        where the stream it follows ends for it with the in-band timeout (:func:`_until`)."""
         deadline = time.monotonic() + self._settings.queue_timeout_s + self._settings.ttft_timeout_s
         # A client that holds events (``after``) of a stream Redis lost waits for its producer
         # to write the journal again, if it runs, before being told there is none.
@@ -503,7 +508,8 @@ class Serving:
             await asyncio.sleep(0.05)  # its first request is still being admitted
         if record is not None and record.get("state") == "done":
             await self._finished_journal(key, after)
-        return SSEResponse(self._readers.tail(key, after, chain=tag), self._keepalive)
+        events = self._readers.tail(key, after, chain=tag)
+        return SSEResponse(events if until is None else _until(events, until), self._keepalive)
 
     async def _finished_journal(self, key: str, after: int) -> None:
         """A finished stream's journal, which Redis may have lost while keeping its record:
@@ -596,3 +602,26 @@ async def _close(upstreams: list[Upstream | None]) -> None:
                 failure = failure or exc
     if failure is not None:
         raise failure
+
+
+async def _until(events: AsyncIterator[bytes], deadline: float) -> AsyncIterator[bytes]:
+    """A followed stream's events until the following request's deadline; then the in-band
+    timeout and ``[DONE]``. A re-sent POST that attached to a stream whose producer never
+    went on (a take-over waiting on a Cluster in failover) had keep-alives and nothing else
+    for 33 s past its deadline (the nemesis, Cluster: nem-3832). The stream itself goes on
+    for whoever re-attaches later."""
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                async with asyncio.timeout(left):
+                    event = await anext(events)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                break
+            yield event
+        yield error_event(DeadlineExceeded("the request's deadline passed while it followed its stream; "
+                                           "re-attach with its Last-Event-ID to go on"))
+        yield DONE
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]

@@ -125,6 +125,30 @@ def test_a_long_silence_does_not_cut_readers_off(start_worker, start_gateway) ->
     assert len([i for i, _ in events if i]) == 3
 
 
+def test_a_post_that_attached_to_a_running_stream_ends_at_its_own_deadline(start_worker, start_gateway) -> None:
+    """Regression (the nemesis, Cluster: nem-3832 followed a stream that did not go on for 33 s
+    past its deadline, keep-alives only): a re-sent POST that attaches to its key's stream
+    follows it until the POST's own deadline, then gets the in-band timeout and ``[DONE]``;
+    the stream goes on for its first client."""
+    start_worker("slow-attach", sim_token_ms=1500, sim_ttft_ms=0)
+    gateway = start_gateway()
+    body = {"model": "slow-attach", "prompt": "p", "max_tokens": 4, "ignore_eos": True, "stream": True}
+    key = {"Idempotency-Key": uuid.uuid4().hex}
+    first: list[tuple[int | None, str]] = []
+    with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=30, headers=key) as r:
+        lines = r.iter_lines()
+        _events(lines, lambda got: len(got) >= 1, first)
+        started = time.monotonic()
+        again = httpx.post(gateway.url + "/v1/completions", json=body, timeout=30,
+                           headers={**key, "X-Sluice-Timeout-Ms": "2000"})
+        took = time.monotonic() - started
+        rest = _events(lines, None, first)
+    followed = _events(again.text.splitlines())
+    assert took < 2.0 + 1.5, took
+    assert followed[-1][1] == "[DONE]" and '"timeout"' in followed[-2][1], followed
+    assert rest[-1][1] == "[DONE]" and len([i for i, _ in rest if i]) == 4  # the stream went on
+
+
 @pytest.mark.timeout(240)  # a 16 s stream, and 150 readers arriving a few at a time
 async def test_reattached_readers_do_not_hold_a_redis_connection_each(
     start_worker, start_gateway, redis_client
