@@ -431,6 +431,13 @@ class Dispatcher:
                     attempt, s.max_attempts, lease.worker_id, reason,
                 )
                 excluded.append(lease.worker_id)
+                if time.monotonic() >= ctx.deadline:
+                    # Past the deadline, a failed attempt is the deadline's doing as much as
+                    # the worker's (the worker ends a request at its deadline too, and may
+                    # answer before the gateway's own timer fires): 504, not "every worker
+                    # failed" once the next admission finds the one worker excluded.
+                    raise DeadlineExceeded(f"the request ran past its deadline ({reason})",
+                                           code="request_timeout") from None
             lease = None
             if attempt < s.max_attempts:
                 backoff = s.retry_backoff_ms / 1000 * 2 ** (attempt - 1)
@@ -445,7 +452,12 @@ class Dispatcher:
         path: str = "/internal/generate",
     ) -> Upstream:
         s = self._settings
-        ttft_s = max(0.0, min(s.ttft_timeout_s, deadline - time.monotonic()))
+        left_s = deadline - time.monotonic()
+        ttft_s = max(0.0, min(s.ttft_timeout_s, left_s))
+        # The timer set by the deadline is the deadline: checked against the clock after it
+        # fired, it may read a hair early (the loop's cached time), and the attempt went on as
+        # a worker's failure: 503 "every live worker failed" instead of 504 (a CI flake).
+        by_deadline = left_s <= s.ttft_timeout_s
         upstream: Upstream | None = None
         try:
             async with asyncio.timeout(ttft_s):
@@ -474,7 +486,7 @@ class Dispatcher:
             return upstream
         except TimeoutError:
             await _close(upstream, lease, self._admission, span)
-            if time.monotonic() >= deadline:
+            if by_deadline or time.monotonic() >= deadline:
                 raise DeadlineExceeded("the request ran past its deadline before its first token",
                                        code="request_timeout") from None
             raise _Retryable(f"no first token within {ttft_s:g}s") from None
