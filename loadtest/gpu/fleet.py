@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -42,6 +43,20 @@ ARMS: dict[str, dict[str, str]] = {
     "cache-approx": {"SLUICE_GATEWAY_ROUTING": "cache", "SLUICE_PREFIX_INDEX": "approx"},
     "cache-precise": {"SLUICE_GATEWAY_ROUTING": "cache", "SLUICE_PREFIX_INDEX": "precise"},
 }
+
+#: Cache routing's knobs an arm's name may set after its base: ``cache-precise-p1-h0.5`` is
+#: cache-precise with a pending-prefill weight of 1 and a hot-spot share of 0.5
+#: (gateway/config.py says what each one does).
+KNOBS = {"p": "SLUICE_GATEWAY_ROUTE_PREFILL_WEIGHT", "l": "SLUICE_GATEWAY_ROUTE_LOAD_BLOCKS",
+         "h": "SLUICE_GATEWAY_ROUTE_HOT_SHARE"}
+
+
+def arm_env(arm: str) -> dict[str, str]:
+    """The gateway environment of a routing arm: a name of :data:`ARMS`, then any knobs."""
+    base, *knobs = re.split(r"-(?=[plh][0-9.]+(?:-|$))", arm)
+    if base not in ARMS or any(not re.fullmatch(r"[plh][0-9.]+", k) for k in knobs):
+        raise ValueError(f"unknown arm {arm!r}: one of {sorted(ARMS)}, then -p/-l/-h knobs")
+    return {**ARMS[base], **{KNOBS[k[0]]: k[1:] for k in knobs}}
 
 
 def stop_on_sigterm() -> None:
@@ -183,7 +198,7 @@ class Fleet:
             port = free_port()
             env = {"SLUICE_GATEWAY_QUEUE_TIMEOUT_S": "600", "SLUICE_GATEWAY_TTFT_TIMEOUT_S": "300",
                    "SLUICE_GATEWAY_CONNECT_TIMEOUT_S": "10", "SLUICE_GATEWAY_MAX_QUEUE": "20000",
-                   "SLUICE_GATEWAY_TOKENIZER": tokenizer, "TOKENIZERS_PARALLELISM": "false", **ARMS[arm]}
+                   "SLUICE_GATEWAY_TOKENIZER": tokenizer, "TOKENIZERS_PARALLELISM": "false", **arm_env(arm)}
             # INFO: the gateway's access lines (queue wait, TTFT, worker, route per request:
             # loadtest/gpu/diagnose.py reads them); its other INFO lines are start-up and shut-down
             gw = LoggedChild(f"gateway-{arm}", [
