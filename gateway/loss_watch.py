@@ -102,10 +102,15 @@ class LossWatch:
 
     def unsure_s(self) -> float:
         """How much longer writes Redis may have lost could still be on their way back from
-        the gateway processes that keep copies (0: none known): for
-        :data:`~sluice.keys.API_KEYS_RESTORE_S` after a change this process saw, and while it
-        has no fresh look at Redis."""
-        if self._blind():
+        the gateway processes that keep copies (0: none known): while this process has no
+        fresh look at Redis, while one of its own write-backs has yet to succeed, and for
+        :data:`~sluice.keys.API_KEYS_RESTORE_S` after that (or after a change it saw). The
+        window counts from the end of this process's write-backs, not from the look that
+        started them: the other processes' write-backs meet the same Redis. (The nemesis,
+        Cluster: a node back but the cluster not serving yet failed every write-back for
+        seconds; the window, counted from the look, ran out first, and two gateways answered
+        401 for a valid key that the one gateway keeping it wrote back a moment later.)"""
+        if self._blind() or any(self._owed):
             return self._check_s
         return max(0.0, self._changed_at + keys.API_KEYS_RESTORE_S - time.monotonic())
 
@@ -189,10 +194,20 @@ class LossWatch:
             await asyncio.sleep(self._check_s)
 
     async def _tell(self, lost: bool) -> None:
-        for i, listener in enumerate(self._listeners):
-            owed = lost or self._owed[i]
-            try:
-                self._owed[i] = not await listener(owed) and owed
-            except (RedisError, OSError) as exc:
-                log.warning("writing back what Redis may have lost failed (tried again at the next look): %s", exc)
-                self._owed[i] = owed
+        """Call every listener, side by side (the API keys, which every request needs, do not
+        wait behind hundreds of journals); a write-back this look made or finished restarts
+        :meth:`unsure_s`'s window."""
+        owed = [lost or self._owed[i] for i in range(len(self._listeners))]
+        results = await asyncio.gather(*(listener(o) for listener, o in zip(self._listeners, owed, strict=True)),
+                                       return_exceptions=True)
+        for i, result in enumerate(results):
+            if isinstance(result, (RedisError, OSError)):
+                log.warning("writing back what Redis may have lost failed (tried again at the next look): %s",
+                            result)
+                self._owed[i] = owed[i]
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                self._owed[i] = not result and owed[i]
+        if any(owed):
+            self._changed_at = time.monotonic()

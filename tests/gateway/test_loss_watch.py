@@ -68,3 +68,52 @@ async def test_an_epoch_without_its_time_counts_from_now_rather_than_failing_eve
             assert await client.hget(keys.EPOCH, "at") is not None
         finally:
             await client.aclose()
+
+
+async def test_the_watch_stays_unsure_until_its_write_backs_succeed_and_a_window_after(monkeypatch) -> None:
+    """The nemesis, Cluster: a node back but the cluster not serving yet failed every
+    write-back for seconds; the restore window, counted from the look that saw the loss, ran
+    out first, and two gateways answered 401 for a valid key that the one gateway keeping it
+    wrote back a moment later. Now the window counts from the last write-back, and a slow
+    listener (hundreds of journals) does not hold back the others (the API keys)."""
+    monkeypatch.setattr(keys, "API_KEYS_RESTORE_S", 0.3)
+    with EmbeddedRedis() as server:
+        client = await create_pool(server.url)
+        watch = LossWatch(client, check_s=0.05)
+        cluster_down = True
+        heard: dict[str, float] = {}
+
+        async def journals(lost: bool) -> bool:
+            if lost:
+                heard.setdefault("journals", asyncio.get_running_loop().time())
+                await asyncio.sleep(0.5)
+            return True
+
+        async def api_keys(lost: bool) -> bool:
+            if lost:
+                heard.setdefault("keys", asyncio.get_running_loop().time())
+                if cluster_down:
+                    raise RedisConnectionError("The cluster is down")
+                heard["keys_written"] = asyncio.get_running_loop().time()
+            return True
+
+        watch.listen(journals)
+        watch.listen(api_keys)
+        try:
+            await client.hset(keys.EPOCH, "id", "epoch-1")
+            watch.start()
+            await asyncio.sleep(0.2)
+            await client.hset(keys.EPOCH, "id", "epoch-2")  # Redis lost its data
+            await asyncio.sleep(1.2)  # four restore windows
+            assert heard["keys"] - heard["journals"] < 0.1  # side by side, not behind the journals
+            assert watch.unsure_s() > 0  # the key write-back still fails: still unsure
+            cluster_down = False
+            while "keys_written" not in heard:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+            assert watch.unsure_s() > 0  # a window after the write-back, for the other processes'
+            await asyncio.sleep(0.4)
+            assert watch.unsure_s() == 0
+        finally:
+            await watch.close()
+            await client.aclose()
