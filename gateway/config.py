@@ -94,7 +94,9 @@ class GatewaySettings(RedisSettings):
     #: columns measured (README.md, "Where the 2.5 s TTFT floor came from"). On the H200 since
     #: (loadtest/gpu/h200-2026-12-03-m8b-routing/, 1B fleet, easy workload, 64 users): least's
     #: p90 against rr's 1.60x with slots alone, 1.56x / 1.31x at weights 2 / 4, 1.35x at 12 with
-    #: spread 3 (the p50 1.24x): better, not yet within 1.2x; w5 0.95x with slots alone.
+    #: spread 3 (the p50 1.24x): better, not yet within 1.2x; w5 0.95x with slots alone. On the
+    #: 8B-shaped fleet (h200-2026-12-03-m8b-knobs/): 1.07x rr's p90 on easy (the old default
+    #: 3.47x there), 0.89x on w5.
     route_least_pending_weight: float = Field(default=12.0, ge=0)
     #: Least-loaded routing: the workers within this many requests (weighted as above) of the
     #: least loaded are taken in turn. 0 is the least loaded alone (ties in turn), which in a
