@@ -64,6 +64,7 @@ class LossWatch:
         self._check_s = check_s
         self._listeners: list[Listener] = []
         self._owed: list[bool] = []  # per listener: a write-back it still owes
+        self._owed_since: float | None = None  # since when one is owed (monotonic)
         self._epoch: bytes | None = _UNSEEN
         self._server: str | None = None  # the run_ids last seen (Directory.look)
         self._changed_at = -math.inf  # when Redis was last away or other servers answered (monotonic)
@@ -103,15 +104,17 @@ class LossWatch:
     def unsure_s(self) -> float:
         """How much longer writes Redis may have lost could still be on their way back from
         the gateway processes that keep copies (0: none known): while this process has no
-        fresh look at Redis, while one of its own write-backs has yet to succeed, and for
+        fresh look at Redis, while one of its own write-backs has yet to succeed (for at most
+        :data:`~sluice.keys.REGISTRY_REBUILD_S`), and for
         :data:`~sluice.keys.API_KEYS_RESTORE_S` after that (or after a change it saw). The
         window counts from the end of this process's write-backs, not from the look that
         started them: the other processes' write-backs meet the same Redis. (The nemesis,
         Cluster: a node back but the cluster not serving yet failed every write-back for
         seconds; the window, counted from the look, ran out first, and two gateways answered
         401 for a valid key that the one gateway keeping it wrote back a moment later.)"""
-        if self._blind() or any(self._owed):
-            return self._check_s
+        if self._blind() or (self._owed_since is not None
+                             and time.monotonic() - self._owed_since < keys.REGISTRY_REBUILD_S):
+            return self._check_s  # (a write-back failing for longer is not a loss on its way back)
         return max(0.0, self._changed_at + keys.API_KEYS_RESTORE_S - time.monotonic())
 
     async def confirm(self) -> bool:
@@ -211,3 +214,7 @@ class LossWatch:
                 self._owed[i] = not result and owed[i]
         if any(owed):
             self._changed_at = time.monotonic()
+        if not any(self._owed):
+            self._owed_since = None
+        elif self._owed_since is None:
+            self._owed_since = time.monotonic()
