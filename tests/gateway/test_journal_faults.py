@@ -23,10 +23,11 @@ from gateway.streams.event_ids import frame, tag_of
 from gateway.streams.idempotency import Idempotency, scoped
 from gateway.streams.journal import APPEND, DONE, JournalCommitter, JournalWriter, start_producer
 from gateway.streams.journal_history import JournalHistory
-from gateway.streams.journal_keeper import Finished, JournalKeeper
+from gateway.streams.journal_keeper import WRITE_BACK_S, Finished, JournalKeeper
 from gateway.streams.journal_readers import JournalReaders
 from sluice import keys
 from sluice.embedded_redis import EmbeddedCluster, EmbeddedRedis
+from sluice.nemesis.proxy import LinkProxy
 from sluice.redis_pool import create_pool
 from tests.conftest import ROOT, wait_for
 from tests.gateway.test_resumable import _events, _text
@@ -584,6 +585,38 @@ async def test_a_finished_journal_whose_end_a_failover_lost_is_written_back_over
     finally:
         await keeper.close()
         await client.aclose()
+
+
+async def test_a_keeper_writes_its_finished_journals_back_side_by_side_within_write_back_s(
+        private_redis) -> None:
+    """Regression (nemesis, Cluster, 6ec4b61: nem-1291 billed twice): a gateway wrote its
+    kept journals back one at a time, about 0.3 s each while a failover settled, and reached
+    nem-1291's 28 s after it saw the loss; 18 s before that, the client's re-sent POST had
+    waited its 10 s for a producer, found none, and generated the stream again. With 40 kept
+    journals and a 0.1 s round trip to Redis, all are back within ``WRITE_BACK_S``."""
+    proxy = await LinkProxy(private_redis["server"].port).start()
+    client = await create_pool(f"redis://127.0.0.1:{proxy.port}/0")
+    keeper = JournalKeeper(client, check_s=60)
+    scopes = [uuid.uuid4().hex for _ in range(40)]
+    try:
+        await client.hset(keys.EPOCH, "id", "epoch-1")  # the keeper's first look finds nothing lost
+        for scope in scopes:
+            history = JournalHistory()
+            for stored in (b"data: 1\n\n", b"data: 2\n\n", DONE):
+                history.add(stored, b"")
+            keeper.keep(Finished(scope, "p", "fp", b"", history, 60_000, None, 0))
+        await asyncio.sleep(0.2)
+        proxy.delay(0.05)  # each way
+        started = time.monotonic()
+        await keeper.restore_all()
+        took_s = time.monotonic() - started
+        proxy.heal()
+        assert [await client.xlen(keys.journal(scope)) for scope in scopes] == [3] * len(scopes)
+        assert took_s < WRITE_BACK_S, f"40 journals back in {took_s:.1f} s"
+    finally:
+        await keeper.close()
+        await client.aclose()
+        await proxy.close()
 
 
 async def _truncate(client, scope: str, events: int) -> None:
