@@ -349,11 +349,28 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/v1/streams/{key}")
     async def reattach(key: str, request: Request) -> Response:
-        """Re-attach to a stream started with this Idempotency-Key, after Last-Event-ID."""
-        caller = await svc(request).tenancy.authenticate(request.headers.get("authorization"))
-        after, tag = event_ids.parse(request.headers.get("last-event-id") or request.query_params.get("last_event_id"))
-        owner = caller.prefix if caller else "-"
-        return await svc(request).serving.reattach(scoped(owner, Idempotency.check_key(key)), after, tag=tag)
+        """Re-attach to a stream started with this Idempotency-Key, after Last-Event-ID. With
+        ``X-Sluice-Timeout-Ms`` the stream ends for this client at that deadline (the in-band
+        timeout, then ``[DONE]``); its response comes by then and a moment, whatever Redis
+        does, as a completion's does (without it, by the queue and first-token timeouts: the
+        wait a stream not yet begun is given). The nemesis, Cluster: two GETs got no headers
+        for 25 s while every Redis call of theirs waited out its own timeout in turn."""
+        until = resolve_deadline(request.headers, settings) if "x-sluice-timeout-ms" in request.headers else None
+        answer_by = until if until is not None else \
+            time.monotonic() + settings.queue_timeout_s + settings.ttft_timeout_s
+        bound = asyncio.timeout(answer_by - time.monotonic() + ANSWER_GRACE_S)
+        try:
+            async with bound:
+                caller = await svc(request).tenancy.authenticate(request.headers.get("authorization"))
+                after, tag = event_ids.parse(request.headers.get("last-event-id")
+                                             or request.query_params.get("last_event_id"))
+                owner = caller.prefix if caller else "-"
+                return await svc(request).serving.reattach(scoped(owner, Idempotency.check_key(key)), after,
+                                                           tag=tag, until=until)
+        except TimeoutError:
+            if bound.expired():
+                raise DeadlineExceeded("the deadline passed before the stream could be re-attached") from None
+            raise
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:

@@ -466,6 +466,7 @@ class Serving:
         "send the request again" and "no resumable stream"). ``until``: the request's deadline,
         where the stream it follows ends for it with the in-band timeout (:func:`_until`)."""
         deadline = time.monotonic() + self._settings.queue_timeout_s + self._settings.ttft_timeout_s
+        deadline = deadline if until is None else min(deadline, until)
         # A client that holds events (``after``) of a stream Redis lost waits for its producer
         # to write the journal again, if it runs, before being told there is none.
         unknown_until = time.monotonic() + (wait_for_producer_s() if after else 0.0)

@@ -101,6 +101,14 @@ def test_a_request_is_answered_by_its_deadline_while_redis_is_stalled(private_re
             took = time.monotonic() - started
             assert resp.status_code in (503, 504), resp.text
             assert took < 1.5 + 1.5, f"answered after {took:.1f} s ({resp.status_code})"
+        # A GET re-attach with a deadline, too (the nemesis, Cluster: two GETs got no headers
+        # for 25 s, each Redis call waiting out its own timeout in turn).
+        started = time.monotonic()
+        resp = httpx.get(gateway.url + "/v1/streams/k-1", headers={"X-Sluice-Timeout-Ms": "1500",
+                                                                   "Last-Event-ID": "3"}, timeout=30)
+        took = time.monotonic() - started
+        assert resp.status_code in (503, 504), resp.text
+        assert took < 1.5 + 1.5, f"answered after {took:.1f} s ({resp.status_code})"
     finally:
         os.kill(server.pid, signal.SIGCONT)
     assert gateway.alive()

@@ -125,11 +125,14 @@ def test_a_long_silence_does_not_cut_readers_off(start_worker, start_gateway) ->
     assert len([i for i, _ in events if i]) == 3
 
 
-def test_a_post_that_attached_to_a_running_stream_ends_at_its_own_deadline(start_worker, start_gateway) -> None:
+@pytest.mark.parametrize("how", ["POST", "GET"])
+def test_a_client_that_attached_to_a_running_stream_ends_at_its_own_deadline(start_worker, start_gateway,
+                                                                           how: str) -> None:
     """Regression (the nemesis, Cluster: nem-3832 followed a stream that did not go on for 33 s
-    past its deadline, keep-alives only): a re-sent POST that attaches to its key's stream
-    follows it until the POST's own deadline, then gets the in-band timeout and ``[DONE]``;
-    the stream goes on for its first client."""
+    past its deadline, keep-alives only): a re-sent POST, or a GET re-attach carrying
+    ``X-Sluice-Timeout-Ms``, that attaches to its key's stream follows it until its own
+    deadline, then gets the in-band timeout and ``[DONE]``; the stream goes on for its first
+    client."""
     start_worker("slow-attach", sim_token_ms=1500, sim_ttft_ms=0)
     gateway = start_gateway()
     body = {"model": "slow-attach", "prompt": "p", "max_tokens": 4, "ignore_eos": True, "stream": True}
@@ -139,8 +142,12 @@ def test_a_post_that_attached_to_a_running_stream_ends_at_its_own_deadline(start
         lines = r.iter_lines()
         _events(lines, lambda got: len(got) >= 1, first)
         started = time.monotonic()
-        again = httpx.post(gateway.url + "/v1/completions", json=body, timeout=30,
-                           headers={**key, "X-Sluice-Timeout-Ms": "2000"})
+        deadline = {"X-Sluice-Timeout-Ms": "2000"}
+        if how == "POST":
+            again = httpx.post(gateway.url + "/v1/completions", json=body, timeout=30, headers={**key, **deadline})
+        else:
+            again = httpx.get(f"{gateway.url}/v1/streams/{key['Idempotency-Key']}", timeout=30,
+                              headers={"Last-Event-ID": str(first[0][0]), **deadline})
         took = time.monotonic() - started
         rest = _events(lines, None, first)
     followed = _events(again.text.splitlines())
