@@ -566,15 +566,18 @@ class JournalWriter:
             self._drained.set()
             self._committer.unfollow(self)
             if not self.lost:
+                # Kept a while, should Redis lose them (journal_keeper.py): from the moment the
+                # end is stored, not after the round trips below (each may wait out a Cluster's
+                # failover, and a loss meanwhile was written back by nobody).
+                if self._ended and not self._history.base:
+                    self._committer.keeper.keep(Finished(
+                        self.key, self._owner, self._fingerprint, self._head, self._history, self._done_ttl_ms,
+                        self._budget, self.stored_bytes - self._plan_bytes))
                 await self.release()
                 if self._budget is not None:
                     kept = self.stored_bytes - self._plan_bytes if self._ended else self.stored_bytes  # plan dropped
                     with contextlib.suppress(RedisError, OSError):
                         await self._budget.settle(kept, self._done_ttl_ms if self._ended else self._ttl_ms)
-                if self._ended and not self._history.base:  # kept a while, should Redis lose them (journal_keeper.py)
-                    self._committer.keeper.keep(Finished(
-                        self.key, self._owner, self._fingerprint, self._head, self._history, self._done_ttl_ms,
-                        self._budget, self.stored_bytes - self._plan_bytes))
             if self._first is not None:
                 self._first.end()
 
