@@ -65,6 +65,11 @@ _PREFILLED_BATCH_S = 0.02
 #: Times a request asks again after a grant it could not claim in time.
 _CLAIM_RETRIES = 2
 
+#: Longest wait, after a request's queue timeout, for the queue's length and drain rate that
+#: its 429 reports (two more Redis round trips): a failing-over Cluster held a hundred 429s
+#: for up to 25 s past their 10 s queue timeouts (nemesis, Cluster, 6ec4b61).
+HINT_S = 1.0
+
 #: The code of a 503 for a model the registry does not know while it is being rebuilt.
 REGISTRY_REBUILDING = "registry_rebuilding"
 
@@ -371,11 +376,15 @@ class Admission:
             return leases  # granted at the last moment: serve it
         if waiter.lost:  # Redis lost it, and no worker of the model has come back since
             raise Unavailable(f"model '{ask.model}' has no live worker", retry_after_s=2)
-        position = await self._position(ask.model)
-        raise RateLimited(
-            f"no capacity for '{ask.model}' within the queue timeout ({position} waiting)",
-            retry_after_s=await self.retry_after_s(ask.model, position), code="queue_timeout",
-        )
+        try:  # the queue's length and drain rate only inform the answer: they do not hold it up
+            async with asyncio.timeout(HINT_S):
+                position = await self._position(ask.model)
+                retry_after_s = await self.retry_after_s(ask.model, position)
+            waiting = f"{position} waiting"
+        except (TimeoutError, RedisError, OSError):
+            waiting, retry_after_s = "Redis did not say how many wait", float(min(self._s.queue_timeout_s, 60))
+        raise RateLimited(f"no capacity for '{ask.model}' within the queue timeout ({waiting})",
+                          retry_after_s=retry_after_s, code="queue_timeout")
 
     async def _depart(self, waiter: _Waiter) -> list[Lease]:
         """The waiter leaves the queue (after any re-queue of it in flight has landed)."""
