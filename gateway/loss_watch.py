@@ -203,6 +203,7 @@ class LossWatch:
         owed = [lost or self._owed[i] for i in range(len(self._listeners))]
         results = await asyncio.gather(*(listener(o) for listener, o in zip(self._listeners, owed, strict=True)),
                                        return_exceptions=True)
+        wrote_back = False
         for i, result in enumerate(results):
             if isinstance(result, (RedisError, OSError)):
                 log.warning("writing back what Redis may have lost failed (tried again at the next look): %s",
@@ -212,7 +213,8 @@ class LossWatch:
                 raise result
             else:
                 self._owed[i] = not result and owed[i]
-        if any(owed):
+                wrote_back |= owed[i] and bool(result)
+        if wrote_back:  # (not a failed one: a write-back failing for good must not keep the window open)
             self._changed_at = time.monotonic()
         if not any(self._owed):
             self._owed_since = None

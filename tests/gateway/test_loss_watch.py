@@ -117,3 +117,33 @@ async def test_the_watch_stays_unsure_until_its_write_backs_succeed_and_a_window
         finally:
             await watch.close()
             await client.aclose()
+
+
+async def test_a_write_back_failing_for_good_keeps_the_watch_unsure_for_a_bounded_time(monkeypatch) -> None:
+    """A listener whose write-back never succeeds (not a loss on its way back any more) must
+    not leave unknown keys and models at 503 for good: the watch is unsure for
+    REGISTRY_REBUILD_S at most, then the restore window runs out as after any loss."""
+    monkeypatch.setattr(keys, "API_KEYS_RESTORE_S", 0.2)
+    monkeypatch.setattr(keys, "REGISTRY_REBUILD_S", 0.6)
+    with EmbeddedRedis() as server:
+        client = await create_pool(server.url)
+        watch = LossWatch(client, check_s=0.05)
+
+        async def broken(lost: bool) -> bool:
+            if lost:
+                raise RedisConnectionError("fails for good")
+            return True
+
+        watch.listen(broken)
+        try:
+            await client.hset(keys.EPOCH, "id", "epoch-1")
+            watch.start()
+            await asyncio.sleep(0.2)
+            await client.hset(keys.EPOCH, "id", "epoch-2")
+            await asyncio.sleep(0.4)
+            assert watch.unsure_s() > 0  # past the restore window: its write-back is still owed
+            await asyncio.sleep(0.8)
+            assert watch.unsure_s() == 0  # owed for longer than REGISTRY_REBUILD_S: no longer unsure
+        finally:
+            await watch.close()
+            await client.aclose()
