@@ -382,7 +382,7 @@ class Admission:
                 retry_after_s = await self.retry_after_s(ask.model, position)
             waiting = f"{position} waiting"
         except (TimeoutError, RedisError, OSError):
-            waiting, retry_after_s = "Redis did not say how many wait", float(min(self._s.queue_timeout_s, 60))
+            waiting, retry_after_s = "Redis did not say how many wait", self._unknown_retry_after_s()
         raise RateLimited(f"no capacity for '{ask.model}' within the queue timeout ({waiting})",
                           retry_after_s=retry_after_s, code="queue_timeout")
 
@@ -556,8 +556,12 @@ class Admission:
         """Seconds until ``position`` requests ahead have drained at the recent service rate."""
         seconds = int(await self._retry_after(keys=keys.admission(model), args=self._args(position)))
         if seconds < 0:
-            return float(min(self._s.queue_timeout_s, 60))
+            return self._unknown_retry_after_s()
         return float(min(max(1, seconds), 120))
+
+    def _unknown_retry_after_s(self) -> float:
+        """Retry-After when the drain rate is not known: the queue timeout, a minute at most."""
+        return float(min(self._s.queue_timeout_s, 60))
 
     async def queue_depths(self, model: str) -> dict[str, int]:
         """Waiting requests per priority class (counters kept by the scripts)."""
