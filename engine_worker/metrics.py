@@ -42,6 +42,8 @@ class WorkerCollector(Collector):
                       stats.prefix_queries)
         yield counter("sluice_engine_prefix_cache_hits", "Prefix cache hits (tokens or blocks)",
                       stats.prefix_hits)
+        yield counter("sluice_worker_gateway_prompt_ids", "Prompts taken as the gateway's token ids "
+                      "(its tokenizer has this worker's digest), not tokenized here", stats.gateway_prompts)
         yield counter("sluice_worker_requests", "Streams finished on this worker", w.served)
 
 

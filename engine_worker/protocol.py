@@ -30,6 +30,11 @@ class GenerateRequest(BaseModel):
     messages: list[dict[str, Any]] | None = None
     prompt: str | None = None
     prompt_token_ids: list[int] | None = Field(default=None, min_length=1)
+    #: The prompt's token ids as the gateway computed them for the precise prefix index, and
+    #: the digest of the tokenizer it used: a worker whose tokenizer has that digest takes
+    #: them instead of tokenizing the prompt again (engines/prompts.py ``PromptIds``).
+    gateway_prompt_ids: list[int] | None = Field(default=None, min_length=1, max_length=1_000_000)
+    gateway_tokenizer: str | None = Field(default=None, max_length=64)
     #: Completions: send the prompt's text back first (in the first line's ``echo``).
     echo: bool = False
     max_tokens: int | None = Field(default=None, ge=1)

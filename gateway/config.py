@@ -113,6 +113,10 @@ class GatewaySettings(RedisSettings):
         validation_alias=AliasChoices("SLUICE_PREFIX_INDEX", "SLUICE_GATEWAY_PREFIX_INDEX", "prefix_index"))
     #: The model folder (tokenizer and chat template) the precise index tokenizes prompts with.
     tokenizer: str | None = None
+    #: With the precise index: send each prompt's token ids to the worker with the tokenizer's
+    #: digest; a vLLM worker with the same tokenizer takes them and does not tokenize again
+    #: (engine_worker/engines/prompts.py ``PromptIds``). Off: every worker tokenizes (to measure).
+    send_prompt_ids: bool = True
     #: Session affinity (``prompt_cache_key``, ``x-session-id`` or ``user``): "cost" (a term
     #: in cache routing's cost; with the other routings it is "bounded"), "bounded"
     #: (consistent hashing with bounded loads) or "off". "cost" by measurement: on the

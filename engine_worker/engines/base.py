@@ -16,6 +16,8 @@ class EngineStats:
     kv_usage: float = 0.0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    #: Prompts taken as the gateway's token ids, not tokenized here (engines/prompts.py).
+    gateway_prompts: int = 0
 
     def as_dict(self) -> dict[str, float]:
         return {

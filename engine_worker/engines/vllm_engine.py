@@ -22,10 +22,10 @@ from typing import Any
 
 from engine_worker.engines.base import EngineStats
 from engine_worker.engines.prompts import (
+    PromptIds,
     checked_bias,
     completion_budget,
     echo_text,
-    prompt_token_ids,
 )
 from engine_worker.engines.resume import ResumedText
 from engine_worker.engines.tool_calls import ForcedCalls, decoding_constraint
@@ -99,11 +99,13 @@ class VllmEngine:
         self._lora_ids = 0
         self._engine: Any = None
         self._tokenizer: Any = None
+        self._prompt_ids: PromptIds | None = None
         self._stats = EngineStats()
         self.aborted = 0
 
     def __repr__(self) -> str:
-        return f"VllmEngine(model={self.model_dir.name} running={self._stats.running} aborted={self.aborted})"
+        return (f"VllmEngine(model={self.model_dir.name} running={self._stats.running} aborted={self.aborted} "
+                f"{self._prompt_ids!r})")
 
     def engine_args(self) -> dict[str, Any]:
         args: dict[str, Any] = {
@@ -180,6 +182,9 @@ class VllmEngine:
             stat_loggers=[_stat_logger_factory(self._stats)],
         )
         self._tokenizer = self._engine.get_tokenizer()
+        self._prompt_ids = PromptIds(self._tokenizer)
+        log.info("tokenizer digest %s: gateways with this tokenizer send prompts as token ids",
+                 self._prompt_ids.digest)
         config = self._engine.vllm_config.scheduler_config
         log.info("vLLM scheduler: max_num_seqs=%s max_num_batched_tokens=%s", config.max_num_seqs,
                  config.max_num_batched_tokens)
@@ -207,6 +212,8 @@ class VllmEngine:
         return self._kv_events.take() if self._kv_events is not None else []
 
     def stats(self) -> EngineStats:
+        if self._prompt_ids is not None:
+            self._stats.gateway_prompts = self._prompt_ids.taken
         return self._stats
 
     def sampling_params(self, request: GenerateRequest, prompt_len: int) -> Any:
@@ -266,12 +273,16 @@ class VllmEngine:
         if lora is not None:
             await self._engine.remove_lora(lora.lora_int_id)
 
+    def _prompt(self, request: GenerateRequest) -> list[int]:
+        assert self._prompt_ids is not None, "start() first"
+        return self._prompt_ids(request)
+
     async def prompt_tokens(self, request: GenerateRequest) -> int:
-        return len(prompt_token_ids(self._tokenizer, request))
+        return len(self._prompt(request))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
         vllm = vllm_api()
-        prompt = prompt_token_ids(self._tokenizer, request)
+        prompt = self._prompt(request)
         resumed = list(request.resume_token_ids)
         try:
             params = self.sampling_params(request, len(prompt) + len(resumed))

@@ -9,7 +9,9 @@ tokenization; ``python -m loadtest.gpu.tokenize_cost`` measures both (README-rea
 the report of the change that brought this module).
 
 A prompt the tokenizer or template refuses routes with no blocks: the worker answers it
-with the 400 it deserves.
+with the 400 it deserves. A prompt it takes travels to the worker as its ids too, with the
+tokenizer's digest (``gateway_prompt_ids``, ``gateway_tokenizer``), so a vLLM worker with
+the same tokenizer does not tokenize it again (engine_worker/engines/prompts.py ``PromptIds``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, cast
 
-from engine_worker.engines.prompts import prompt_token_ids
+from engine_worker.engines.prompts import prompt_token_ids, tokenizer_digest
 from engine_worker.protocol import GenerateRequest
 from sluice.errors import InvalidRequest
 
@@ -47,9 +49,11 @@ class PromptTokenizer:
 
         self.folder = folder
         self._tokenizer = AutoTokenizer.from_pretrained(folder)
+        #: Sent with a prompt's ids: a worker takes them only if its tokenizer has this digest.
+        self.digest = tokenizer_digest(self._tokenizer)
 
     def __repr__(self) -> str:
-        return f"PromptTokenizer({self.folder})"
+        return f"PromptTokenizer({self.folder}, digest={self.digest})"
 
     def ids(self, payload: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids as the worker will compute them (resumed tokens excluded:

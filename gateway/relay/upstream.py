@@ -303,13 +303,21 @@ class Dispatcher:
         await self._admission.release(lease)
 
     def prefix_of(self, payload: dict[str, Any]) -> PromptPrefix:
-        """The prompt's blocks when routing by cache (hashing costs nothing otherwise)."""
+        """The prompt's blocks when routing by cache (hashing costs nothing otherwise).
+
+        With the precise index the prompt's token ids go into ``payload`` as well, with the
+        tokenizer's digest, for the worker to take instead of tokenizing again (unless
+        ``send_prompt_ids`` is off)."""
         if self._settings.routing != "cache":
             return PromptPrefix((), 0)
-        if self._tokenizer is not None:
-            ids = self._tokenizer.ids(payload)
-            return PromptPrefix.of_tokens(ids) if ids is not None else PromptPrefix((), 0, precise=True)
-        return PromptPrefix.of(payload)
+        if self._tokenizer is None:
+            return PromptPrefix.of(payload)
+        ids = payload.get("gateway_prompt_ids") or self._tokenizer.ids(payload)
+        if ids is None:
+            return PromptPrefix((), 0, precise=True)
+        if self._settings.send_prompt_ids:
+            payload["gateway_prompt_ids"], payload["gateway_tokenizer"] = ids, self._tokenizer.digest
+        return PromptPrefix.of_tokens(ids)
 
     async def admit(
         self, model: str, request_id: str, ctx: RequestContext, *, need: int = 1, cost: int = 1,
@@ -393,9 +401,9 @@ class Dispatcher:
             return await self._disagg.open(self, model, payload, ctx, exclude=exclude, boost=boost, cost=cost)
         s = self._settings
         payload["priority"] = ctx.priority
-        body = orjson.dumps(payload)
         # A decode hop's prompt arrives as KV from its prefill worker: its own cache is not routed on.
         prefix = self.prefix_of(payload) if task == GENERATE and role != DECODE else PromptPrefix((), 0)
+        body = orjson.dumps(payload)
         path = "/internal/generate" if task == GENERATE else "/internal/pool"
         # Only cache routing expects anything of the engine's cache: the others are not checked.
         route = None if s.routing != "cache" or task != GENERATE or role == DECODE else RouteFacts(

@@ -45,17 +45,19 @@ ARMS: dict[str, dict[str, str]] = {
 }
 
 #: Cache routing's knobs an arm's name may set after its base: ``cache-precise-p1-h0.5`` is
-#: cache-precise with a pending-prefill weight of 1 and a hot-spot share of 0.5
+#: cache-precise with a pending-prefill weight of 1 and a hot-spot share of 0.5;
+#: ``cache-precise-i0`` sends the workers no prompt ids, so each tokenizes its prompts
 #: (gateway/config.py says what each one does).
 KNOBS = {"p": "SLUICE_GATEWAY_ROUTE_PREFILL_WEIGHT", "l": "SLUICE_GATEWAY_ROUTE_LOAD_BLOCKS",
-         "h": "SLUICE_GATEWAY_ROUTE_HOT_SHARE"}
+         "h": "SLUICE_GATEWAY_ROUTE_HOT_SHARE", "i": "SLUICE_GATEWAY_SEND_PROMPT_IDS"}
 
 
 def arm_env(arm: str) -> dict[str, str]:
     """The gateway environment of a routing arm: a name of :data:`ARMS`, then any knobs."""
-    base, *knobs = re.split(r"-(?=[plh][0-9.]+(?:-|$))", arm)
-    if base not in ARMS or any(not re.fullmatch(r"[plh][0-9.]+", k) for k in knobs):
-        raise ValueError(f"unknown arm {arm!r}: one of {sorted(ARMS)}, then -p/-l/-h knobs")
+    letters = "".join(KNOBS)
+    base, *knobs = re.split(rf"-(?=[{letters}][0-9.]+(?:-|$))", arm)
+    if base not in ARMS or any(not re.fullmatch(rf"[{letters}][0-9.]+", k) for k in knobs):
+        raise ValueError(f"unknown arm {arm!r}: one of {sorted(ARMS)}, then -{'/-'.join(KNOBS)} knobs")
     return {**ARMS[base], **{KNOBS[k[0]]: k[1:] for k in knobs}}
 
 

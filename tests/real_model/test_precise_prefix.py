@@ -1,5 +1,6 @@
 """The precise prefix index on the real model (vLLM on CPU): the worker's KV events and the
-gateway's tokenizer name the same blocks, and the router predicts ``cached_tokens`` exactly.
+gateway's tokenizer name the same blocks, the router predicts ``cached_tokens`` exactly, and
+the worker takes the gateway's token ids instead of tokenizing the prompt again.
 
 The shared worker publishes its KV events (``SLUICE_PREFIX_INDEX=precise``, conftest.py); a
 gateway of this module's own tokenizes prompts with the model's tokenizer.
@@ -16,7 +17,7 @@ import orjson
 import pytest
 import redis
 
-from engine_worker.engines.prompts import prompt_token_ids
+from engine_worker.engines.prompts import prompt_token_ids, tokenizer_digest
 from engine_worker.protocol import GenerateRequest
 from sluice import keys
 from sluice.models import default_model_dir, is_prepared
@@ -112,3 +113,29 @@ def test_predicted_hit_equals_cached_tokens_for_a_repeated_prefix(gateway: Proc,
         before, "sluice_gateway_prefix_error_tokens_total")
     assert cached == len(ids) // TOKEN_BLOCK * TOKEN_BLOCK > 0
     assert (predicted, error) == (cached, 0)
+
+
+def test_the_worker_takes_the_gateways_prompt_ids_when_their_tokenizer_is_its_own(
+        worker: Proc, gateway: Proc, tokenizer: Any, http: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "Which gate opens first?"}]
+    own = prompt_token_ids(tokenizer, GenerateRequest.model_construct(messages=messages))
+    sent = own + own  # not this prompt's ids: the prompt's length shows whose ids vLLM ran
+
+    def prompt_tokens(digest: str) -> int:
+        response = http.post(worker.url + "/internal/generate", json={
+            "request_id": f"ids-{digest}", "model": MODEL, "messages": messages, "max_tokens": 1,
+            "temperature": 0, "gateway_prompt_ids": sent, "gateway_tokenizer": digest})
+        assert response.status_code == 200, response.text
+        return int(orjson.loads(response.text.splitlines()[-1])["usage"]["prompt_tokens"])
+
+    def taken() -> float:
+        return metric(http.get(worker.url + "/metrics").text, "sluice_worker_gateway_prompt_ids_total")
+
+    before = taken()
+    # The gateway's AutoTokenizer and vLLM's tokenizer of the same folder have one digest.
+    assert prompt_tokens(tokenizer_digest(tokenizer)) == len(sent)
+    assert prompt_tokens("0" * 16) == len(own)  # another tokenizer's ids: the worker's own
+    assert taken() == before + 1
+    # Through a precise-index gateway: its ids travel with the prompt and are taken.
+    chat(http, gateway, messages)
+    assert taken() == before + 2
