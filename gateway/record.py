@@ -15,6 +15,17 @@ key's TPM charge, is what this attempt *served*, each generation once:
 - so a client's retry after a failed attempt is billed its own answer, and the failed
   attempt what it delivered (nemesis seed 7: 20 non-streaming requests were billed the
   tokens of a 502/503 attempt their client never got).
+
+One case no gateway can see: a resumable stream's producer ends and bills it, dies, and
+Redis then loses the stream's record and journal (a FLUSHALL, a restart without
+persistence); the client's re-sent POST has the stream generated again, from the account
+in its ``Last-Event-ID``, and the gateway that ends it bills it again (nemesis, Cluster:
+nem-509, nem-3046). Nothing that lives in Redis or in the dead producer survives that, so
+the fence is in the bill: such a stream's access line carries ``usage_id``, a name of the
+generation (its key and the account of all its client has at the end,
+gateway/streams/event_ids.py ``usage_id``), the same in both lines. **A meter charges
+each ``usage_id`` once** (the line with the most tokens); a line without one is charged
+as it is.
 """
 
 from __future__ import annotations
@@ -71,6 +82,8 @@ class RequestRecord:
     route_prompt_blocks: int = 0
     route_expected_tokens: int = 0
     route_error_tokens: int = 0
+    #: A resumable stream's generation, for its bill (see the module's billing rule).
+    usage_id: str | None = None
     _last_line: float = 0.0
     _done: bool = False
     #: Whether any line carried token ids; a server that gives none (an ``openai``
@@ -208,4 +221,6 @@ class RequestRecord:
         }
         if error is not None:
             fields["error"] = error.code or error.type
+        if self.usage_id is not None:
+            fields["usage_id"] = self.usage_id
         access.info("access " + " ".join(f"{k}={v}" for k, v in fields.items()), extra={"fields": fields})

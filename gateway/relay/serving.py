@@ -27,7 +27,7 @@ from gateway.record import RequestRecord
 from gateway.relay.rendering import TYPED, Kind, json_response, sse_events
 from gateway.relay.sse import Keepalive, SSEResponse
 from gateway.relay.upstream import Dispatcher, Line, Upstream
-from gateway.streams.event_ids import DONE
+from gateway.streams.event_ids import DONE, usage_id
 from gateway.streams.idempotency import Idempotency, wait_for_producer_s
 from gateway.streams.journal import (
     JournalCommitter,
@@ -304,7 +304,7 @@ class Serving:
             drained = asyncio.ensure_future(writer.settled())
             await asyncio.wait([producer, drained], return_when=asyncio.FIRST_COMPLETED)
             drained.cancel()
-            await ending.bill(writer.ended)
+            await ending.bill(writer.ended, usage_id(writer.key, tap.digest()))
             await asyncio.wait([producer])
             if producer.cancelled() or producer.exception() is not None or not writer.ended:
                 # Lost to a take-over (JournalLost), or its journal failed or was cut short
@@ -585,9 +585,12 @@ class _Ending:
         self._outcome = self._outcome or ClientGone("the stream ended before it began")
         await self._close()
 
-    async def bill(self, ended: bool) -> None:
+    async def bill(self, ended: bool, generation: str | None = None) -> None:
+        """``generation``: the stream's name for its bill (event_ids.usage_id), if it has one."""
         if not ended:
             self._record.served_nothing()
+        else:
+            self._record.usage_id = generation
         await self._finish(self._outcome or "ok")
 
 

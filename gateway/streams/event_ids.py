@@ -175,5 +175,17 @@ def held(header: str | None) -> tuple[tuple[int, ...], tuple[int, ...], bytes] |
     return tuple(map(int, tokens)), tuple(map(int, chars)), parts[4].encode()
 
 
+def usage_id(key: str, digest: bytes) -> str | None:
+    """The name of one generation of a resumable stream, for its bill: the stream's key
+    (scoped by tenant) and the account of everything its client has at its end. A stream
+    generated again for its client after Redis and its producer both lost it (the re-sent
+    POST goes on after the tokens it holds) ends with the same account, so both gateways'
+    bills carry one name, and a meter that counts each name once charges it once
+    (gateway/record.py). None for a stream that keeps no account."""
+    if not digest:
+        return None
+    return hashlib.blake2b(key.encode() + b"\x00" + digest, digest_size=8).hexdigest()
+
+
 def _hex(text: str) -> bool:
     return 0 < len(text) <= 16 and all(c in "0123456789abcdef" for c in text)

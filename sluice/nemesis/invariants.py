@@ -8,7 +8,8 @@
 - every gateway process's RSS under ``rss_bound_mib``;
 - usage: each attempt is billed what it served, each generation once (the rule in
   gateway/record.py): the completion tokens of a request's access-log lines (by request id,
-  over every gateway and attempt) add up to the tokens its client received over all its
+  over every gateway and attempt; lines naming one ``usage_id`` charged once, as a meter
+  charges them) add up to the tokens its client received over all its
   attempts: every chunk a stream read (once: re-attaches never repeat one), the bodies a
   non-streaming request got (an attempt answered with an error served nothing). Checked
   for every exact request, whose attempts all read to their end; a request billed less
@@ -36,7 +37,7 @@ from sluice.nemesis.history import History
 from sluice.nemesis.system import System
 from sluice.nemesis.workload import Reference, RequestSpec
 
-_ACCESS = re.compile(r"access request_id=(\S+) .*?key_id=(\S+) .*?completion_tokens=(\d+)")
+_ACCESS = re.compile(r"access request_id=(\S+) .*?key_id=(\S+) .*?completion_tokens=(\d+)(?:.*? usage_id=(\w+))?")
 #: Registry state (the models, their admission keys, ``sl:epoch``: the registry's generation,
 #: which must never expire lest an idle Redis read as one that lost its data) and API keys.
 _ALLOWED_NO_TTL = re.compile(r"^(sl:models|sl:epoch|sl:apikeys(:revoked|:enforced)?|sl:apikey:.*|sl:\{"
@@ -138,10 +139,17 @@ def usage(system: System, specs: list[RequestSpec], histories: list[History], ve
           runs: list[FaultRun]) -> Invariant:
     billed: dict[str, int] = defaultdict(int)
     lines: dict[str, int] = defaultdict(int)
+    named: dict[tuple[str, str], int] = {}  # (request, usage_id) -> the most tokens of its lines
     for gateway in system.gateways:
         for match in _ACCESS.finditer(gateway.log_path.read_text(errors="replace")):
-            billed[match.group(1)] += int(match.group(3))
-            lines[match.group(1)] += 1
+            request, tokens, name = match.group(1), int(match.group(3)), match.group(4)
+            lines[request] += 1
+            if name is None:
+                billed[request] += tokens
+            else:  # a meter charges each generation once (gateway/record.py)
+                named[request, name] = max(named.get((request, name), 0), tokens)
+    for (request, _), tokens in named.items():
+        billed[request] += tokens
     wrong, unbilled = [], 0
     tenants: dict[int, dict[str, int]] = defaultdict(lambda: {"served": 0, "billed": 0})
     for spec, hist, verdict in zip(specs, histories, verdicts, strict=True):

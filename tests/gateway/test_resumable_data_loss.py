@@ -20,7 +20,7 @@ import redis
 from gateway.streams.idempotency import scoped
 from sluice import keys
 from sluice.embedded_redis import EmbeddedRedis
-from tests.conftest import wait_for
+from tests.conftest import access_line, wait_for
 from tests.gateway.test_resumable import _events
 from tests.gateway.test_takeover import stall_while_taken_over
 
@@ -313,6 +313,43 @@ def test_a_stream_its_producer_and_redis_both_lost_is_generated_again_for_its_cl
     assert not any('"role"' in d for _, d in rest), "a second role chunk"
     assert whole[-1][1] == "[DONE]" and not any('"error"' in d for _, d in whole)
     assert orjson.loads(whole[-2][1])["usage"]["completion_tokens"] == 150
+
+
+def test_a_stream_billed_then_lost_with_its_producer_and_generated_again_is_one_generation_in_the_bill(
+        gateways, start_gateway, redis_client) -> None:
+    """Regression (nemesis, Cluster: nem-509, nem-3046, billed twice): the producer ended
+    and billed its stream while its client still read, was killed, and Redis then lost the
+    stream; the client's re-sent POST had it generated again, and that gateway billed it
+    again. Both bills now name the generation (``usage_id``): a meter that charges each name
+    once charges the stream once."""
+    _, other = gateways
+    producer = start_gateway()
+    key, request_id = uuid.uuid4().hex, f"billed-{uuid.uuid4().hex[:8]}"
+    raw = [""]
+    with httpx.stream("POST", producer.url + "/v1/chat/completions", json=BODY, timeout=60,
+                      headers={"Idempotency-Key": key, "x-request-id": request_id}) as r:
+        lines = r.iter_lines()  # a reference: a dropped iterator closes the stream
+
+        def noting():
+            for line in lines:
+                if line.startswith("id: "):
+                    raw[0] = line[4:]
+                yield line
+
+        seen = _events(noting(), lambda out: len(out) >= 20)
+        first = access_line(producer, request_id)  # the client still reads: the producer billed the whole
+        producer.kill()
+    _forget(redis_client, key)
+    with httpx.stream("POST", other.url + "/v1/chat/completions", json=BODY, timeout=60,
+                      headers={"Idempotency-Key": key, "Last-Event-ID": raw[0], "x-request-id": request_id}) as r:
+        rest = _events(r.iter_lines())
+    again = access_line(other, request_id)
+    served = len(_content(seen + rest).split())
+    assert served == 150 and rest[-1][1] == "[DONE]"
+    assert first["completion_tokens"] == 150 and again["completion_tokens"] > 0  # two bills
+    assert first["usage_id"] == again["usage_id"]  # of one generation
+    charged = max(first["completion_tokens"], again["completion_tokens"])  # once per usage_id
+    assert charged == served
 
 
 def test_a_stream_generated_again_differently_from_what_its_client_holds_is_never_spliced(
