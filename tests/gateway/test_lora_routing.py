@@ -73,8 +73,10 @@ async def test_a_busy_holder_spills_the_adapter_to_a_worker_with_room(fleet, red
             # Both are full (one slot each), and the plain worker has no LoRA: the next waits.
             body = {"model": "sql", "prompt": "short", "max_tokens": 2}
             queued = asyncio.create_task(client.post("/v1/completions", json=body))
-            await asyncio.sleep(0)
-            assert _records(redis_client)[spare.name]["loras"] == ["sql"]
+            # The spare registers the adapter once it has loaded it, after its slot was granted
+            # (a loaded CI machine read the record in between).
+            await asyncio.to_thread(wait_for, lambda: _records(redis_client)[spare.name].get("loras") == ["sql"],
+                                    20, "the spare's record to name the adapter")
         finally:
             for task in streams:
                 task.cancel()
