@@ -34,19 +34,29 @@ run: $(MODEL)
 	$(BIN)/sluice up $(ARGS)
 
 ## test: run the whole suite (real Redis, real processes, the real model on CPU)
-# The real-model tests run in a second pytest process beside the rest: they spend most of
-# their ~7 minutes starting vLLM engines, which compute on one core, while the rest mostly
-# waits on its own processes. Both must pass; the real-model log follows the rest's.
+# Three pytest processes side by side, each with its own log, printed in turn once all have
+# ended: tests/real_model (~12 minutes, most of it vLLM engines starting, which compute on
+# one core), tests/gateway (~18) and everything else (~15). Most tests wait on the processes
+# they start, so on 2 cores the three together take about as long as the longest alone (one
+# process for all but real_model took 28-35 minutes). All three must pass.
 # With PYTEST_ARGS (a file, -k ...), one plain pytest run.
+SHARDS := real_model:tests/real_model gateway:tests/gateway rest:--ignore=tests/real_model@--ignore=tests/gateway
 ifeq ($(strip $(PYTEST_ARGS)),)
 test: $(MODEL)
-	@log=$$(mktemp -t sluice-real-model.XXXXXX); \
-	$(PYTEST) tests/real_model >"$$log" 2>&1 & real=$$!; \
-	$(PYTEST) --ignore=tests/real_model; rest=$$?; \
-	wait $$real; realrc=$$?; \
-	echo "==> tests/real_model (run beside the rest): exit $$realrc"; cat "$$log"; rm -f "$$log"; \
-	echo "==> the rest: exit $$rest; tests/real_model: exit $$realrc"; \
-	test $$rest -eq 0 -a $$realrc -eq 0
+	@dir=$$(mktemp -d -t sluice-test.XXXXXX); pids=""; \
+	for shard in $(SHARDS); do \
+	  name=$${shard%%:*}; args=$$(echo "$${shard#*:}" | tr @ ' '); \
+	  ( $(PYTEST) $$args >"$$dir/$$name.log" 2>&1; echo $$? >"$$dir/$$name.rc" ) & pids="$$pids $$!"; \
+	done; \
+	wait $$pids; failed=""; \
+	for shard in $(SHARDS); do \
+	  name=$${shard%%:*}; rc=$$(cat "$$dir/$$name.rc"); \
+	  echo "==> $$name: exit $$rc"; cat "$$dir/$$name.log"; \
+	  [ "$$rc" = 0 ] || failed="$$failed $$name"; \
+	done; \
+	for shard in $(SHARDS); do name=$${shard%%:*}; echo "==> $$name: exit $$(cat "$$dir/$$name.rc")"; done; \
+	rm -rf "$$dir"; \
+	if [ -n "$$failed" ]; then echo "==> failed:$$failed"; exit 1; fi
 else
 test: $(MODEL)
 	$(PYTEST) $(PYTEST_ARGS)
