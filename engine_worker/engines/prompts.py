@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from engine_worker.protocol import GenerateRequest
@@ -68,8 +69,12 @@ def as_token_ids(encoded: Any) -> list[int]:
     return [int(i) for i in encoded]
 
 
-def prompt_token_ids(tokenizer: Any, request: GenerateRequest) -> list[int]:
+def prompt_token_ids(tokenizer: Any, request: GenerateRequest,
+                     encode_chat: Callable[[str], list[int]] | None = None) -> list[int]:
     """The model's chat template for ``messages``, plain encoding for ``prompt``.
+
+    ``encode_chat``: tokenizes the template's text instead of the tokenizer, with the same
+    ids (the gateway's :class:`gateway.admission.token_pieces.PieceEncoder`).
 
     A template that refuses the conversation (``raise_exception``: roles that do not
     alternate, say) or a tokenizer that refuses the text is the client's error: a 400
@@ -80,11 +85,12 @@ def prompt_token_ids(tokenizer: Any, request: GenerateRequest) -> list[int]:
     param = "messages" if request.messages is not None else "prompt"
     try:
         if request.messages is not None:
+            chat = template_messages(tokenizer, request)
+            if encode_chat is not None:
+                return encode_chat(tokenizer.apply_chat_template(
+                    chat, tools=request.tools, add_generation_prompt=True, tokenize=False))
             return as_token_ids(
-                tokenizer.apply_chat_template(
-                    template_messages(tokenizer, request), tools=request.tools,
-                    add_generation_prompt=True, tokenize=True,
-                )
+                tokenizer.apply_chat_template(chat, tools=request.tools, add_generation_prompt=True, tokenize=True)
             )
         if request.prompt_token_ids is not None:
             return checked_ids(request.prompt_token_ids, len(tokenizer))

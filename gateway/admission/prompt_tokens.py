@@ -12,6 +12,8 @@ A prompt the tokenizer or template refuses routes with no blocks: the worker ans
 with the 400 it deserves. A prompt it takes travels to the worker as its ids too, with the
 tokenizer's digest (``gateway_prompt_ids``, ``gateway_tokenizer``), so a vLLM worker with
 the same tokenizer does not tokenize it again (engine_worker/engines/prompts.py ``PromptIds``).
+A chat template's text is tokenized piece by piece, the pieces other prompts had
+remembered (gateway/admission/token_pieces.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, cast
 
 from engine_worker.engines.prompts import prompt_token_ids, tokenizer_digest
 from engine_worker.protocol import GenerateRequest
+from gateway.admission.token_pieces import PieceEncoder
 from sluice.errors import InvalidRequest
 
 log = logging.getLogger("sluice.gateway.prefix")
@@ -51,9 +54,10 @@ class PromptTokenizer:
         self._tokenizer = AutoTokenizer.from_pretrained(folder)
         #: Sent with a prompt's ids: a worker takes them only if its tokenizer has this digest.
         self.digest = tokenizer_digest(self._tokenizer)
+        self._pieces = PieceEncoder.of(self._tokenizer)
 
     def __repr__(self) -> str:
-        return f"PromptTokenizer({self.folder}, digest={self.digest})"
+        return f"PromptTokenizer({self.folder}, digest={self.digest}, {self._pieces!r})"
 
     def ids(self, payload: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids as the worker will compute them (resumed tokens excluded:
@@ -62,7 +66,8 @@ class PromptTokenizer:
         # quarter of this call (pydantic inspects every default factory's signature).
         request = _PromptFields(**{k: payload.get(k) for k in _PROMPT_FIELDS})
         try:
-            return prompt_token_ids(self._tokenizer, cast(GenerateRequest, request))
+            return prompt_token_ids(self._tokenizer, cast(GenerateRequest, request),
+                                    None if self._pieces is None else self._pieces.encode)
         except InvalidRequest as exc:
             log.debug("no precise prefix for this prompt: %s", exc)
             return None
