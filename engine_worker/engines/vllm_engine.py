@@ -181,13 +181,17 @@ class VllmEngine:
             vllm.AsyncEngineArgs(**args), usage_context=context,
             stat_loggers=[_stat_logger_factory(self._stats)],
         )
-        self._tokenizer = self._engine.get_tokenizer()
-        self._prompt_ids = PromptIds(self._tokenizer)
-        log.info("tokenizer digest %s: gateways with this tokenizer send prompts as token ids",
-                 self._prompt_ids.digest)
+        self.use_tokenizer(self._engine.get_tokenizer())
         config = self._engine.vllm_config.scheduler_config
         log.info("vLLM scheduler: max_num_seqs=%s max_num_batched_tokens=%s", config.max_num_seqs,
                  config.max_num_batched_tokens)
+
+    def use_tokenizer(self, tokenizer: Any) -> None:
+        """The engine's tokenizer (``start`` loads it), and the prompt ids it takes from gateways."""
+        self._tokenizer = tokenizer
+        self._prompt_ids = PromptIds(tokenizer)
+        log.info("tokenizer digest %s: gateways with this tokenizer send prompts as token ids",
+                 self._prompt_ids.digest)
 
     @property
     def llm(self) -> Any:

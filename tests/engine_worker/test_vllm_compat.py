@@ -77,7 +77,7 @@ BAD_REQUEST = """
     from sluice.models import default_model_dir
 
     engine = VllmEngine(default_model_dir(), served_model_name="m")
-    engine._tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))  # what start() would load
+    engine.use_tokenizer(AutoTokenizer.from_pretrained(str(default_model_dir())))  # what start() would load
     # top_k=-5: SamplingParams refuses it (VLLMValidationError on 0.32, ValueError on 0.26)
     request = GenerateRequest(request_id="r", model="m", prompt_token_ids=[1, 2, 3], top_k=-5)
 
