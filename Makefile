@@ -34,13 +34,15 @@ run: $(MODEL)
 	$(BIN)/sluice up $(ARGS)
 
 ## test: run the whole suite (real Redis, real processes, the real model on CPU)
-# Three pytest processes side by side, each with its own log, printed in turn once all have
-# ended: tests/real_model (~12 minutes, most of it vLLM engines starting, which compute on
-# one core), tests/gateway (~18) and everything else (~15). Most tests wait on the processes
-# they start, so on 2 cores the three together take about as long as the longest alone (one
-# process for all but real_model took 28-35 minutes). All three must pass.
-# With PYTEST_ARGS (a file, -k ...), one plain pytest run.
-SHARDS := real_model:tests/real_model gateway:tests/gateway rest:--ignore=tests/real_model@--ignore=tests/gateway
+# Four pytest processes side by side, each with its own log, printed in turn once all have
+# ended: tests/real_model (~11.5 minutes, most of it vLLM engines starting, which compute
+# on one core), tests/gateway in two halves (one with tests/chaos and its short nemesis),
+# and everything else. Most tests wait on the processes they start, so on 2 cores they
+# take together about as long as the longest alone (2026-12-03: one process for all but
+# real_model took 28-35 minutes; three processes 22:18, the gateway tests the longest).
+# All must pass. With PYTEST_ARGS (a file, -k ...), one plain pytest run.
+SHARDS := real_model:tests/real_model gateway-a:tests/gateway/test_[a-l]*.py@tests/chaos \
+	gateway-m:tests/gateway/test_[m-z]*.py rest:--ignore=tests/real_model@--ignore=tests/gateway@--ignore=tests/chaos
 ifeq ($(strip $(PYTEST_ARGS)),)
 test: $(MODEL)
 	@dir=$$(mktemp -d -t sluice-test.XXXXXX); pids=""; \
