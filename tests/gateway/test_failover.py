@@ -7,7 +7,7 @@ import time
 import httpx
 import openai
 
-from tests.conftest import access_line, worker_alive
+from tests.conftest import access_line, wait_for, worker_alive
 
 
 def test_sigkill_one_of_two_workers(start_worker, start_gateway, redis_client) -> None:
@@ -60,6 +60,8 @@ def test_a_request_that_kills_workers_is_not_handed_to_a_third(start_worker, sta
                       json={"model": model, "prompt": "a POISON prompt", "max_tokens": 3})
     assert resp.status_code == 502, resp.text
     assert resp.json()["error"]["code"] == "query_of_death"
+    # A killed worker's sockets close as it exits, a moment before the process is gone.
+    wait_for(lambda: sum(w.alive() for w in workers) <= 1, 10, "the two workers the request killed to exit")
     assert sum(w.alive() for w in workers) == 1
     deadline = time.monotonic() + 10
     while httpx.post(gateway.url + "/v1/completions", timeout=30,

@@ -171,9 +171,9 @@ async def test_reattached_readers_do_not_hold_a_redis_connection_each(
     start_worker("resume-many", sim_token_ms=40, sim_ttft_ms=0)
     gateway = start_gateway()
     key = uuid.uuid4().hex
-    # 16 s: all 150 readers were attached ~1.1 s after the first event here with a real-model
-    # run beside, so a machine ten times as busy still leaves the live stream to sample.
-    tokens = 400
+    # 32 s: all 150 readers were attached ~1.1 s after the first event here with a real-model
+    # run beside, and after more than 16 s with the suite's four processes at once (make test).
+    tokens = 800
     body = {**BODY, "model": "resume-many", "max_tokens": tokens}
     readers = 150  # more than the pool's 64 connections
     produced: asyncio.Queue[bool] = asyncio.Queue()  # True per event the first client gets, then False
