@@ -127,6 +127,7 @@ class EmbeddedRedis:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                self.stop()  # its folder too (left to the garbage collector, a ResourceWarning in a later test)
                 raise RuntimeError(f"redis-server on port {self.port} exited with code {self.process.returncode}")
             try:
                 with self.admin(socket_timeout=1) as client:
