@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -88,7 +89,7 @@ def main() -> None:
                 for name, url, model in (("direct", mock, "mock"), ("gateway", gateway, "m")):
                     spy = None
                     if args.py_spy and name == "gateway":
-                        spy = subprocess.Popen(["py-spy", "record", "-r", "200", "-d", str(int(args.measure_s)), "-f",
+                        spy = subprocess.Popen([shutil.which("py-spy") or str(Path(py).parent / "py-spy"), "record", "-r", "200", "-d", str(int(args.measure_s)), "-f",
                                                 "raw", "-o", f"{args.py_spy}-{level}.txt", "-p", str(pid),
                                                 "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                     client.slowlog_reset()
