@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeout
 
 from gateway.streams.event_ids import follows, frame, id_tail, marks
 from gateway.streams.journal import (
@@ -69,6 +70,12 @@ ADOPT_TIMEOUT_S = 30.0
 #: one accepting and never answering) held every command of the process, and readers waited
 #: past their clients' deadlines (the nemesis, Cluster: 9 hangs).
 POLL_TIMEOUT_S = 10.0
+#: A poll that fails at once (a connection Redis closed: a restart, a failover, CLIENT KILL)
+#: is tried again for this long before its readers end with the "re-attach" error: the pool's
+#: next connection usually reaches the server again (a re-attach just after a Redis restart
+#: ended on its first poll's stale connection, on a machine running make test's four
+#: processes). A poll that waited for an answer (a stall) is not tried again.
+READ_RETRY_S = 2.0
 
 
 @dataclass(eq=False)
@@ -113,6 +120,7 @@ class JournalReaders:
         self.producing: Callable[[str], bool] = lambda key: False
         self._adopting: dict[str, asyncio.Task[bool]] = {}
         self._last_poll = time.monotonic()  # when the last poll's answer came
+        self._failing_since: float | None = None  # the first of the polls failing at once, in a row
 
     def __repr__(self) -> str:
         return f"<JournalReaders readers={len(self._readers)} polls={self._polls}>"
@@ -184,10 +192,17 @@ class JournalReaders:
             async with asyncio.timeout(self._poll_timeout_s):
                 results = await pipe.execute(raise_on_error=False)
         except (RedisError, OSError, TimeoutError) as exc:
+            waited = isinstance(exc, (TimeoutError, RedisTimeout))
+            self._failing_since = self._failing_since or now
+            if not waited and time.monotonic() - self._failing_since < READ_RETRY_S:
+                log.info("reading %d journals failed, trying again: %s", len(groups), exc)
+                return False
+            self._failing_since = None
             log.warning("reading %d journals failed: %s", len(groups),
                         str(exc) or f"no answer in {self._poll_timeout_s:g} s")
             self._end_all([reader for readers in groups.values() for reader in readers])
             return False
+        self._failing_since = None
         answered = time.monotonic()
         found_live = results[2 * len(groups):]
         live = {key: bool(found) for key, found in zip(checks, found_live, strict=True)

@@ -754,3 +754,31 @@ async def test_a_reader_whose_poll_redis_never_answers_ends_with_an_error_not_a_
     finally:
         await readers.close()
         await client.aclose()
+
+
+async def test_a_reader_whose_redis_connection_was_closed_reads_on(private_redis) -> None:
+    """Regression (make test, four processes): a re-attach just after a Redis restart ended
+    with "the stream's journal could not be read" on its first poll's stale connection. A
+    poll that fails at once is tried again (``READ_RETRY_S``) on a fresh connection."""
+    server = private_redis["server"]
+    client = await create_pool(server.url)
+    readers = JournalReaders(client, poll_s=0.01, idle_s=5, poll_timeout_s=0.5)
+    key = uuid.uuid4().hex
+    try:
+        await client.xadd(keys.journal(key), {"d": b"data: 1\n\n", "s": b""}, id="0-1")
+        got: list[bytes] = []
+
+        async def follow() -> None:
+            async for data in readers.tail(key):
+                got.append(data)
+                if len(got) == 1:
+                    with server.admin() as admin:
+                        admin.client_kill_filter(_type="normal", skipme=True)  # every pooled connection
+                        admin.xadd(keys.journal(key), {"d": b"data: [DONE]\n\n", "s": b""}, id="0-2")
+
+        await asyncio.wait_for(follow(), 10)
+        assert not any(b"re-attach" in data for data in got), got
+        assert got[0] == b"id: 1\ndata: 1\n\n" and got[-1].endswith(DONE), got
+    finally:
+        await readers.close()
+        await client.aclose()
