@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import httpx
 import openai
@@ -725,6 +726,29 @@ async def test_a_finished_stream_whose_record_alone_redis_lost_gets_it_back_done
         await client.aclose()
 
 
+async def _read_one_journal(server, after_first: Callable[[str], None], timeout_s: float) -> list[bytes]:
+    """What one journal reader gets of a journal holding event 1: ``after_first(key)`` runs
+    once it has that event (a fault, more events), and the read ends within ``timeout_s``."""
+    client = await create_pool(server.url)
+    readers = JournalReaders(client, poll_s=0.01, idle_s=5, poll_timeout_s=0.5)
+    key = uuid.uuid4().hex
+    got: list[bytes] = []
+    try:
+        await client.xadd(keys.journal(key), {"d": b"data: 1\n\n", "s": b""}, id="0-1")
+
+        async def follow() -> None:
+            async for data in readers.tail(key):
+                got.append(data)
+                if len(got) == 1:
+                    after_first(key)
+
+        await asyncio.wait_for(follow(), timeout_s)
+        return got
+    finally:
+        await readers.close()
+        await client.aclose()
+
+
 async def test_a_reader_whose_poll_redis_never_answers_ends_with_an_error_not_a_hang(private_redis) -> None:
     """Regression (nemesis, Cluster: 9 requests with no outcome 20 s past their deadline):
     Redis accepted the journal readers' poll and never answered (a stalled node; on a
@@ -732,28 +756,12 @@ async def test_a_reader_whose_poll_redis_never_answers_ends_with_an_error_not_a_
     waited with it. A poll that has no answer within ``poll_timeout_s`` ends its readers with
     the in-band "re-attach" error, then ``[DONE]``, well before the socket's own timeout."""
     server = private_redis["server"]
-    client = await create_pool(server.url)
-    readers = JournalReaders(client, poll_s=0.01, idle_s=5, poll_timeout_s=0.5)
-    key = uuid.uuid4().hex
-    try:
-        await client.xadd(keys.journal(key), {"d": b"data: 1\n\n", "s": b""}, id="0-1")
-        got: list[bytes] = []
-
-        async def follow() -> None:
-            async for data in readers.tail(key):
-                got.append(data)
-                if len(got) == 1:
-                    os.kill(server.process.pid, signal.SIGSTOP)  # the next poll is never answered
-
-        try:
-            await asyncio.wait_for(follow(), 3)  # the socket's own timeout is 5 s
-        finally:
-            os.kill(server.process.pid, signal.SIGCONT)
-        assert got[0] == b"id: 1\ndata: 1\n\n" and got[-1] == DONE
-        assert b"re-attach" in got[-2] and b"service_unavailable" in got[-2]
+    try:  # the next poll is never answered; the socket's own timeout is 5 s
+        got = await _read_one_journal(server, lambda _: os.kill(server.process.pid, signal.SIGSTOP), 3)
     finally:
-        await readers.close()
-        await client.aclose()
+        os.kill(server.process.pid, signal.SIGCONT)
+    assert got[0] == b"id: 1\ndata: 1\n\n" and got[-1] == DONE
+    assert b"re-attach" in got[-2] and b"service_unavailable" in got[-2]
 
 
 async def test_a_reader_whose_redis_connection_was_closed_reads_on(private_redis) -> None:
@@ -761,24 +769,12 @@ async def test_a_reader_whose_redis_connection_was_closed_reads_on(private_redis
     with "the stream's journal could not be read" on its first poll's stale connection. A
     poll that fails at once is tried again (``READ_RETRY_S``) on a fresh connection."""
     server = private_redis["server"]
-    client = await create_pool(server.url)
-    readers = JournalReaders(client, poll_s=0.01, idle_s=5, poll_timeout_s=0.5)
-    key = uuid.uuid4().hex
-    try:
-        await client.xadd(keys.journal(key), {"d": b"data: 1\n\n", "s": b""}, id="0-1")
-        got: list[bytes] = []
 
-        async def follow() -> None:
-            async for data in readers.tail(key):
-                got.append(data)
-                if len(got) == 1:
-                    with server.admin() as admin:
-                        admin.client_kill_filter(_type="normal", skipme=True)  # every pooled connection
-                        admin.xadd(keys.journal(key), {"d": b"data: [DONE]\n\n", "s": b""}, id="0-2")
+    def close_every_connection_then_end(key: str) -> None:
+        with server.admin() as admin:
+            admin.client_kill_filter(_type="normal", skipme=True)  # every pooled connection
+            admin.xadd(keys.journal(key), {"d": b"data: [DONE]\n\n", "s": b""}, id="0-2")
 
-        await asyncio.wait_for(follow(), 10)
-        assert not any(b"re-attach" in data for data in got), got
-        assert got[0] == b"id: 1\ndata: 1\n\n" and got[-1].endswith(DONE), got
-    finally:
-        await readers.close()
-        await client.aclose()
+    got = await _read_one_journal(server, close_every_connection_then_end, 10)
+    assert not any(b"re-attach" in data for data in got), got
+    assert got[0] == b"id: 1\ndata: 1\n\n" and got[-1].endswith(DONE), got
