@@ -85,13 +85,9 @@ def prompt_token_ids(tokenizer: Any, request: GenerateRequest,
     param = "messages" if request.messages is not None else "prompt"
     try:
         if request.messages is not None:
-            chat = template_messages(tokenizer, request)
-            if encode_chat is not None:
-                return encode_chat(tokenizer.apply_chat_template(
-                    chat, tools=request.tools, add_generation_prompt=True, tokenize=False))
-            return as_token_ids(
-                tokenizer.apply_chat_template(chat, tools=request.tools, add_generation_prompt=True, tokenize=True)
-            )
+            rendered = tokenizer.apply_chat_template(template_messages(tokenizer, request), tools=request.tools,
+                                                     add_generation_prompt=True, tokenize=encode_chat is None)
+            return as_token_ids(rendered) if encode_chat is None else encode_chat(rendered)
         if request.prompt_token_ids is not None:
             return checked_ids(request.prompt_token_ids, len(tokenizer))
         return as_token_ids(tokenizer.encode(request.prompt or ""))
