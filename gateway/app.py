@@ -148,6 +148,7 @@ async def open_services(settings: GatewaySettings) -> Services:
     await tenancy.start()
     admission = Admission(redis, settings, watch.since_loss_s)
     await admission.start()
+    watch.listen(admission.after_look)  # a loss the epoch does not show: leases and waiters again
     readers = JournalReaders(redis)  # one reader loop for every re-attached stream of this process
     metrics = GatewayMetrics()
     adapters = AdapterDirectory(redis)

@@ -424,6 +424,36 @@ class Admission:
                     waiter.lost = False
                     self.grants.listen(waiter.ask.model, result[2])
 
+    async def after_look(self, lost: bool) -> bool:
+        """A :class:`~gateway.loss_watch.LossWatch` listener: after Redis may have lost writes
+        that left the epoch as it was (a Cluster node back empty or failed over to a replica
+        without the last writes, while the epoch lives on another node; a restart from an
+        older snapshot), the streams this process runs lease their slots again, and its
+        waiters whose queue entries are gone are queued again. Without it they waited out
+        their queue timeout for a grant nobody would send, and got 429 with "0 waiting"
+        (the nemesis, Cluster). A Redis error fails the look: it is tried again at the next."""
+        if not lost:
+            return True
+        await self._lease_again()  # idempotent: RECLAIM adds only the leases Redis lacks
+        by_model: dict[str, list[_Waiter]] = {}
+        for waiter in self._waiters.values():
+            if not (waiter.left or waiter.lost or waiter.future.done()):
+                by_model.setdefault(waiter.ask.model, []).append(waiter)
+        gone = 0
+        for model, waiters in by_model.items():
+            metas = await self._redis.hmget(keys.admission(model).queue_meta, [w.ask.request_id for w in waiters])
+            for waiter, meta in zip(waiters, metas, strict=True):
+                # A grant on its way has removed the entry too: queued again, the second grant is
+                # released (:meth:`_requeue`) or, if the first comes later, left unclaimed to expire.
+                if meta is None and not waiter.future.done():
+                    waiter.lost = True
+                    gone += 1
+        if gone:
+            log.warning("Redis lost the queue entries of %d waiting request(s) of this process; queueing them "
+                        "again", gone)
+            await self._requeue()
+        return True
+
     async def _watch_epoch(self) -> Epoch:
         """The registry's epoch. A new one means Redis lost its data, and with it this
         process's queue entries (sluice/directory.py): they are queued again."""

@@ -18,7 +18,7 @@ from starlette.responses import Response
 from gateway.admission.queue import ClientGone, as_sluice_error
 from gateway.record import RequestRecord
 from gateway.relay.logprobs import render as render_logprobs
-from gateway.relay.upstream import Line
+from gateway.relay.upstream import Line, close_lines
 from gateway.surfaces.openai import (
     DONE,
     ChatCompletionRequest,
@@ -93,6 +93,7 @@ async def sse_events(
         raise
     finally:
         with anyio.CancelScope(shield=True):
+            await close_lines(lines)  # closed at one of our yields: the choices stop before their upstreams close
             await end(outcome, completed)
     yield DONE
 
@@ -154,6 +155,7 @@ async def json_response(
         raise
     finally:
         with anyio.CancelScope(shield=True):
+            await close_lines(lines)
             await end()
     if shape is not None:
         body = shape.json_body(texts[0], finishes[0], stops[0], calls[0].calls(), record.usage())

@@ -56,6 +56,18 @@ tracer = trace.get_tracer("sluice.gateway")
 Line = dict[str, Any]
 
 
+async def close_lines(lines: AsyncIterator[Any]) -> None:
+    """Close ``lines`` if it is a generator (one that ended or never started: nothing happens).
+
+    Closing a generator at its ``yield`` does not close what it was reading: every layer
+    that reads lines closes its source when it ends, so that closing the outermost stops
+    the merge of several choices (its pump tasks, each inside its worker's stream) before
+    the upstreams are closed under them (gateway/streams/migration.py ``_merge``)."""
+    aclose = getattr(lines, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
 class _Retryable(Exception):
     """This attempt failed in a way another worker may not. ``lost``: the worker's
     connection died (a crash, perhaps caused by this very request)."""

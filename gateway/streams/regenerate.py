@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.relay.upstream import Line
+from gateway.relay.upstream import Line, close_lines
 from gateway.streams.event_ids import MAX_DIGEST_CHOICES, Account
 from gateway.streams.migration import resumable
 from gateway.streams.takeover import HistoryLost
@@ -88,45 +88,48 @@ class Held:
             # An id we never gave: no generation could reach it, and waiting for it would hold
             # every other choice's lines until the end.
             raise self._lost("the client's account has more tokens than the request allows")
-        choices = len(limits)
-        account = Account(choices)
-        chars = [0] * choices  # the text of the lines before each choice's last held token
-        pending = sum(1 for tokens in self.tokens if tokens)  # choices short of what the client has
-        waiting: list[tuple[int, Line]] | None = []  # None once checked
-        if not pending:
-            waiting = self._check(account, waiting)
-        async for index, line in lines:
-            held = self.tokens[index]
-            if account.tokens[index] < held:
-                ids = line.get("ids", ())
-                text = line.get("echo", "") + line.get("text", "")
-                take = min(len(ids), held - account.tokens[index])
-                account.add(index, ids[:take])
-                bare = {k: v for k, v in line.items() if k not in ("echo", "lp")}
-                if account.tokens[index] < held:
-                    if line.get("finish_reason") is not None:
-                        raise self._lost(f"choice {index} of the new generation ended after "
-                                         f"{account.tokens[index]} tokens")
-                    chars[index] += len(text)
-                    yield index, {**bare, "text": ""}
-                    continue
-                cut = self.chars[index] - chars[index]
-                if not 0 <= cut <= len(text):
-                    raise self._lost(f"the text of choice {index} does not match the client's")
-                line = {**bare, "text": text[cut:]}
-                pending -= 1
-            if waiting is None:
-                yield index, line
-                continue
-            waiting.append((index, line))
+        try:
+            choices = len(limits)
+            account = Account(choices)
+            chars = [0] * choices  # the text of the lines before each choice's last held token
+            pending = sum(1 for tokens in self.tokens if tokens)  # choices short of what the client has
+            waiting: list[tuple[int, Line]] | None = []  # None once checked
             if not pending:
-                for item in self._check(account, waiting):
-                    yield item
-                waiting = None
-        if pending:
-            raise self._lost("the new generation ended before it gave the client's tokens")
-        for item in waiting or ():
-            yield item
+                waiting = self._check(account, waiting)
+            async for index, line in lines:
+                held = self.tokens[index]
+                if account.tokens[index] < held:
+                    ids = line.get("ids", ())
+                    text = line.get("echo", "") + line.get("text", "")
+                    take = min(len(ids), held - account.tokens[index])
+                    account.add(index, ids[:take])
+                    bare = {k: v for k, v in line.items() if k not in ("echo", "lp")}
+                    if account.tokens[index] < held:
+                        if line.get("finish_reason") is not None:
+                            raise self._lost(f"choice {index} of the new generation ended after "
+                                             f"{account.tokens[index]} tokens")
+                        chars[index] += len(text)
+                        yield index, {**bare, "text": ""}
+                        continue
+                    cut = self.chars[index] - chars[index]
+                    if not 0 <= cut <= len(text):
+                        raise self._lost(f"the text of choice {index} does not match the client's")
+                    line = {**bare, "text": text[cut:]}
+                    pending -= 1
+                if waiting is None:
+                    yield index, line
+                    continue
+                waiting.append((index, line))
+                if not pending:
+                    for item in self._check(account, waiting):
+                        yield item
+                    waiting = None
+            if pending:
+                raise self._lost("the new generation ended before it gave the client's tokens")
+            for item in waiting or ():
+                yield item
+        finally:
+            await close_lines(lines)  # a failed check, or closed at a yield: the choices stop
 
     def _check(self, account: Account, waiting: list[tuple[int, Line]]) -> list[tuple[int, Line]]:
         """The lines that waited for the check, once the ids match the client's."""

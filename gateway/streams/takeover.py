@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 import orjson
 from redis.asyncio import Redis
 
-from gateway.relay.upstream import Line
+from gateway.relay.upstream import Line, close_lines
 from gateway.streams.event_ids import Account, marks, unmarked
 from gateway.streams.journal import DONE, ENTRY_OVERHEAD, entry_number, stream_key
 from gateway.streams.journal_history import JournalHistory
@@ -134,12 +134,15 @@ class LineTap:
 
     async def lines(self) -> AsyncIterator[tuple[int, Line]]:
         account = self._account
-        async for item in self._source:
-            self._seen.append(item)
-            if account is not None:
-                index, line = item
-                account.add(index, line.get("ids", ()), len(line.get("echo", "")) + len(line.get("text", "")))
-            yield item
+        try:
+            async for item in self._source:
+                self._seen.append(item)
+                if account is not None:
+                    index, line = item
+                    account.add(index, line.get("ids", ()), len(line.get("echo", "")) + len(line.get("text", "")))
+                yield item
+        finally:
+            await close_lines(self._source)
 
     def digest(self) -> bytes:
         """What the client has once it has the lines consumed so far (b"": not kept)."""

@@ -116,3 +116,44 @@ def test_a_request_is_answered_by_its_deadline_while_redis_is_stalled(private_re
     finally:
         os.kill(server.pid, signal.SIGCONT)
     assert gateway.alive()
+
+
+def test_a_waiter_whose_queue_entry_redis_lost_under_an_unchanged_epoch_is_queued_again(
+    private_redis, start_worker, start_gateway
+) -> None:
+    """Regression (the nemesis, Cluster: 429 "queue_timeout ... (0 waiting)" after 15 s in
+    the queue): a loss that leaves the registry's epoch as it was (a Cluster node back
+    empty while the epoch lives on another; here, one server restarted from an older
+    snapshot) took the waiters' queue entries, and nothing queued them again: each waited
+    its whole queue timeout for a grant nobody would send. Now the loss watch's look tells
+    admission, which queues again the waiters whose entries are gone."""
+    server = private_redis["server"]
+    model = "lost-waiter"
+    start_worker(model, redis_at=server.url, sim_max_seqs=1, sim_token_ms=20, sim_ttft_ms=0)
+    gateway = start_gateway(redis_at=server.url, env={"SLUICE_GATEWAY_QUEUE_TIMEOUT_S": "30"})
+    body = {"model": model, "prompt": "hold the one slot", "max_tokens": 150, "ignore_eos": True}
+    holder = threading.Thread(target=httpx.post, args=(gateway.url + "/v1/completions",),
+                              kwargs={"json": body, "timeout": 60})
+    holder.start()
+    with server.admin() as client:
+        wait_for(lambda: client.zcard(keys.leases(model)) == 1, 10, "the one slot taken")
+        client.save()  # the snapshot the server comes back from: the slot's lease, no waiter
+        outcome: dict[str, object] = {}
+
+        def wait_in_line() -> None:
+            resp = httpx.post(gateway.url + "/v1/completions", timeout=60,
+                              json={"model": model, "prompt": "waits", "max_tokens": 2})
+            outcome["status"], outcome["at"] = resp.status_code, time.monotonic()
+
+        waiter = threading.Thread(target=wait_in_line)
+        waiter.start()
+        wait_for(lambda: client.hlen(keys.admission(model).queue_meta) == 1, 10, "the second request queued")
+    server.kill()  # no save at exit: it comes back from the snapshot, epoch and all
+    server.start()
+    with server.admin() as client:
+        assert client.hlen(keys.admission(model).queue_meta) == 0  # the waiter's entry is gone
+    started = time.monotonic()
+    holder.join(30)
+    waiter.join(40)
+    assert outcome["status"] == 200
+    assert outcome["at"] - started < 15, "the waiter sat out its queue timeout"
