@@ -35,8 +35,11 @@ import orjson
 from sluice.nemesis.history import Attempt, Chunk, ErrorSeen, History
 from sluice.nemesis.workload import RequestSpec
 
-#: Past its deadline plus this, a request without an outcome has hung.
+#: Past its deadline plus this, a request without an outcome has hung (the checker adds the
+#: time the nemesis held a gateway of its last attempt's port stopped: checker.hang_allowance_s).
 GRACE_S = 20.0
+#: The most of that stopped time a client waits for: past deadline + GRACE_S + this, it gives up.
+STOPPED_MAX_S = 30.0
 RESUMABLE_READ_S = 4.0
 PLAIN_READ_S = 30.0
 #: Longest wait for response headers: past the gateway's own longest waits (a queue timeout of
@@ -112,7 +115,7 @@ class Clients:
         await asyncio.sleep(max(0.0, spec.at_s - self.now_s()))
         hist = History(spec.index, started_s=self.now_s())
         try:
-            async with asyncio.timeout(spec.deadline_s + GRACE_S):
+            async with asyncio.timeout(spec.deadline_s + GRACE_S + STOPPED_MAX_S):
                 if spec.path == "nonstream":
                     await self._nonstream(spec, hist)
                 elif spec.path == "plain":

@@ -3,7 +3,10 @@ explicit outcomes are not mistaken for one (no processes: the checker is pure)."
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from sluice.nemesis.checker import check, queue_order
+from sluice.nemesis.clients import GRACE_S
 from sluice.nemesis.faults import FaultRun
 from sluice.nemesis.history import Attempt, Chunk, ErrorSeen, History
 from sluice.nemesis.schedule import Fault
@@ -141,6 +144,27 @@ def test_a_hung_request_is_forbidden() -> None:
     hist = _history(_attempt(spec, _words(spec)[:2], done=False, finish_last=False))
     hist.hung = True
     assert "hang" in check(spec, reference(spec), hist, [], [PORT]).kinds
+
+
+def test_an_answer_late_by_the_time_its_gateway_was_stopped_is_no_hang() -> None:
+    """Regression (the nemesis, Cluster, nem-3753): a re-sent POST's 504 came 80.0 s after
+    the request's first send (deadline 60 s, grace 20 s) because the nemesis had stopped the
+    gateway that held it for 12.3 s meanwhile: a frozen process is given that time back.
+    The same lateness with the stop on the other port, or beyond the stopped time, is a hang."""
+    spec = _spec()
+    late = spec.deadline_s + GRACE_S + 9.0  # two stops of 6 s cover it, one does not
+
+    def hist_ending(at: float) -> History:
+        waited = Attempt("repost", PORT, 50.0, ended_s=at, status=504)
+        waited.errors.append(ErrorSeen(504, False, "timeout", "timeout", "the request's deadline passed"))
+        return History(1, 0.0, [waited], ended_s=at)
+
+    stop = FaultRun(Fault(0, 60.0, "gateway_stop", "gateway-0", 6.0), started_s=60.0, ended_s=66.0)
+    stopped_twice = [stop, replace(stop, started_s=67.0, ended_s=73.0)]
+    assert check(spec, reference(spec), hist_ending(late), stopped_twice, [PORT]).outcome == "explicit"
+    assert "hang" in check(spec, reference(spec), hist_ending(late), stopped_twice, [PORT + 1]).kinds
+    assert "hang" in check(spec, reference(spec), hist_ending(late), [stop], [PORT]).kinds
+    assert "hang" in check(spec, reference(spec), hist_ending(late), [], [PORT]).kinds
 
 
 def test_a_queue_timeout_while_a_later_request_is_served_is_queue_order() -> None:
