@@ -172,7 +172,12 @@ class Clients:
                                          headers, RESUMABLE_READ_S, last)
             if att.event_ids:
                 last, last_id = att.event_ids[-1], att.last_id
-            if att.done and not (att.errors and att.errors[-1].code in REATTACH_CODES):
+            # Lost but for this client, whose ids say what it holds: the in-band error (a stream
+            # ended, [DONE] after it) or the 502 says to re-send the POST, which runs it again.
+            # (A done stream with the in-band error returned here before, and the POST never went.)
+            lost_but_held = not regenerating and last_id.count(".") == 4 and bool(att.errors) \
+                and att.errors[-1].code == "stream_history_lost"
+            if att.done and not lost_but_held and not (att.errors and att.errors[-1].code in REATTACH_CODES):
                 return
             if self._past_deadline(spec, hist):
                 return
@@ -186,9 +191,8 @@ class Clients:
                 # 503 says to send the request again with its body): the SDK retries it.
                 await asyncio.sleep(min(att.retry_after_s or 0.0, 2.0))
                 how = "repost"
-            elif not regenerating and last_id.count(".") == 4 and att.errors \
-                    and att.errors[-1].code == "stream_history_lost":
-                how, regenerating = "repost", True  # lost but for this client: the POST runs it again
+            elif lost_but_held:
+                how, regenerating = "repost", True
             elif att.status in (429, 503) or (att.status == 0 and not att.chunks and how != "get"):
                 await asyncio.sleep(min(att.retry_after_s or 0.3, 2.0))
                 how = "get" if how == "get" else "repost"
