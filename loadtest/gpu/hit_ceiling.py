@@ -197,29 +197,27 @@ def simulate(reqs, events, policy, weights, warm_frac=0.2, pin=0, replicate=0, s
             if idx[id(r)] >= warm:
                 hit += h * BLOCK
                 tot += r.L
-            for k in r.keys[: r.nprompt]:  # allocated (and hashed) at start
-                if k in p:
-                    continue
-                if k in c:
-                    c.move_to_end(k)
-                else:
-                    c[k] = None
-            while len(c) > cap[w]:
-                c.popitem(last=False)
+            _touch(c, p, r.keys[: r.nprompt], cap[w])  # allocated (and hashed) at start
         else:
             w = r.worker
             inflight[w] -= 1
             c, p = lru[w], pinned[w]
-            for k in reversed(r.keys):  # freed tail-first: the head ends most recent
-                if k in p:
-                    continue
-                if k in c:
-                    c.move_to_end(k)
-                else:
-                    c[k] = None
-            while len(c) > cap[w]:
-                c.popitem(last=False)
+            _touch(c, p, reversed(r.keys), cap[w])  # freed tail-first: the head ends most recent
     return 100 * hit / tot
+
+
+def _touch(cache: OrderedDict, pinned: set, blocks, cap: int) -> None:
+    """Mark ``blocks`` most recently used in ``cache`` (pinned ones stay out of it), then evict
+    the least recently used past ``cap``."""
+    for k in blocks:
+        if k in pinned:
+            continue
+        if k in cache:
+            cache.move_to_end(k)
+        else:
+            cache[k] = None
+    while len(cache) > cap:
+        cache.popitem(last=False)
 
 
 def ceiling(reqs, warm_frac=0.2):
