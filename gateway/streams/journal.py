@@ -579,7 +579,15 @@ class JournalWriter:
                     with contextlib.suppress(RedisError, OSError):
                         await self._budget.settle(kept, self._done_ttl_ms if self._ended else self._ttl_ms)
             if self._first is not None:
-                self._first.end()
+                if self.dirty and not self.lost:
+                    # Redis was away past DRAIN_S: the journal lacks the stream's last events
+                    # and keeps its plan (the key is not settled). The first client goes on
+                    # from the journal, as after a hand-over, where a take-over continues the
+                    # stream from what it holds (was: "the producer is gone; the rest is lost":
+                    # the nemesis, Cluster, a failover that left the stream's slot down 31 s).
+                    self._first.hand_over()
+                else:
+                    self._first.end()
 
     async def started(self) -> BaseException | None:
         """Once the stream has begun: its first write made the claim the key's stream, and its
@@ -637,7 +645,8 @@ class JournalWriter:
         """Write what is left, retrying while Redis is down or stalled for up to ``DRAIN_S``
         (a generation often ends within one Redis outage: giving up after a few attempts
         ended its stream without ``[DONE]``, though Redis was back a second later). Past
-        that the journal ends early, and a reader's take-over continues it from what it holds."""
+        that the journal ends early, and a reader's take-over continues it from what it holds
+        (the first client's reader included: :meth:`run` hands it over to the journal)."""
         until = time.monotonic() + DRAIN_S
         while self.dirty and not self.lost and self._committer.alive():
             if time.monotonic() > until:

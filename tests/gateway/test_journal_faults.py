@@ -22,7 +22,8 @@ import redis
 
 from gateway.streams.event_ids import frame, tag_of
 from gateway.streams.idempotency import Idempotency, scoped
-from gateway.streams.journal import APPEND, DONE, JournalCommitter, JournalWriter, start_producer
+from gateway.streams import journal as journal_module
+from gateway.streams.journal import APPEND, DONE, JournalCommitter, JournalWriter, producer_gone, start_producer
 from gateway.streams.journal_history import JournalHistory
 from gateway.streams.journal_keeper import WRITE_BACK_S, Finished, JournalKeeper
 from gateway.streams.journal_readers import JournalReaders
@@ -333,6 +334,65 @@ async def test_a_stream_that_ends_while_redis_is_away_is_journaled_to_its_end(pr
         await idem.close()
         await committer.close()
         await client.aclose()
+
+
+async def test_a_first_client_whose_producer_gave_up_on_redis_goes_on_from_the_journal(
+        private_redis, monkeypatch) -> None:
+    """Regression (the nemesis, Cluster, nem-1647): Redis stayed away past ``DRAIN_S`` as the
+    generation ended (a failover that left the stream's slot down 31 s); the producer gave up
+    on its last events and its first client read "the stream's producer is gone; the rest is
+    lost". The journal keeps its plan and its first events: the first client now goes on from
+    it, where a take-over continues the stream from what the client holds."""
+    monkeypatch.setattr(journal_module, "DRAIN_S", 0.5)
+    server = private_redis["server"]
+    client = await create_pool(server.url)
+    committer, idem = JournalCommitter(client), Idempotency(client, ttl_s=60)
+    readers = JournalReaders(client, poll_s=0.01, idle_s=0.2)
+    adopted = _recorded_take_overs(readers)
+
+    async def events():
+        for i in range(1, 6):
+            yield b"data: %d\n\n" % i
+        await asyncio.sleep(0.3)  # written
+        await asyncio.to_thread(server.shutdown, save=True)  # away past the drain, its data kept
+        yield b"data: 6\n\n"
+        yield DONE
+
+    async def nothing() -> None:
+        return None
+
+    try:
+        key = uuid.uuid4().hex
+        assert await idem.claim(key, "fp", True, time.monotonic() + 30, "p") is None
+        assert await idem.promote(key, "p", "fp", 10, b"{}")
+        writer = JournalWriter(committer, key, ttl_s=60, owner="p")
+        first = writer.subscribe(readers.tail)
+        producer = await start_producer(writer, events(), nothing)
+        got: list[bytes] = []
+
+        async def read() -> None:
+            async for event in first.events():
+                got.append(event)
+
+        reading = asyncio.create_task(read())
+        await producer  # gave up on event 6 and [DONE]
+        await asyncio.to_thread(server.start)
+        await asyncio.wait_for(_until(lambda: adopted == [key]), 15)  # a take-over from the journal
+        assert got == [frame(i, b"data: %d\n\n" % i, tag_of("p")) for i in range(1, 6)]
+        assert producer_gone() not in got
+        reading.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reading
+    finally:
+        await readers.close()
+        await idem.close()
+        await committer.close()
+        await client.aclose()
+
+
+async def _until(check: Callable[[], bool]) -> None:
+    while not check():
+        await asyncio.sleep(0.05)
 
 
 def _recorded_take_overs(readers: JournalReaders) -> list[str]:
