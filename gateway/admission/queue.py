@@ -195,6 +195,9 @@ class _Waiter:
     left: bool = False
     #: Not in Redis's queue: Redis lost it with its data, and it is not queued again yet.
     lost: bool = False
+    #: How many times it was queued again (:meth:`Admission.after_look` tells a missing entry
+    #: read before a re-queue from one that is still missing).
+    asks: int = 0
 
 
 def _tenant_name(tenant: str) -> str:
@@ -392,14 +395,17 @@ class Admission:
             waiter.left = True
             return await self._leave(waiter.ask)
 
-    async def _lease_again(self) -> None:
+    async def _lease_again(self) -> int:
         """The streams this process runs hold their slots again: Redis forgot their leases,
-        and without them their workers would look free and be given more than they hold."""
+        and without them their workers would look free and be given more than they hold.
+        Returns how many leases Redis lacked."""
         by_model: dict[str, list[str]] = {}
         for lease in self._active.values():
             by_model.setdefault(lease.model, []).extend((lease.lease_id, lease.worker_id))
+        missing = 0
         for model, pairs in by_model.items():
-            await self._reclaim(keys=keys.admission(model), args=self._args(*pairs))
+            missing += int(await self._reclaim(keys=keys.admission(model), args=self._args(*pairs)))
+        return missing
 
     async def _requeue(self) -> None:
         """Queue again, in their arrival order and with their priority and what is left of
@@ -412,6 +418,7 @@ class Admission:
                 remaining = waiter.deadline - time.monotonic()
                 if not waiter.lost or waiter.left or waiter.future.done() or remaining <= 0:
                     continue
+                waiter.asks += 1
                 result = await self._ask(waiter.ask, remaining)
                 if result[0] == b"granted":
                     waiter.lost = False
@@ -434,18 +441,24 @@ class Admission:
         (the nemesis, Cluster). A Redis error fails the look: it is tried again at the next."""
         if not lost:
             return True
-        await self._lease_again()  # idempotent: RECLAIM adds only the leases Redis lacks
+        leased = await self._lease_again()  # idempotent: RECLAIM adds only the leases Redis lacks
+        if leased:
+            log.warning("Redis lost the leases of %d running stream(s) of this process; leased again", leased)
         by_model: dict[str, list[_Waiter]] = {}
         for waiter in self._waiters.values():
             if not (waiter.left or waiter.lost or waiter.future.done()):
                 by_model.setdefault(waiter.ask.model, []).append(waiter)
         gone = 0
         for model, waiters in by_model.items():
+            asked = [w.asks for w in waiters]
             metas = await self._redis.hmget(keys.admission(model).queue_meta, [w.ask.request_id for w in waiters])
-            for waiter, meta in zip(waiters, metas, strict=True):
-                # A grant on its way has removed the entry too: queued again, the second grant is
-                # released (:meth:`_requeue`) or, if the first comes later, left unclaimed to expire.
-                if meta is None and not waiter.future.done():
+            for waiter, meta, asks in zip(waiters, metas, asked, strict=True):
+                # Only an entry still missing: not one the epoch's re-queue (the beat) wrote
+                # meanwhile, or is writing (then it is marked lost already), which a second
+                # re-queue would have queued twice. A grant on its way has removed the entry
+                # too: queued again, the second grant is released (:meth:`_requeue`) or, if
+                # the first comes later, left unclaimed to expire.
+                if meta is None and waiter.asks == asks and not (waiter.lost or waiter.left or waiter.future.done()):
                     waiter.lost = True
                     gone += 1
         if gone:

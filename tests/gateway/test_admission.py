@@ -198,8 +198,9 @@ async def test_4x_overload_answers_fast_and_clean(start_worker, start_gateway, b
         await asyncio.gather(*(one(client, i) for i in range(64)))
     assert statuses.count(200) >= 4
     assert statuses.count(429) >= 16
-    # Nobody waits past the queue timeout plus one generation (and scheduling slack).
-    assert max(durations) < 1 + 0.5 + 2.0, max(durations)
+    # Nobody waits past the queue timeout plus one generation (and scheduling slack: a CI run of
+    # four pytest processes on 2 cores once held this gateway's first answers ~2.4 s).
+    assert max(durations) < 1 + 0.5 + 4.0, max(durations)
 
 
 @SINGLE_ONLY
