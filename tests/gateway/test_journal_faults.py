@@ -315,16 +315,8 @@ async def test_a_stream_that_ends_while_redis_is_away_is_journaled_to_its_end(pr
         back.append(asyncio.create_task(restart_in(1.0)))
         yield DONE
 
-    async def nothing() -> None:
-        return None
-
     try:
-        key = uuid.uuid4().hex
-        assert await idem.claim(key, "fp", True, time.monotonic() + 10, "p") is None
-        assert await idem.promote(key, "p", "fp", 10, b"{}")
-        writer = JournalWriter(committer, key, ttl_s=60, owner="p")
-        first = writer.subscribe(readers.tail)
-        producer = await start_producer(writer, events(), nothing)
+        _, first, producer = await _first_client(committer, idem, readers, events(), claim_s=10)
         got = [event async for event in first.events()]
         await producer
         assert got == [frame(i, b"data: %d\n\n" % i, tag_of("p")) for i in range(1, 6)] + [DONE]
@@ -358,16 +350,8 @@ async def test_a_first_client_whose_producer_gave_up_on_redis_goes_on_from_the_j
         yield b"data: 6\n\n"
         yield DONE
 
-    async def nothing() -> None:
-        return None
-
     try:
-        key = uuid.uuid4().hex
-        assert await idem.claim(key, "fp", True, time.monotonic() + 30, "p") is None
-        assert await idem.promote(key, "p", "fp", 10, b"{}")
-        writer = JournalWriter(committer, key, ttl_s=60, owner="p")
-        first = writer.subscribe(readers.tail)
-        producer = await start_producer(writer, events(), nothing)
+        key, first, producer = await _first_client(committer, idem, readers, events(), claim_s=30)
         got: list[bytes] = []
 
         async def read() -> None:
@@ -388,6 +372,22 @@ async def test_a_first_client_whose_producer_gave_up_on_redis_goes_on_from_the_j
         await idem.close()
         await committer.close()
         await client.aclose()
+
+
+async def _first_client(committer: JournalCommitter, idem: Idempotency, readers: JournalReaders, events,
+                        claim_s: float):
+    """A resumable stream of ``events`` (producer ``p``), claimed for ``claim_s``, and its first
+    client's reader: (key, reader, producer task)."""
+    key = uuid.uuid4().hex
+    assert await idem.claim(key, "fp", True, time.monotonic() + claim_s, "p") is None
+    assert await idem.promote(key, "p", "fp", 10, b"{}")
+    writer = JournalWriter(committer, key, ttl_s=60, owner="p")
+    first = writer.subscribe(readers.tail)
+
+    async def nothing() -> None:
+        return None
+
+    return key, first, await start_producer(writer, events, nothing)
 
 
 async def _until(check: Callable[[], bool]) -> None:
