@@ -78,8 +78,10 @@ def test_a_worker_nobody_answers_for_stops_getting_slots_at_once(start_worker, s
     gateway = start_gateway()
     with openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0) as client:
         # A long stream holds one of the survivor's slots, so least-loaded routing sends
-        # the next request to the idle (dead) worker: no reliance on how ties break.
-        busy = client.completions.create(model=model, prompt="busy", max_tokens=200, stream=True)
+        # the next request to the idle (dead) worker: no reliance on how ties break. It
+        # lasts 100 s: starting the second worker can take over 10 s on a loaded machine,
+        # and a stream that ended by then left a tie that the survivor could win.
+        busy = client.completions.create(model=model, prompt="busy", max_tokens=2000, stream=True)
         assert next(iter(busy)).choices
         doomed = start_worker(model, heartbeat_ms=10_000)  # its heartbeat would stay alive 30 s
         doomed.kill()
