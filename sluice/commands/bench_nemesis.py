@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=7, help="nemesis: the seed of the requests and the fault schedule")
     g.add_argument("--topology", choices=["single", "sentinel", "cluster"], default="single",
                    help="nemesis: the Redis under test")
-    g.add_argument("--nemesis-faults", type=int, default=320, help="nemesis: faults in the run")
+    g.add_argument("--nemesis-faults", type=int, default=330, help="nemesis: faults in the run")
     g.add_argument("--nemesis-duration-s", type=float, default=600.0,
                    help="nemesis: seconds over which requests arrive and faults happen")
     g.add_argument("--nemesis-kinds", default="", help="nemesis: fault kinds, comma-separated (default: all the "
