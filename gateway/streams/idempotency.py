@@ -287,23 +287,29 @@ class Idempotency:
         if that comes first: past it, :class:`Unavailable` (503, send it again), or
         :class:`DeadlineExceeded` at the deadline."""
         give_up = min(deadline, time.monotonic() + CLAIM_MAX_S)
+        # What the claim last waited for, which the cut below tells: a round whose command is
+        # still unanswered at the cut, after one that found the key pending, is told "still
+        # running" (a loaded machine's slow round trip, 50 ms past the end of the last pause,
+        # said "waiting for Redis" about a key Redis had just answered for: a CI run).
+        waited = ["is waiting for Redis"]
         try:
             # A wait ends itself at ``give_up``, saying what it waited for; this cuts, just
             # after, a Redis command still unanswered (a stalled node, a failover). A round
             # that had won the key then leaves its ``:live`` to expire (3 s), as a gateway
             # that died would.
             async with asyncio.timeout(give_up + _WAIT_S - time.monotonic()) as bound:
-                return await self._claim_by(key, fp, stream, deadline, give_up, owner, after, regenerate)
+                return await self._claim_by(key, fp, stream, deadline, give_up, owner, after, regenerate, waited)
         except TimeoutError:
             if not bound.expired():
                 raise
-            raise _late(deadline, "is waiting for Redis") from None
+            raise _late(deadline, waited[0]) from None
 
     async def _claim_by(
         self, key: str, fp: str, stream: bool, deadline: float, give_up: float, owner: str, after: int,
-        regenerate: bool,
+        regenerate: bool, waited: list[str],
     ) -> Response | Literal["attach", "regenerate"] | None:
-        """:meth:`claim`'s rounds; each wait ends at ``give_up``."""
+        """:meth:`claim`'s rounds; each wait ends at ``give_up``, and leaves what it waited for
+        in ``waited``."""
         names = [keys.idempotency(key), keys.journal(key), keys.journal_plan(key), keys.journal_live(key),
                  keys.journal_head(key)]
         lost_until: float | None = None
@@ -333,7 +339,7 @@ class Idempotency:
                     # ran out: claiming again at once went round without end while every
                     # look found a loss (the nemesis, Cluster: nem-3307, nem-4256).
                     unsure_until = time.monotonic() + UNSURE_MAX_S
-                    await self._pause(give_up, deadline, "is waiting for Redis's data to be written back")
+                    await self._pause(give_up, deadline, waited, "is waiting for Redis's data to be written back")
                     continue
                 self._hold(key, owner, sent_ms)
                 return None if fresh_after is None else "regenerate"
@@ -343,14 +349,14 @@ class Idempotency:
                     unsure_until = time.monotonic() + UNSURE_MAX_S
                     log.info("Idempotency-Key %s has no record while Redis may have lost it: waiting for "
                              "its gateway to write it back", key)
-                await self._pause(give_up, deadline, "is waiting for Redis's data to be written back")
+                await self._pause(give_up, deadline, waited, "is waiting for Redis's data to be written back")
                 continue
             if state == "lost":
                 # Redis lost the stream: a producer that still runs re-claims it, and writes
                 # its journal again, within ``:live``'s refresh period; give it that long.
                 lost_until = lost_until or time.monotonic() + wait_for_producer_s()
                 if time.monotonic() < min(lost_until, deadline):
-                    await self._pause(give_up, deadline, "is waiting for its stream's producer to write it back")
+                    await self._pause(give_up, deadline, waited, "is waiting for its stream's producer to write it back")
                     continue
                 if regenerate and fresh_after is None:
                     fresh_after, after = after, 0  # the next round claims the key for a new generation
@@ -369,11 +375,12 @@ class Idempotency:
                 return "attach"
             # Pending, and its owner lives: wait. If it dies, its :live expires within
             # LIVE_TTL_MS and a later round claims the key here.
-            await self._pause(give_up, deadline, "is still running")
+            await self._pause(give_up, deadline, waited, "is still running")
 
     @staticmethod
-    async def _pause(give_up: float, deadline: float, what: str) -> None:
+    async def _pause(give_up: float, deadline: float, waited: list[str], what: str) -> None:
         """Wait before the claim's next round; at ``give_up``, tell the caller instead."""
+        waited[0] = what
         left_s = give_up - time.monotonic()
         if left_s > 0:
             await asyncio.sleep(min(_WAIT_S, left_s))

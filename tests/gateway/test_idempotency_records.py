@@ -232,6 +232,30 @@ async def test_a_retry_of_a_key_still_pending_is_told_503_within_claim_max_s(
     assert time.monotonic() - started >= 1.0
 
 
+async def test_a_retry_whose_last_round_is_slow_is_still_told_its_key_is_running(
+    idem, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A round that found the key pending, then one whose answer came past the claim's
+    bound (a loaded machine: 50 ms late was enough in CI), is told what the key was found
+    doing, not "waiting for Redis"."""
+    records, _ = idem
+    monkeypatch.setattr(idempotency, "CLAIM_MAX_S", 1.0)
+    key = uuid.uuid4().hex
+    assert await records.claim(key, "fp", True, _deadline(), owner="first") is None
+    script = records._claim
+    started = time.monotonic()
+
+    async def slow_near_the_end(**kwargs: Any) -> Any:
+        if time.monotonic() - started > 0.8:
+            await asyncio.sleep(1.0)  # cut by the claim's bound at 1.05 s
+        return await script(**kwargs)
+
+    monkeypatch.setattr(records, "_claim", slow_near_the_end)
+    with pytest.raises(Unavailable, match="still running"):
+        await _answer(records.claim(key, "fp", True, time.monotonic() + 60, owner="retry"), 2)
+    assert 1.0 <= time.monotonic() - started < 1.5
+
+
 async def test_a_claim_on_a_stalled_cluster_node_is_told_503_within_claim_max_s(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
