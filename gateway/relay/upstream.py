@@ -368,6 +368,12 @@ class Dispatcher:
             except SluiceError as exc:
                 if exc.code != REGISTRY_REBUILDING:  # full, timed out, no live worker: the model exists
                     ctx.record.known_model()
+                if exc.code == "queue_timeout" and ctx.remaining_s() <= 0:
+                    # The request's own deadline ended the wait, not the queue timeout: a 504,
+                    # as for every deadline (a re-sent POST whose claim had used up its time
+                    # was told 429 "queue timeout" after no wait at all: the nemesis, Sentinel).
+                    raise DeadlineExceeded(f"the request's deadline passed while it waited for a slot of "
+                                           f"'{model}'") from None
                 raise
             ctx.record.known_model()
             queue_span.set_attributes({"sluice.worker_id": ",".join(sorted({x.worker_id for x in leases})),

@@ -101,6 +101,26 @@ def test_queue_timeout_is_429_then_sdk_retry_succeeds(start_worker, start_gatewa
     blocker.join(10)
 
 
+def test_a_deadline_that_ends_the_queue_wait_is_a_504_not_a_queue_timeout(start_worker, start_gateway,
+                                                                          backend) -> None:
+    """The queue waits at most the request's time left; when that, not the queue timeout,
+    ends the wait, the answer is the deadline's (a re-sent POST with no time left was told
+    429 "no capacity within the queue timeout" without waiting at all: the nemesis)."""
+    model = "qdeadline"
+    start_worker(model, redis_at=backend.url, sim_max_seqs=1, sim_token_ms=10, sim_ttft_ms=0)
+    gateway = start_gateway(redis_at=backend.url)  # queue timeout 30 s
+    blocker = _hold_slot(gateway.url, model, tokens=300)
+    wait_for(lambda: _inflight(backend.client, model) == 1, 5, "the blocker")
+    started = time.monotonic()
+    resp = httpx.post(gateway.url + "/v1/completions", headers={"X-Sluice-Timeout-Ms": "800"},
+                      json={"model": model, "prompt": "x", "max_tokens": 2}, timeout=10)
+    assert resp.status_code == 504, resp.text
+    assert resp.json()["error"]["type"] == "timeout"
+    assert "waited for a slot of 'qdeadline'" in resp.json()["error"]["message"]
+    assert 0.7 < time.monotonic() - started < 3
+    blocker.join(10)
+
+
 def test_disconnect_while_queued_and_while_streaming(start_worker, start_gateway, backend) -> None:
     model = "cancel"
     worker = start_worker(model, redis_at=backend.url, sim_max_seqs=1, sim_token_ms=20, sim_ttft_ms=0)
