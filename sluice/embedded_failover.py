@@ -276,6 +276,26 @@ class EmbeddedSentinel:
         with redis.Redis(port=self.sentinels[0].port, socket_timeout=2) as client:
             client.execute_command("SENTINEL", "FAILOVER", self.service)
 
+    def wait_replica_ready(self, timeout_s: float = 15.0) -> None:
+        """Wait until every sentinel knows a replica it would promote: one that reports itself
+        a replica linked to the master, neither down nor disconnected, its ``INFO`` younger
+        than the sentinels' limit (30 s). A ``SENTINEL FAILOVER`` sent before
+        that (the old master had just come back as a replica) is accepted, then abandoned for
+        want of a good replica: 2 of 17 failovers of a nemesis run were never applied."""
+        def ready() -> bool:
+            master = self.master_port()
+            for sentinel in self.sentinels:
+                with redis.Redis(port=sentinel.port, socket_timeout=1) as client:
+                    replicas = client.sentinel_slaves(self.service)
+                if not any(not (r["is_sdown"] or r["is_odown"] or r["is_disconnected"])
+                           and r.get("role-reported") == "slave" and r.get("master-link-status") == "ok"
+                           and int(r.get("master-port", 0)) == master
+                           and int(r.get("info-refresh", 1 << 30)) < 30_000 for r in replicas):
+                    return False
+            return True
+
+        wait_until(ready, timeout_s, "a replica the sentinels would promote")
+
     def failover(self, timeout_s: float = 20.0, promoted: Callable[[], None] | None = None) -> EmbeddedRedis:
         """``SENTINEL FAILOVER``: promote a replica and demote the master, which keeps
         running (as a replica: writes to it get READONLY), and wait for both; ``promoted()``
@@ -411,6 +431,11 @@ class ReplicatedCluster(EmbeddedCluster):
         wait_until(self._every_master_replicated, timeout_s, "every master to have a linked replica again")
         self.phases["replicated_again_s"] = round(time.monotonic() - started, 2)
         return old
+
+    def wait_replicated(self, timeout_s: float = 15.0) -> None:
+        """Wait until every master has a linked replica: a master killed before its replica
+        has synced (it restarted moments ago) is not replaced, and its slots stay down."""
+        wait_until(self._every_master_replicated, timeout_s, "every master to have a linked replica")
 
     def restart_master(self, index: int, *, persist: bool, down_s: float) -> EmbeddedRedis:
         """``SHUTDOWN`` the ``index``-th master with (``persist``) or without its data and start it

@@ -228,6 +228,10 @@ class Nemesis:
         elif kind == "redis_stop":
             await asyncio.to_thread(s.topology.stall, f.duration_s)
         elif kind in FAILOVERS:
+            # Begun once it can succeed, as an operator would: a replica linked to the master.
+            # The wait is not part of the failover's figures.
+            await asyncio.to_thread(s.topology.ready_for_failover)
+            run.started_s = self.now_s()
             promoted = asyncio.Event()
             loop = asyncio.get_running_loop()
             watcher = asyncio.create_task(self._watch_serving(run, promoted))

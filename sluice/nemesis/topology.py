@@ -49,6 +49,9 @@ class Topology(Protocol):
     def stall(self, seconds: float) -> None:
         """SIGSTOP a master for ``seconds``, then SIGCONT."""
 
+    def ready_for_failover(self) -> None:
+        """Wait until a failover could succeed (a replica linked to the master it replaces)."""
+
     def failover(self, promoted: Callable[[], None]) -> dict[str, float]:
         """Fail over, calling ``promoted()`` once the new master serves; seconds from its
         start to each of its steps."""
@@ -90,6 +93,9 @@ class SingleRedis:
     def stall(self, seconds: float) -> None:
         self.server.stall(seconds)
 
+    def ready_for_failover(self) -> None:
+        raise RuntimeError("a single Redis server has nothing to fail over to")
+
     def failover(self, promoted: Callable[[], None]) -> dict[str, float]:
         raise RuntimeError("a single Redis server has nothing to fail over to")
 
@@ -122,6 +128,9 @@ class SentinelRedis:
 
     def stall(self, seconds: float) -> None:
         self.deployment.stall_master(seconds)
+
+    def ready_for_failover(self) -> None:
+        self.deployment.wait_replica_ready()
 
     def failover(self, promoted: Callable[[], None]) -> dict[str, float]:
         self.deployment.failover(promoted=promoted)
@@ -161,6 +170,9 @@ class ClusterRedis:
 
     def stall(self, seconds: float) -> None:
         self.deployment.master(self._victim()).stall(seconds)
+
+    def ready_for_failover(self) -> None:
+        self.deployment.wait_replicated()
 
     def failover(self, promoted: Callable[[], None]) -> dict[str, float]:
         self.deployment.failover(self._victim(), promoted=promoted)
