@@ -331,10 +331,12 @@ class Serving:
         """Whether this process produces the resumable stream ``key`` (its journal's writer runs here)."""
         return self._committer.produces(key)
 
-    async def take_over(self, key: str) -> bool:
+    async def take_over(self, key: str, holds: int = 0) -> bool:
         """Continue the resumable stream ``key`` whose producer is gone (gateway/streams/takeover.py).
         True while some gateway produces it (this one now, or another that was faster);
-        False when it cannot be continued."""
+        False when it cannot be continued. ``holds``: the most events a client following it
+        holds; a journal with fewer (Redis lost the rest with the producer's copy) is not
+        continued, as a partial one is not."""
         owner = uuid.uuid4().hex
         claimed = now_ms()  # take_stream sets :live after this
         if not await self._idempotency.take_stream(key, owner):
@@ -368,6 +370,13 @@ class Serving:
                 await self._idempotency.settle(key, owner, completed=False)
                 return False
             plan, state = found
+            if state.last < holds:
+                # Continued from here, the stream would go on as another history than the one
+                # its client holds 1..``holds`` of; the client could take none of it, and its
+                # re-sent POST attached to that history again (nemesis, Sentinel: nem-1360,
+                # a journal of 2 events taken over while its client held 60).
+                raise HistoryLost(f"the stream's journal lacks events {state.last + 1}..{holds} that its client "
+                                  f"holds (Redis lost data): it cannot be continued; {RESEND_POST}")
             model = ChatCompletionRequest if plan.kind == "chat" else CompletionRequest
             req = model.model_validate_json(plan.body)
             budget = await self._quota.open(key, plan.tenant, 0, taken_over=state.stored_bytes + len(state.plan),

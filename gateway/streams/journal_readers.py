@@ -114,7 +114,9 @@ class JournalReaders:
         self._task: asyncio.Task[None] | None = None
         self._polls = 0
         #: Continues a stream whose producer is gone; True while some gateway produces it.
-        self.adopt: Callable[[str], Awaitable[bool]] | None = None
+        #: Continues a stream whose producer died: its key, and the most events one of its
+        #: readers here holds (a journal with fewer cannot be continued for them).
+        self.adopt: Callable[[str, int], Awaitable[bool]] | None = None
         #: Whether this process produces a stream: its producer lives, whatever ``:live``
         #: says (Redis lost it in a stall or outage; the producer re-claims it).
         self.producing: Callable[[str], bool] = lambda key: False
@@ -261,7 +263,8 @@ class JournalReaders:
         assert self.adopt is not None
         error = producer_gone()
         try:
-            produced = await asyncio.wait_for(self.adopt(key), ADOPT_TIMEOUT_S)
+            holds = max((r.cursor for r in self._readers if r.key == key), default=0)
+            produced = await asyncio.wait_for(self.adopt(key, holds), ADOPT_TIMEOUT_S)
         except TimeoutError:
             log.warning("taking over the stream %s did not start in %.0f s; its readers may re-attach", key,
                         ADOPT_TIMEOUT_S)

@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from gateway.streams.idempotency import scoped
+from gateway.streams.journal import entry_number
 from sluice import keys
 from sluice.embedded_redis import EmbeddedRedis
 from tests.conftest import access_line, wait_for
@@ -387,6 +388,34 @@ def test_a_stream_whose_plan_redis_lost_is_generated_again_when_its_client_re_se
     assert [e["code"] for e in errors] == ["stream_history_lost"], told
     assert "re-send its POST with the same Idempotency-Key and Last-Event-ID" in errors[0]["message"]
     assert _content(told) == ""
+    rest = _resend(other.url, BODY, key, raw)
+    whole = seen + rest
+    assert _content(whole) == _reference(other.url, BODY)["choices"][0]["message"]["content"]
+    _numbered(whole)
+    assert whole[-1][1] == "[DONE]" and not any('"error"' in d for _, d in rest)
+
+
+def test_a_journal_shorter_than_what_its_client_holds_is_not_taken_over_but_generated_again(
+        gateways, start_gateway, redis_client) -> None:
+    """Regression (nemesis, Sentinel: nem-1360 and nem-1408): Redis lost a stream's journal
+    and its producer wrote only its first events back before it was killed. The client's
+    re-attach, holding 20, had the stream taken over from event 2: the taker's events 3..
+    were another history, the client was told so, and its re-sent POST attached to the same
+    history and was told so again. A journal shorter than what a reader holds is now not
+    continued: the stream is forgotten, and the re-sent POST generates it again."""
+    _, other = gateways
+    key = uuid.uuid4().hex
+    seen, raw = _start_and_kill_raw(start_gateway(), key)
+    journal = keys.journal(scoped("-", key))
+    later = [entry_id for entry_id, _ in redis_client.xrange(journal) if entry_number(entry_id) > 2]
+    assert later, "the journal holds the client's events"
+    redis_client.xdel(journal, *later)
+    with httpx.stream("GET", f"{other.url}/v1/streams/{key}", headers={"Last-Event-ID": raw}, timeout=60) as r:
+        told = _events(r.iter_lines())
+    errors = [orjson.loads(d)["error"] for _, d in told if '"error"' in d]
+    assert [e["code"] for e in errors] == ["stream_history_lost"], told
+    assert "lacks events 3..20 that its client holds" in errors[0]["message"]
+    assert "re-send its POST" in errors[0]["message"] and _content(told) == ""
     rest = _resend(other.url, BODY, key, raw)
     whole = seen + rest
     assert _content(whole) == _reference(other.url, BODY)["choices"][0]["message"]["content"]
