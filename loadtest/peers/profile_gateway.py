@@ -7,6 +7,7 @@ profile of the gateway (optional), and Redis's time per admission script.
     ... --max-tokens 1             # request-bound: what one request costs
     ... --py-spy /tmp/gw           # also /tmp/gw-<level>.txt, py-spy's collapsed stacks (needs py-spy)
     ... --cprofile /tmp/gw.prof    # the gateway under cProfile (its stats written when it stops)
+    ... --strace                   # the gateway's system calls per request, by call (strace -c; slows it)
 
 Timing model of the mock as in bench_peers.py (first token 20 ms, one token per 5 ms).
 The figures are for finding the next hot spot, not for comparing with peers: py-spy
@@ -53,6 +54,19 @@ def script_times(client: redis.Redis) -> dict[str, list[int]]:
     return times
 
 
+def syscalls_per_request(summary: str, requests: float) -> str:
+    """strace -c's table as calls per request, the most frequent first."""
+    counts: dict[str, int] = {}
+    for line in summary.splitlines():
+        words = line.split()
+        if len(words) >= 5 and words[0].replace(".", "").isdigit() and words[-1] != "total":
+            counts[words[-1]] = int(words[3])
+    ranked = sorted(counts.items(), key=lambda item: -item[1])
+    total = sum(counts.values())
+    return (f"system calls per request: {total / requests:.1f} in all; "
+            + ", ".join(f"{name} {count / requests:.2f}" for name, count in ranked[:8]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", default="16", help="concurrent streams, comma-separated")
@@ -62,6 +76,9 @@ def main() -> None:
     parser.add_argument("--py-spy", help="output prefix for py-spy's collapsed stacks of the gateway")
     parser.add_argument("--cprofile", help="run the gateway under cProfile, its stats to this file (calls per "
                                            "request and per chunk; it slows the gateway about twofold)")
+    parser.add_argument("--strace", action="store_true",
+                        help="count the gateway's system calls per request with strace -c (exact counts; strace slows "
+                             "the gateway, so its other figures are not comparable)")
     args = parser.parse_args()
     base, py = args.base_port, sys.executable
     procs = bp.Procs(Path(tempfile.mkdtemp(prefix="sluice-profile-")))
@@ -92,6 +109,13 @@ def main() -> None:
                         spy = subprocess.Popen([shutil.which("py-spy") or str(Path(py).parent / "py-spy"), "record", "-r", "200", "-d", str(int(args.measure_s)), "-f",
                                                 "raw", "-o", f"{args.py_spy}-{level}.txt", "-p", str(pid),
                                                 "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    traced = None
+                    if args.strace and name == "gateway":
+                        traced = tempfile.NamedTemporaryFile(prefix="sluice-strace-", suffix=".txt", delete=False).name
+                        # Over the measured window only (the load warms up 2 s first).
+                        spy = subprocess.Popen(["bash", "-c", f"sleep 2; exec timeout -s INT {args.measure_s} strace -c "
+                                                f"-f -o {traced} -p {pid}"],
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                     client.slowlog_reset()
                     opened = client.info("stats")["total_connections_received"]
 
@@ -112,6 +136,8 @@ def main() -> None:
                           f"{client.info('stats')['total_connections_received'] - opened - 1}", flush=True)
                     if spy is not None:
                         spy.wait()
+                    if traced is not None:
+                        print("  " + syscalls_per_request(Path(traced).read_text(), max(1, win.requests)), flush=True)
                 for script, times in sorted(script_times(client).items()):
                     times.sort()
                     print(f"  redis {script:10s} {len(times):6d} calls  p50 {times[len(times) // 2]} µs  "
