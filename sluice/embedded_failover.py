@@ -118,6 +118,15 @@ def role(port: int) -> str:
         return str(client.execute_command("ROLE")[0].decode())
 
 
+def _linked(port: int) -> bool:
+    """Whether the server on ``port`` is a replica whose link to its master is up."""
+    try:
+        with redis.Redis(port=port, socket_timeout=1) as client:
+            return client.info("replication").get("master_link_status") == "up"
+    except (redis.RedisError, OSError):
+        return False
+
+
 class EmbeddedSentinel:
     """A Sentinel-managed master with ``replicas`` replicas and ``sentinels`` sentinels."""
 
@@ -277,22 +286,20 @@ class EmbeddedSentinel:
             client.execute_command("SENTINEL", "FAILOVER", self.service)
 
     def wait_replica_ready(self, timeout_s: float = 15.0) -> None:
-        """Wait until every sentinel knows a replica it would promote: one that reports itself
-        a replica linked to the master, neither down nor disconnected, its ``INFO`` younger
-        than the sentinels' limit (30 s). A ``SENTINEL FAILOVER`` sent before
-        that (the old master had just come back as a replica) is accepted, then abandoned for
-        want of a good replica: 2 of 17 failovers of a nemesis run were never applied."""
+        """Wait until the sentinel that :meth:`start_failover` asks knows a replica it would
+        promote: neither down nor disconnected, its ``INFO`` younger than the sentinels'
+        limit (30 s) and its link to the master up when last read; and the replica itself
+        says it is linked. A ``SENTINEL FAILOVER`` sent before that (the old master had just
+        come back as a replica) was accepted, then abandoned: 2 of 17 failovers of a nemesis
+        run. (The sentinels read a replica's ``INFO`` every 10 s: asking every sentinel, or
+        for the role it reports, left 8 of 17 waiting past 15 s.)"""
         def ready() -> bool:
-            master = self.master_port()
-            for sentinel in self.sentinels:
-                with redis.Redis(port=sentinel.port, socket_timeout=1) as client:
-                    replicas = client.sentinel_slaves(self.service)
-                if not any(not (r["is_sdown"] or r["is_odown"] or r["is_disconnected"])
-                           and r.get("role-reported") == "slave" and r.get("master-link-status") == "ok"
-                           and int(r.get("master-port", 0)) == master
-                           and int(r.get("info-refresh", 1 << 30)) < 30_000 for r in replicas):
-                    return False
-            return True
+            with redis.Redis(port=self.sentinels[0].port, socket_timeout=1) as client:
+                replicas = client.sentinel_slaves(self.service)
+            return any(not (r["is_sdown"] or r["is_odown"] or r["is_disconnected"])
+                       and int(r.get("master-link-down-time", 1 << 30)) < 10_000  # the sentinels' own bound
+                       and int(r.get("info-refresh", 1 << 30)) < 30_000 and _linked(int(r["port"]))
+                       for r in replicas)
 
         wait_until(ready, timeout_s, "a replica the sentinels would promote")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.nemesis.checker import AFTERMATH_S, Verdict
-from sluice.nemesis.faults import SERVING_WAIT_S, FaultRun
+from sluice.nemesis.faults import FAILOVERS, SERVING_WAIT_S, FaultRun
 from sluice.nemesis.history import Attempt, History
 from sluice.nemesis.schedule import GATEWAY_DOWN, KINDS
 from sluice.nemesis.workload import PATHS, RequestSpec
@@ -58,11 +58,12 @@ def failover_serving(runs: list[FaultRun], ports: list[int]) -> dict[str, Any]:
     each = []
     not_applied = 0
     for r in runs:
-        if not r.serving_s:
+        if r.fault.kind not in FAILOVERS:
             continue
         if r.error is not None:
-            # The failover did not happen as asked (``SENTINEL FAILOVER`` refused, or no
-            # replica took over in time): "served again after it" measures nothing.
+            # The failover did not happen as asked (no replica fit to take over before it,
+            # ``SENTINEL FAILOVER`` refused, or no replica took over in time): "served again
+            # after it" measures nothing.
             not_applied += 1
             continue
         confounded = sorted({port for port, served in r.serving_s.items()
