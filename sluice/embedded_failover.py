@@ -435,7 +435,7 @@ class ReplicatedCluster(EmbeddedCluster):
         if promoted is not None:
             promoted()
         old.start(timeout_s)
-        wait_until(self._every_master_replicated, timeout_s, "every master to have a linked replica again")
+        self.wait_replicated(timeout_s)
         self.phases["replicated_again_s"] = round(time.monotonic() - started, 2)
         return old
 

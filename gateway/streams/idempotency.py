@@ -356,7 +356,8 @@ class Idempotency:
                 # its journal again, within ``:live``'s refresh period; give it that long.
                 lost_until = lost_until or time.monotonic() + wait_for_producer_s()
                 if time.monotonic() < min(lost_until, deadline):
-                    await self._pause(give_up, deadline, waited, "is waiting for its stream's producer to write it back")
+                    await self._pause(give_up, deadline, waited,
+                                      "is waiting for its stream's producer to write it back")
                     continue
                 if regenerate and fresh_after is None:
                     fresh_after, after = after, 0  # the next round claims the key for a new generation

@@ -113,9 +113,9 @@ class JournalReaders:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._polls = 0
-        #: Continues a stream whose producer is gone; True while some gateway produces it.
-        #: Continues a stream whose producer died: its key, and the most events one of its
-        #: readers here holds (a journal with fewer cannot be continued for them).
+        #: Continues a stream whose producer is gone, given its key and the most events one of
+        #: its readers here holds (a journal with fewer is not continued); True while some
+        #: gateway produces it.
         self.adopt: Callable[[str, int], Awaitable[bool]] | None = None
         #: Whether this process produces a stream: its producer lives, whatever ``:live``
         #: says (Redis lost it in a stall or outage; the producer re-claims it).
