@@ -155,6 +155,7 @@ async def open_services(settings: GatewaySettings) -> Services:
     dispatcher = Dispatcher(settings, admission, http, workers, IndexCorrections(PrefixIndex(redis)), adapters,
                             Disaggregation(FleetRoles(redis), settings.stall_timeout_s))
     idempotency = Idempotency(redis, settings.idempotency_ttl_s, watch.unsure_s, watch)
+    idempotency.producers.start()  # this process's beat: its streams' clients need not wait for it when it dies
     serving = Serving(settings, dispatcher, idempotency, redis, tenancy, readers, metrics, watch)
     readers.adopt = serving.take_over  # a re-attached reader whose producer died: continue it here
     readers.producing = serving.produces  # ... never one whose producer runs here

@@ -255,6 +255,11 @@ def journal_head(scope: str) -> str:
     return journal(scope) + ":head"
 
 
+def producer(instance: str) -> str:
+    """A gateway process's beat (gateway/streams/producers.py)."""
+    return "sl:producer:" + instance
+
+
 class JournalQuotaKeys(NamedTuple):
     """KEYS of the journal memory scripts (gateway/streams/journal_quota.py): one slot for all tenants,
     so one script checks a tenant's bound and the total together."""

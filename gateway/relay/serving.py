@@ -72,7 +72,8 @@ class Serving:
         tenancy: Tenancy, readers: JournalReaders, metrics: GatewayMetrics, watch: LossWatch | None = None,
     ) -> None:
         self._metrics = metrics
-        self._committer = JournalCommitter(redis, watch)  # writes every journal this process produces
+        # Writes every journal this process produces, its events tagged with the process's name.
+        self._committer = JournalCommitter(redis, watch, idempotency.producers.instance)
         self._quota = JournalQuota(redis, settings)  # bounds their memory per API key and in total
         self._settings = settings
         self._tenancy = tenancy
@@ -123,7 +124,7 @@ class Serving:
                 held = ctx.held if req.stream else None
                 replay = await self._idempotency.claim(key, ctx.fingerprint, req.stream, ctx.deadline,
                                                        ctx.internal_id, ctx.last_event_id if req.stream else 0,
-                                                       regenerate=held is not None)
+                                                       regenerate=held is not None, tag=ctx.last_event_tag)
                 if replay == "regenerate":
                     owned = True
                     log.warning("request %s: Redis and its producer lost the stream whose event %d its client "
@@ -477,7 +478,8 @@ class Serving:
         deadline = time.monotonic() + self._settings.queue_timeout_s + self._settings.ttft_timeout_s
         deadline = deadline if until is None else min(deadline, until)
         # A client that holds events (``after``) of a stream Redis lost waits for its producer
-        # to write the journal again, if it runs, before being told there is none.
+        # to write the journal again, if it runs (gateway/streams/producers.py), before being
+        # told there is none.
         unknown_until = time.monotonic() + (wait_for_producer_s() if after else 0.0)
         while True:
             record = await self._idempotency.lookup(key)
@@ -487,7 +489,7 @@ class Serving:
                 # the journal; its reader takes the stream over if its producer is gone.
                 break
             if record is None:
-                if time.monotonic() < unknown_until:
+                if time.monotonic() < unknown_until and not await self._idempotency.producers.gone(tag):
                     await asyncio.sleep(0.05)
                     continue
                 if after:  # the client holds events of it: its history is what was lost

@@ -9,7 +9,8 @@ got duplicated and missing tokens (the nemesis, Sentinel: nem-4573), and nothing
 ``id: 279`` could tell the two apart.
 
 So every journal entry carries a *mark* in front of its token state: ``~tag`` names the
-producer that wrote it (a hash of its claim token, 8 hex digits), and the first event a
+producer that wrote it (its gateway process's name, 6 hex digits, gateway/streams/producers.py,
+then a hash of its claim token, 8), and the first event a
 take-over writes names the producer of the event before it too (``~tag<prev``). An event
 continues the history a reader holds when its tag is that of the reader's last event, or
 its ``prev`` is. Clients get the tag in the event id, ``id: 279.3fa9c2d1``, and send it

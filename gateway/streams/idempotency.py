@@ -76,6 +76,7 @@ from starlette.responses import Response
 
 from gateway.loss_watch import LossWatch
 from gateway.streams.journal import DONE, LIVE_TTL_MS, RECLAIM_GRACE_S, now_ms
+from gateway.streams.producers import ProducerBeat
 from sluice import keys
 from sluice.errors import Conflict, DeadlineExceeded, InvalidRequest, SluiceError, Unavailable, UpstreamFailed
 
@@ -263,6 +264,8 @@ class Idempotency:
         #: renewed, at the latest (unix ms, as it was sent).
         self._held: dict[tuple[str, str], int] = {}
         self._renewing: asyncio.Task[None] | None = None
+        #: This process's beat, and whether a lost stream's producer still runs.
+        self.producers = ProducerBeat(redis, watch.since_loss_s if watch is not None else None)
 
     def __repr__(self) -> str:
         return f"<Idempotency held={len(self._held)}>"
@@ -275,15 +278,16 @@ class Idempotency:
 
     async def claim(
         self, key: str, fp: str, stream: bool, deadline: float, owner: str, after: int = 0, *,
-        regenerate: bool = False,
+        regenerate: bool = False, tag: bytes | None = None,
     ) -> Response | Literal["attach", "regenerate"] | None:
         """None when ``owner`` now owns the key and must generate (its ``:live`` is renewed
         until :meth:`hand_over` or :meth:`settle`); "attach" to re-attach to the key's stream;
         else the stored answer to send. ``after``: the caller's Last-Event-ID; a caller that
         holds events never starts a new generation (``stream_history_lost`` instead), unless it
         can be checked against what it holds (``regenerate``, gateway/streams/regenerate.py):
-        then, once no producer wrote the stream back in time, ``owner`` owns the key and
-        generates it again ("regenerate"). Answers within ``CLAIM_MAX_S``, or by ``deadline``
+        then, once no producer wrote the stream back in time, or at once when the producer that
+        ``tag`` (the caller's last event's) names is gone (gateway/streams/producers.py),
+        ``owner`` owns the key and generates it again ("regenerate"). Answers within ``CLAIM_MAX_S``, or by ``deadline``
         if that comes first: past it, :class:`Unavailable` (503, send it again), or
         :class:`DeadlineExceeded` at the deadline."""
         give_up = min(deadline, time.monotonic() + CLAIM_MAX_S)
@@ -298,7 +302,8 @@ class Idempotency:
             # that had won the key then leaves its ``:live`` to expire (3 s), as a gateway
             # that died would.
             async with asyncio.timeout(give_up + _WAIT_S - time.monotonic()) as bound:
-                return await self._claim_by(key, fp, stream, deadline, give_up, owner, after, regenerate, waited)
+                return await self._claim_by(key, fp, stream, deadline, give_up, owner, after, regenerate, tag,
+                                            waited)
         except TimeoutError:
             if not bound.expired():
                 raise
@@ -306,7 +311,7 @@ class Idempotency:
 
     async def _claim_by(
         self, key: str, fp: str, stream: bool, deadline: float, give_up: float, owner: str, after: int,
-        regenerate: bool, waited: list[str],
+        regenerate: bool, tag: bytes | None, waited: list[str],
     ) -> Response | Literal["attach", "regenerate"] | None:
         """:meth:`claim`'s rounds; each wait ends at ``give_up``, and leaves what it waited for
         in ``waited``."""
@@ -354,8 +359,9 @@ class Idempotency:
             if state == "lost":
                 # Redis lost the stream: a producer that still runs re-claims it, and writes
                 # its journal again, within ``:live``'s refresh period; give it that long.
+                # Not when its producer's process is known to be gone.
                 lost_until = lost_until or time.monotonic() + wait_for_producer_s()
-                if time.monotonic() < min(lost_until, deadline):
+                if time.monotonic() < min(lost_until, deadline) and not await self.producers.gone(tag):
                     await self._pause(give_up, deadline, waited,
                                       "is waiting for its stream's producer to write it back")
                     continue
@@ -479,6 +485,7 @@ class Idempotency:
 
     async def close(self) -> None:
         self._held.clear()
+        await self.producers.close()
         if self._renewing is not None:
             self._renewing.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -433,8 +433,9 @@ class JournalWriter:
         self._committer = committer
         self.key = key
         self._owner = owner
-        #: Marks every entry this producer writes (gateway/streams/event_ids.py).
-        self.tag = tag_of(owner)
+        #: Marks every entry this producer writes (gateway/streams/event_ids.py): its process,
+        #: then its claim (gateway/streams/producers.py).
+        self.tag = committer.instance + tag_of(owner)
         #: A take-over's first event names the producer of the event before it.
         self._after_tag: bytes | None = None
         self._ttl_ms = int(ttl_s * 1000)
@@ -827,8 +828,10 @@ class JournalCommitter:
     >>> await committer.close()
     """
 
-    def __init__(self, redis: Redis, watch: LossWatch | None = None) -> None:
+    def __init__(self, redis: Redis, watch: LossWatch | None = None, instance: bytes = b"") -> None:
         self.redis = redis
+        #: This process's name in its producers' tags (gateway/streams/producers.py).
+        self.instance = instance
         self._script = redis.register_script(APPEND)
         self._release = redis.register_script(RELEASE)
         self._followed: set[JournalWriter] = set()

@@ -17,7 +17,7 @@ import orjson
 import pytest
 import redis
 
-from gateway.streams.idempotency import scoped
+from gateway.streams.idempotency import scoped, wait_for_producer_s
 from gateway.streams.journal import entry_number
 from sluice import keys
 from sluice.embedded_redis import EmbeddedRedis
@@ -314,6 +314,71 @@ def test_a_stream_its_producer_and_redis_both_lost_is_generated_again_for_its_cl
     assert not any('"role"' in d for _, d in rest), "a second role chunk"
     assert whole[-1][1] == "[DONE]" and not any('"error"' in d for _, d in whole)
     assert orjson.loads(whole[-2][1])["usage"]["completion_tokens"] == 150
+
+
+def test_a_stream_whose_producer_died_with_its_redis_data_is_generated_again_without_waiting_for_it(
+        gateways, start_gateway, redis_client) -> None:
+    """Regression (nemesis, one Redis: 5 of its 10 inexact resumable streams ended at their
+    deadline "waiting for its stream's producer to write it back"): a client whose stream
+    Redis lost waited ``wait_for_producer_s`` (15 s) for its producer, and each of its re-sent
+    POSTs began that wait again, even when the producer's gateway was dead. Its event ids
+    now name the producer's process, whose beat in Redis says whether it runs: a dead one
+    is not waited for. The client's GET is told at once to re-send its POST, and the POST
+    generates the stream again at once, exactly."""
+    _, other = gateways
+    key = uuid.uuid4().hex
+    producer = start_gateway()
+    seen, raw = _start_and_kill_raw(producer, key)
+    tag = raw.split(".")[1]
+    assert len(tag) == 14, raw  # the producer's process (6 hex digits), then its claim (8)
+    beat = keys.producer(tag[:6])
+    wait_for(lambda: not redis_client.exists(beat), 10, "the dead gateway's beat to expire")
+    _forget(redis_client, key)
+    began = time.monotonic()
+    with httpx.stream("GET", f"{other.url}/v1/streams/{key}", headers={"Last-Event-ID": raw}, timeout=60) as r:
+        r.read()
+    assert r.status_code == 502 and orjson.loads(r.text)["error"]["code"] == "stream_history_lost", r.text
+    assert "re-send its POST" in orjson.loads(r.text)["error"]["message"]
+    rest = _resend(other.url, BODY, key, raw)
+    # Waiting for the producer would have taken wait_for_producer_s() for each of the two.
+    assert time.monotonic() - began < wait_for_producer_s(), "the dead producer was waited for"
+    whole = seen + rest
+    assert _content(whole) == _reference(other.url, BODY)["choices"][0]["message"]["content"]
+    _numbered(whole)
+    assert whole[-1][1] == "[DONE]" and not any('"error"' in d for _, d in rest)
+
+
+def test_a_stream_whose_producer_runs_is_waited_for_when_redis_lost_it(
+        start_worker, start_gateway, redis_client) -> None:
+    """The other side of the beat: a client whose stream Redis lost while its producer was
+    stalled (for less than the beat's TTL) gets the producer's own generation back once it
+    runs again and writes the journal back; the client's re-sent POST, which came meanwhile,
+    waits for that instead of generating the stream a second time."""
+    start_worker("beating", sim_token_ms=40, sim_ttft_ms=0)
+    producer, other = start_gateway(), start_gateway()
+    body = {**BODY, "model": "beating"}
+    key = uuid.uuid4().hex
+    raw = ""
+    with httpx.stream("POST", producer.url + "/v1/chat/completions", json=body,
+                      headers={"Idempotency-Key": key}, timeout=60) as r:
+        lines = r.iter_lines()  # keep a reference: a dropped iterator closes the stream
+        for line in lines:
+            raw = line[4:] if line.startswith("id: ") else raw
+            if raw.startswith("20."):
+                break
+        got: dict[str, Events] = {}
+        os.kill(producer.pid, signal.SIGSTOP)
+        try:
+            _forget(redis_client, key)
+            resend = threading.Thread(target=lambda: got.setdefault("rest", _resend(other.url, body, key, raw)))
+            resend.start()
+            time.sleep(1.5)  # the re-sent POST finds the stream lost, and its producer's beat there
+        finally:
+            os.kill(producer.pid, signal.SIGCONT)
+        resend.join(60)
+    rest = got["rest"]
+    assert rest[0][0] == 21 and rest[-1][1] == "[DONE]" and not any('"error"' in d for _, d in rest), rest[-3:]
+    assert "running it again from the start" not in other.log_tail(3000), "a second generation"
 
 
 def test_a_stream_billed_then_lost_with_its_producer_and_generated_again_is_one_generation_in_the_bill(

@@ -1,0 +1,110 @@
+"""Whether the gateway process that produced a stream still runs, when Redis forgot the stream.
+
+A client whose resumable stream Redis lost (a restart without persistence, ``FLUSHALL``, a
+failover to a replica that lacked it) holds events that one other party may still have:
+the stream's producer, if its process runs (it writes the journal back within ``:live``'s
+refresh period, gateway/streams/journal.py). So the client's re-sent POST waited
+``wait_for_producer_s`` (15 s) for it before generating the stream again
+(gateway/streams/regenerate.py), and its ``GET`` as long before being told to re-send,
+even when the producer's gateway had died with Redis's data. Under repeated faults
+every re-sent POST began that wait again: the nemesis's one-Redis run ended 5 of its 10
+inexact resumable streams at their deadline so, "waiting for its stream's producer".
+
+So every gateway process names itself in the event ids it produces (the first
+:data:`INSTANCE_HEX` hex digits of their producer tag, gateway/streams/event_ids.py) and
+keeps a *beat* in Redis, ``sl:producer:{instance}``, set every :data:`BEAT_S` to expire
+after :data:`BEAT_TTL_MS`. A lost stream whose producer's beat is missing, while Redis has
+answered this process for :data:`BEAT_GRACE_S` since it last lost data (long enough for
+every running process to have set its beat again), is not waited for: its producer's
+process is dead, or stalled past the beat's TTL; the stream is generated again at once.
+A stalled producer that wakes later finds its stream claimed by another and stops, as it
+does after the full wait (gateway/streams/journal.py, ``RECLAIM_GRACE_S``). The only cost of
+a wrong guess (a producer cut off from Redis for longer than the TTL, which would have
+written the stream back) is a second generation; a sampled stream without a seed then
+ends with ``stream_history_lost`` instead of going on, as it would at the wait's end.
+
+Ids without an instance (from gateways before this) wait as before.
+
+>>> beat = ProducerBeat(redis, watch)   # one per process; Idempotency owns it
+>>> beat.start()
+>>> await beat.gone(tag)                # the tag of the client's Last-Event-ID
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from gateway.admission.queue import stop_tasks
+from gateway.streams.journal import LIVE_TTL_MS
+from sluice import keys
+
+log = logging.getLogger("sluice.journal")
+
+#: How many hex digits of a producer tag name its gateway process (6: 16.7 M names, so two
+#: processes alive at once share one with odds far below anything else that can go wrong).
+INSTANCE_HEX = 6
+#: How often a process sets its beat, and how long one lives: as long as a producer's
+#: ``:live``, which says the same of one stream.
+BEAT_S = 1.0
+BEAT_TTL_MS = LIVE_TTL_MS
+#: How long this process must have seen Redis answer, since it last lost data or was away,
+#: before a missing beat says its process is gone: every running process sets it again
+#: within ``BEAT_S`` of Redis answering.
+BEAT_GRACE_S = 2 * BEAT_S + 0.5
+
+
+def instance_of(tag: bytes | None) -> bytes | None:
+    """The gateway process a producer tag names; None for a tag without one."""
+    if tag is None or len(tag) != INSTANCE_HEX + 8:
+        return None
+    return tag[:INSTANCE_HEX]
+
+
+class ProducerBeat:
+    """This process's beat, and a look at others' (see the module)."""
+
+    def __init__(self, redis: Any, since_loss_s: Callable[[], float] | None = None) -> None:
+        self._redis = redis
+        #: Without a loss watch no missing beat is trusted: every lost stream is waited for.
+        self._since_loss_s = since_loss_s or (lambda: 0.0)
+        self.instance = secrets.token_hex(INSTANCE_HEX // 2).encode()
+        self._task: asyncio.Task[None] | None = None
+
+    def __repr__(self) -> str:
+        return f"<ProducerBeat {self.instance.decode()}>"
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="producer-beat")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            await stop_tasks([self._task])
+            with contextlib.suppress(RedisError, OSError):
+                await self._redis.delete(keys.producer(self.instance.decode()))
+
+    async def gone(self, tag: bytes | None) -> bool:
+        """Whether the process that produced the event tagged ``tag`` is known not to run."""
+        instance = instance_of(tag)
+        if instance is None or instance == self.instance or self._since_loss_s() < BEAT_GRACE_S:
+            return False
+        try:
+            return not await self._redis.exists(keys.producer(instance.decode()))
+        except (RedisError, OSError):
+            return False
+
+    async def _run(self) -> None:
+        name = keys.producer(self.instance.decode())
+        while True:
+            try:
+                await self._redis.set(name, b"1", px=BEAT_TTL_MS)
+            except (RedisError, OSError) as exc:  # the loss watch tells of Redis away
+                log.debug("producer beat not set: %s", exc)
+            await asyncio.sleep(BEAT_S)
