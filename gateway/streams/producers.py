@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,7 @@ from redis.exceptions import RedisError
 from gateway.admission.queue import stop_tasks
 from gateway.streams.journal import LIVE_TTL_MS
 from sluice import keys
+from sluice.single_flight import SingleFlight
 
 log = logging.getLogger("sluice.journal")
 
@@ -58,6 +60,9 @@ BEAT_TTL_MS = LIVE_TTL_MS
 #: before a missing beat says its process is gone: every running process sets it again
 #: within ``BEAT_S`` of Redis answering.
 BEAT_GRACE_S = 2 * BEAT_S + 0.5
+#: How long one look at a beat answers for, and for how many processes answers are kept.
+SEEN_S = 0.25
+SEEN_MAX = 1024
 
 
 def instance_of(tag: bytes | None) -> bytes | None:
@@ -76,6 +81,8 @@ class ProducerBeat:
         self._since_loss_s = since_loss_s or (lambda: 0.0)
         self.instance = secrets.token_hex(INSTANCE_HEX // 2).encode()
         self._task: asyncio.Task[None] | None = None
+        self._seen: dict[bytes, tuple[float, bool]] = {}  # instance -> (when looked, gone)
+        self._looks = SingleFlight[bytes, bool]()
 
     def __repr__(self) -> str:
         return f"<ProducerBeat {self.instance.decode()}>"
@@ -91,14 +98,26 @@ class ProducerBeat:
                 await self._redis.delete(keys.producer(self.instance.decode()))
 
     async def gone(self, tag: bytes | None) -> bool:
-        """Whether the process that produced the event tagged ``tag`` is known not to run."""
+        """Whether the process that produced the event tagged ``tag`` is known not to run.
+        Its waiters ask every 50 ms: concurrent asks share one look, and an answer serves
+        for :data:`SEEN_S`."""
         instance = instance_of(tag)
         if instance is None or instance == self.instance or self._since_loss_s() < BEAT_GRACE_S:
             return False
+        seen = self._seen.get(instance)
+        if seen is not None and time.monotonic() - seen[0] < SEEN_S:
+            return seen[1]
+        return await self._looks.run(instance, lambda: self._look(instance))
+
+    async def _look(self, instance: bytes) -> bool:
         try:
-            return not await self._redis.exists(keys.producer(instance.decode()))
+            gone = not await self._redis.exists(keys.producer(instance.decode()))
         except (RedisError, OSError):
             return False
+        if len(self._seen) >= SEEN_MAX:  # (tags are the clients' to choose)
+            self._seen.clear()
+        self._seen[instance] = (time.monotonic(), gone)
+        return gone
 
     async def _run(self) -> None:
         name = keys.producer(self.instance.decode())
