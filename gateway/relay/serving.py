@@ -332,12 +332,13 @@ class Serving:
         """Whether this process produces the resumable stream ``key`` (its journal's writer runs here)."""
         return self._committer.produces(key)
 
-    async def take_over(self, key: str, holds: int = 0) -> bool:
+    async def take_over(self, key: str, holds: int = 0, chain: bytes | None = None) -> bool:
         """Continue the resumable stream ``key`` whose producer is gone (gateway/streams/takeover.py).
         True while some gateway produces it (this one now, or another that was faster);
         False when it cannot be continued. ``holds``: the most events a client following it
         holds; a journal with fewer (Redis lost the rest with the producer's copy) is not
-        continued, as a partial one is not."""
+        continued, as a partial one is not. ``chain``: the tag of that client's last event,
+        which names its producer's process (gateway/streams/producers.py)."""
         owner = uuid.uuid4().hex
         claimed = now_ms()  # take_stream sets :live after this
         if not await self._idempotency.take_stream(key, owner):
@@ -356,8 +357,9 @@ class Serving:
                 # a producer that came back a second later and found its stream taken). So
                 # this gateway lets go and its readers wait, as a re-attach does, for as long
                 # as such a producer may take; then they are told (was: "producer is gone"),
-                # and the key is forgotten, so a retry runs again.
-                if self._leave_to_producer(key):
+                # and the key is forgotten, so a retry runs again. At once when the
+                # producer's process is known to be gone.
+                if self._leave_to_producer(key) and not await self._idempotency.producers.gone(chain):
                     await self._committer.release(key, owner)
                     return True
                 raise HistoryLost(f"the stream's plan is no longer in Redis (it lost data): it cannot be continued; "

@@ -76,7 +76,7 @@ from starlette.responses import Response
 
 from gateway.loss_watch import LossWatch
 from gateway.streams.journal import DONE, LIVE_TTL_MS, RECLAIM_GRACE_S, now_ms
-from gateway.streams.producers import ProducerBeat
+from gateway.streams.producers import PRODUCER_STALL_S, ProducerBeat
 from sluice import keys
 from sluice.errors import Conflict, DeadlineExceeded, InvalidRequest, SluiceError, Unavailable, UpstreamFailed
 
@@ -194,11 +194,6 @@ local held = redis.call('HMGET', KEYS[1], 'owner', 'state')
 if held[2] ~= 'done' and (not held[1] or held[1] == ARGV[1]) then redis.call('DEL', KEYS[1]) end
 return 1
 """
-
-#: How long past ``:live``'s TTL a producer's process may still be stalled (a long GC or
-#: swap pause, a SIGSTOP, a VM migration) when a client that holds events comes back.
-PRODUCER_STALL_S = 5.0
-
 
 def wait_for_producer_s() -> float:
     """How long a caller that holds events of a stream Redis lost waits for its producer to

@@ -320,11 +320,11 @@ def test_a_stream_whose_producer_died_with_its_redis_data_is_generated_again_wit
         gateways, start_gateway, redis_client) -> None:
     """Regression (nemesis, one Redis: 5 of its 10 inexact resumable streams ended at their
     deadline "waiting for its stream's producer to write it back"): a client whose stream
-    Redis lost waited ``wait_for_producer_s`` (15 s) for its producer, and each of its re-sent
+    Redis lost waited ``wait_for_producer_s`` (10 s) for its producer, and each of its re-sent
     POSTs began that wait again, even when the producer's gateway was dead. Its event ids
-    now name the producer's process, whose beat in Redis says whether it runs: a dead one
-    is not waited for. The client's GET is told at once to re-send its POST, and the POST
-    generates the stream again at once, exactly."""
+    now name the producer's process, whose beat in Redis says whether it runs: one silent
+    past the beat's TTL is not waited for. The client's GET is told at once to re-send its
+    POST, and the POST generates the stream again at once, exactly."""
     _, other = gateways
     key = uuid.uuid4().hex
     producer = start_gateway()
@@ -332,7 +332,7 @@ def test_a_stream_whose_producer_died_with_its_redis_data_is_generated_again_wit
     tag = raw.split(".")[1]
     assert len(tag) == 14, raw  # the producer's process (6 hex digits), then its claim (8)
     beat = keys.producer(tag[:6])
-    wait_for(lambda: not redis_client.exists(beat), 10, "the dead gateway's beat to expire")
+    wait_for(lambda: not redis_client.exists(beat), 15, "the dead gateway's beat to expire")
     _forget(redis_client, key)
     began = time.monotonic()
     with httpx.stream("GET", f"{other.url}/v1/streams/{key}", headers={"Last-Event-ID": raw}, timeout=60) as r:
@@ -346,6 +346,42 @@ def test_a_stream_whose_producer_died_with_its_redis_data_is_generated_again_wit
     assert _content(whole) == _reference(other.url, BODY)["choices"][0]["message"]["content"]
     _numbered(whole)
     assert whole[-1][1] == "[DONE]" and not any('"error"' in d for _, d in rest)
+
+
+def test_a_reader_whose_stream_redis_lost_with_its_dead_producer_is_told_when_the_beat_ends(
+        gateways, start_gateway, redis_client) -> None:
+    """The same for a client following its stream on another gateway: the producer killed
+    and Redis losing the stream at once, the reader's take-over finds no plan and leaves the
+    stream to a producer that might write it back. It waited ``wait_for_producer_s`` from
+    that find; now its readers are told to re-send their POST once the producer's beat has
+    ended, and the POST generates the rest."""
+    _, other = gateways
+    key = uuid.uuid4().hex
+    producer = start_gateway()
+    told: Events = []
+    with httpx.stream("POST", producer.url + "/v1/chat/completions", json=BODY,
+                      headers={"Idempotency-Key": key}, timeout=60) as r:
+        lines = r.iter_lines()  # keep a reference: a dropped iterator closes the stream
+        seen = _events(lines, lambda out: len(out) >= 10)
+
+        def follow() -> None:
+            with httpx.stream("GET", f"{other.url}/v1/streams/{key}",
+                              headers={"Last-Event-ID": str(len(seen))}, timeout=60) as resp:
+                _events(resp.iter_lines(), out=told)
+
+        reader = threading.Thread(target=follow)
+        reader.start()
+        wait_for(lambda: len(told) >= 5, 30, "the reader to follow the stream")
+        producer.kill()
+        killed = time.monotonic()
+        _forget(redis_client, key)
+    reader.join(60)
+    ended = time.monotonic() - killed
+    errors = [orjson.loads(d)["error"] for _, d in told if '"error"' in d]
+    assert [e["code"] for e in errors] == ["stream_history_lost"], told[-3:]
+    assert "re-send its POST" in errors[0]["message"]
+    # The beat ends 8 s after the kill; the wait would have ended 10 s after the first find.
+    assert ended < wait_for_producer_s(), f"told {ended:.1f} s after the kill: the dead producer was waited for"
 
 
 def test_a_stream_whose_producer_runs_is_waited_for_when_redis_lost_it(
