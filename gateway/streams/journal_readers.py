@@ -116,9 +116,7 @@ class JournalReaders:
         #: Continues a stream whose producer is gone, given its key and the most events one of
         #: its readers here holds (a journal with fewer is not continued); True while some
         #: gateway produces it.
-        #: Takes a stream over: its key, the most events a reader holds, and the tag of the
-        #: last of them (None: unknown).
-        self.adopt: Callable[[str, int, bytes | None], Awaitable[bool]] | None = None
+        self.adopt: Callable[[str, int], Awaitable[bool]] | None = None
         #: Whether this process produces a stream: its producer lives, whatever ``:live``
         #: says (Redis lost it in a stall or outage; the producer re-claims it).
         self.producing: Callable[[str], bool] = lambda key: False
@@ -265,9 +263,8 @@ class JournalReaders:
         assert self.adopt is not None
         error = producer_gone()
         try:
-            furthest = max((r for r in self._readers if r.key == key), key=lambda r: r.cursor, default=None)
-            holds, chain = (0, None) if furthest is None else (furthest.cursor, furthest.chain)
-            produced = await asyncio.wait_for(self.adopt(key, holds, chain), ADOPT_TIMEOUT_S)
+            holds = max((r.cursor for r in self._readers if r.key == key), default=0)
+            produced = await asyncio.wait_for(self.adopt(key, holds), ADOPT_TIMEOUT_S)
         except TimeoutError:
             log.warning("taking over the stream %s did not start in %.0f s; its readers may re-attach", key,
                         ADOPT_TIMEOUT_S)

@@ -281,6 +281,22 @@ def _resend(url: str, body: dict, key: str, last_event_id: str) -> Events:
         return _events(r.iter_lines())
 
 
+def _resend_raw(url: str, body: dict, key: str, last_event_id: str) -> tuple[Events, str]:
+    """:func:`_resend`, and the last ``id:`` it carried as it came ("" if none)."""
+    raw = [""]
+
+    def noting(lines):
+        for line in lines:
+            if line.startswith("id: "):
+                raw[0] = line[4:]
+            yield line
+
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body,
+                      headers={"Idempotency-Key": key, "Last-Event-ID": last_event_id}, timeout=60) as r:
+        assert r.status_code == 200
+        return _events(noting(r.iter_lines())), raw[0]
+
+
 def _reference(url: str, body: dict) -> dict:
     """The same request's whole answer, generated anew."""
     plain = {k: v for k, v in body.items() if k not in ("stream_options", "stream")}
@@ -346,42 +362,6 @@ def test_a_stream_whose_producer_died_with_its_redis_data_is_generated_again_wit
     assert _content(whole) == _reference(other.url, BODY)["choices"][0]["message"]["content"]
     _numbered(whole)
     assert whole[-1][1] == "[DONE]" and not any('"error"' in d for _, d in rest)
-
-
-def test_a_reader_whose_stream_redis_lost_with_its_dead_producer_is_told_when_the_beat_ends(
-        gateways, start_gateway, redis_client) -> None:
-    """The same for a client following its stream on another gateway: the producer killed
-    and Redis losing the stream at once, the reader's take-over finds no plan and leaves the
-    stream to a producer that might write it back. It waited ``wait_for_producer_s`` from
-    that find; now its readers are told to re-send their POST once the producer's beat has
-    ended, and the POST generates the rest."""
-    _, other = gateways
-    key = uuid.uuid4().hex
-    producer = start_gateway()
-    told: Events = []
-    with httpx.stream("POST", producer.url + "/v1/chat/completions", json=BODY,
-                      headers={"Idempotency-Key": key}, timeout=60) as r:
-        lines = r.iter_lines()  # keep a reference: a dropped iterator closes the stream
-        seen = _events(lines, lambda out: len(out) >= 10)
-
-        def follow() -> None:
-            with httpx.stream("GET", f"{other.url}/v1/streams/{key}",
-                              headers={"Last-Event-ID": str(len(seen))}, timeout=60) as resp:
-                _events(resp.iter_lines(), out=told)
-
-        reader = threading.Thread(target=follow)
-        reader.start()
-        wait_for(lambda: len(told) >= 5, 30, "the reader to follow the stream")
-        producer.kill()
-        killed = time.monotonic()
-        _forget(redis_client, key)
-    reader.join(60)
-    ended = time.monotonic() - killed
-    errors = [orjson.loads(d)["error"] for _, d in told if '"error"' in d]
-    assert [e["code"] for e in errors] == ["stream_history_lost"], told[-3:]
-    assert "re-send its POST" in errors[0]["message"]
-    # The beat ends 8 s after the kill; the wait would have ended 10 s after the first find.
-    assert ended < wait_for_producer_s(), f"told {ended:.1f} s after the kill: the dead producer was waited for"
 
 
 def test_a_stream_whose_producer_runs_is_waited_for_when_redis_lost_it(
@@ -484,13 +464,15 @@ def test_a_stream_whose_plan_redis_lost_is_generated_again_when_its_client_re_se
     key = uuid.uuid4().hex
     seen, raw = _start_and_kill_raw(start_gateway(), key)
     redis_client.delete(keys.journal_plan(scoped("-", key)))
-    told = _resend(other.url, BODY, key, raw)
+    # Events the producer journaled past the client's 20th before it died come first (a
+    # loaded CI run: " teli"); the client then holds them too, and re-sends from the last.
+    told, told_raw = _resend_raw(other.url, BODY, key, raw)
     errors = [orjson.loads(d)["error"] for _, d in told if '"error"' in d]
     assert [e["code"] for e in errors] == ["stream_history_lost"], told
     assert "re-send its POST with the same Idempotency-Key and Last-Event-ID" in errors[0]["message"]
-    assert _content(told) == ""
-    rest = _resend(other.url, BODY, key, raw)
-    whole = seen + rest
+    held = [event for event in told if '"error"' not in event[1]]
+    rest = _resend(other.url, BODY, key, told_raw or raw)
+    whole = seen + held + rest
     assert _content(whole) == _reference(other.url, BODY)["choices"][0]["message"]["content"]
     _numbered(whole)
     assert whole[-1][1] == "[DONE]" and not any('"error"' in d for _, d in rest)
