@@ -116,7 +116,9 @@ def test_both_hops_are_bound_by_the_request_deadline(client, start_worker) -> No
 
 def test_a_decode_workers_death_migrates_the_stream_token_exact(client, start_worker) -> None:
     prefill = start_worker("pd-mig", role="prefill")
-    decodes = [start_worker("pd-mig", role="decode", sim_token_ms=40) for _ in range(2)]
+    # Slow enough that the stream is still on its decode worker when the poll below looks,
+    # on a loaded machine too (at 40 ms a token a CI run's stream ended first).
+    decodes = [start_worker("pd-mig", role="decode", sim_token_ms=150) for _ in range(2)]
     expected = reference(client, 40)
     stream = client.completions.create(model="pd-mig", prompt=PROMPT, max_tokens=40, temperature=0, stream=True)
     pieces = []
