@@ -249,19 +249,20 @@ def _content(events: Events) -> str:
                    for choice in orjson.loads(d).get("choices", ()))
 
 
+def _noting(lines, raw: list[str]):
+    """``lines`` as they come, the last ``id:`` among them kept in ``raw[0]``."""
+    for line in lines:
+        if line.startswith("id: "):
+            raw[0] = line[4:]
+        yield line
+
+
 def _start_and_kill_raw(gateway, key: str, events: int = 20, body: dict | None = None) -> tuple[Events, str]:
     """The events a client got before its gateway was killed, and the last ``id:`` as it came."""
     raw = [""]
-
-    def noting(lines):
-        for line in lines:
-            if line.startswith("id: "):
-                raw[0] = line[4:]
-            yield line
-
     with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body or BODY,
                       headers={"Idempotency-Key": key}, timeout=60) as r:
-        seen = _events(noting(r.iter_lines()), lambda out: len(out) >= events)
+        seen = _events(_noting(r.iter_lines(), raw), lambda out: len(out) >= events)
         gateway.kill()
     return seen, raw[0]
 
@@ -275,26 +276,16 @@ def _forget(redis_client, key: str) -> None:
 
 def _resend(url: str, body: dict, key: str, last_event_id: str) -> Events:
     """A client's re-sent POST holding events up to ``last_event_id``: what it gets."""
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body,
-                      headers={"Idempotency-Key": key, "Last-Event-ID": last_event_id}, timeout=60) as r:
-        assert r.status_code == 200
-        return _events(r.iter_lines())
+    return _resend_raw(url, body, key, last_event_id)[0]
 
 
 def _resend_raw(url: str, body: dict, key: str, last_event_id: str) -> tuple[Events, str]:
     """:func:`_resend`, and the last ``id:`` it carried as it came ("" if none)."""
     raw = [""]
-
-    def noting(lines):
-        for line in lines:
-            if line.startswith("id: "):
-                raw[0] = line[4:]
-            yield line
-
     with httpx.stream("POST", url + "/v1/chat/completions", json=body,
                       headers={"Idempotency-Key": key, "Last-Event-ID": last_event_id}, timeout=60) as r:
         assert r.status_code == 200
-        return _events(noting(r.iter_lines())), raw[0]
+        return _events(_noting(r.iter_lines(), raw)), raw[0]
 
 
 def _reference(url: str, body: dict) -> dict:
