@@ -115,8 +115,11 @@ def test_a_deadline_that_ends_the_queue_wait_is_a_504_not_a_queue_timeout(start_
     resp = httpx.post(gateway.url + "/v1/completions", headers={"X-Sluice-Timeout-Ms": "800"},
                       json={"model": model, "prompt": "x", "max_tokens": 2}, timeout=10)
     assert resp.status_code == 504, resp.text
-    assert resp.json()["error"]["type"] == "timeout"
-    assert "waited for a slot of 'qdeadline'" in resp.json()["error"]["message"]
+    assert resp.json()["error"]["type"] == "timeout" and resp.json()["error"]["code"] != "queue_timeout"
+    # The queue's own answer; on a loaded machine the request's bound (its deadline and a
+    # second's grace) may answer first, while the queue lets go of its entry (a CI run, Cluster).
+    message = resp.json()["error"]["message"]
+    assert "waited for a slot of 'qdeadline'" in message or "deadline passed before it could be answered" in message
     assert 0.7 < time.monotonic() - started < 3
     blocker.join(10)
 
