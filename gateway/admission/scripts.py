@@ -132,20 +132,27 @@ if redis.call('EXISTS', K_WORKERS, K_META) > 0 then redis.call('HSET', K_GATEWAY
 
 -- Live workers (heartbeat not expired) with their capacity, slots in use and pending
 -- prefill (uncached prompt blocks of the requests they hold, counted by cache routing).
+-- Each hash is read whole, once (a call per worker per hash cost Redis 8 us a request
+-- per worker: the fleet's admission slowed in proportion to its size; loadtest/peers/README.md).
+local function counts(key)
+  local out = {}
+  local flat = redis.call('HGETALL', key)
+  for i = 1, #flat, 2 do out[flat[i]] = tonumber(flat[i + 1]) end
+  return out
+end
+
 local function live_workers()
   local entries = redis.call('HGETALL', K_WORKERS)
-  local prefill = {}
-  local counted = redis.call('HGETALL', K_PREFILL)
-  for i = 1, #counted, 2 do prefill[counted[i]] = tonumber(counted[i + 1]) end
+  local prefill, alive, inflight = counts(K_PREFILL), counts(K_ALIVE), counts(K_INFLIGHT)
   local out = {}
   for i = 1, #entries, 2 do
     local id, rec = entries[i], entries[i + 1]
-    if tonumber(redis.call('HGET', K_ALIVE, id) or '0') >= now then
+    if (alive[id] or 0) >= now then
       local r = cjson.decode(rec)
       local serves = {}
       for _, t in ipairs(r.tasks or {'generate'}) do serves[t] = true end
       out[#out + 1] = {id = id, url = r.url, cap = math.max(tonumber(r.capacity) or 1, 1),
-                       used = tonumber(redis.call('HGET', K_INFLIGHT, id) or '0'),
+                       used = inflight[id] or 0,
                        prefill = math.max(prefill[id] or 0, 0), serves = serves, role = r.role or 'both',
                        loras = r.loras or {}, lora_max = tonumber(r.lora_max) or 0}
     else
@@ -557,6 +564,12 @@ end
 local function queue_length()
   return redis.call('ZCARD', K_QURGENT) + redis.call('ZCARD', K_QNORMAL)
 end
+
+-- Whether a request waits in either queue (a tenant left in the heads counts: the pump
+-- tidies it away).
+local function waiting()
+  return queue_length() > 0 or redis.call('ZCARD', K_HEADS) > 0
+end
 """
 
 #: ARGV 7 request id, 8 priority, 9 slots needed, 10 queue timeout (ms), 11 max queue length,
@@ -688,7 +701,8 @@ if ARGV[8] then
   redis.call('HSET', K_FAIR, fkey, math.max(v, f + tonumber(ARGV[10])))
   if ARGV[9] == '2' then refresh_head(ARGV[8]) end
 end
-pump(live_workers(), nil)
+-- Slots are handed on only to requests that wait: with none, the workers need not be read.
+if waiting() then pump(live_workers(), nil) end
 return freed
 """
 

@@ -1,0 +1,157 @@
+"""What admitting one request costs Redis, by the number of workers serving its model.
+
+Every request's slot is taken (ACQUIRE) and given back (RELEASE) by a Lua script that runs
+in Redis, and one Redis serves every gateway replica: its CPU per request bounds the whole
+fleet's admission rate, however many gateways there are. This measures Redis's own CPU
+(from /proc, the embedded server) per acquire + release pair, 16 requests at a time through
+one :class:`gateway.admission.queue.Admission`, for fleets of registered workers of
+growing size, under each routing (``cache`` with 16 prompt blocks per request from 64
+prefixes), nothing waiting in the queue (the common case: a waiting request changes
+the scripts' path).
+
+    .venv/bin/python loadtest/admission_cost.py                       # this checkout
+    .venv/bin/python loadtest/admission_cost.py --baseline /tmp/before  # and another, same run
+
+``--baseline DIR``: a checkout of another commit (``git worktree add /tmp/before <commit>``),
+measured in the same run in turn with this one, level by level; the table gives the ratio.
+Writes ``admission_cost.json`` and ``admission_cost.png`` (``--out`` for other names).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def redis_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(url: str, routing: str, workers: int, requests: int) -> dict[str, float]:
+    """One level, from the code on ``sys.path`` (this checkout's or the baseline's)."""
+    from redis.asyncio import Redis
+
+    from engine_worker.registration import Registration
+    from gateway.admission.queue import Admission, Ask
+    from gateway.config import GatewaySettings
+
+    redis = Redis.from_url(url)
+    pid = int((await redis.info("server"))["process_id"])
+    model = "m" + uuid.uuid4().hex[:8]
+    for i in range(workers):
+        await Registration(redis, model=model, worker_id=f"w{i:04d}", url="http://127.0.0.1:9", engine="sim",
+                           capacity=64, heartbeat_ms=60_000, stats=lambda: {"running": 0}).beat()
+    gateway = Admission(redis, GatewaySettings(redis_url=url, routing=routing))
+    await gateway.start()
+    prefixes = [[uuid.uuid4().hex[:16] for _ in range(16)] for _ in range(64)]
+
+    def ask(i: int) -> Ask:
+        blocks = tuple(prefixes[i % 64]) if routing == "cache" else ()
+        return Ask(model=model, request_id=uuid.uuid4().hex, blocks=blocks)
+
+    # A fleet in use: some slots held by streams that run on.
+    held = [lease for i in range(min(32, workers * 8)) for lease in await gateway.acquire(ask(i))]
+
+    async def client(first: int) -> None:
+        for i in range(first, requests, 16):
+            (lease,) = await gateway.acquire(ask(i))
+            await gateway.release(lease)
+
+    cpu0, t0 = redis_cpu_s(pid), time.perf_counter()
+    await asyncio.gather(*(client(i) for i in range(16)))
+    wall, cpu = time.perf_counter() - t0, redis_cpu_s(pid) - cpu0
+    for lease in held:
+        await gateway.release(lease)
+    await gateway.close()
+    await redis.aclose()
+    return {"redis_us_per_request": cpu / requests * 1e6, "requests_per_s": requests / wall}
+
+
+def child(args: argparse.Namespace) -> None:
+    """Run one level with the code under ``--root`` and print its figures as JSON."""
+    sys.path.insert(0, args.root)
+    print(json.dumps(asyncio.run(measure(args.url, args.routing, args.workers, args.requests))))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", default="1,4,16,64,256", help="fleet sizes, comma-separated")
+    parser.add_argument("--routings", default="least,cache")
+    parser.add_argument("--requests", type=int, default=4000, help="acquire + release pairs per level")
+    parser.add_argument("--baseline", help="another checkout of Sluice, measured in the same run")
+    parser.add_argument("--out", default=str(HERE / "admission_cost"), help="output path without extension")
+    parser.add_argument("--root", help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--routing", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.root:
+        args.workers = int(args.workers)
+        child(args)
+        return
+
+    sys.path.insert(0, str(HERE.parent))
+    from sluice.embedded_redis import EmbeddedRedis
+
+    codes = {"this checkout": str(HERE.parent)}
+    if args.baseline:
+        codes[f"baseline ({Path(args.baseline).name})"] = str(Path(args.baseline).resolve())
+    rows = []
+    with EmbeddedRedis() as server:
+        for routing in args.routings.split(","):
+            for workers in [int(w) for w in args.workers.split(",")]:
+                for code, root in codes.items():
+                    out = subprocess.run(
+                        [sys.executable, __file__, "--root", root, "--url", server.url, "--routing", routing,
+                         "--workers", str(workers), "--requests", str(args.requests)],
+                        check=True, capture_output=True, text=True).stdout
+                    row = {"code": code, "routing": routing, "workers": workers, **json.loads(out.splitlines()[-1])}
+                    rows.append(row)
+                    print(f"{code:28} {routing:6} {workers:4} workers: Redis {row['redis_us_per_request']:7.1f} µs "
+                          f"per request, {row['requests_per_s']:7,.0f} req/s", flush=True)
+    report(rows, list(codes), args.out)
+
+
+def report(rows: list[dict[str, object]], codes: list[str], out: str) -> None:
+    print("\n| routing | workers | " + " | ".join(f"Redis µs/request, {c}" for c in codes)
+          + (" | ratio |" if len(codes) > 1 else " |"))
+    print("| --- | --- | " + " | ".join("---" for _ in codes) + (" | --- |" if len(codes) > 1 else " |"))
+    levels = sorted({(str(r["routing"]), int(r["workers"])) for r in rows}, key=lambda k: (k[0], k[1]))  # type: ignore[arg-type]
+    for routing, workers in levels:
+        figures = [next(float(r["redis_us_per_request"]) for r in rows  # type: ignore[arg-type]
+                        if r["code"] == c and r["routing"] == routing and r["workers"] == workers) for c in codes]
+        ratio = f" | {figures[0] / figures[1]:.2f}× |" if len(figures) > 1 else " |"
+        print(f"| {routing} | {workers} | " + " | ".join(f"{f:.1f}" for f in figures) + ratio)
+    Path(out + ".json").write_text(json.dumps(rows, indent=1))
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for code in codes:
+        for routing in sorted({str(r["routing"]) for r in rows}):
+            points = sorted((int(r["workers"]), float(r["redis_us_per_request"])) for r in rows  # type: ignore[arg-type]
+                            if r["code"] == code and r["routing"] == routing)
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{code}, {routing}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("workers serving the model")
+    ax.set_ylabel("Redis CPU µs per admitted request")
+    ax.set_title("Admission's cost to Redis (ACQUIRE + RELEASE)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out + ".png", dpi=110)
+    print(f"wrote {out}.json, {out}.png")
+
+
+if __name__ == "__main__":
+    main()
