@@ -119,9 +119,14 @@ def _usage(usage: dict[str, Any]) -> Usage:
                  int(details.get("cached_tokens") or 0))
 
 
-async def _drain(raw: AsyncIterator[bytes]) -> None:
+async def _drain(raw: AsyncIterator[bytes], ended: bool) -> None:
     """Read what is left of a finished body (its terminating chunk), briefly, so that the
-    connection goes back to the pool instead of being closed."""
+    connection goes back to the pool instead of being closed. ``ended``: the end is read
+    already (mostly, it comes in the same read as ``[DONE]``), so no timer is needed."""
+    if ended:
+        async for _ in raw:
+            pass
+        return
     with contextlib.suppress(TimeoutError, httpx.HTTPError):
         async with asyncio.timeout(0.05):
             async for _ in raw:
@@ -316,7 +321,8 @@ class EngineServer:
                         continue
                     data = event[5:].strip()
                     if data == b"[DONE]":
-                        await _drain(chunks)  # the body's end: the connection can be reused
+                        # the body's end: the connection can be reused
+                        await _drain(chunks, getattr(response, "ended", False))
                         ended = True
                         break
                     chunk = orjson.loads(data)

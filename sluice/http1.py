@@ -51,6 +51,8 @@ class Http1Response:
         self._length = int(length) if length is not None else (None if not self._chunked else 0)
         self._keep = headers.get(b"connection", b"").lower() != b"close" and self._length is not None
         self._done = False
+        #: The body's end has been read: what ``aiter_raw`` has left to give needs no read.
+        self.ended = False
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         conn = self._conn
@@ -80,6 +82,7 @@ class Http1Response:
                         raise asyncio.IncompleteReadError(bytes(buffer), None)
                     buffer += data
                     payloads, ended = _unchunk(buffer)
+                    self.ended = ended
                     for payload in payloads:
                         yield payload
                     if ended:

@@ -60,6 +60,24 @@ async def test_chunked_bodies_and_keep_alive(server) -> None:
     await pool.aclose()
 
 
+async def test_a_response_says_when_its_end_is_read(server) -> None:
+    """``ended``: the terminating chunk came with the last payload, so the engine relay reads
+    the rest without a timer; it is false while the end is still to come."""
+    url, answers, _ = server
+    pool = Http1Pool(connect_timeout_s=1)
+    answers.append(CHUNKED)
+    response = await pool.post(url, "/x", b"", {})
+    chunks = response.aiter_raw()
+    assert not response.ended
+    assert await anext(chunks) == b"hello" and response.ended  # one read brought the whole body
+    await response.aclose()
+    answers.append(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+    response = await pool.post(url, "/x", b"", {})
+    assert await anext(response.aiter_raw()) == b"hello" and not response.ended
+    await response.aclose()
+    await pool.aclose()
+
+
 async def test_a_body_without_length_runs_to_the_end(server) -> None:
     url, answers, _ = server
     pool = Http1Pool(connect_timeout_s=1)

@@ -74,15 +74,18 @@ class Procs:
 
 
 def group_cpu_s(pgid: int) -> float:
-    """CPU seconds of a process group's live processes and of everything under them."""
+    """CPU seconds of a process group's live processes and of everything under them (a
+    negative ``pgid``: the one process ``-pgid``, e.g. the embedded Redis)."""
     table = proc_cpu.process_table()
+    if pgid < 0:
+        return table[-pgid][2] if -pgid in table else 0.0
     inside = proc_cpu.tree({pid for pid, (_, pgrp, _) in table.items() if pgrp == pgid}, table)
     return sum(table[pid][2] for pid in inside)
 
 
 #: The Sluice processes whose CPU per streamed chunk is reported, by the name they were started under.
 CPU_GROUPS = {"gateway": "sluice-gateway", "gateway x2": "sluice-gateway-2", "gateway baseline": "sluice-gateway-baseline",
-              "openai worker": "sluice-worker-openai"}
+              "openai worker": "sluice-worker-openai", "vllm-router": "vllm-router"}
 
 
 def wait_ready(url: str, timeout_s: float = 120, json_body: dict[str, object] | None = None) -> None:
@@ -246,8 +249,8 @@ def median_of(runs: list[dict[str, object]]) -> dict[str, object]:
 
 def table(results: dict[str, dict[str, dict[str, object]]], levels: list[int]) -> str:
     lines = [("| path | streams | chunks/s | req/s | × direct | TTFT p50 ms | +p50 over direct | TTFT p99 ms | errors "
-              "| gateway CPU µs/chunk | gateway CPU µs/request | openai worker CPU µs/chunk |"),
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| gateway CPU µs/chunk | gateway CPU µs/request | openai worker CPU µs/chunk | Redis CPU µs/request |"),
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for level in levels:
         direct = results["direct"][str(level)]
         for name, by_level in results.items():
@@ -259,14 +262,18 @@ def table(results: dict[str, dict[str, dict[str, object]]], levels: list[int]) -
             cpu = r.get("cpu_us_per_chunk") or {}
             per_request = r.get("cpu_us_per_request") or {}
             group = "gateway x2" if "2 gateway procs" in name else "gateway baseline" if " at " in name else "gateway"
-            gw = cpu.get(group) if name.startswith("sluice") else None
-            gw_req = per_request.get(group) if name.startswith("sluice") else None
+            if name == "vllm-router":  # the router's own process: its CPU beside the gateway's
+                group = "vllm-router"
+            proxy = name.startswith("sluice") or name == "vllm-router"
+            gw = cpu.get(group) if proxy else None
+            gw_req = per_request.get(group) if proxy else None
+            rd = per_request.get("redis") if name.startswith("sluice") else None
             wk = cpu.get("openai worker") if name.startswith("sluice (openai") else None
             lines.append(f"| {name} | {level} | {r['chunks_per_s']:,.0f} | {r.get('requests_per_s') or 0:,.0f} "
                          f"| {ratio:.2f} | {fmt(r['ttft_p50_ms'])} | "
                          f"{'-' if added is None else f'{added:+.1f}'} | {fmt(r['ttft_p99_ms'])} | {r['errors']} "
                          f"| {'-' if gw is None else f'{gw:.0f}'} | {'-' if gw_req is None else f'{gw_req:.0f}'} "
-                         f"| {'-' if wk is None else f'{wk:.0f}'} |")
+                         f"| {'-' if wk is None else f'{wk:.0f}'} | {'-' if rd is None else f'{rd:.0f}'} |")
     return "\n".join(lines)
 
 
@@ -370,6 +377,7 @@ def main() -> None:
                 paths = [p for p in paths if p.name in keep or p.name == "direct"]
             print(f"logs in {logs}; {len(paths)} paths x {levels} streams, {args.measure_s:g} s each", flush=True)
             groups = {k: procs.groups[name] for k, name in CPU_GROUPS.items() if name in procs.groups}
+            groups["redis"] = -redis.pid  # only Sluice's paths use it
             results = asyncio.run(measure(paths, levels, args.warmup_s, args.measure_s, args.max_tokens, groups,
                                           args.repeat, stream=not args.no_stream))
     finally:
