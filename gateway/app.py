@@ -39,7 +39,7 @@ from gateway.admission.queue import Admission, ClientGone, as_sluice_error
 from gateway.admission.routing import IndexCorrections
 from gateway.admission.tenancy import Tenancy
 from gateway.config import GatewaySettings
-from gateway.context import RequestContext, resolve_deadline, resolve_priority
+from gateway.context import RequestContext, headers_of, resolve_deadline, resolve_priority
 from gateway.lean_routes import LeanRoutes
 from gateway.loss_watch import LossWatch
 from gateway.metrics import GatewayMetrics
@@ -224,7 +224,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         req = parsed
         check_caps(req, settings)
         ctx = _context(request, req, body, settings, key, record, queue_cost(req, settings.fair_output_tokens))
-        ctx.session = session_of(req.prompt_cache_key, session_header(request.headers), req.user)
+        ctx.session = session_of(req.prompt_cache_key, session_header(headers_of(request)), req.user)
         if ctx.idempotency_key is not None and req.stream:
             journal_events(req, settings, typed=shape is not None)  # 400 before any work when it cannot fit
         await charge(s, ctx, key, req.model, token_estimate(req), generations(req))
@@ -232,7 +232,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return req, ctx, shape
 
     def begin(request: Request, route: str) -> RequestRecord:
-        return RequestRecord.begin(_request_id(request), svc(request).metrics, extract(request.headers), route)
+        return RequestRecord.begin(_request_id(request), svc(request).metrics, extract(headers_of(request)), route)
 
     def completion_route(
         path: str, model: type[ChatCompletionRequest | CompletionRequest | ResponsesRequest | MessagesRequest],
@@ -297,7 +297,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         """As :func:`admitted`, for the requests of gateway/surfaces/pooling.py: charged their
         prompt's estimate (corrected by the tokens the engine counted), one slot each."""
         s = svc(request)
-        key = await s.tenancy.authenticate(request.headers.get("authorization"))
+        key = await s.tenancy.authenticate(headers_of(request).get("authorization"))
         req, body = await _parse(request, model, settings.max_body_bytes)  # type: ignore[type-var]
         refused = req.refusal()
         if refused is not None:
@@ -357,14 +357,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         does, as a completion's does (without it, by the queue and first-token timeouts: the
         wait a stream not yet begun is given). The nemesis, Cluster: two GETs got no headers
         for 25 s while every Redis call of theirs waited out its own timeout in turn."""
-        until = resolve_deadline(request.headers, settings) if "x-sluice-timeout-ms" in request.headers else None
+        until = resolve_deadline(headers_of(request), settings) if "x-sluice-timeout-ms" in headers_of(request) else None
         answer_by = until if until is not None else \
             time.monotonic() + settings.queue_timeout_s + settings.ttft_timeout_s
         bound = asyncio.timeout(answer_by - time.monotonic() + ANSWER_GRACE_S)
         try:
             async with bound:
-                caller = await svc(request).tenancy.authenticate(request.headers.get("authorization"))
-                after, tag = event_ids.parse(request.headers.get("last-event-id")
+                caller = await svc(request).tenancy.authenticate(headers_of(request).get("authorization"))
+                after, tag = event_ids.parse(headers_of(request).get("last-event-id")
                                              or request.query_params.get("last_event_id"))
                 owner = caller.prefix if caller else "-"
                 return await svc(request).serving.reattach(scoped(owner, Idempotency.check_key(key)), after,
@@ -376,14 +376,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
-        await svc(request).tenancy.authenticate(request.headers.get("authorization"))
+        await svc(request).tenancy.authenticate(headers_of(request).get("authorization"))
         models = await svc(request).admission.live_models()
         adapters = [_adapter_card(a) for a in await svc(request).adapters.listed() if a["parent"] in models]
         return _json({"object": "list", "data": [_model_card(m) for m in models] + adapters})
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str, request: Request) -> Response:
-        await svc(request).tenancy.authenticate(request.headers.get("authorization"))
+        await svc(request).tenancy.authenticate(headers_of(request).get("authorization"))
         if keys.model_name_problem(model) is not None:
             raise ModelNotFound("no model has this name", param="model")  # the name may be megabytes
         adapter = next((a for a in await svc(request).adapters.listed() if a["name"] == model), None)
@@ -395,12 +395,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi_json(request: Request) -> Response:
-        await svc(request).tenancy.authenticate(request.headers.get("authorization"))
+        await svc(request).tenancy.authenticate(headers_of(request).get("authorization"))
         return _json(app.openapi())
 
     @app.get("/docs", include_in_schema=False)
     async def docs(request: Request) -> Response:
-        await svc(request).tenancy.authenticate(request.headers.get("authorization"))
+        await svc(request).tenancy.authenticate(headers_of(request).get("authorization"))
         return get_swagger_ui_html(openapi_url="/openapi.json", title="Sluice API")
 
     @app.get("/health")
@@ -448,7 +448,7 @@ def _check_admin(request: Request, settings: GatewaySettings, keys_enforced: boo
     (no API keys) answers, and only loopback clients: a gateway with API keys never
     trusts an address, since a local reverse proxy makes every client look local."""
     if settings.admin_key:
-        given = request.headers.get("authorization", "")
+        given = headers_of(request).get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {settings.admin_key}".encode()):
             raise AuthenticationFailed("this endpoint needs the admin key")
     elif keys_enforced:
@@ -462,21 +462,22 @@ def _context(
     settings: GatewaySettings, key: ApiKey | None, record: RequestRecord, cost: int,
 ) -> RequestContext:
     owner = key.prefix if key else "-"
-    idem = request.headers.get("idempotency-key")
+    given = headers_of(request)
+    idem = given.get("idempotency-key")
     limit = settings.name_limits.get(req.model)
-    priority = resolve_priority(req.priority, req.service_tier, request.headers, settings,
+    priority = resolve_priority(req.priority, req.service_tier, given, settings,
                                 limit.priority if limit is not None else None)
     headers: dict[str, str] = {}
     if key is not None and priority < key.priority_ceiling:
         headers["x-sluice-priority-clamped"] = "true"
         priority = key.priority_ceiling
-    last_event = request.headers.get("last-event-id")
+    last_event = given.get("last-event-id")
     after, tag = event_ids.parse(last_event)
     digest = event_ids.held(last_event) if after else None
     return RequestContext(
         request_id=_request_id(request),
         priority=priority,
-        deadline=resolve_deadline(request.headers, settings),
+        deadline=resolve_deadline(given, settings),
         disconnected=request.is_disconnected,
         idempotency_key=None if idem is None else scoped(owner, Idempotency.check_key(idem)),
         fingerprint=fingerprint(body) if idem is not None else "",
@@ -500,7 +501,7 @@ def _answer_within_s(request: Request, settings: GatewaySettings) -> float:
     """Seconds until a completion must have its response (its deadline, plus the grace). A
     malformed ``X-Sluice-Timeout-Ms`` counts as absent here: parsing the request says so."""
     try:
-        deadline = resolve_deadline(request.headers, settings)
+        deadline = resolve_deadline(headers_of(request), settings)
     except InvalidRequest:
         deadline = time.monotonic() + settings.request_timeout_s
     return deadline - time.monotonic() + ANSWER_GRACE_S
@@ -509,9 +510,10 @@ def _answer_within_s(request: Request, settings: GatewaySettings) -> float:
 def _credential(request: Request) -> str | None:
     """The API key as ``Authorization`` carries it; the Messages routes also take Anthropic's
     ``x-api-key``."""
+    headers = headers_of(request)
     if _is_messages(request):
-        return messages.credential(request.headers)
-    return request.headers.get("authorization")
+        return messages.credential(headers)
+    return headers.get("authorization")
 
 
 def _is_messages(request: Request) -> bool:
@@ -526,7 +528,7 @@ MESSAGES_PATH = "/v1/messages"
 
 def _request_id(request: Request) -> str:
     rid = request.scope.get("sluice.request_id")
-    return rid if isinstance(rid, str) else _new_request_id(request.headers.get("x-request-id", ""))
+    return rid if isinstance(rid, str) else _new_request_id(headers_of(request).get("x-request-id", ""))
 
 
 def _new_request_id(given: str) -> str:
@@ -558,7 +560,7 @@ class RequestIdMiddleware:
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
+    declared = headers_of(request).get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > _DRAIN_LIMIT:
         raise _too_large(limit)
     chunks: list[bytes] = []
