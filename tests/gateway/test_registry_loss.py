@@ -147,7 +147,8 @@ def test_a_model_one_cluster_node_lost_is_503_not_404(start_worker, start_gatewa
             node = next(server for server in cluster.servers if server.port == lost_port)
             node.shutdown(save=False)
             node.start()  # back empty, with its slots (nodes.conf)
-            wait_for(lambda: "Redis may have lost writes" in gateway.log_tail(50), 10,
+            # 20 s: a CI run of four shards side by side took more than 10 (its node came back late).
+            wait_for(lambda: "Redis may have lost writes" in gateway.log_tail(50), 20,
                      "the gateway to see other servers answer")
             resp = httpx.post(gateway.url + "/v1/completions", json=body, timeout=10)
             assert resp.status_code == 503, resp.text
