@@ -87,7 +87,7 @@ def child(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", default="1,4,16,64,256", help="fleet sizes, comma-separated")
-    parser.add_argument("--routings", default="least,cache")
+    parser.add_argument("--routings", default="least,cache", help="routings to measure, comma-separated (least, rr, cache)")
     parser.add_argument("--requests", type=int, default=4000, help="acquire + release pairs per level")
     parser.add_argument("--baseline", help="another checkout of Sluice, measured in the same run")
     parser.add_argument("--out", default=str(HERE / "admission_cost"), help="output path without extension")

@@ -632,3 +632,32 @@ async def test_a_queued_hop_waits_for_a_worker_of_its_role(fleet: Fleet) -> None
     (whole,) = await gw.acquire(fleet.ask())  # a whole request: any worker
     for lease in (granted, whole):
         await gw.release(lease)
+
+
+async def test_what_a_request_costs_redis_does_not_grow_with_the_fleet(single: Fleet) -> None:
+    """Regression: ACQUIRE read each worker's liveness and slot count with a call per worker,
+    and each RELEASE, with nobody waiting, read every worker again to hand its slot on: the
+    Redis CPU an admitted request costs grew with the workers (64: 535 µs a request, 256:
+    2,918; ``loadtest/admission_cost.py``), and with it the ceiling on the whole fleet's
+    admission rate. The registry's reads a request makes are now the same for 1 worker or 33."""
+    fleet = single
+    await fleet.worker(capacity=4)
+    gw = await fleet.gateway()
+
+    async def reads_for(requests: int) -> int:
+        """HGET and HGETALL calls (scripts' own included) for ``requests`` admitted one at a time."""
+        async def calls() -> int:
+            stats = await fleet.redis.info("commandstats")  # type: ignore[attr-defined]
+            return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("hget", "hgetall"))
+        before = await calls()
+        for _ in range(requests):
+            (lease,) = await gw.acquire(fleet.ask())
+            await gw.release(lease)
+        return await calls() - before
+
+    one = await reads_for(10)
+    for _ in range(32):
+        await fleet.worker(capacity=4)
+    many = await reads_for(10)
+    # Before: 2 x 32 more per ACQUIRE and as many per RELEASE, 1,280 more in all.
+    assert many - one < 40, (one, many)
