@@ -133,7 +133,7 @@ if redis.call('EXISTS', K_WORKERS, K_META) > 0 then redis.call('HSET', K_GATEWAY
 -- Live workers (heartbeat not expired) with their capacity, slots in use and pending
 -- prefill (uncached prompt blocks of the requests they hold, counted by cache routing).
 -- Each hash is read whole, once (a call per worker per hash cost Redis 8 us a request
--- per worker: the fleet's admission slowed in proportion to its size; loadtest/peers/README.md).
+-- per worker: the fleet's admission slowed in proportion to its size; loadtest/admission_cost.py).
 local function counts(key)
   local out = {}
   local flat = redis.call('HGETALL', key)
@@ -694,15 +694,17 @@ end
 -- Grants charge an estimate (gateway/admission/caps.py: queue_cost); the real usage replaces it
 -- before the slot is handed on, so the next grant already sees the tenant's real service.
 -- F never falls below V: a tenant banks no credit for its overestimates.
+-- With nobody waiting there is no head to re-score and no slot to hand on: the queue's keys
+-- and the workers need not be read.
+local busy = waiting()
 if ARGV[8] then
   local fkey = 'F:' .. ARGV[9] .. ':' .. ARGV[8]
   local v = tonumber(redis.call('HGET', K_FAIR, 'V:' .. ARGV[9]) or '0')
   local f = tonumber(redis.call('HGET', K_FAIR, fkey) or '0')
   redis.call('HSET', K_FAIR, fkey, math.max(v, f + tonumber(ARGV[10])))
-  if ARGV[9] == '2' then refresh_head(ARGV[8]) end
+  if ARGV[9] == '2' and busy then refresh_head(ARGV[8]) end
 end
--- Slots are handed on only to requests that wait: with none, the workers need not be read.
-if waiting() then pump(live_workers(), nil) end
+if busy then pump(live_workers(), nil) end
 return freed
 """
 
