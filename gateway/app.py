@@ -357,14 +357,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         does, as a completion's does (without it, by the queue and first-token timeouts: the
         wait a stream not yet begun is given). The nemesis, Cluster: two GETs got no headers
         for 25 s while every Redis call of theirs waited out its own timeout in turn."""
-        until = resolve_deadline(headers_of(request), settings) if "x-sluice-timeout-ms" in headers_of(request) else None
+        given = headers_of(request)
+        until = resolve_deadline(given, settings) if "x-sluice-timeout-ms" in given else None
         answer_by = until if until is not None else \
             time.monotonic() + settings.queue_timeout_s + settings.ttft_timeout_s
         bound = asyncio.timeout(answer_by - time.monotonic() + ANSWER_GRACE_S)
         try:
             async with bound:
-                caller = await svc(request).tenancy.authenticate(headers_of(request).get("authorization"))
-                after, tag = event_ids.parse(headers_of(request).get("last-event-id")
+                caller = await svc(request).tenancy.authenticate(given.get("authorization"))
+                after, tag = event_ids.parse(given.get("last-event-id")
                                              or request.query_params.get("last_event_id"))
                 owner = caller.prefix if caller else "-"
                 return await svc(request).serving.reattach(scoped(owner, Idempotency.check_key(key)), after,

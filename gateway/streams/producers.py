@@ -5,8 +5,7 @@ failover to a replica that lacked it) holds events that one other party may stil
 the stream's producer, if its process runs (it writes the journal back within ``:live``'s
 refresh period, gateway/streams/journal.py) or comes back from a stall. So the client's
 re-sent POST waited ``wait_for_producer_s`` (10 s) for it before generating the stream
-again (gateway/streams/regenerate.py), its ``GET`` as long before being told to re-send,
-and a take-over that found the stream without its plan as long before telling its readers.
+again (gateway/streams/regenerate.py), and its ``GET`` as long before being told to re-send.
 The wait counted from each attempt: under repeated faults every re-sent POST began it again,
 even when the producer's gateway had been killed long before. The nemesis's one-Redis run
 ended its inexact resumable streams at their deadline so, "waiting for its stream's
@@ -24,7 +23,10 @@ but counts from the producer's silence instead of from each attempt of its clien
 producer that comes back later still finds its stream claimed by another and stops, as it
 did after the full wait (gateway/streams/journal.py, ``RECLAIM_GRACE_S``).
 
-Ids without an instance (from gateways before this) wait as before.
+Ids without an instance (from gateways before this) wait as before. So does a take-over
+that finds a stream without its plan (gateway/relay/serving.py, ``take_over``): ended by the
+beat, a loaded CI run told the readers of a producer stopped 5 s across a ``FLUSHALL`` that
+their stream was lost, so only the re-sent POST and the ``GET`` use it.
 
 >>> beat = ProducerBeat(redis, watch)   # one per process; Idempotency owns it
 >>> beat.start()
