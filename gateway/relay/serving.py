@@ -340,7 +340,23 @@ class Serving:
         continued, as a partial one is not."""
         owner = uuid.uuid4().hex
         claimed = now_ms()  # take_stream sets :live after this
-        if not await self._idempotency.take_stream(key, owner):
+        # Redis lost the plan with its data (a finished stream needs none: its journal ends
+        # with [DONE]). Its producer may still run, stalled or cut off from Redis: it writes
+        # the journal and the plan back once it can, unless a taker holds ``:live`` (nemesis,
+        # Sentinel: 9 of 12 streams lost this way had a producer that came back a second
+        # later and found its stream taken; a CI run: one that came back and met a reader's
+        # claim of a moment, TAKE). So such a stream is not claimed, and its readers wait, as
+        # a re-attach does, for as long as such a producer may take; then they are told (was:
+        # "producer is gone"), and the key is forgotten, so a retry runs again. (Not ended
+        # early by the producer's beat, gateway/streams/producers.py: with it, a loaded CI
+        # run told the readers of a producer stopped 5 s across a FLUSHALL that their stream
+        # was lost, tests/gateway/test_resumable_data_loss.py.)
+        waited = self._waited_for_producer(key)
+        took = await self._idempotency.take_stream(key, owner, planless=waited)
+        if took == "planless":
+            self._planless.setdefault(key, time.monotonic())
+            return True
+        if took == "held":
             return True
         try:
             found = await recover(self._redis, key)
@@ -348,24 +364,14 @@ class Serving:
                 # Its producer journaled the end but died before settling the key.
                 await self._idempotency.settle(key, owner, completed=True)
                 return True
+            if found is None and not waited:  # Redis lost the plan since TAKE found it
+                self._planless.setdefault(key, time.monotonic())
+                await self._committer.release(key, owner)
+                return True
+            self._planless.pop(key, None)
             if found is None:
-                # Redis lost the plan with its data (a finished stream needs none: its
-                # journal ends with [DONE]). Its producer may still run, stalled or cut off
-                # from Redis: it writes the journal and the plan back once it can, unless a
-                # taker holds ``:live`` (nemesis, Sentinel: 9 of 12 streams lost this way had
-                # a producer that came back a second later and found its stream taken). So
-                # this gateway lets go and its readers wait, as a re-attach does, for as long
-                # as such a producer may take; then they are told (was: "producer is gone"),
-                # and the key is forgotten, so a retry runs again. (Not ended early by the
-                # producer's beat, gateway/streams/producers.py: with it, a loaded CI run told
-                # the readers of a producer stopped 5 s across a FLUSHALL that their stream
-                # was lost, tests/gateway/test_resumable_data_loss.py.)
-                if self._leave_to_producer(key):
-                    await self._committer.release(key, owner)
-                    return True
                 raise HistoryLost(f"the stream's plan is no longer in Redis (it lost data): it cannot be continued; "
                                   f"{RESEND_POST}")
-            self._planless.pop(key, None)
             if found[0].kind in TYPED:
                 # A Responses or Messages stream, whose typed events (item ids, sequence
                 # numbers, open content blocks) lived only in the dead gateway: journaled and
@@ -428,18 +434,15 @@ class Serving:
         await self._start_producer(writer, events, tap, ending)
         return True
 
-    def _leave_to_producer(self, key: str) -> bool:
-        """Whether a take-over that found ``key``'s stream without a plan leaves it for its
-        producer to write back: for ``wait_for_producer_s()`` after the first such find."""
+    def _waited_for_producer(self, key: str) -> bool:
+        """Whether take-overs have found ``key``'s stream without its plan for
+        ``wait_for_producer_s()`` (see ``take_over``)."""
         now = time.monotonic()
         window = wait_for_producer_s()
         for stale in [k for k, since in self._planless.items() if now - since > 2 * window]:
             del self._planless[stale]
-        since = self._planless.setdefault(key, now)
-        if now - since < window:
-            return True
-        del self._planless[key]
-        return False
+        since = self._planless.get(key)
+        return since is not None and now - since >= window
 
     async def _open_all(
         self, req: ChatCompletionRequest | CompletionRequest, payloads: list[dict[str, Any]],

@@ -174,11 +174,19 @@ redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 """
 
-#: KEYS: record, live. ARGV: owner, live ttl ms. A take-over: claims the stream's ``:live``
-#: only while no producer holds it, and in the same step makes the taker the key's owner,
-#: so the gateway it took the stream from can no longer settle or forget the key.
+#: KEYS: record, live, plan. ARGV: owner, live ttl ms. A take-over: claims the stream's
+#: ``:live`` only while no producer holds it, and in the same step makes the taker the key's
+#: owner, so the gateway it took the stream from can no longer settle or forget the key.
+#: A stream without its plan (Redis lost it) is not claimed (-1) unless ARGV[3] is "1" (the
+#: taker waited long enough for its producer and will forget it): nobody could continue it,
+#: and its producer, if only stalled, comes back to write it again, and would take even a
+#: claim held for a moment for a take-over and stop (a CI run: the reader of a producer
+#: stopped 5 s across a FLUSHALL claimed every second, the producer's write met one claim,
+#: and the stream was lost).
 TAKE = """
-if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+if ARGV[3] ~= '1' and redis.call('EXISTS', KEYS[3]) == 0 then return -1 end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'owner', ARGV[1]) end
 return 1
 """
@@ -462,10 +470,15 @@ class Idempotency:
                  keys.journal_head(key)]
         return bool(await self._abandon(keys=names, args=[owner]))
 
-    async def take_stream(self, key: str, owner: str) -> bool:
-        """Take the stream ``key`` over if no producer holds it: ``owner`` then produces it
-        and decides the key's fate."""
-        return bool(await self._take(keys=[keys.idempotency(key), keys.journal_live(key)], args=[owner, LIVE_TTL_MS]))
+    async def take_stream(self, key: str, owner: str, *,
+                          planless: bool = False) -> Literal["taken", "held", "planless"]:
+        """Take the stream ``key`` over if no producer holds it (``taken``: ``owner`` then
+        produces it, or forgets it, and decides the key's fate); ``held``: a producer holds
+        it; ``planless``: Redis lost its plan, and nothing was claimed (see ``TAKE``), unless
+        ``planless`` asked to claim it all the same."""
+        took = await self._take(keys=[keys.idempotency(key), keys.journal_live(key), keys.journal_plan(key)],
+                                args=[owner, LIVE_TTL_MS, "1" if planless else "0"])
+        return "taken" if took == 1 else "held" if took == 0 else "planless"
 
     async def lookup(self, key: str) -> dict[str, str] | None:
         """The record's fields, with ``live``: whether its owner (or producer) lives; only

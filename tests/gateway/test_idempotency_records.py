@@ -42,9 +42,9 @@ async def test_a_take_over_moves_the_key_so_the_producer_it_replaced_cannot_sett
     key = uuid.uuid4().hex
     assert await records.claim(key, "fp", True, _deadline(), owner="a") is None
     assert await records.promote(key, "a", "fp", remaining_s=10, plan=b"{}")
-    assert not await records.take_stream(key, "b"), "a lives: no take-over"
+    assert await records.take_stream(key, "b") == "held", "a lives: no take-over"
     await redis.delete(keys.journal_live(key))  # a stalled past :live's TTL
-    assert await records.take_stream(key, "b")
+    assert await records.take_stream(key, "b") == "taken"
     await records.settle(key, "a", completed=False)  # a wakes and would forget the key
     assert (await records.lookup(key) or {}).get("owner") == "b"
     assert await records.claim(key, "fp", True, _deadline(), owner="c") == "attach"
