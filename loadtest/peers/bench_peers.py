@@ -315,7 +315,7 @@ async def window_cpu(groups: dict[str, int], warmup_s: float, measure_s: float) 
 
 async def measure(paths: list[Path_], levels: list[int], warmup_s: float, measure_s: float,
                   max_tokens: int, groups: dict[str, int], repeat: int = 1,
-                  stream: bool = True) -> dict[str, dict[str, dict[str, object]]]:
+                  stream: bool = True, keep_alive: bool = False) -> dict[str, dict[str, dict[str, object]]]:
     """Each path at each level; with ``repeat`` > 1 the paths take turns ``repeat`` times per
     level and each figure is the median of its windows (errors summed)."""
     results: dict[str, dict[str, dict[str, object]]] = {p.name: {} for p in paths}
@@ -324,7 +324,7 @@ async def measure(paths: list[Path_], levels: list[int], warmup_s: float, measur
         for _ in range(repeat):
             for p in paths:
                 win, cpu = await asyncio.gather(run(p.url, p.model, level, warmup_s, measure_s, max_tokens,
-                                                    stream=stream),
+                                                    stream=stream, keep_alive=keep_alive),
                                                 window_cpu(groups, warmup_s, measure_s))
                 r = summarize(win, measure_s, cpu)
                 runs[p.name].append(r)
@@ -351,6 +351,9 @@ def main() -> None:
                         help="windows per path and level, taken in turns; figures are their medians")
     parser.add_argument("--no-stream", action="store_true",
                         help="non-streaming requests (one JSON body each; TTFT is the whole answer)")
+    parser.add_argument("--keep-alive", action="store_true",
+                        help="each client loop keeps its connection (as the openai SDK does); by default every "
+                        "request opens one and sends Connection: close, as the issue-22 figures were measured")
     parser.add_argument("--server", choices=["mock", "vllm"], default="mock",
                         help="the engine server: the mock (all peers), or vLLM's own server on CPU with the "
                         "default model (direct and Sluice only)")
@@ -379,19 +382,20 @@ def main() -> None:
             groups = {k: procs.groups[name] for k, name in CPU_GROUPS.items() if name in procs.groups}
             groups["redis"] = -redis.pid  # only Sluice's paths use it
             results = asyncio.run(measure(paths, levels, args.warmup_s, args.measure_s, args.max_tokens, groups,
-                                          args.repeat, stream=not args.no_stream))
+                                          args.repeat, stream=not args.no_stream, keep_alive=args.keep_alive))
     finally:
         procs.stop()
     print(table(results, levels))
     meta = {"server": args.server, "levels": levels, "max_tokens": args.max_tokens, "ttft_ms": args.ttft_ms,
-            "repeat": args.repeat, "stream": not args.no_stream,
+            "repeat": args.repeat, "stream": not args.no_stream, "keep_alive": args.keep_alive,
             "token_ms": args.token_ms, "measure_s": args.measure_s, "cpus": os.cpu_count(), "at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     out = Path(args.out)
     out.with_suffix(".json").write_bytes(orjson.dumps({"meta": meta, "results": results}, option=orjson.OPT_INDENT_2))
     engine = ("vLLM's own server on CPU (SmolLM2-135M, float32)" if args.server == "vllm" else
               f"one mock engine (first token {args.ttft_ms:g} ms, {args.token_ms:g} ms/token)")
     draw(results, levels, out.with_suffix(".png"),
-         f"{engine}, {args.max_tokens} tokens per stream, {os.cpu_count()} cores, {meta['at']}")
+         f"{engine}, {args.max_tokens} tokens per stream, {os.cpu_count()} cores, "
+         f"{'kept-alive connections' if args.keep_alive else 'a connection per request'}, {meta['at']}")
 
 
 if __name__ == "__main__":

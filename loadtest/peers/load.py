@@ -6,6 +6,11 @@ Each of ``streams`` loops: POST ``/v1/chat/completions`` with ``stream: true``, 
 every SSE event, count the chunks that carry content, note the time to the first one,
 repeat until the window closes. Chunks are counted when they arrive inside the measured
 window; TTFT and errors belong to requests that started inside it.
+
+Each request opens its own connection (``Connection: close``), as the issue-22 figures
+were measured, unless ``keep_alive``: then each loop keeps its connection, as the
+``openai`` SDK and httpx pools do, and the figures leave out what a connection costs
+(accepting it, the server's per-connection state, closing it).
 """
 
 from __future__ import annotations
@@ -69,33 +74,49 @@ async def _json_answer(reader: asyncio.StreamReader, head: bytes, chunked: bool,
         win.chunks += 1
 
 
+Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
 async def _one(host: str, port: int, path: str, body: bytes, headers: bytes, win: Window,
-               stream: bool = True) -> None:
+               stream: bool = True, keep_alive: bool = False, conn: Conn | None = None) -> Conn | None:
+    """One request, on ``conn`` if given (kept alive), else on a new connection; with
+    ``keep_alive``, the connection to send the next request on, if it may be kept."""
     sent = time.monotonic()
     counted = sent >= win.start
     first: float | None = None
+    reused = conn is not None
     try:
-        reader, writer = await asyncio.open_connection(host, port)
+        reader, writer = conn or await asyncio.open_connection(host, port)
     except OSError:
         win.error("connect")
-        return
+        return None
+    keep = False
     try:
         writer.write(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + host.encode() + b"\r\n" + headers
                      + b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
-                     + b"\r\nConnection: close\r\n\r\n" + body)
-        head = await reader.readuntil(b"\r\n\r\n")
+                     + (b"\r\n\r\n" if keep_alive else b"\r\nConnection: close\r\n\r\n")
+                     + body)
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            if reused and not getattr(exc, "partial", b""):  # the server closed the idle connection
+                writer.close()
+                return await _one(host, port, path, body, headers, win, stream, keep_alive)
+            raise
         status = int(head.split(b" ", 2)[1])
         if status != 200:
             if counted:
                 win.error(f"http {status}")
-            return
+            return None
         lowered = head.lower()
         chunked = b"transfer-encoding: chunked" in lowered
+        # Kept only where the answer's end is known without the connection's.
+        keep = keep_alive and b"connection: close" not in lowered and (chunked or not stream)
         buffer = b""
         done = False
         if not stream:
             await _json_answer(reader, lowered, chunked, sent, counted, win)
-            return
+            return (reader, writer) if keep else None
         while True:
             data = await (_read_chunked(reader) if chunked else reader.read(65536))
             if not data:
@@ -128,17 +149,21 @@ async def _one(host: str, port: int, path: str, body: bytes, headers: bytes, win
                 win.error("no [DONE]")
             elif first is not None:
                 win.ttfts.append(first - sent)
+        return (reader, writer) if keep else None
     except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+        keep = False
         if counted:
             win.error(type(exc).__name__)
+        return None
     finally:
-        writer.close()
+        if not keep:
+            writer.close()
 
 
 async def run(url: str, model: str, streams: int, warmup_s: float, measure_s: float, max_tokens: int,
-              api_key: str | None = None, stream: bool = True) -> Window:
+              api_key: str | None = None, stream: bool = True, keep_alive: bool = False) -> Window:
     """``streams`` closed loops against ``url`` for warmup + measure seconds (``stream``: SSE,
-    else one JSON answer per request)."""
+    else one JSON answer per request; ``keep_alive``: each loop keeps its connection)."""
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     path = (parts.path.rstrip("/") or "") + "/v1/chat/completions"
@@ -149,8 +174,11 @@ async def run(url: str, model: str, streams: int, warmup_s: float, measure_s: fl
     win = Window(start=now + warmup_s, end=now + warmup_s + measure_s)
 
     async def loop() -> None:
+        conn: Conn | None = None
         while time.monotonic() < win.end:
-            await _one(host, port, path, body, headers, win, stream)
+            conn = await _one(host, port, path, body, headers, win, stream, keep_alive, conn)
+        if conn is not None:
+            conn[1].close()
 
     await asyncio.gather(*(loop() for _ in range(streams)))
     return win

@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--levels", default="16", help="concurrent streams, comma-separated")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--measure-s", type=float, default=10.0)
+    parser.add_argument("--keep-alive", action="store_true", help="each client loop keeps its connection")
     parser.add_argument("--base-port", type=int, default=18620)
     parser.add_argument("--py-spy", help="output prefix for py-spy's collapsed stacks of the gateway")
     parser.add_argument("--cprofile", help="run the gateway under cProfile, its stats to this file (calls per "
@@ -120,16 +121,18 @@ def main() -> None:
                     opened = client.info("stats")["total_connections_received"]
 
                     async def measure(url: str = url, model: str = model, level: int = level) -> tuple[load.Window, float]:
-                        win, cpu = await asyncio.gather(load.run(url, model, level, 2.0, args.measure_s, args.max_tokens),
+                        win, cpu = await asyncio.gather(load.run(url, model, level, 2.0, args.measure_s, args.max_tokens,
+                                                                    keep_alive=args.keep_alive),
                                                         bp.window_cpu({"gateway": pid}, 2.0, args.measure_s))
                         return win, cpu["gateway"]
 
                     win, cpu = asyncio.run(measure())
                     p50, p99 = load.percentile(win.ttfts, 0.5), load.percentile(win.ttfts, 0.99)
                     served = max(1, win.chunks)
+                    kinds = f" {win.error_kinds}" if win.errors else ""
                     print(f"{name:8s} {level:4d} streams: {win.chunks / args.measure_s:8,.0f} chunks/s  "
                           f"{win.requests / args.measure_s:6,.0f} req/s  TTFT p50 {1000 * (p50 or 0):6.1f} "
-                          f"p99 {1000 * (p99 or 0):6.1f} ms  errors {win.errors}  gateway CPU {cpu:5.2f} s "
+                          f"p99 {1000 * (p99 or 0):6.1f} ms  errors {win.errors}{kinds}  gateway CPU {cpu:5.2f} s "
                           f"({1e6 * cpu / served:,.0f} µs/chunk, {1e3 * cpu / max(1, win.requests):.2f} ms/request)",
                           flush=True)
                     print(f"  redis connections opened meanwhile: "
