@@ -14,6 +14,8 @@ from types import FrameType
 import uvicorn
 from starlette.types import ASGIApp
 
+from sluice.http_writes import HeadJoiningProtocol
+
 log = logging.getLogger("sluice.serve")
 
 
@@ -81,7 +83,7 @@ def uvicorn_config(
         host=host,
         port=port,
         loop="none",
-        http="httptools",
+        http=HeadJoiningProtocol,  # httptools, a response's head joined to its body's first write
         lifespan="on" if lifespan else "off",
         access_log=False,
         log_config=None,
