@@ -14,8 +14,6 @@ from types import FrameType
 import uvicorn
 from starlette.types import ASGIApp
 
-from sluice.http_writes import HeadJoiningProtocol
-
 log = logging.getLogger("sluice.serve")
 
 
@@ -83,7 +81,7 @@ def uvicorn_config(
         host=host,
         port=port,
         loop="none",
-        http=HeadJoiningProtocol,  # httptools, a response's head joined to its body's first write
+        http="httptools",
         lifespan="on" if lifespan else "off",
         access_log=False,
         log_config=None,
