@@ -315,7 +315,8 @@ async def window_cpu(groups: dict[str, int], warmup_s: float, measure_s: float) 
 
 async def measure(paths: list[Path_], levels: list[int], warmup_s: float, measure_s: float,
                   max_tokens: int, groups: dict[str, int], repeat: int = 1,
-                  stream: bool = True, keep_alive: bool = False) -> dict[str, dict[str, dict[str, object]]]:
+                  stream: bool = True, keep_alive: bool = False,
+                  think_ms: float = 0.0) -> dict[str, dict[str, dict[str, object]]]:
     """Each path at each level; with ``repeat`` > 1 the paths take turns ``repeat`` times per
     level and each figure is the median of its windows (errors summed)."""
     results: dict[str, dict[str, dict[str, object]]] = {p.name: {} for p in paths}
@@ -324,7 +325,7 @@ async def measure(paths: list[Path_], levels: list[int], warmup_s: float, measur
         for _ in range(repeat):
             for p in paths:
                 win, cpu = await asyncio.gather(run(p.url, p.model, level, warmup_s, measure_s, max_tokens,
-                                                    stream=stream, keep_alive=keep_alive),
+                                                    stream=stream, keep_alive=keep_alive, think_ms=think_ms),
                                                 window_cpu(groups, warmup_s, measure_s))
                 r = summarize(win, measure_s, cpu)
                 runs[p.name].append(r)
@@ -354,6 +355,9 @@ def main() -> None:
     parser.add_argument("--keep-alive", action="store_true",
                         help="each client loop keeps its connection (as the openai SDK does); by default every "
                         "request opens one and sends Connection: close, as the issue-22 figures were measured")
+    parser.add_argument("--think-ms", type=float, default=0.0,
+                        help="each client loop pauses a random 0..N ms between requests (kept-alive loops without "
+                        "a pause fall into step with the mock and reach the proxy in bursts)")
     parser.add_argument("--server", choices=["mock", "vllm"], default="mock",
                         help="the engine server: the mock (all peers), or vLLM's own server on CPU with the "
                         "default model (direct and Sluice only)")
@@ -382,12 +386,13 @@ def main() -> None:
             groups = {k: procs.groups[name] for k, name in CPU_GROUPS.items() if name in procs.groups}
             groups["redis"] = -redis.pid  # only Sluice's paths use it
             results = asyncio.run(measure(paths, levels, args.warmup_s, args.measure_s, args.max_tokens, groups,
-                                          args.repeat, stream=not args.no_stream, keep_alive=args.keep_alive))
+                                          args.repeat, stream=not args.no_stream, keep_alive=args.keep_alive,
+                                          think_ms=args.think_ms))
     finally:
         procs.stop()
     print(table(results, levels))
     meta = {"server": args.server, "levels": levels, "max_tokens": args.max_tokens, "ttft_ms": args.ttft_ms,
-            "repeat": args.repeat, "stream": not args.no_stream, "keep_alive": args.keep_alive,
+            "repeat": args.repeat, "stream": not args.no_stream, "keep_alive": args.keep_alive, "think_ms": args.think_ms,
             "token_ms": args.token_ms, "measure_s": args.measure_s, "cpus": os.cpu_count(), "at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     out = Path(args.out)
     out.with_suffix(".json").write_bytes(orjson.dumps({"meta": meta, "results": results}, option=orjson.OPT_INDENT_2))
@@ -395,7 +400,8 @@ def main() -> None:
               f"one mock engine (first token {args.ttft_ms:g} ms, {args.token_ms:g} ms/token)")
     draw(results, levels, out.with_suffix(".png"),
          f"{engine}, {args.max_tokens} tokens per stream, {os.cpu_count()} cores, "
-         f"{'kept-alive connections' if args.keep_alive else 'a connection per request'}, {meta['at']}")
+         f"{'kept-alive connections' if args.keep_alive else 'a connection per request'}"
+         f"{f', 0-{args.think_ms:g} ms think time' if args.think_ms else ''}, {meta['at']}")
 
 
 if __name__ == "__main__":

@@ -11,11 +11,16 @@ Each request opens its own connection (``Connection: close``), as the issue-22 f
 were measured, unless ``keep_alive``: then each loop keeps its connection, as the
 ``openai`` SDK and httpx pools do, and the figures leave out what a connection costs
 (accepting it, the server's per-connection state, closing it).
+
+Loops without a pause between requests (the default) on kept-alive connections fall into
+step with an engine whose first token always takes the same time, and then reach the
+gateway in bursts (loadtest/peers/README.md, 2026-12-04 evening); ``think_ms`` breaks that.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -161,9 +166,11 @@ async def _one(host: str, port: int, path: str, body: bytes, headers: bytes, win
 
 
 async def run(url: str, model: str, streams: int, warmup_s: float, measure_s: float, max_tokens: int,
-              api_key: str | None = None, stream: bool = True, keep_alive: bool = False) -> Window:
+              api_key: str | None = None, stream: bool = True, keep_alive: bool = False,
+              think_ms: float = 0.0) -> Window:
     """``streams`` closed loops against ``url`` for warmup + measure seconds (``stream``: SSE,
-    else one JSON answer per request; ``keep_alive``: each loop keeps its connection)."""
+    else one JSON answer per request; ``keep_alive``: each loop keeps its connection;
+    ``think_ms``: each loop pauses a random 0..think_ms between its requests)."""
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     path = (parts.path.rstrip("/") or "") + "/v1/chat/completions"
@@ -177,6 +184,8 @@ async def run(url: str, model: str, streams: int, warmup_s: float, measure_s: fl
         conn: Conn | None = None
         while time.monotonic() < win.end:
             conn = await _one(host, port, path, body, headers, win, stream, keep_alive, conn)
+            if think_ms:
+                await asyncio.sleep(random.uniform(0, think_ms) / 1000)
         if conn is not None:
             conn[1].close()
 
