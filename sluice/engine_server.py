@@ -20,8 +20,6 @@ disaggregation proxy asks for them; they come back on the hop's one delta.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
@@ -39,7 +37,7 @@ from sluice.errors import (
     Unavailable,
     UpstreamFailed,
 )
-from sluice.http1 import Http1Pool, Http1Response
+from sluice.http1 import Http1Pool, Http1Response, drain
 
 log = logging.getLogger("sluice.engine_server")
 
@@ -117,20 +115,6 @@ def _usage(usage: dict[str, Any]) -> Usage:
     details = usage.get("prompt_tokens_details") or {}
     return Usage(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
                  int(details.get("cached_tokens") or 0))
-
-
-async def _drain(raw: AsyncIterator[bytes], ended: bool) -> None:
-    """Read what is left of a finished body (its terminating chunk), briefly, so that the
-    connection goes back to the pool instead of being closed. ``ended``: the end is read
-    already (mostly, it comes in the same read as ``[DONE]``), so no timer is needed."""
-    if ended:
-        async for _ in raw:
-            pass
-        return
-    with contextlib.suppress(TimeoutError, httpx.HTTPError):
-        async with asyncio.timeout(0.05):
-            async for _ in raw:
-                pass
 
 
 class EngineServer:
@@ -322,7 +306,7 @@ class EngineServer:
                     data = event[5:].strip()
                     if data == b"[DONE]":
                         # the body's end: the connection can be reused
-                        await _drain(chunks, getattr(response, "ended", False))
+                        await drain(response, chunks)
                         ended = True
                         break
                     chunk = orjson.loads(data)

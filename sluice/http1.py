@@ -27,6 +27,25 @@ import httpx
 MAX_IDLE = 64
 
 
+#: How long the rest of a finished body (its terminating chunk) is waited for, so that the
+#: connection goes back to the pool instead of being closed.
+DRAIN_S = 0.05
+
+
+async def drain(response: Http1Response | httpx.Response, raw: AsyncIterator[bytes]) -> None:
+    """Read what is left of ``response``'s finished body from its ``raw`` iterator, briefly,
+    so that its connection is kept. Mostly its end came in the same read as the last line
+    (``Http1Response.ended``): then no timer is needed."""
+    if getattr(response, "ended", False):
+        async for _ in raw:
+            pass
+        return
+    with contextlib.suppress(TimeoutError, httpx.HTTPError):
+        async with asyncio.timeout(DRAIN_S):
+            async for _ in raw:
+                pass
+
+
 class _Conn:
     __slots__ = ("key", "reader", "writer")
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
 from sluice.embedded_redis import free_port
-from sluice.http1 import Http1Pool, _unchunk
+from sluice.http1 import DRAIN_S, Http1Pool, _unchunk, drain
 
 CHUNKED = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
 SIZED = b"HTTP/1.1 404 Not Found\r\ncontent-length: 9\r\n\r\nnot found"
@@ -57,6 +58,35 @@ async def test_chunked_bodies_and_keep_alive(server) -> None:
     assert (second.status_code, await second.aread()) == (404, b"not found")
     await second.aclose()
     assert connections[0] == 1  # the finished first response gave its connection back
+    await pool.aclose()
+
+
+async def test_a_drained_body_keeps_its_connection_and_a_stalled_one_costs_at_most_the_drain(server) -> None:
+    """``drain`` (the gateway's worker hop and the engine relay, once the last line came):
+    a body whose end is read already is finished without a timer and its connection reused;
+    one whose end never comes is given up after ``DRAIN_S``."""
+    url, answers, connections = server
+    pool = Http1Pool(connect_timeout_s=1)
+    answers += [CHUNKED, CHUNKED]
+    response = await pool.post(url, "/x", b"", {})
+    raw = response.aiter_raw()
+    assert await anext(raw) == b"hello" and response.ended
+    started = time.monotonic()
+    await drain(response, raw)
+    await response.aclose()
+    assert time.monotonic() - started < DRAIN_S
+    second = await pool.post(url, "/x", b"", {})
+    assert [c async for c in second.aiter_raw()] == [b"hello", b" world"]
+    await second.aclose()
+    assert connections[0] == 1
+    answers.append(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")  # no end
+    stalled = await pool.post(url, "/x", b"", {})
+    raw = stalled.aiter_raw()
+    assert await anext(raw) == b"hello" and not stalled.ended
+    started = time.monotonic()
+    await drain(stalled, raw)
+    assert DRAIN_S * 0.9 <= time.monotonic() - started < 1.0
+    await stalled.aclose()
     await pool.aclose()
 
 

@@ -13,7 +13,6 @@ been relayed, the client has seen output and a failure is reported in-band.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -45,7 +44,7 @@ from sluice.errors import (
     UpstreamFailed,
     from_body,
 )
-from sluice.http1 import Http1Pool, Http1Response
+from sluice.http1 import Http1Pool, Http1Response, drain
 from sluice.roles import DECODE
 from sluice.tasks import GENERATE, Task
 from sluice.telemetry import inject
@@ -119,10 +118,7 @@ class WorkerLines:
         reading it lets the connection be reused instead of closed."""
         try:
             if finished:
-                with contextlib.suppress(TimeoutError, httpx.HTTPError):
-                    async with asyncio.timeout(0.05):
-                        async for _ in self._raw:
-                            pass
+                await drain(self._response, self._raw)
         finally:
             await self._lines.aclose()  # type: ignore[attr-defined]
             await self._response.aclose()
