@@ -87,11 +87,14 @@ def test_queue_timeout_is_429_then_sdk_retry_succeeds(start_worker, start_gatewa
     model = "qtimeout"
     start_worker(model, redis_at=backend.url, sim_max_seqs=1, sim_token_ms=10, sim_ttft_ms=0)
     gateway = start_gateway(env={"SLUICE_GATEWAY_QUEUE_TIMEOUT_S": "0.5"}, redis_at=backend.url)
-    blocker = _hold_slot(gateway.url, model, tokens=120)
+    # 3 s: the request queues and times out well within it, even under load (a CI run of
+    # a1de09f, four test processes on two cores and a Cluster: with 1.2 s the blocker ended
+    # before the request's 0.5 s in the queue did, and it was served).
+    blocker = _hold_slot(gateway.url, model, tokens=300)
     wait_for(lambda: _inflight(backend.client, model) == 1, 5, "the blocker")
     started = time.monotonic()
     resp = httpx.post(gateway.url + "/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2})
-    assert resp.status_code == 429
+    assert resp.status_code == 429, f"{resp.status_code} after {time.monotonic() - started:.2f} s"
     assert 0.4 < time.monotonic() - started < 3
     assert 1 <= int(resp.headers["retry-after"]) <= 60
     assert resp.json()["error"]["type"] == "rate_limit_error"
