@@ -262,6 +262,12 @@ class Serving:
                 await budget.undo_opening()  # never the retry's reservation
             ctx.record.served_nothing()
             await self._end_stream(upstreams, ctx.record, ctx, "ok")  # served, by the retry's stream
+            # A client re-sending its POST holds events 1..held.after of one history: it
+            # follows from there, in that history only (nemesis, Sentinel: two streams
+            # regenerated here lost their key to their own producer, back after Redis lost
+            # its data, and their clients were sent that stream again from event 1).
+            if held is not None:
+                return await self.reattach(key, held.after, retry=True, tag=held.tag, until=ctx.deadline)
             return await self.reattach(key, 0, retry=True, until=ctx.deadline)
         if failure is not None:  # the quota's 429, or Redis failing: what its first write did goes
             with anyio.CancelScope(shield=True):
