@@ -244,6 +244,8 @@ def median_of(runs: list[dict[str, object]]) -> dict[str, object]:
         for kind, count in (r.get("error_kinds") or {}).items():  # type: ignore[attr-defined]
             kinds[kind] = kinds.get(kind, 0) + count
     merged["error_kinds"] = kinds
+    # Each window's own rate, TTFT p50 and CPU, so a reader sees the spread behind the median.
+    merged["windows"] = [{k: r.get(k) for k in ("requests_per_s", "ttft_p50_ms", "cpu_us_per_request")} for r in runs]
     return merged
 
 
