@@ -25,6 +25,10 @@ from tests.conftest import pid_alive
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 SETUP_SCRIPT = Path("shared/docker/base-images.sh")
+# What a killed engine leaves behind: dockerd refuses to start while its pid file names a process
+# that runs, and a machine that kills every process of a session (as CI's does) reuses the pid.
+ENGINE_PID_FILES = {Path("/var/run/docker.pid"): "dockerd",
+                    Path("/var/run/docker/containerd/containerd.pid"): "containerd"}
 
 
 def setup_script() -> Path:
@@ -47,11 +51,33 @@ def run(argv: list[str], timeout_s: float = 300, env: dict[str, str] | None = No
     return done
 
 
+def remove_stale_engine_pid_files() -> list[Path]:
+    """Remove the pid files of an engine that no longer runs; return those removed."""
+    if run(["docker", "info"], timeout_s=60, check=False).returncode == 0:
+        return []
+    removed = []
+    for path, program in ENGINE_PID_FILES.items():
+        try:
+            pid = int(path.read_text().strip())
+        except (OSError, ValueError):
+            continue
+        try:
+            running = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            running = ""
+        if running != program or not pid_alive(pid):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
 def start_engine() -> None:
     """Start dockerd and build the base-image stand-ins (idempotent; seconds once done)."""
     script = setup_script()
     prometheus = yaml.safe_load(COMPOSE_FILE.read_text())["services"]["prometheus"]["image"]
     assert os.geteuid() == 0, f"{script} must run as root (CI runs as root)"
+    if shutil.which("docker"):
+        remove_stale_engine_pid_files()
     run(["bash", str(script)], timeout_s=900, env={"PROMETHEUS_TAGS": prometheus})
     assert shutil.which("docker-compose"), "docker-compose is not installed"
 
