@@ -308,11 +308,14 @@ async def test_600_queued_streams_cost_a_bounded_number_of_connections(start_wor
             peak = max(peak, await asyncio.to_thread(_gateway_connections, backend.client, gateway.pid))
             await asyncio.sleep(0.1)
 
+    refusals: list[str] = []
+
     async def one(client: httpx.AsyncClient, i: int) -> int:
         body = {"model": model, "prompt": f"p{i}", "max_tokens": 4, "ignore_eos": True, "stream": True}
         async with client.stream("POST", "/v1/completions", json=body) as resp:
-            async for _ in resp.aiter_lines():
-                pass
+            lines = [line async for line in resp.aiter_lines()]
+            if resp.status_code != 200:
+                refusals.append(" ".join(lines)[:300])
             return resp.status_code
 
     watcher = asyncio.create_task(watch())
@@ -321,7 +324,7 @@ async def test_600_queued_streams_cost_a_bounded_number_of_connections(start_wor
         statuses = await asyncio.gather(*(one(client, i) for i in range(600)))
     done.set()
     await watcher
-    assert statuses.count(200) == 600, sorted(set(statuses))
+    assert statuses.count(200) == 600, (sorted(set(statuses)), refusals[:3], gateway.log_tail(20))
     assert 0 < peak <= 16, peak
     wait_for(lambda: _inflight(backend.client, model) == 0, 5, "every slot back")
 

@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from gateway.streams.idempotency import scoped, wait_for_producer_s
+from gateway.streams.producers import BEAT_GRACE_S
 from gateway.streams.journal import entry_number
 from sluice import keys
 from sluice.embedded_redis import EmbeddedRedis
@@ -542,3 +543,57 @@ def test_an_account_beyond_max_tokens_is_refused_before_anything_is_held(
     errors = [orjson.loads(d)["error"] for _, d in rest if '"error"' in d]
     assert [e["code"] for e in errors] == ["stream_history_lost"], rest
     assert "more tokens than the request allows" in errors[0]["message"]
+
+
+def test_a_stream_generated_again_whose_producer_writes_it_back_first_is_followed_from_what_its_client_holds(
+        start_worker, start_gateway, redis_client) -> None:
+    """Regression (nemesis, Sentinel, 7be22dc: nem-578, nem-582 got their stream again from
+    event 1): Redis lost a stream while its producer was stalled, and its client's re-sent
+    POST had it generated again; Redis then lost that new claim too, and the producer, running
+    again, wrote its stream back before the new generation's first write. That generation
+    gives way to the producer's stream, as it must, but its client was sent that stream from
+    event 1 over the events it held. It now follows from its Last-Event-ID.
+    Who writes first after the second loss is a race (the new generation's gateway renews its
+    claim every second): each attempt's client must get exactly its stream whoever wins, and
+    the producer must win at least once in three."""
+    start_worker("regen-race", sim_token_ms=30, sim_ttft_ms=2000)
+    other = start_gateway()
+    began = time.monotonic()
+    producer = start_gateway()
+    body = {**BODY, "model": "regen-race"}
+    reference = _reference(other.url, body)["choices"][0]["message"]["content"]
+    # A missing beat says the producer is gone only to a gateway that has seen Redis answer
+    # for a beat's life (gateway/streams/producers.py).
+    time.sleep(max(0.0, began + BEAT_GRACE_S + 0.5 - time.monotonic()))
+    marker = "lost its Idempotency-Key to a retry"
+    for attempt in range(3):
+        key = uuid.uuid4().hex
+        scope = scoped("-", key)
+        raw = [""]
+        with httpx.stream("POST", producer.url + "/v1/chat/completions", json=body,
+                          headers={"Idempotency-Key": key}, timeout=60) as r:
+            seen = _events(_noting(r.iter_lines(), raw), lambda out: len(out) >= 10)
+        got: dict[str, Events] = {}
+        os.kill(producer.pid, signal.SIGSTOP)
+        try:
+            _forget(redis_client, key)
+            redis_client.delete(keys.producer(raw[0].split(".")[1][:6]))  # its beat went with the data
+            resend = threading.Thread(target=lambda: got.setdefault("rest", _resend(other.url, body, key, raw[0])))
+            resend.start()
+            # The re-sent POST claims the key for a new generation (its first token 2 s away).
+            wait_for(lambda: redis_client.exists(keys.journal_live(scope)), 10, "the re-sent POST to claim the key")
+            _forget(redis_client, key)  # and Redis loses that claim
+        finally:
+            os.kill(producer.pid, signal.SIGCONT)  # the producer writes its stream back at once
+        resend.join(60)
+        told = f"\n{other.log_tail(40)}\n--- the producer:\n{producer.log_tail(20)}"
+        rest = got["rest"]
+        assert rest[0][0] == len(seen) + 1, f"followed from event {rest[0][0]}, the client held {len(seen)}{told}"
+        whole = seen + rest
+        _numbered(whole)
+        assert whole[-1][1] == "[DONE]" and not any('"error"' in d for _, d in whole), f"{rest[-3:]}{told}"
+        assert _content(whole) == reference, told
+        if other.log_path.read_text(errors="replace").count(marker) > 0:
+            break  # the producer's stream won, and was followed from the client's last event
+    else:
+        raise AssertionError(f"in 3 attempts the producer never wrote its stream back first{told}")
