@@ -268,7 +268,7 @@ class Idempotency:
         self._held: dict[tuple[str, str], int] = {}
         self._renewing: asyncio.Task[None] | None = None
         #: This process's beat, and whether a lost stream's producer still runs.
-        self.producers = ProducerBeat(redis, watch.since_loss_s if watch is not None else None)
+        self.producers = ProducerBeat(redis, watch)
 
     def __repr__(self) -> str:
         return f"<Idempotency held={len(self._held)}>"

@@ -23,6 +23,15 @@ but counts from the producer's silence instead of from each attempt of its clien
 producer that comes back later still finds its stream claimed by another and stops, as it
 did after the full wait (gateway/streams/journal.py, ``RECLAIM_GRACE_S``).
 
+"Seen Redis answer for as long" counts from this process's start as well: a process that
+started after a loss never saw it (its watch counts no loss before its first look), and a
+producer that runs sets its beat again only within :data:`BEAT_S`. And a missing beat is
+trusted only once a look at Redis, taken then, finds no loss since the watch's last (it
+looks every half second): the beat may have gone with data lost a moment ago. (The nemesis,
+Sentinel, 7be22dc: a gateway restarted 0.4 s before a re-sent POST trusted the missing beat of
+the process it replaced; that producer was dead, so no harm came, but one alive in another
+process would have had its stream generated twice.)
+
 Ids without an instance (from gateways before this) wait as before. So does a take-over
 that finds a stream without its plan (gateway/relay/serving.py, ``take_over``): ended by the
 beat, a loaded CI run told the readers of a producer stopped 5 s across a ``FLUSHALL`` that
@@ -40,8 +49,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
 
@@ -49,6 +57,9 @@ from gateway.admission.queue import stop_tasks
 from gateway.streams.journal import LIVE_TTL_MS
 from sluice import keys
 from sluice.single_flight import SingleFlight
+
+if TYPE_CHECKING:
+    from gateway.loss_watch import LossWatch
 
 log = logging.getLogger("sluice.journal")
 
@@ -84,10 +95,11 @@ def instance_of(tag: bytes | None) -> bytes | None:
 class ProducerBeat:
     """This process's beat, and a look at others' (see the module)."""
 
-    def __init__(self, redis: Any, since_loss_s: Callable[[], float] | None = None) -> None:
+    def __init__(self, redis: Any, watch: LossWatch | None = None) -> None:
         self._redis = redis
         #: Without a loss watch no missing beat is trusted: every lost stream is waited for.
-        self._since_loss_s = since_loss_s or (lambda: 0.0)
+        self._watch = watch
+        self._born = time.monotonic()
         self.instance = secrets.token_hex(INSTANCE_HEX // 2).encode()
         self._task: asyncio.Task[None] | None = None
         self._seen: dict[bytes, tuple[float, bool]] = {}  # instance -> (when looked, gone)
@@ -111,12 +123,26 @@ class ProducerBeat:
         Its waiters ask every 50 ms: concurrent asks share one look, and an answer serves
         for :data:`SEEN_S`."""
         instance = instance_of(tag)
-        if instance is None or instance == self.instance or self._since_loss_s() < BEAT_GRACE_S:
+        if instance is None or instance == self.instance or self._answered_s() < BEAT_GRACE_S:
             return False
         seen = self._seen.get(instance)
         if seen is not None and time.monotonic() - seen[0] < SEEN_S:
-            return seen[1]
-        return await self._looks.run(instance, lambda: self._look(instance))
+            gone = seen[1]
+        else:
+            gone = await self._looks.run(instance, lambda: self._look(instance))
+        if not gone:
+            return False
+        assert self._watch is not None  # (else _answered_s is 0)
+        try:
+            return await self._watch.confirm()  # no loss since the watch's last look
+        except (RedisError, OSError):
+            return False
+
+    def _answered_s(self) -> float:
+        """How long this process has seen Redis answer without losing data (see the module)."""
+        if self._watch is None:
+            return 0.0
+        return min(self._watch.since_loss_s(), time.monotonic() - self._born)
 
     async def _look(self, instance: bytes) -> bool:
         try:

@@ -389,6 +389,39 @@ def test_a_stream_whose_producer_runs_is_waited_for_when_redis_lost_it(
     assert "running it again from the start" not in other.log_tail(3000), "a second generation"
 
 
+def test_a_gateway_started_after_redis_lost_a_stream_waits_for_its_producer_whose_beat_went_too(
+        start_worker, start_gateway, redis_client) -> None:
+    """A missing beat says the producer is gone only to a process that has seen Redis answer
+    for a beat's life: a gateway started moments before (or after) the loss did not, and took
+    the missing beat of a producer that runs (stalled here) for its death, generating the
+    stream a second time (the nemesis, Sentinel, 7be22dc, where that producer happened to be dead). It now
+    waits for the producer, which writes its stream back, and its client follows that."""
+    start_worker("fresh-gw", sim_token_ms=40, sim_ttft_ms=0)
+    producer = start_gateway()
+    fresh = start_gateway()  # e.g. a gateway restarted moments before the loss
+    body = {**BODY, "model": "fresh-gw"}
+    key, raw = uuid.uuid4().hex, [""]
+    with httpx.stream("POST", producer.url + "/v1/chat/completions", json=body,
+                      headers={"Idempotency-Key": key}, timeout=60) as r:
+        seen = _events(_noting(r.iter_lines(), raw), lambda out: len(out) >= 20)
+    got: dict[str, Events] = {}
+    os.kill(producer.pid, signal.SIGSTOP)
+    try:
+        _forget(redis_client, key)
+        redis_client.delete(keys.producer(raw[0].split(".")[1][:6]))  # its beat went with the data
+        resend = threading.Thread(target=lambda: got.setdefault("rest", _resend(fresh.url, body, key, raw[0])))
+        resend.start()
+        time.sleep(1.5)  # the re-sent POST finds the stream lost, and no beat of its producer
+    finally:
+        os.kill(producer.pid, signal.SIGCONT)
+    resend.join(60)
+    rest = got["rest"]
+    assert "running it again from the start" not in fresh.log_tail(3000), "a second generation"
+    assert rest[0][0] == len(seen) + 1 and rest[-1][1] == "[DONE]", rest[:1] + rest[-2:]
+    assert not any('"error"' in d for _, d in rest), rest[-3:]
+    _numbered(seen + rest)
+
+
 def test_a_stream_billed_then_lost_with_its_producer_and_generated_again_is_one_generation_in_the_bill(
         gateways, start_gateway, redis_client) -> None:
     """Regression (nemesis, Cluster: nem-509, nem-3046, billed twice): the producer ended
