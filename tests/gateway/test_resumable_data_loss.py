@@ -4,12 +4,14 @@ gateways is billed once."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -18,8 +20,8 @@ import pytest
 import redis
 
 from gateway.streams.idempotency import scoped, wait_for_producer_s
-from gateway.streams.producers import BEAT_GRACE_S
 from gateway.streams.journal import entry_number
+from gateway.streams.producers import BEAT_GRACE_S
 from sluice import keys
 from sluice.embedded_redis import EmbeddedRedis
 from tests.conftest import access_line, wait_for
@@ -289,6 +291,35 @@ def _resend_raw(url: str, body: dict, key: str, last_event_id: str) -> tuple[Eve
         return _events(_noting(r.iter_lines(), raw)), raw[0]
 
 
+def _begin_raw(gateway, key: str, body: dict, events: int) -> tuple[Events, str]:
+    """A client's first ``events`` events of a resumable stream, and the last ``id:``; it then leaves."""
+    raw = [""]
+    with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body,
+                      headers={"Idempotency-Key": key}, timeout=60) as r:
+        return _events(_noting(r.iter_lines(), raw), lambda out: len(out) >= events), raw[0]
+
+
+@contextlib.contextmanager
+def _lost_while_stopped(producer, redis_client, key: str, last_id: str) -> Iterator[None]:
+    """Redis loses a stream, and its producer's beat with it, while the producer is stopped
+    (SIGSTOP); the producer runs again when the block is left."""
+    os.kill(producer.pid, signal.SIGSTOP)
+    try:
+        _forget(redis_client, key)
+        redis_client.delete(keys.producer(last_id.split(".")[1][:6]))
+        yield
+    finally:
+        os.kill(producer.pid, signal.SIGCONT)
+
+
+def _resending(url: str, body: dict, key: str, last_id: str) -> tuple[threading.Thread, dict[str, Events]]:
+    """:func:`_resend` in a thread, started; what it gets lands in the dict's "rest"."""
+    got: dict[str, Events] = {}
+    thread = threading.Thread(target=lambda: got.setdefault("rest", _resend(url, body, key, last_id)))
+    thread.start()
+    return thread, got
+
+
 def _reference(url: str, body: dict) -> dict:
     """The same request's whole answer, generated anew."""
     plain = {k: v for k, v in body.items() if k not in ("stream_options", "stream")}
@@ -400,20 +431,11 @@ def test_a_gateway_started_after_redis_lost_a_stream_waits_for_its_producer_whos
     producer = start_gateway()
     fresh = start_gateway()  # e.g. a gateway restarted moments before the loss
     body = {**BODY, "model": "fresh-gw"}
-    key, raw = uuid.uuid4().hex, [""]
-    with httpx.stream("POST", producer.url + "/v1/chat/completions", json=body,
-                      headers={"Idempotency-Key": key}, timeout=60) as r:
-        seen = _events(_noting(r.iter_lines(), raw), lambda out: len(out) >= 20)
-    got: dict[str, Events] = {}
-    os.kill(producer.pid, signal.SIGSTOP)
-    try:
-        _forget(redis_client, key)
-        redis_client.delete(keys.producer(raw[0].split(".")[1][:6]))  # its beat went with the data
-        resend = threading.Thread(target=lambda: got.setdefault("rest", _resend(fresh.url, body, key, raw[0])))
-        resend.start()
+    key = uuid.uuid4().hex
+    seen, last_id = _begin_raw(producer, key, body, 20)
+    with _lost_while_stopped(producer, redis_client, key, last_id):
+        resend, got = _resending(fresh.url, body, key, last_id)
         time.sleep(1.5)  # the re-sent POST finds the stream lost, and no beat of its producer
-    finally:
-        os.kill(producer.pid, signal.SIGCONT)
     resend.join(60)
     rest = got["rest"]
     assert "running it again from the start" not in fresh.log_tail(3000), "a second generation"
@@ -599,25 +621,15 @@ def test_a_stream_generated_again_whose_producer_writes_it_back_first_is_followe
     # for a beat's life (gateway/streams/producers.py).
     time.sleep(max(0.0, began + BEAT_GRACE_S + 0.5 - time.monotonic()))
     marker = "lost its Idempotency-Key to a retry"
-    for attempt in range(3):
+    for _ in range(3):
         key = uuid.uuid4().hex
         scope = scoped("-", key)
-        raw = [""]
-        with httpx.stream("POST", producer.url + "/v1/chat/completions", json=body,
-                          headers={"Idempotency-Key": key}, timeout=60) as r:
-            seen = _events(_noting(r.iter_lines(), raw), lambda out: len(out) >= 10)
-        got: dict[str, Events] = {}
-        os.kill(producer.pid, signal.SIGSTOP)
-        try:
-            _forget(redis_client, key)
-            redis_client.delete(keys.producer(raw[0].split(".")[1][:6]))  # its beat went with the data
-            resend = threading.Thread(target=lambda: got.setdefault("rest", _resend(other.url, body, key, raw[0])))
-            resend.start()
+        seen, last_id = _begin_raw(producer, key, body, 10)
+        with _lost_while_stopped(producer, redis_client, key, last_id):  # then it writes its stream back at once
+            resend, got = _resending(other.url, body, key, last_id)
             # The re-sent POST claims the key for a new generation (its first token 2 s away).
             wait_for(lambda: redis_client.exists(keys.journal_live(scope)), 10, "the re-sent POST to claim the key")
             _forget(redis_client, key)  # and Redis loses that claim
-        finally:
-            os.kill(producer.pid, signal.SIGCONT)  # the producer writes its stream back at once
         resend.join(60)
         told = f"\n{other.log_tail(40)}\n--- the producer:\n{producer.log_tail(20)}"
         rest = got["rest"]
