@@ -27,6 +27,7 @@ from gateway.record import RequestRecord
 from gateway.relay.rendering import TYPED, Kind, json_response, sse_events
 from gateway.relay.sse import Keepalive, SSEResponse
 from gateway.relay.upstream import Dispatcher, Line, Upstream
+from gateway.streams import event_ids
 from gateway.streams.event_ids import DONE, usage_id
 from gateway.streams.idempotency import Idempotency, wait_for_producer_s
 from gateway.streams.journal import (
@@ -43,7 +44,7 @@ from gateway.streams.journal_readers import JournalReaders
 from gateway.streams.journal_history import JournalHistory
 from gateway.streams.migration import Migrator
 from gateway.streams.regenerate import Held, chunk_id, digestible
-from gateway.streams.takeover import RESEND_POST, HistoryLost, LineTap, Plan, recover
+from gateway.streams.takeover import RESEND_POST, HistoryLost, LineTap, Plan, Recovered, recover
 from gateway.surfaces.openai import (
     ChatCompletionRequest,
     ChunkWriter,
@@ -395,6 +396,7 @@ class Serving:
                                   f"holds (Redis lost data): it cannot be continued; {RESEND_POST}")
             model = ChatCompletionRequest if plan.kind == "chat" else CompletionRequest
             req = model.model_validate_json(plan.body)
+            again = _held_by_journal(state)  # a stream generated again: once more (takeover.py)
             budget = await self._quota.open(key, plan.tenant, 0, taken_over=state.stored_bytes + len(state.plan),
                                             hold_s=plan.deadline_unix - time.time() + self._settings.idempotency_ttl_s)
         except HistoryLost:  # never continued from a partial history; a retry runs again
@@ -414,8 +416,9 @@ class Serving:
         record = RequestRecord.begin(plan.request_id, self._metrics, Context(), "takeover")
         record.describe(req.model, req.n, plan.priority, None if plan.tenant == "-" else plan.tenant)
         record.known_model()  # admitted once already
-        record.completion_tokens = state.completion_tokens
-        record.prompt_tokens, record.cached_tokens = state.prompt_usage(req.n)
+        if again is None:  # (generated again, its new generation's lines count every token)
+            record.completion_tokens = state.completion_tokens
+            record.prompt_tokens, record.cached_tokens = state.prompt_usage(req.n)
         ctx = RequestContext(
             request_id=plan.request_id, priority=plan.priority, idempotency_key=key,
             deadline=time.monotonic() + max(0.0, plan.deadline_unix - time.time()),
@@ -426,16 +429,27 @@ class Serving:
         # charged for all of it; the producer before it refunded its charge.
         with contextlib.suppress(RedisError, OSError):
             ctx.charge = await self._tenancy.charge_after(plan.tenant, ctx.internal_id)
-        log.info("request %s: taking over its resumable stream after event %d (%d choice(s) to continue)",
-                 plan.request_id, state.last, len(state.progress))
         payloads = worker_payloads(req, ctx.internal_id)
         upstreams: list[Upstream | None] = [None] * len(payloads)
-        # A regenerable stream's ids carry what its client has, from the journal's account on.
-        tap = LineTap(self._migrator.lines(req.model, upstreams, payloads, ctx, state.progress),
-                      digest=digestible(payloads, False), ids=state.sent, chars=state.offsets)
+        digest = digestible(payloads, False)
+        if again is None:
+            log.info("request %s: taking over its resumable stream after event %d (%d choice(s) to continue)",
+                     plan.request_id, state.last, len(state.progress))
+            # A regenerable stream's ids carry what its client has, from the journal's account on.
+            tap = LineTap(self._migrator.lines(req.model, upstreams, payloads, ctx, state.progress),
+                          digest=digest, ids=state.sent, chars=state.offsets)
+            offsets = state.offsets
+        else:
+            log.info("request %s: taking over its resumable stream after event %d, generated again (its journal "
+                     "starts at event %d): running it again, checked against its last event", plan.request_id,
+                     state.last, state.base + 1)
+            tap = LineTap(again.rest(self._migrator.lines(req.model, upstreams, payloads, ctx),
+                                     [req.token_limit()] * digest),
+                          digest=digest, chars=dict(enumerate(again.chars)))
+            offsets = again.offsets()
         ending = _Ending(lambda: _close(upstreams), lambda outcome: self._end_stream(upstreams, record, ctx, outcome),
                          record, owner)
-        events = sse_events(kind, req, tap.lines(), record, ending.end, chunks, state.offsets)
+        events = sse_events(kind, req, tap.lines(), record, ending.end, chunks, offsets)
         writer.continue_after(state.last, state.history, state.tag)
         await self._start_producer(writer, events, tap, ending)
         return True
@@ -615,6 +629,20 @@ class _Ending:
         else:
             self._record.usage_id = generation
         await self._finish(self._outcome or "ok")
+
+
+def _held_by_journal(state: Recovered) -> Held | None:
+    """What the clients of a stream generated again have, by its journal's last event (its
+    journal starts past event 1: gateway/streams/takeover.py); None for any other stream.
+    Raises :class:`HistoryLost` for one whose ids keep no account (it cannot be checked)."""
+    if not state.base:
+        return None
+    account = event_ids.held(f"{state.last}.{(state.account or b'').decode()}")
+    if account is None:
+        raise HistoryLost(f"the stream's journal lacks events 1..{state.base} (Redis lost data): it cannot be "
+                          f"continued; {RESEND_POST}")
+    tokens, chars, ids_hash = account
+    return Held(after=state.last, tag=state.tag, tokens=tokens, chars=chars, ids_hash=ids_hash)
 
 
 async def _close(upstreams: list[Upstream | None]) -> None:

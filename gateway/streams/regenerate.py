@@ -19,8 +19,10 @@ tokens hash to ``H``. If they do, the client gets the rest, numbered from ``N + 
 the stream's own chunk id (a resumable stream's id comes from its key) and usage for the
 whole completion; if they do not (a sampled stream without a seed, a changed model), the
 in-band ``stream_history_lost`` error, never a splice. The regenerated journal starts at
-``N + 1``: a client holding fewer events, or a later take-over, finds it short and is told
-its history is lost (then re-sends its POST in turn).
+``N + 1``: a client holding fewer events finds it short and is told its history is lost
+(then re-sends its POST in turn); a gateway taking the stream over (its producer died too)
+generates it once more, checked against the account in the journal's last event
+(gateway/streams/takeover.py).
 
 A stream of several choices carries each choice's tokens and characters in its ids, and
 one hash of every choice's ids: its new generation's lines wait until every choice has

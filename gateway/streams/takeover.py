@@ -18,7 +18,12 @@ started), any gateway can continue it once its producer's ``:live`` expired:
 2. read plan and journal: per choice, the ids and characters its clients have, and
    whether it finished. The journal must hold events 1..N, every one: a journal Redis
    lost part of (gateway/streams/journal.py) is refused with :class:`HistoryLost`, never
-   continued from a partial token history;
+   continued from a partial token history. One exception: a stream generated again
+   (gateway/streams/regenerate.py) journals events ``base + 1``..N only, its first ``base``
+   being its client's alone; its last event's id says what its clients have in all
+   (``Recovered.account``), so the gateway taking it over generates it once more, checked
+   against that, as the re-sent POST did (was: :class:`HistoryLost`, and its client had to
+   re-send its POST again: the nemesis, seed 11, nem-1246);
 3. migrate each unfinished choice to a worker with ``resume_token_ids`` (as for a worker
    that died, gateway/streams/migration.py) and append the new events after the last one, with
    the same chunk id.
@@ -37,7 +42,7 @@ import orjson
 from redis.asyncio import Redis
 
 from gateway.relay.upstream import Line, close_lines
-from gateway.streams.event_ids import Account, marks, unmarked
+from gateway.streams.event_ids import Account, id_tail, marks, unmarked
 from gateway.streams.journal import DONE, ENTRY_OVERHEAD, entry_number, stream_key
 from gateway.streams.journal_history import JournalHistory
 from gateway.streams.migration import Progress
@@ -101,6 +106,12 @@ class Recovered:
     #: Events 1..last as the journal holds them: the new producer writes them again should
     #: Redis lose them (gateway/streams/journal_history.py).
     history: JournalHistory = field(default_factory=JournalHistory)
+    #: Events 1..base are not in the journal: a stream generated again, whose first events
+    #: only its client had (gateway/streams/regenerate.py); 0 for any other.
+    base: int = 0
+    #: The last event's id after its number (its tag, and the account of what a client
+    #: holding it has, if the stream keeps one: gateway/streams/event_ids.py).
+    account: bytes | None = None
     #: (prompt, cached) tokens each finished choice's usage reported (the worker counts the
     #: prompt for every choice it generates).
     prompts: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -197,6 +208,9 @@ async def recover(redis: Redis, scope: str) -> tuple[Plan, Recovered] | None:
     state = Recovered(plan=raw)
     sent: dict[int, list[int]] = {i: [] for i in range(plan.choices)}
     finished: set[int] = set()
+    if entries and entry_number(entries[0][0]) > 1:  # a stream generated again (see the module)
+        state.base = state.last = entry_number(entries[0][0]) - 1
+        state.history = JournalHistory(base=state.base)
     for entry_id, fields in entries:
         number = entry_number(entry_id)
         if number != state.last + 1:
@@ -207,6 +221,7 @@ async def recover(redis: Redis, scope: str) -> tuple[Plan, Recovered] | None:
         state.stored_bytes += len(fields.get(b"d", b"")) + len(fields.get(b"s", b"")) + ENTRY_OVERHEAD
         state.history.add(fields.get(b"d", b""), fields.get(b"s", b""))
         state.tag = marks(fields.get(b"s", b""))[0]
+        state.account = id_tail(fields.get(b"s", b""))
         for index, ids, chars, finish, prompt, cached in _state_lines(unmarked(fields.get(b"s", b""))):
             sent[index].extend(ids)
             if finish is not None:

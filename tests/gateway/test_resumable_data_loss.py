@@ -444,6 +444,36 @@ def test_a_gateway_started_after_redis_lost_a_stream_waits_for_its_producer_whos
     _numbered(seen + rest)
 
 
+def test_a_stream_generated_again_whose_new_producer_died_too_is_taken_over(
+        gateways, start_gateway, redis_client) -> None:
+    """Regression (nemesis, Sentinel, seed 11: nem-1246): a stream generated again for its
+    client journals only the events after those the client held; when its new producer died
+    too, the take-over found the journal short ("lacks events 1..26") and the client was
+    told its history was lost. The take-over now generates it once more, checked against
+    what the journal's last event says its clients have, and the client gets the rest."""
+    _, other = gateways
+    again = start_gateway()  # the gateway that generates it again, old enough to trust a missing beat
+    began = time.monotonic()
+    key = uuid.uuid4().hex
+    seen, raw = _start_and_kill_raw(start_gateway(), key)
+    _forget(redis_client, key)
+    redis_client.delete(keys.producer(raw.split(".")[1][:6]))  # the dead producer's beat, gone with the data
+    time.sleep(max(0.0, began + BEAT_GRACE_S + 0.5 - time.monotonic()))
+    ids = [""]
+    with httpx.stream("POST", again.url + "/v1/chat/completions", json=BODY,
+                      headers={"Idempotency-Key": key, "Last-Event-ID": raw}, timeout=60) as r:
+        more = _events(_noting(r.iter_lines(), ids), lambda out: len(out) >= 10)
+        again.kill()
+    assert more[0][0] == len(seen) + 1 and "running it again from the start" in again.log_tail(3000), more[:1]
+    with httpx.stream("GET", f"{other.url}/v1/streams/{key}", headers={"Last-Event-ID": ids[0]}, timeout=60) as r:
+        rest = _events(r.iter_lines())
+    whole = seen + more + rest
+    _numbered(whole)
+    assert whole[-1][1] == "[DONE]" and not any('"error"' in d for _, d in whole), rest[-3:]
+    assert _content(whole) == _reference(other.url, BODY)["choices"][0]["message"]["content"]
+    assert orjson.loads(whole[-2][1])["usage"]["completion_tokens"] == 150
+
+
 def test_a_stream_billed_then_lost_with_its_producer_and_generated_again_is_one_generation_in_the_bill(
         gateways, start_gateway, redis_client) -> None:
     """Regression (nemesis, Cluster: nem-509, nem-3046, billed twice): the producer ended

@@ -200,10 +200,12 @@ def test_a_gateway_that_lost_its_stream_to_a_take_over_leaves_the_key_alone(two_
 def test_a_take_over_refuses_a_journal_missing_its_first_events(two_gateways, start_gateway,
                                                                 redis_client) -> None:
     """Regression: a take-over continued from whatever the journal still held; after a trim
-    it resumed from a truncated token history (3,988 wrong tokens against 2,500 allowed)."""
+    it resumed from a truncated token history (3,988 wrong tokens against 2,500 allowed).
+    (A stream that can be generated again is, checked against its last event: below; one
+    with logprobs cannot.)"""
     _, other = two_gateways
     body = {"model": "takeover", "messages": [{"role": "user", "content": "a history"}],
-            "max_tokens": 150, "ignore_eos": True, "stream": True}
+            "max_tokens": 150, "ignore_eos": True, "stream": True, "logprobs": True}
     key = uuid.uuid4().hex
     seen = _start_and_kill(start_gateway(), body, key)
     journal = keys.journal(scoped("-", key))
@@ -218,6 +220,33 @@ def test_a_take_over_refuses_a_journal_missing_its_first_events(two_gateways, st
     assert all(i is None for i, _ in rest), "events were produced from a partial history"
     assert redis_client.exists(keys.journal_live(scoped("-", key))) == 0  # the refusing gateway let go
     assert redis_client.exists(keys.idempotency(scoped("-", key))) == 0  # forgotten: a retry runs again
+
+
+def test_a_take_over_of_a_journal_missing_its_first_events_generates_the_stream_again(
+        two_gateways, start_gateway, redis_client) -> None:
+    """A journal that starts past event 1 (a stream generated again journals only what its
+    client did not hold; here a trim) is not continued from what it holds: the stream is
+    generated again, checked against the account its last event carries, and the reader
+    gets exactly the rest."""
+    _, other = two_gateways
+    body = {"model": "takeover", "messages": [{"role": "user", "content": "a history again"}],
+            "max_tokens": 150, "ignore_eos": True, "stream": True}
+    key = uuid.uuid4().hex
+    seen = _start_and_kill(start_gateway(), body, key)
+    redis_client.xtrim(keys.journal(scoped("-", key)), minid="0-21", approximate=False)  # events 1..20 lost
+    last = max(i for i, _ in seen if i is not None)
+    with httpx.stream("GET", other.url + f"/v1/streams/{key}", headers={"Last-Event-ID": str(last)},
+                      timeout=60) as r:
+        rest = _events(r.iter_lines())
+    whole = seen + rest
+    ids = [i for i, _ in whole if i is not None]
+    assert ids == list(range(1, len(ids) + 1)), "an event was repeated or skipped"
+    assert whole[-1][1] == "[DONE]" and not any('"error"' in d for _, d in whole), rest[-3:]
+    plain = {k: v for k, v in body.items() if k != "stream"}
+    reference = httpx.post(other.url + "/v1/chat/completions", json=plain, timeout=60).json()
+    text = "".join(c["delta"].get("content") or "" for _, d in whole if d.startswith("{")
+                   for c in orjson.loads(d).get("choices", ()))
+    assert text == reference["choices"][0]["message"]["content"]
 
 
 def test_a_take_over_of_a_stream_whose_plan_redis_lost_says_its_history_is_lost(two_gateways, start_gateway,
