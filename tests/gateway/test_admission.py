@@ -359,15 +359,20 @@ async def test_urgent_headroom_never_blocks_the_queue(start_worker, start_gatewa
     blocker = _hold_slot(gateway.url, model, tokens=60)
     await asyncio.to_thread(wait_for, lambda: _inflight(backend.client, model) == 1, 5, "the blocker")
 
+    refusals: list[str] = []
+
     async def ask(client: httpx.AsyncClient, n: int, priority: int = 0) -> int:
         body = {"model": model, "prompt": "p", "max_tokens": 2, "n": n, "priority": priority}
-        return (await client.post("/v1/completions", json=body)).status_code
+        resp = await client.post("/v1/completions", json=body)
+        if resp.status_code != 200:
+            refusals.append(f"n={n}: {resp.status_code} {resp.text[:300]}")
+        return resp.status_code
 
     async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
         eight = asyncio.create_task(ask(client, 8))
         await asyncio.to_thread(wait_for, lambda: _queued(backend.client, model) == 1, 5, "the n=8 queued")
-        assert await ask(client, 1, priority=-5) == 200  # urgent: the reserve is on from here
+        assert await ask(client, 1, priority=-5) == 200, refusals  # urgent: the reserve is on from here
         one = asyncio.create_task(ask(client, 1))
-        assert [await eight, await one] == [200, 200]
+        assert [await eight, await one] == [200, 200], (refusals, gateway.log_tail(20))
         assert await ask(client, 8) == 200
     blocker.join(10)
