@@ -25,8 +25,6 @@ POINTS = {
     "headers": ("on_headers_complete", "uvicorn/protocols/http/httptools_impl"),
     "run_asgi": ("run_asgi", "uvicorn/protocols/http/httptools_impl"),
     "send": ("send", "uvicorn/protocols/http/httptools_impl"),
-    "server_errors": ("__call__", "starlette/middleware/errors"),
-    "request_id": ("__call__", "gateway/app.py"),
     "send_with_id": ("send_with_id", "gateway/app.py"),
     "lean": ("__call__", "gateway/lean_routes"),
     "route": ("route", "gateway/app.py"),
