@@ -365,11 +365,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         try:
             async with bound:
                 caller = await svc(request).tenancy.authenticate(given.get("authorization"))
-                after, tag = event_ids.parse(given.get("last-event-id")
-                                             or request.query_params.get("last_event_id"))
+                last_event = given.get("last-event-id") or request.query_params.get("last_event_id")
                 owner = caller.prefix if caller else "-"
-                return await svc(request).serving.reattach(scoped(owner, Idempotency.check_key(key)), after,
-                                                           tag=tag, until=until)
+                return await svc(request).serving.reattach(scoped(owner, Idempotency.check_key(key)), last_event,
+                                                           until=until)
         except TimeoutError:
             if bound.expired():
                 raise DeadlineExceeded("the deadline passed before the stream could be re-attached") from None
@@ -474,7 +473,6 @@ def _context(
         priority = key.priority_ceiling
     last_event = given.get("last-event-id")
     after, tag = event_ids.parse(last_event)
-    digest = event_ids.held(last_event) if after else None
     return RequestContext(
         request_id=_request_id(request),
         priority=priority,
@@ -483,9 +481,10 @@ def _context(
         idempotency_key=None if idem is None else scoped(owner, Idempotency.check_key(idem)),
         fingerprint=fingerprint(body) if idem is not None else "",
         body=body if idem is not None else b"",
+        last_event=last_event if after else None,
         last_event_id=after,
         last_event_tag=tag,
-        held=None if digest is None else Held(after, tag, *digest),
+        held=Held.of(last_event),
         tenant=owner,
         cost=cost,
         headers=headers,

@@ -35,8 +35,10 @@ class RequestContext:
     fingerprint: str = ""
     #: The raw body of a resumable request: another gateway may have to continue it.
     body: bytes = b""
-    #: SSE ``Last-Event-ID`` of a client re-attaching to a resumable stream: the event number,
-    #: and the tag of that event's producer (gateway/streams/event_ids.py; None: not given).
+    #: SSE ``Last-Event-ID`` of a client re-attaching to a resumable stream, as it sent it;
+    #: the event number, and the tag of that event's producer (gateway/streams/event_ids.py;
+    #: None: not given).
+    last_event: str | None = None
     last_event_id: int = 0
     last_event_tag: bytes | None = None
     #: What such a client holds when its id says so: the stream can be generated again and

@@ -137,8 +137,7 @@ class Serving:
                     await self._settle_usage(ctx, 0)
                     ctx.record.finish("ok")
                     if replay == "attach":  # a POST: told to send again (503), never 404
-                        return await self.reattach(key, ctx.last_event_id, retry=True, tag=ctx.last_event_tag,
-                                                   until=ctx.deadline)
+                        return await self.reattach(key, ctx.last_event, retry=True, until=ctx.deadline)
                     return replay
                 owned = True
             return await self._generate(kind, req, ctx, shape)
@@ -267,9 +266,7 @@ class Serving:
             # follows from there, in that history only (nemesis, Sentinel: two streams
             # regenerated here lost their key to their own producer, back after Redis lost
             # its data, and their clients were sent that stream again from event 1).
-            if held is not None:
-                return await self.reattach(key, held.after, retry=True, tag=held.tag, until=ctx.deadline)
-            return await self.reattach(key, 0, retry=True, until=ctx.deadline)
+            return await self.reattach(key, None if held is None else ctx.last_event, retry=True, until=ctx.deadline)
         if failure is not None:  # the quota's 429, or Redis failing: what its first write did goes
             with anyio.CancelScope(shield=True):
                 await self._undo_start(key, owner, budget)
@@ -339,12 +336,14 @@ class Serving:
         """Whether this process produces the resumable stream ``key`` (its journal's writer runs here)."""
         return self._committer.produces(key)
 
-    async def take_over(self, key: str, holds: int = 0) -> bool:
+    async def take_over(self, key: str, last_id: str = "0") -> bool:
         """Continue the resumable stream ``key`` whose producer is gone (gateway/streams/takeover.py).
         True while some gateway produces it (this one now, or another that was faster);
-        False when it cannot be continued. ``holds``: the most events a client following it
-        holds; a journal with fewer (Redis lost the rest with the producer's copy) is not
-        continued, as a partial one is not."""
+        False when it cannot be continued. ``last_id``: the id of the last event of the
+        client following it that holds the most. A journal with fewer events (Redis lost the
+        rest with the producer's copy) is not continued from, as a partial one is not: the
+        stream is generated again, checked against the account in that id, if it has one."""
+        holds = event_ids.parse(last_id)[0]
         owner = uuid.uuid4().hex
         claimed = now_ms()  # take_stream sets :live after this
         # Redis lost the plan with its data (a finished stream needs none: its journal ends
@@ -387,16 +386,27 @@ class Serving:
                 await self._idempotency.settle(key, owner, completed=False)
                 return False
             plan, state = found
-            if state.last < holds:
-                # Continued from here, the stream would go on as another history than the one
-                # its client holds 1..``holds`` of; the client could take none of it, and its
-                # re-sent POST attached to that history again (nemesis, Sentinel: nem-1360,
-                # a journal of 2 events taken over while its client held 60).
-                raise HistoryLost(f"the stream's journal lacks events {state.last + 1}..{holds} that its client "
-                                  f"holds (Redis lost data): it cannot be continued; {RESEND_POST}")
             model = ChatCompletionRequest if plan.kind == "chat" else CompletionRequest
             req = model.model_validate_json(plan.body)
-            again = _held_by_journal(state)  # a stream generated again: once more (takeover.py)
+            internal_id = f"{plan.internal_id}-t{owner[:6]}"
+            payloads = worker_payloads(req, internal_id)
+            digest = digestible(payloads, False)
+            if state.last < holds:
+                # Continued from here, the stream would go on as another history than the one
+                # its client holds 1..``holds`` of (nemesis, Sentinel: nem-1360, a journal of 2
+                # events taken over while its client held 60). So it is generated again,
+                # checked against what that client holds, as its re-sent POST would have it
+                # (was: the client was told to re-send it, and one whose re-sent POST's
+                # gateway died before its first event was told so again: nem-1188).
+                again = Held.of(last_id) if digest else None
+                if again is None:
+                    raise HistoryLost(f"the stream's journal lacks events {state.last + 1}..{holds} that its client "
+                                      f"holds (Redis lost data): it cannot be continued; {RESEND_POST}")
+                await self._redis.delete(stream_key(key))  # what is left is of no use to anyone
+                state = Recovered(last=again.after, plan=state.plan, tag=again.tag,
+                                  history=JournalHistory(base=again.after), base=again.after)
+            else:
+                again = _held_by_journal(state, digest)  # a stream generated again: once more (takeover.py)
             budget = await self._quota.open(key, plan.tenant, 0, taken_over=state.stored_bytes + len(state.plan),
                                             hold_s=plan.deadline_unix - time.time() + self._settings.idempotency_ttl_s)
         except HistoryLost:  # never continued from a partial history; a retry runs again
@@ -422,16 +432,13 @@ class Serving:
         ctx = RequestContext(
             request_id=plan.request_id, priority=plan.priority, idempotency_key=key,
             deadline=time.monotonic() + max(0.0, plan.deadline_unix - time.time()),
-            fingerprint=plan.fingerprint, tenant=plan.tenant, cost=plan.cost,
-            internal_id=f"{plan.internal_id}-t{owner[:6]}", record=record,
+            fingerprint=plan.fingerprint, tenant=plan.tenant, cost=plan.cost, internal_id=internal_id, record=record,
         )
         # Billed once (see _Ending): if this gateway ends the stream, the tenant's TPM is
         # charged for all of it; the producer before it refunded its charge.
         with contextlib.suppress(RedisError, OSError):
             ctx.charge = await self._tenancy.charge_after(plan.tenant, ctx.internal_id)
-        payloads = worker_payloads(req, ctx.internal_id)
         upstreams: list[Upstream | None] = [None] * len(payloads)
-        digest = digestible(payloads, False)
         if again is None:
             log.info("request %s: taking over its resumable stream after event %d (%d choice(s) to continue)",
                      plan.request_id, state.last, len(state.progress))
@@ -441,7 +448,7 @@ class Serving:
             offsets = state.offsets
         else:
             log.info("request %s: taking over its resumable stream after event %d, generated again (its journal "
-                     "starts at event %d): running it again, checked against its last event", plan.request_id,
+                     "starts at event %d): running it again, checked against what its client holds", plan.request_id,
                      state.last, state.base + 1)
             tap = LineTap(again.rest(self._migrator.lines(req.model, upstreams, payloads, ctx),
                                      [req.token_limit()] * digest),
@@ -492,15 +499,17 @@ class Serving:
             raise failure
         return opened
 
-    async def reattach(self, key: str, after: int, *, retry: bool = False, tag: bytes | None = None,
+    async def reattach(self, key: str, last_event: str | None, *, retry: bool = False,
                        until: float | None = None) -> Response:
-        """The stream of ``key`` from after event ``after`` (whose producer's ``tag`` the client
-        gave, gateway/streams/event_ids.py: only that history goes on). ``retry``: the caller is a POST
+        """The stream of ``key`` after the event whose id the client gave as ``last_event``
+        (its number, and its producer's tag, gateway/streams/event_ids.py: only that history
+        goes on; None: from the start). ``retry``: the caller is a POST
         (it found the key another attempt's, or lost it to one): if that attempt stopped
         before its stream began, or Redis lost its record since, the POST is told to come
         again (503), not that there is nothing (404: the nemesis found re-sent POSTs told
         "send the request again" and "no resumable stream"). ``until``: the request's deadline,
         where the stream it follows ends for it with the in-band timeout (:func:`_until`)."""
+        after, tag = event_ids.parse(last_event)
         deadline = time.monotonic() + self._settings.queue_timeout_s + self._settings.ttft_timeout_s
         deadline = deadline if until is None else min(deadline, until)
         # A client that holds events (``after``) of a stream Redis lost waits for its producer
@@ -546,7 +555,7 @@ class Serving:
             await asyncio.sleep(0.05)  # its first request is still being admitted
         if record is not None and record.get("state") == "done":
             await self._finished_journal(key, after)
-        events = self._readers.tail(key, after, chain=tag)
+        events = self._readers.tail(key, after, chain=tag, last_id=last_event if after else None)
         return SSEResponse(events if until is None else _until(events, until), self._keepalive)
 
     async def _finished_journal(self, key: str, after: int) -> None:
@@ -631,18 +640,18 @@ class _Ending:
         await self._finish(self._outcome or "ok")
 
 
-def _held_by_journal(state: Recovered) -> Held | None:
+def _held_by_journal(state: Recovered, digest: int) -> Held | None:
     """What the clients of a stream generated again have, by its journal's last event (its
     journal starts past event 1: gateway/streams/takeover.py); None for any other stream.
-    Raises :class:`HistoryLost` for one whose ids keep no account (it cannot be checked)."""
+    Raises :class:`HistoryLost` for one whose ids keep no account (it cannot be checked),
+    or whose request cannot be generated again (``digest``: its choices, else 0)."""
     if not state.base:
         return None
-    account = event_ids.held(f"{state.last}.{(state.account or b'').decode()}")
-    if account is None:
+    held = Held.of(f"{state.last}.{(state.account or b'').decode()}") if digest else None
+    if held is None:
         raise HistoryLost(f"the stream's journal lacks events 1..{state.base} (Redis lost data): it cannot be "
                           f"continued; {RESEND_POST}")
-    tokens, chars, ids_hash = account
-    return Held(after=state.last, tag=state.tag, tokens=tokens, chars=chars, ids_hash=ids_hash)
+    return held
 
 
 async def _close(upstreams: list[Upstream | None]) -> None:

@@ -88,6 +88,10 @@ class _Reader:
     #: The tag of the last event this reader's client has (gateway/streams/event_ids.py;
     #: None: unknown): the next one must continue that history.
     chain: bytes | None = None
+    #: The whole id of that event (its number, tag and the account of what the client has,
+    #: gateway/streams/event_ids.py): a take-over generates the stream again against it when
+    #: the journal lacks events this client holds (gateway/relay/serving.py).
+    last_id: str = ""
     queue: asyncio.Queue[bytes] = field(default_factory=asyncio.Queue)
     doomed: bool = False  # :live was gone after an empty read: one more empty read ends it
 
@@ -113,10 +117,10 @@ class JournalReaders:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._polls = 0
-        #: Continues a stream whose producer is gone, given its key and the most events one of
-        #: its readers here holds (a journal with fewer is not continued); True while some
-        #: gateway produces it.
-        self.adopt: Callable[[str, int], Awaitable[bool]] | None = None
+        #: Continues a stream whose producer is gone, given its key and the id of the last
+        #: event of the reader here that holds the most (a journal with fewer is not
+        #: continued from); True while some gateway produces it.
+        self.adopt: Callable[[str, str], Awaitable[bool]] | None = None
         #: Whether this process produces a stream: its producer lives, whatever ``:live``
         #: says (Redis lost it in a stall or outage; the producer re-claims it).
         self.producing: Callable[[str], bool] = lambda key: False
@@ -128,12 +132,13 @@ class JournalReaders:
         return f"<JournalReaders readers={len(self._readers)} polls={self._polls}>"
 
     async def tail(self, key: str, after: int = 0, lineage: bytes | None = None,
-                   chain: bytes | None = None) -> AsyncIterator[bytes]:
+                   chain: bytes | None = None, last_id: str | None = None) -> AsyncIterator[bytes]:
         """Events after number ``after``, each with its ``id:``, following the live stream to
         [DONE]; only of the generation whose ``:head`` is ``lineage``, if given (else the
         one the first events come with), and only in the history whose event ``after`` is
-        tagged ``chain``, if given (gateway/streams/event_ids.py)."""
-        reader = _Reader(key, after, time.monotonic(), lineage, chain)
+        tagged ``chain``, if given (gateway/streams/event_ids.py). ``last_id``: event
+        ``after``'s whole id, as the client has it."""
+        reader = _Reader(key, after, time.monotonic(), lineage, chain, last_id or str(after))
         self._readers.add(reader)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="journal-readers")
@@ -263,8 +268,8 @@ class JournalReaders:
         assert self.adopt is not None
         error = producer_gone()
         try:
-            holds = max((r.cursor for r in self._readers if r.key == key), default=0)
-            produced = await asyncio.wait_for(self.adopt(key, holds), ADOPT_TIMEOUT_S)
+            most = max((r for r in self._readers if r.key == key), key=lambda r: r.cursor, default=None)
+            produced = await asyncio.wait_for(self.adopt(key, most.last_id if most else "0"), ADOPT_TIMEOUT_S)
         except TimeoutError:
             log.warning("taking over the stream %s did not start in %.0f s; its readers may re-attach", key,
                         ADOPT_TIMEOUT_S)
@@ -295,7 +300,8 @@ class JournalReaders:
         the next one (or a lost head), or an event of another history than the readers'
         (gateway/streams/event_ids.py), ends them with the in-band error instead."""
         frames: list[bytes] = []
-        last, chain = readers[0].cursor, readers[0].chain
+        last, chain, last_id = readers[0].cursor, readers[0].chain, readers[0].last_id
+        tail: bytes | None = None
         lost: bytes | None = None
         for entry_id, fields in entries:
             number = entry_number(entry_id)
@@ -310,12 +316,15 @@ class JournalReaders:
                             len(readers), last)
                 lost = another_generation(last)
                 break
-            last, chain = number, tag or chain
-            frames.append(frame(number, event, id_tail(fields.get(b"s", b""))))
+            last, chain, tail = number, tag or chain, id_tail(fields.get(b"s", b""))
+            frames.append(frame(number, event, tail))
             if event == DONE:
                 break
+        if frames:
+            last_id = f"{last}.{tail.decode()}" if tail else str(last)
         for reader in readers:
             reader.cursor, reader.quiet_since, reader.doomed, reader.chain = last, now, False, chain
+            reader.last_id = last_id
             if frames and head is not None:
                 reader.lineage = head
             for data in frames:

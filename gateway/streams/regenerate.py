@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.relay.upstream import Line, close_lines
+from gateway.streams import event_ids
 from gateway.streams.event_ids import MAX_DIGEST_CHOICES, Account
 from gateway.streams.migration import resumable
 from gateway.streams.takeover import HistoryLost
@@ -71,6 +72,20 @@ class Held:
     tokens: tuple[int, ...]
     chars: tuple[int, ...]
     ids_hash: bytes
+
+    @classmethod
+    def of(cls, event_id: str | None) -> Held | None:
+        """What a client whose last event has this id holds, if the id carries its account
+        (a ``Last-Event-ID``, a journal's last event, a reader's); else None.
+
+        >>> Held.of("3.3fa9c2d1.4.12.5be0a7c1")
+        Held(after=3, tag=b'3fa9c2d1', tokens=(4,), chars=(12,), ids_hash=b'5be0a7c1')
+        >>> Held.of("3.3fa9c2d1") is None
+        True
+        """
+        after, tag = event_ids.parse(event_id)
+        account = event_ids.held(event_id) if after else None
+        return None if account is None else cls(after, tag, *account)
 
     def offsets(self) -> dict[int, int]:
         """The characters of each choice the client has, for choices it has any event of

@@ -23,7 +23,9 @@ started), any gateway can continue it once its producer's ``:live`` expired:
    being its client's alone; its last event's id says what its clients have in all
    (``Recovered.account``), so the gateway taking it over generates it once more, checked
    against that, as the re-sent POST did (was: :class:`HistoryLost`, and its client had to
-   re-send its POST again: the nemesis, seed 11, nem-1246);
+   re-send its POST again: the nemesis, seed 11, nem-1246). A journal shorter than what
+   the reader holding the most holds is not continued from either: the stream is generated
+   again, checked against the account in that reader's id (gateway/relay/serving.py);
 3. migrate each unfinished choice to a worker with ``resume_token_ids`` (as for a worker
    that died, gateway/streams/migration.py) and append the new events after the last one, with
    the same chunk id.

@@ -399,7 +399,7 @@ def _recorded_take_overs(readers: JournalReaders) -> list[str]:
     """The streams ``readers`` would take over, recorded instead of taken."""
     adopted: list[str] = []
 
-    async def adopt(key: str, holds: int) -> bool:
+    async def adopt(key: str, last_id: str) -> bool:
         adopted.append(key)
         return True
 

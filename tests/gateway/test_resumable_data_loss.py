@@ -555,22 +555,52 @@ def test_a_stream_whose_plan_redis_lost_is_generated_again_when_its_client_re_se
     assert whole[-1][1] == "[DONE]" and not any('"error"' in d for _, d in rest)
 
 
-def test_a_journal_shorter_than_what_its_client_holds_is_not_taken_over_but_generated_again(
-        gateways, start_gateway, redis_client) -> None:
-    """Regression (nemesis, Sentinel: nem-1360 and nem-1408): Redis lost a stream's journal
-    and its producer wrote only its first events back before it was killed. The client's
-    re-attach, holding 20, had the stream taken over from event 2: the taker's events 3..
-    were another history, the client was told so, and its re-sent POST attached to the same
-    history and was told so again. A journal shorter than what a reader holds is now not
-    continued: the stream is forgotten, and the re-sent POST generates it again."""
+def _cut_journal(redis_client, key: str, keep: int) -> None:
+    """Redis keeps only events 1..``keep`` of a stream's journal (none: not even the key), and its plan."""
+    journal = keys.journal(scoped("-", key))
+    later = [entry_id for entry_id, _ in redis_client.xrange(journal) if entry_number(entry_id) > keep]
+    assert later, "the journal holds the client's events"
+    redis_client.xdel(journal, *later)
+    if not keep:
+        redis_client.delete(journal)
+
+
+@pytest.mark.parametrize("keep", [2, 0])
+def test_a_journal_shorter_than_what_its_client_holds_is_generated_again_for_its_reader(
+        gateways, start_gateway, redis_client, keep: int) -> None:
+    """Regression (nemesis, Sentinel: nem-1360 and nem-1408, then seed 11: nem-1188). Redis
+    lost a stream's journal and its producer wrote only its first events back before it was
+    killed (``keep`` 2); or a stream generated again for its client lost its gateway before
+    its first event, leaving a plan and no journal (0). The client's re-attach, holding 20,
+    had the stream taken over from what was there: another history. It was then told to
+    re-send its POST, and nem-1188's client, whose re-sent POST was the one that died, was
+    told so again. The take-over now generates the stream again, checked against the
+    account in the reader's ``Last-Event-ID``, and the re-attach gets exactly the rest."""
     _, other = gateways
     key = uuid.uuid4().hex
     seen, raw = _start_and_kill_raw(start_gateway(), key)
-    journal = keys.journal(scoped("-", key))
-    later = [entry_id for entry_id, _ in redis_client.xrange(journal) if entry_number(entry_id) > 2]
-    assert later, "the journal holds the client's events"
-    redis_client.xdel(journal, *later)
+    _cut_journal(redis_client, key, keep)
     with httpx.stream("GET", f"{other.url}/v1/streams/{key}", headers={"Last-Event-ID": raw}, timeout=60) as r:
+        rest = _events(r.iter_lines())
+    assert not any('"error"' in d for _, d in rest), rest[-3:]
+    whole = seen + rest
+    assert _content(whole) == _reference(other.url, BODY)["choices"][0]["message"]["content"]
+    _numbered(whole)
+    assert whole[-1][1] == "[DONE]" and "checked against what its client holds" in other.log_tail(5000)
+
+
+def test_a_journal_shorter_than_what_a_client_without_an_account_holds_is_not_taken_over(
+        gateways, start_gateway, redis_client) -> None:
+    """The same, but the reader's ``Last-Event-ID`` carries no account (a client that kept
+    only ``N.tag``; in life a stream with logprobs has none): the stream is not continued
+    from a journal shorter than what the client holds, and the client is told to re-send
+    its POST, which generates it again against the account it has."""
+    _, other = gateways
+    key = uuid.uuid4().hex
+    seen, raw = _start_and_kill_raw(start_gateway(), key)
+    _cut_journal(redis_client, key, 2)
+    bare = ".".join(raw.split(".")[:2])
+    with httpx.stream("GET", f"{other.url}/v1/streams/{key}", headers={"Last-Event-ID": bare}, timeout=60) as r:
         told = _events(r.iter_lines())
     errors = [orjson.loads(d)["error"] for _, d in told if '"error"' in d]
     assert [e["code"] for e in errors] == ["stream_history_lost"], told
