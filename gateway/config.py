@@ -161,6 +161,10 @@ class GatewaySettings(RedisSettings):
     auth: Literal["auto", "keys", "open"] = "auto"
     #: Serve without API keys on a non-loopback address (refused by default).
     allow_open: bool = False
+    #: A keys file (``sluice keys export``): its records are written back whenever Redis
+    #: lacks them, so keys outlive a Redis that lost its data (sluice/apikeys.py). With
+    #: ``auth=auto``, keys are enforced when it holds any.
+    keys_file: str | None = None
     #: Bearer token for /metrics; without it, /metrics answers loopback clients only.
     admin_key: str | None = None
     #: Request caps (400 when exceeded).

@@ -28,6 +28,7 @@ from gateway.admission.tenancy import StartupRefused, Tenancy
 from gateway.app import create_app
 from gateway.config import GatewaySettings
 from gateway.metrics import MULTIPROC_DIR_ENV, forget_process
+from sluice.apikeys import load_records
 from sluice.processes import Child, default_procs
 from sluice.redis_pool import create_pool
 from sluice.serve import Server, run_async, settle_gc, uvicorn_config
@@ -40,6 +41,11 @@ async def preflight(settings: GatewaySettings) -> None:
     """Checks that must stop the process with a message, before uvicorn starts. Redis that
     does not answer (restarting, failing over) is waited for up to ``redis_startup_wait_s``,
     then refused with a message (it was a traceback)."""
+    if settings.keys_file is not None:
+        try:  # a gateway told to fall back on keys it cannot read does not start without them
+            load_records(settings.keys_file)
+        except (OSError, ValueError) as exc:
+            raise StartupRefused(f"SLUICE_GATEWAY_KEYS_FILE: {exc}") from None
     deadline = time.monotonic() + settings.redis_startup_wait_s
     waiting = False
     while True:

@@ -7,15 +7,27 @@ time, plus the key's name, tier and limits. A record changes once at most: its
 revocation, which marks it (it stays, as the key's tombstone) and lists its prefix in
 ``sl:apikeys:revoked``. Gateways keep copies of the records they verify and write them back
 when Redis loses them (gateway/admission/key_keeper.py).
+
+A *keys file* holds the same records outside Redis, one JSON object per line (hashes, never
+keys): ``sluice keys export FILE`` writes it, and ``create`` and ``revoke`` rewrite it when
+given ``--keys-file``. Gateways started with ``SLUICE_GATEWAY_KEYS_FILE`` load it and write
+its records back whenever Redis lacks them, so keys outlive a Redis that lost its data even
+when no gateway process that verified them is left (the nemesis, Sentinel, seed 13: every
+gateway restarted while Redis could not take their copies back, and valid keys got 401 for
+the rest of the run).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import secrets
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+
+import orjson
 
 from sluice import keys
 from sluice.redis_pool import RedisClient
@@ -127,11 +139,15 @@ class KeyStore:
         return parse_record(fields) if fields else None
 
     async def list(self) -> list[ApiKey]:
+        return [parse_record(fields) for fields in await self.records()]
+
+    async def records(self) -> list[dict[str, str]]:
+        """Every stored record, revoked ones too (hashes, never keys), by prefix."""
         out = []
         for prefix in sorted(p.decode() for p in await self._redis.smembers(keys.API_KEYS)):
-            record = await self.get(prefix)
-            if record is not None:
-                out.append(record)
+            fields = await self.fields(prefix)
+            if fields is not None:
+                out.append(fields)
         return out
 
     async def revoke(self, prefix: str) -> bool:
@@ -160,3 +176,36 @@ def parse_record(fields: dict[str, str]) -> ApiKey:
         priority_ceiling=int(fields["priority_ceiling"]), created=float(fields["created"]),
         revoked=fields.get("revoked", "0") == "1",
     )
+
+
+def save_records(path: str, records: Iterable[dict[str, str]]) -> int:
+    """Write key records to the keys file ``path`` (see the module), whole or not at all,
+    readable by its owner only. Returns how many."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    count = 0
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
+        for fields in records:
+            out.write(orjson.dumps(fields) + b"\n")
+            count += 1
+    os.replace(tmp, path)
+    return count
+
+
+def load_records(path: str) -> dict[str, dict[str, str]]:
+    """The records of the keys file ``path``, by prefix. Raises ValueError naming the first
+    line that is not a key record, OSError when it cannot be read."""
+    records: dict[str, dict[str, str]] = {}
+    with open(path, "rb") as source:
+        for number, line in enumerate(source, 1):
+            if not line.strip():
+                continue
+            try:
+                raw = orjson.loads(line)
+                fields = {str(k): str(v) for k, v in raw.items()}
+                record = parse_record(fields)
+                if len(fields.get("sha256", "")) != 64:
+                    raise ValueError("no sha256")
+            except (orjson.JSONDecodeError, AttributeError, KeyError, ValueError) as exc:
+                raise ValueError(f"{path}, line {number}: not an API key record ({exc})") from None
+            records[record.prefix] = fields
+    return records

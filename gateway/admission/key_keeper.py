@@ -22,6 +22,13 @@ other servers answer that recently, a key Redis does not know may be one being w
 back: 503 + ``Retry-After`` (SDKs retry it), not 401 (the nemesis, Cluster: a node lost
 the records of keys only other gateways had verified, and their clients got 401).
 
+With a keys file (``SLUICE_GATEWAY_KEYS_FILE``, sluice/apikeys.py), the process also holds
+the file's records, loaded at start and again whenever the file changes. They are copies
+that never expire: written back at the first look at Redis and after every loss, and
+verified from as any copy is. So the keys survive a loss that outlives every gateway
+process that verified them (the nemesis, Sentinel, seed 13: Redis took no writes for 27 s
+after a loss, every gateway was restarted meanwhile, and the copies died with them).
+
 Revocations are never undone by a copy. A record changes once at most, when it is
 revoked, so writing back merges one way: a missing record is written whole, a valid one
 that this process knows revoked is marked revoked, nothing else is touched (another key's
@@ -31,7 +38,8 @@ watcher's looks), which ``sluice keys revoke`` adds the prefix to; a revocation 
 loses later is then written back by every gateway that kept the key. Not covered: a revocation that Redis
 loses within a look of being made (a restart without persistence right after
 ``sluice keys revoke``) is undone by the copies, and a key created and lost before any
-gateway verified it is gone (401): both are ``sluice keys`` commands to run again.
+gateway verified it is gone (401) unless a keys file holds it: both are ``sluice keys``
+commands to run again.
 
 >>> keeper = KeyKeeper(redis, KeyStore(redis))
 >>> record = await keeper.verify(key)   # raises AuthenticationFailed or Unavailable
@@ -42,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -53,7 +62,7 @@ from redis.exceptions import RedisError
 from gateway.admission.queue import REGISTRY_REBUILDING, stop_tasks
 from gateway.loss_watch import LossWatch
 from sluice import keys
-from sluice.apikeys import ApiKey, KeyStore, digest, matches, parse_prefix, parse_record
+from sluice.apikeys import ApiKey, KeyStore, digest, load_records, matches, parse_prefix, parse_record
 from sluice.directory import Directory
 from sluice.errors import AuthenticationFailed, Unavailable
 
@@ -99,12 +108,14 @@ class _Kept:
         self.fields = {**self.fields, "revoked": "1"}
 
 
-def _learn_revoked(prefix: str, kept: _Kept) -> None:
-    """Mark a kept copy revoked, and say so once, whichever way it was learned (a verify, a
-    write-back that found the record revoked, ``sl:apikeys:revoked``): CI, 2026-12-02, a
-    write-back right after a loss learned it first and no line said so."""
-    if not kept.revoked:
-        kept.revoke()
+def _learn_revoked(prefix: str, *copies: _Kept | None) -> None:
+    """Mark this process's copies of a record revoked, and say so once, whichever way it was
+    learned (a verify, a write-back that found the record revoked, ``sl:apikeys:revoked``):
+    CI, 2026-12-02, a write-back right after a loss learned it first and no line said so."""
+    fresh = [copy for copy in copies if copy is not None and not copy.revoked]
+    for copy in fresh:
+        copy.revoke()
+    if fresh:
         log.info("API key %s was revoked: this gateway's copy is marked revoked", prefix)
 
 
@@ -112,7 +123,7 @@ class KeyKeeper:
     """The kept key records of one gateway process (see the module)."""
 
     def __init__(self, redis: Any, store: KeyStore, *, keep_s: float = KEEP_S, kept: int = KEPT,
-                 watch: LossWatch | None = None) -> None:
+                 watch: LossWatch | None = None, keys_file: str | None = None) -> None:
         self._redis = redis
         self._cluster = isinstance(redis, RedisCluster)
         self._store = store
@@ -130,9 +141,53 @@ class KeyKeeper:
         self._revocations = -1  # size of sl:apikeys:revoked at the last read
         self._restoring: asyncio.Task[None] | None = None
         self.restored = 0
+        #: The keys file's records (copies that never expire), and the file's state when read.
+        self._keys_file = keys_file
+        self._filed: dict[str, _Kept] = {}
+        self._file_stamp: tuple[int, int] | None = None
+        self._file_owed = False  # its records are to be written back at the next look
+        if keys_file is not None:  # (one that cannot be read stops the gateway first: gateway/gateway.py)
+            self._read_keys_file()
 
     def __repr__(self) -> str:
-        return f"<KeyKeeper kept={len(self._kept)} restored={self.restored}>"
+        return f"<KeyKeeper kept={len(self._kept)} filed={len(self._filed)} restored={self.restored}>"
+
+    @property
+    def filed(self) -> bool:
+        """Whether a keys file gave this process records: keys exist, whatever Redis says."""
+        return bool(self._filed)
+
+    def _read_keys_file(self) -> None:
+        """(Re)load the keys file when it changed; a file that cannot be read, or is not one,
+        leaves the records last loaded (and says so) rather than none: a key must not stop
+        working because its file was being edited."""
+        assert self._keys_file is not None
+        try:
+            stat = os.stat(self._keys_file)
+            stamp = (stat.st_mtime_ns, stat.st_size)
+            if stamp == self._file_stamp:
+                return
+            records = load_records(self._keys_file)
+        except (OSError, ValueError) as exc:
+            if self._file_stamp != (0, 0):
+                log.error("keys file %s: %s; keeping the %d record(s) loaded before", self._keys_file, exc,
+                          len(self._filed))
+                self._file_stamp = (0, 0)  # said once until it changes
+            return
+        filed: dict[str, _Kept] = {}
+        for prefix, fields in records.items():
+            old = self._filed.get(prefix)
+            filed[prefix] = _Kept(fields, math.inf)
+            if old is not None and old.revoked and old.fields.get("sha256") == fields.get("sha256"):
+                filed[prefix].revoke()  # a revocation learned since is kept
+        self._filed, self._file_stamp, self._file_owed = filed, stamp, True
+        log.info("keys file %s: %d API key record(s) loaded; written back wherever Redis lacks them",
+                 self._keys_file, len(filed))
+
+    def _copy(self, prefix: str) -> _Kept | None:
+        """This process's copy of the record of ``prefix``: the one it verified, else the file's."""
+        kept = self._kept.get(prefix)
+        return kept if kept is not None else self._filed.get(prefix)
 
     def start(self) -> None:
         self._started_at = time.monotonic()
@@ -153,7 +208,7 @@ class KeyKeeper:
         fields = await self._store.fields(prefix)
         missing = fields is None
         key_digest = digest(key)
-        kept = self._kept.get(prefix)
+        kept = self._copy(prefix)
         if kept is not None and not matches(key_digest, kept.fields):
             kept = None  # a copy of another key's record under this prefix says nothing of this one
         if kept is not None and (fields is None or (kept.revoked and fields.get("revoked") != "1")):
@@ -167,7 +222,7 @@ class KeyKeeper:
         record = parse_record(fields)
         if record.revoked:
             if kept is not None:
-                _learn_revoked(prefix, kept)
+                _learn_revoked(prefix, self._kept.get(prefix), self._filed.get(prefix))
             raise AuthenticationFailed("invalid or revoked API key")
         self._keep(prefix, fields)
         return record
@@ -175,7 +230,7 @@ class KeyKeeper:
     async def get(self, prefix: str) -> ApiKey | None:
         """The record of ``prefix``, revoked or not: Redis's, else this process's copy."""
         record = await self._store.get(prefix)
-        kept = self._kept.get(prefix)
+        kept = self._copy(prefix)
         return record if record is not None or kept is None else parse_record(kept.fields)
 
     async def _unknown(self) -> None:
@@ -226,7 +281,7 @@ class KeyKeeper:
         if state == "other":
             return None
         if state == "revoked":
-            _learn_revoked(prefix, kept)
+            _learn_revoked(prefix, kept, self._filed.get(prefix))
         if int(written):
             self.restored += 1
         # Listed again (sluice keys list), and its revocation readable by every gateway; also
@@ -253,8 +308,10 @@ class KeyKeeper:
         if self.enforcing:
             await self._redis.set(keys.API_KEYS_ENFORCED, "1")
         before = self.restored
-        for prefix, kept in reversed(list(self._kept.items())):
+        copies = [*reversed(self._kept.items()), *((p, k) for p, k in self._filed.items() if p not in self._kept)]
+        for prefix, kept in copies:
             await self._write_back(prefix, kept)
+        self._file_owed = False
         if self.restored > before:
             log.warning("Redis lost API key records: %d written back from this gateway's copies",
                         self.restored - before)
@@ -265,21 +322,22 @@ class KeyKeeper:
         if count == self._revocations:
             return
         self._revocations = count
-        prefixes = [p for p, kept in self._kept.items() if not kept.revoked]
+        prefixes = [p for p in {**self._filed, **self._kept} if not self._copy(p).revoked]  # type: ignore[union-attr]
         for i in range(0, len(prefixes), _BATCH):
             batch = prefixes[i:i + _BATCH]
             for prefix, member in zip(batch, await self._redis.smismember(keys.API_KEYS_REVOKED, batch)):
-                kept = self._kept.get(prefix)
-                if member and kept is not None:
-                    _learn_revoked(prefix, kept)
+                if member:
+                    _learn_revoked(prefix, self._kept.get(prefix), self._filed.get(prefix))
 
     async def _after_look(self, lost: bool) -> bool:
         """After each of the watcher's looks: drop old copies, write every copy back if Redis
         may have lost them (raises if that failed: tried again at the next look), learn
         revocations."""
         self._expire()
-        if lost:
+        if self._keys_file is not None:
+            self._read_keys_file()
+        if lost or self._file_owed:  # (the file's records: at the first look, and once changed)
             await self.restore_all()
-        if self._kept:
+        if self._kept or self._filed:
             await self._learn_revocations()
         return True

@@ -143,8 +143,8 @@ class Tenancy:
         self._redis = redis
         self._s = settings
         self.keys = KeyStore(redis)
-        self.keeper = KeyKeeper(redis, self.keys, watch=watch)
-        self.keeper.enforcing = settings.auth == "keys"
+        self.keeper = KeyKeeper(redis, self.keys, watch=watch, keys_file=settings.keys_file)
+        self.keeper.enforcing = settings.auth == "keys" or self.keeper.filed
         # Two of these run per request with keys on: see Admission's runner.
         self._runner = script_runner(redis)
         self._admit = self._runner.register_script(_ADMIT)
@@ -188,7 +188,7 @@ class Tenancy:
 
     async def check_startup(self) -> None:
         """Refuse an unauthenticated gateway on a non-loopback address unless allowed."""
-        enforced = self._s.auth == "keys" or (self._s.auth == "auto" and await self._keys_exist())
+        enforced = self._s.auth == "keys" or (self._s.auth == "auto" and (self.keeper.filed or await self._keys_exist()))
         if self._s.auth == "auto":
             self._keys_seen = (time.monotonic(), enforced)
             self.keeper.enforcing = enforced

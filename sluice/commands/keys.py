@@ -1,4 +1,5 @@
-"""``sluice keys create|list|revoke``: manage API keys in the Redis the gateways use."""
+"""``sluice keys create|list|revoke|export``: manage API keys in the Redis the gateways use,
+and the keys file that outlives it (sluice/apikeys.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 
 from redis.asyncio import Redis
 
-from sluice.apikeys import TIERS, KeyStore
+from sluice.apikeys import TIERS, KeyStore, save_records
 from sluice.redis_pool import RedisClient, create_pool
 from sluice.redis_url import is_sentinel_url
 
@@ -40,6 +41,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub.add_parser("list", help="list keys (prefixes, names, tiers, limits; never the secrets)")
     revoke = sub.add_parser("revoke", help="revoke a key by its public prefix")
     revoke.add_argument("prefix", help="the 8 characters after 'sk-sluice-'")
+    export = sub.add_parser("export", help="write every key record (hashes, never keys) to a keys file the "
+                                           "gateways load (SLUICE_GATEWAY_KEYS_FILE): keys then outlive Redis "
+                                           "losing its data")
+    export.add_argument("file", help="the keys file to write (replaced whole; mode 0600)")
+    for child in (create, revoke):
+        child.add_argument("--keys-file", default=os.environ.get("SLUICE_GATEWAY_KEYS_FILE"),
+                           help="rewrite this keys file with every record after the change (env "
+                                "SLUICE_GATEWAY_KEYS_FILE): the gateways that load it then keep the key, or its "
+                                "revocation, whatever Redis loses")
     for child in sub.choices.values():
         child.add_argument("--redis-url", default=os.environ.get("SLUICE_REDIS_URL", "redis://127.0.0.1:6379/0"),
                            help="the gateways' Redis (env SLUICE_REDIS_URL)")
@@ -93,6 +103,12 @@ async def _run(args: argparse.Namespace) -> int:
                 return 1
             await _replicated(redis, args.redis_url)
             print(f"revoked {args.prefix}")
+        elif args.keys_command == "export":
+            count = save_records(args.file, await store.records())
+            print(f"{count} key record(s) written to {args.file}", file=sys.stderr)
+        if getattr(args, "keys_file", None):
+            count = save_records(args.keys_file, await store.records())
+            print(f"# {args.keys_file}: {count} key record(s); gateways that load it take the change within a second", file=sys.stderr)
         return 0
     finally:
         if redis is not pool:

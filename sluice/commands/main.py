@@ -4,7 +4,7 @@
     sluice gateway    one gateway process
     sluice worker     one engine worker process
     sluice model prepare   make the default model's Hugging Face folder (offline, once)
-    sluice keys       create, list and revoke API keys
+    sluice keys       create, list, revoke and export API keys
     sluice bench      gateway vs direct-to-worker figures, side by side
     sluice check URL  exit 0 when URL answers 200 (for compose healthchecks)
 """
@@ -147,7 +147,7 @@ def _build_parser() -> argparse.ArgumentParser:
     from sluice.commands.bench import add_arguments as bench_arguments
     from sluice.commands.keys import add_arguments as keys_arguments
 
-    keys = sub.add_parser("keys", help="create, list and revoke API keys")
+    keys = sub.add_parser("keys", help="create, list, revoke and export API keys")
     keys_arguments(keys)
 
     bench = sub.add_parser(

@@ -28,7 +28,7 @@ import redis
 from redis.crc import key_slot
 
 from sluice import keys
-from sluice.apikeys import KeyStore
+from sluice.apikeys import KeyStore, save_records
 from sluice.commands.bench_stack import MODEL, LoggedChild, _child_env
 from sluice.embedded_redis import free_port
 from sluice.nemesis.proxy import LinkProxy
@@ -40,6 +40,9 @@ from sluice.redis_pool import RedisClient, create_pool
 MARKERS = [next(m for m in (keys.nemesis_marker(i) for i in range(10_000))
                 if lo <= key_slot(m.encode()) < hi)
            for lo, hi in ((0, 5461), (5461, 10923), (10923, 16384))]
+
+#: The run's keys file (``sluice keys export``), in its log directory.
+KEYS_FILE = "keys.jsonl"
 
 #: Gateway settings of a nemesis run (see the module docstring for why each is short).
 #: Keys always required, as in production on a Redis that can lose its data: with ``auto`` a
@@ -230,7 +233,9 @@ class System:
                 url = f"redis://127.0.0.1:{self.proxy.port}/0"
             argv = [*python, "--log-level", "INFO", "gateway", "--procs", "1", "--port", str(self.port_of(i)),
                     "--redis-url", url]
-            env = _child_env({**GATEWAY_ENV, **self.shape.gateway_env})
+            # The deployment the README recommends where Redis may lose its data: a keys file.
+            env = _child_env({**GATEWAY_ENV, "SLUICE_GATEWAY_KEYS_FILE": str(self.logs / KEYS_FILE),
+                              **self.shape.gateway_env})
             self.gateways.append(Proc(f"gateway-{i}", argv, env, self.logs / f"gateway-{i}.log", self.port_of(i)))
         await asyncio.gather(*(_start_on_a_free_port(p) for p in self.workers))
         await asyncio.gather(*(p.restart() for p in self.gateways))
@@ -259,6 +264,7 @@ class System:
                                                  max_concurrent=512)
                 self.api_keys.append(key)
                 self._key_prefixes.append(record.prefix)
+            save_records(str(self.logs / KEYS_FILE), await store.records())
         finally:
             await store_redis.aclose()
 

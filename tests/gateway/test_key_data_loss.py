@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -269,3 +270,56 @@ async def test_a_cluster_gateway_in_its_first_seconds_says_503_for_an_unknown_ke
         finally:
             await keeper.close()
             await client.aclose()
+
+
+def _keys_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``sluice keys ...`` as an operator runs it."""
+    return subprocess.run([sys.executable, "-m", "sluice", "keys", *args], env=_env(), capture_output=True,
+                          text=True, timeout=60, check=True)
+
+
+def test_keys_in_a_keys_file_outlive_every_gateway_that_verified_them(
+        tmp_path: Path, start_worker, start_gateway) -> None:
+    """Regression (nemesis, Sentinel, seed 13: 584 forbidden 401s). Redis lost the key records
+    and took no writes for 27 s; every gateway process that had verified the keys was
+    restarted meanwhile, and their copies died with them: valid keys got 401 for the rest of
+    the run. A keys file (``sluice keys export``, ``SLUICE_GATEWAY_KEYS_FILE``) outlives them:
+    a gateway that never saw the key writes it back from the file, and a revocation made with
+    ``--keys-file`` stays one."""
+    with EmbeddedRedis() as server:
+        start_worker(MODEL, redis_at=server.url, sim_token_ms=0, sim_ttft_ms=0)
+        key, prefix = _create(server.url, "filed")
+        doomed, doomed_prefix = _create(server.url, "revoked-in-the-file")
+        path = tmp_path / "keys.jsonl"
+        _keys_cli("export", str(path), "--redis-url", server.url)
+        _keys_cli("revoke", doomed_prefix, "--redis-url", server.url, "--keys-file", str(path))
+        assert oct(path.stat().st_mode & 0o777) == "0o600" and key not in path.read_text()
+        filed = {"SLUICE_GATEWAY_KEYS_FILE": str(path)}
+        first = start_gateway(env=filed, redis_at=server.url)
+        assert _complete(first, key)
+        first.kill()  # the only process that verified the key
+        client = redis.Redis.from_url(server.url)
+        client.flushall()
+        fresh = start_gateway(env=filed, redis_at=server.url)
+        assert _complete(fresh, key)  # written back from the file (without it: 401 for good)
+        assert client.sismember(keys.API_KEYS, prefix)
+        with pytest.raises(openai.AuthenticationError):
+            _list_models(fresh, doomed)
+        assert client.hget(keys.api_key(doomed_prefix), "revoked") == b"1"
+        assert httpx.get(fresh.url + "/v1/models").status_code == 401  # no key: not served
+        client.close()
+
+
+def test_a_gateway_given_a_keys_file_it_cannot_read_does_not_start(tmp_path: Path) -> None:
+    """A keys file that is missing, or is not one, stops the gateway with a message naming
+    it, rather than starting with no keys to fall back on."""
+    bad = tmp_path / "keys.jsonl"
+    bad.write_text('{"prefix": "abcd1234"}\n')
+    for path in (tmp_path / "missing.jsonl", bad):
+        run = subprocess.run([sys.executable, "-m", "sluice", "gateway", "--port", str(free_port()), "--procs", "1",
+                              "--redis-url", "redis://127.0.0.1:1/0"], env={**_env(), "SLUICE_GATEWAY_KEYS_FILE":
+                                                                           str(path)},
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2, run.stderr[-2000:]
+        assert "SLUICE_GATEWAY_KEYS_FILE" in run.stderr and str(path) in run.stderr
+        assert "Traceback" not in run.stderr
