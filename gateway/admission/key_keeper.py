@@ -147,7 +147,7 @@ class KeyKeeper:
         self._file_stamp: tuple[int, int] | None = None
         self._file_owed = False  # its records are to be written back at the next look
         if keys_file is not None:  # (one that cannot be read stops the gateway first: gateway/gateway.py)
-            self._read_keys_file()
+            self._read_keys_file(quiet=True)  # said by start(): a gateway's preflight builds one too
 
     def __repr__(self) -> str:
         return f"<KeyKeeper kept={len(self._kept)} filed={len(self._filed)} restored={self.restored}>"
@@ -157,7 +157,7 @@ class KeyKeeper:
         """Whether a keys file gave this process records: keys exist, whatever Redis says."""
         return bool(self._filed)
 
-    def _read_keys_file(self) -> None:
+    def _read_keys_file(self, quiet: bool = False) -> None:
         """(Re)load the keys file when it changed; a file that cannot be read, or is not one,
         leaves the records last loaded (and says so) rather than none: a key must not stop
         working because its file was being edited."""
@@ -181,8 +181,12 @@ class KeyKeeper:
             if old is not None and old.revoked and old.fields.get("sha256") == fields.get("sha256"):
                 filed[prefix].revoke()  # a revocation learned since is kept
         self._filed, self._file_stamp, self._file_owed = filed, stamp, True
+        if not quiet:
+            self._say_filed()
+
+    def _say_filed(self) -> None:
         log.info("keys file %s: %d API key record(s) loaded; written back wherever Redis lacks them",
-                 self._keys_file, len(filed))
+                 self._keys_file, len(self._filed))
 
     def _copy(self, prefix: str) -> _Kept | None:
         """This process's copy of the record of ``prefix``: the one it verified, else the file's."""
@@ -191,6 +195,8 @@ class KeyKeeper:
 
     def start(self) -> None:
         self._started_at = time.monotonic()
+        if self._keys_file is not None:
+            self._say_filed()
         self.watch.start()
 
     async def close(self) -> None:
