@@ -19,6 +19,7 @@ the rest of the run).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
@@ -183,11 +184,15 @@ def save_records(path: str, records: Iterable[dict[str, str]]) -> int:
     readable by its owner only. Returns how many."""
     tmp = f"{path}.tmp-{os.getpid()}"
     count = 0
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
-        for fields in records:
-            out.write(orjson.dumps(fields) + b"\n")
-            count += 1
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
+            for fields in records:
+                out.write(orjson.dumps(fields) + b"\n")
+                count += 1
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)  # (gone once replaced: left only by a write that failed)
     return count
 
 

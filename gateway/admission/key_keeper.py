@@ -328,7 +328,7 @@ class KeyKeeper:
         if count == self._revocations:
             return
         self._revocations = count
-        prefixes = [p for p in {**self._filed, **self._kept} if not self._copy(p).revoked]  # type: ignore[union-attr]
+        prefixes = [p for p, copy in {**self._filed, **self._kept}.items() if not copy.revoked]  # (as _copy picks)
         for i in range(0, len(prefixes), _BATCH):
             batch = prefixes[i:i + _BATCH]
             for prefix, member in zip(batch, await self._redis.smismember(keys.API_KEYS_REVOKED, batch)):

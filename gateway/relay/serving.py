@@ -555,7 +555,10 @@ class Serving:
             await asyncio.sleep(0.05)  # its first request is still being admitted
         if record is not None and record.get("state") == "done":
             await self._finished_journal(key, after)
-        events = self._readers.tail(key, after, chain=tag, last_id=last_event if after else None)
+        # The client's whole id only when it carries a valid account (the take-over's use of
+        # it): a header of any length is not kept for the reader's life.
+        account = last_event if after and Held.of(last_event) is not None else None
+        events = self._readers.tail(key, after, chain=tag, last_id=account)
         return SSEResponse(events if until is None else _until(events, until), self._keepalive)
 
     async def _finished_journal(self, key: str, after: int) -> None:

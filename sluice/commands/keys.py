@@ -103,12 +103,11 @@ async def _run(args: argparse.Namespace) -> int:
                 return 1
             await _replicated(redis, args.redis_url)
             print(f"revoked {args.prefix}")
-        elif args.keys_command == "export":
-            count = save_records(args.file, await store.records())
-            print(f"{count} key record(s) written to {args.file}", file=sys.stderr)
-        if getattr(args, "keys_file", None):
-            count = save_records(args.keys_file, await store.records())
-            print(f"# {args.keys_file}: {count} key record(s); gateways that load it take the change within a second", file=sys.stderr)
+        target = args.file if args.keys_command == "export" else getattr(args, "keys_file", None)
+        if target:
+            count = save_records(target, await store.records())
+            print(f"# {target}: {count} key record(s); gateways that load it take the change within a second",
+                  file=sys.stderr)
         return 0
     finally:
         if redis is not pool:
