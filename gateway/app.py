@@ -472,7 +472,6 @@ def _context(
         headers["x-sluice-priority-clamped"] = "true"
         priority = key.priority_ceiling
     last_event = given.get("last-event-id")
-    after, tag = event_ids.parse(last_event)
     return RequestContext(
         request_id=_request_id(request),
         priority=priority,
@@ -481,9 +480,7 @@ def _context(
         idempotency_key=None if idem is None else scoped(owner, Idempotency.check_key(idem)),
         fingerprint=fingerprint(body) if idem is not None else "",
         body=body if idem is not None else b"",
-        last_event=last_event if after else None,
-        last_event_id=after,
-        last_event_tag=tag,
+        last_event=last_event if event_ids.parse(last_event)[0] else None,
         held=Held.of(last_event),
         tenant=owner,
         cost=cost,

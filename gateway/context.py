@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from gateway.admission.tenancy import Charge
 from gateway.config import GatewaySettings
 from gateway.record import RequestRecord
+from gateway.streams import event_ids
 from sluice.errors import InvalidRequest
 from sluice.ids import random_hex
 
@@ -35,12 +36,9 @@ class RequestContext:
     fingerprint: str = ""
     #: The raw body of a resumable request: another gateway may have to continue it.
     body: bytes = b""
-    #: SSE ``Last-Event-ID`` of a client re-attaching to a resumable stream, as it sent it;
-    #: the event number, and the tag of that event's producer (gateway/streams/event_ids.py;
-    #: None: not given).
+    #: SSE ``Last-Event-ID`` of a client re-attaching to a resumable stream, as it sent it
+    #: (None: not given, or not one of ours).
     last_event: str | None = None
-    last_event_id: int = 0
-    last_event_tag: bytes | None = None
     #: What such a client holds when its id says so: the stream can be generated again and
     #: checked against it should nobody else have it any more (gateway/streams/regenerate.py).
     held: Held | None = None
@@ -66,6 +64,16 @@ class RequestContext:
     workers_lost: set[str] = field(default_factory=set)
     #: Usage, timings, access log, metrics and trace span of this request.
     record: RequestRecord = field(default=None)  # type: ignore[assignment]
+
+    @property
+    def last_event_id(self) -> int:
+        """The number of the last event the client has (0: none)."""
+        return event_ids.parse(self.last_event)[0]
+
+    @property
+    def last_event_tag(self) -> bytes | None:
+        """The tag of that event's producer (gateway/streams/event_ids.py; None: unknown)."""
+        return event_ids.parse(self.last_event)[1]
 
     def lost_a_worker(self, worker_id: str) -> bool:
         """Count a worker that broke off while serving this request (its connection died).

@@ -76,6 +76,11 @@ MODELS = "sl:models"
 API_KEYS = "sl:apikeys"
 API_KEYS_REVOKED = "sl:apikeys:revoked"
 API_KEYS_ENFORCED = "sl:apikeys:enforced"
+#: The digest of the keys file whose records a gateway process last wrote back whole, and
+#: the lease (TTL) of the process writing one back now (gateway/admission/key_keeper.py):
+#: one process writes a file back after a loss, not every one.
+API_KEYS_FILED = "sl:apikeys:filed"
+API_KEYS_FILING = "sl:apikeys:filing"
 EPOCH = "sl:epoch"
 REAPER = "sl:reaper"
 #: LoRA adapters (gateway/admission/adapters.py): name -> {parent, path, until (ms, Redis

@@ -28,6 +28,12 @@ that never expire: written back at the first look at Redis and after every loss,
 verified from as any copy is. So the keys survive a loss that outlives every gateway
 process that verified them (the nemesis, Sentinel, seed 13: Redis took no writes for 27 s
 after a loss, every gateway was restarted meanwhile, and the copies died with them).
+One process writes a file back at a time, under a lease (``sl:apikeys:filing``), and marks
+it written (``sl:apikeys:filed``: the records' digest); the others only wait for the mark,
+so a file of N records costs Redis N writes after a loss, not N per gateway process (about
+8 µs of Redis CPU each, loadtest/keys_file_restore.py), and nothing at a start that finds
+the mark. Their own copies are not held back meanwhile: a key whose record is missing is
+written back by whichever process verifies it.
 
 Revocations are never undone by a copy. A record changes once at most, when it is
 revoked, so writing back merges one way: a missing record is written whole, a valid one
@@ -48,6 +54,8 @@ commands to run again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import logging
 import math
 import os
@@ -56,8 +64,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from gateway.admission.queue import REGISTRY_REBUILDING, stop_tasks
 from gateway.loss_watch import LossWatch
@@ -65,6 +74,7 @@ from sluice import keys
 from sluice.apikeys import ApiKey, KeyStore, digest, load_records, matches, parse_prefix, parse_record
 from sluice.directory import Directory
 from sluice.errors import AuthenticationFailed, Unavailable
+from sluice.ids import random_hex
 
 log = logging.getLogger("sluice.tenancy")
 
@@ -73,8 +83,19 @@ KEEP_S = 600.0
 #: At most this many records are kept (about 300 bytes each: ~3 MB), the least recently
 #: verified dropped first.
 KEPT = 10_000
-#: Prefixes asked about in one SMISMEMBER.
+#: Prefixes asked about in one SMISMEMBER, and records written back in one pipeline: one at a
+#: time, 10,000 records took 2.8 s to write back and 50,000 took 14 s, past the 3 s in which an
+#: unknown key is 503 rather than 401 (loadtest/keys_file_restore.py prints both ways).
 _BATCH = 1_000
+
+#: The lease of the process writing a keys file back; renewed after each batch.
+FILING_TTL_MS = 30_000
+
+#: Give the keys file's lease up, if still this process's. KEYS: the lease. ARGV: the owner.
+UNLEASE = r"""
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 #: Write one kept record back. KEYS: the record. ARGV: its sha256, '1' if this process knows
 #: it revoked, then field, value pairs. Returns {1 if written, 'valid' | 'revoked' | 'other'}.
@@ -123,13 +144,15 @@ class KeyKeeper:
     """The kept key records of one gateway process (see the module)."""
 
     def __init__(self, redis: Any, store: KeyStore, *, keep_s: float = KEEP_S, kept: int = KEPT,
-                 watch: LossWatch | None = None, keys_file: str | None = None) -> None:
+                 watch: LossWatch | None = None, keys_file: str | None = None, batch: int = _BATCH) -> None:
         self._redis = redis
         self._cluster = isinstance(redis, RedisCluster)
         self._store = store
         self._directory = Directory(redis)
         self._write_back_script = redis.register_script(WRITE_BACK)
-        self._keep_s, self._cap = keep_s, kept
+        self._unlease = redis.register_script(UNLEASE)
+        self._owner = random_hex()
+        self._keep_s, self._cap, self._batch = keep_s, kept, batch
         self._kept: OrderedDict[str, _Kept] = OrderedDict()  # least recently verified first
         #: This process enforces keys: after a loss it writes ``sl:apikeys:enforced`` back too.
         self.enforcing = False
@@ -145,7 +168,9 @@ class KeyKeeper:
         self._keys_file = keys_file
         self._filed: dict[str, _Kept] = {}
         self._file_stamp: tuple[int, int] | None = None
+        self._file_digest = ""  # of its records: what sl:apikeys:filed holds once they are written back
         self._file_owed = False  # its records are to be written back at the next look
+        self._leased = False  # this process holds sl:apikeys:filing
         if keys_file is not None:  # (one that cannot be read stops the gateway first: gateway/gateway.py)
             self._read_keys_file(quiet=True)  # said by start(): a gateway's preflight builds one too
 
@@ -181,6 +206,7 @@ class KeyKeeper:
             if old is not None and old.revoked and old.fields.get("sha256") == fields.get("sha256"):
                 filed[prefix].revoke()  # a revocation learned since is kept
         self._filed, self._file_stamp, self._file_owed = filed, stamp, True
+        self._file_digest = hashlib.sha256(orjson.dumps(records, option=orjson.OPT_SORT_KEYS)).hexdigest()
         if not quiet:
             self._say_filed()
 
@@ -279,24 +305,49 @@ class KeyKeeper:
     async def _write_back(self, prefix: str, kept: _Kept) -> dict[str, str] | None:
         """Write one kept record back where Redis lost it; the record Redis has afterwards
         (None: another key's record holds the prefix)."""
-        args: list[str] = [kept.fields.get("sha256", ""), "1" if kept.revoked else "0"]
-        for name, value in kept.fields.items():
-            args += [name, value]
-        written, state = await self._write_back_script(keys=[keys.api_key(prefix)], args=args)
-        state = state.decode() if isinstance(state, bytes) else str(state)
-        if state == "other":
-            return None
-        if state == "revoked":
-            _learn_revoked(prefix, kept, self._filed.get(prefix))
-        if int(written):
-            self.restored += 1
+        return (await self._write_back_many([(prefix, kept)]))[0]
+
+    async def _write_back_many(self, copies: list[tuple[str, _Kept]]) -> list[dict[str, str] | None]:
+        """Write kept records back where Redis lost them, in one pipeline; per record, what
+        :meth:`_write_back` returns."""
+        replies = await self._run_write_backs(copies)
+        if any(isinstance(reply, NoScriptError) for reply in replies):  # Redis restarted: its scripts went too
+            await self._redis.script_load(WRITE_BACK)  # (on a Cluster, every primary)
+            replies = await self._run_write_backs(copies)
+        failed = next((reply for reply in replies if isinstance(reply, BaseException)), None)
+        if failed is not None:
+            raise failed
+        held: list[dict[str, str] | None] = []
+        listed, revoked = [], []
+        for (prefix, kept), (written, state) in zip(copies, replies):
+            state = state.decode() if isinstance(state, bytes) else str(state)
+            if state == "other":
+                held.append(None)
+                continue
+            if state == "revoked":
+                _learn_revoked(prefix, kept, self._filed.get(prefix))
+            self.restored += int(written)
+            held.append(kept.fields)
+            listed.append(prefix)
+            if kept.revoked:
+                revoked.append(prefix)
         # Listed again (sluice keys list), and its revocation readable by every gateway; also
         # when Redis kept the record but lost the lists (on a Cluster they live on another
         # node than the record: the nemesis found keys missing from `sluice keys list`).
-        await self._redis.sadd(keys.API_KEYS, prefix)
-        if kept.revoked:
-            await self._redis.sadd(keys.API_KEYS_REVOKED, prefix)
-        return kept.fields
+        if listed:
+            await self._redis.sadd(keys.API_KEYS, *listed)
+        if revoked:
+            await self._redis.sadd(keys.API_KEYS_REVOKED, *revoked)
+        return held
+
+    async def _run_write_backs(self, copies: list[tuple[str, _Kept]]) -> list[Any]:
+        pipe = self._redis.pipeline(transaction=False)
+        for prefix, kept in copies:
+            args: list[str] = [kept.fields.get("sha256", ""), "1" if kept.revoked else "0"]
+            for name, value in kept.fields.items():
+                args += [name, value]
+            pipe.evalsha(self._write_back_script.sha, 1, keys.api_key(prefix), *args)
+        return await pipe.execute(raise_on_error=False)
 
     def _restore_soon(self) -> None:
         if self._restoring is None or self._restoring.done():
@@ -310,17 +361,55 @@ class KeyKeeper:
 
     async def restore_all(self) -> None:
         """Redis lost its data: write back the marker, then every kept record, the most
-        recently verified first."""
+        recently verified first, then the keys file's records (:meth:`_write_file_back`)."""
         if self.enforcing:
             await self._redis.set(keys.API_KEYS_ENFORCED, "1")
         before = self.restored
-        copies = [*reversed(self._kept.items()), *((p, k) for p, k in self._filed.items() if p not in self._kept)]
-        for prefix, kept in copies:
-            await self._write_back(prefix, kept)
-        self._file_owed = False
+        await self._write_batches(list(reversed(self._kept.items())))
+        if self._filed:
+            await self._write_file_back(lost=True)
         if self.restored > before:
             log.warning("Redis lost API key records: %d written back from this gateway's copies",
                         self.restored - before)
+
+    async def _write_batches(self, copies: list[tuple[str, _Kept]]) -> None:
+        for i in range(0, len(copies), self._batch):
+            await self._write_back_many(copies[i:i + self._batch])
+            if self._leased:  # (a file written back: its lease lasts while it is)
+                await self._redis.pexpire(keys.API_KEYS_FILING, FILING_TTL_MS)
+
+    async def _write_file_back(self, lost: bool) -> None:
+        """The keys file's records where Redis lacks them, unless ``sl:apikeys:filed`` says
+        they were written back whole (not trusted after a loss: on a Cluster the mark may
+        outlive records another node lost), and by one process at a time: the others look
+        again at their next look, until the mark says the writer finished (a writer that
+        died leaves the lease to expire, and another takes it)."""
+        self._file_owed = True  # until written, or seen written
+        if not lost and await self._file_written():
+            self._file_owed = False
+            return
+        if not await self._redis.set(keys.API_KEYS_FILING, self._owner, nx=True, px=FILING_TTL_MS):
+            return  # another process writes them
+        self._leased = True
+        try:
+            await self._redis.delete(keys.API_KEYS_FILED)  # not written whole until this process says so
+            skip = self._kept if lost else {}  # (written just before, by restore_all)
+            copies = [(p, self._copy(p) or k) for p, k in self._filed.items() if p not in skip]
+            await self._write_batches(copies)
+            await self._redis.set(keys.API_KEYS_FILED, self._file_digest)
+            self._file_owed = False
+        finally:
+            self._leased = False
+            with contextlib.suppress(RedisError, OSError):
+                await self._unlease(keys=[keys.API_KEYS_FILING], args=[self._owner])
+
+    async def _file_written(self) -> bool:
+        """Whether the mark names this process's file and nobody is writing one back now."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.get(keys.API_KEYS_FILED)
+        pipe.exists(keys.API_KEYS_FILING)
+        filed, filing = await pipe.execute()
+        return filed == self._file_digest.encode() and not filing
 
     async def _learn_revocations(self) -> None:
         """Mark revoked the kept copies whose prefix ``sl:apikeys:revoked`` lists, when its size changed."""
@@ -329,8 +418,8 @@ class KeyKeeper:
             return
         self._revocations = count
         prefixes = [p for p, copy in {**self._filed, **self._kept}.items() if not copy.revoked]  # (as _copy picks)
-        for i in range(0, len(prefixes), _BATCH):
-            batch = prefixes[i:i + _BATCH]
+        for i in range(0, len(prefixes), self._batch):
+            batch = prefixes[i:i + self._batch]
             for prefix, member in zip(batch, await self._redis.smismember(keys.API_KEYS_REVOKED, batch)):
                 if member:
                     _learn_revoked(prefix, self._kept.get(prefix), self._filed.get(prefix))
@@ -342,8 +431,10 @@ class KeyKeeper:
         self._expire()
         if self._keys_file is not None:
             self._read_keys_file()
-        if lost or self._file_owed:  # (the file's records: at the first look, and once changed)
+        if lost:
             await self.restore_all()
+        elif self._file_owed:  # (the file's records: at the first look, once changed, and until written)
+            await self._write_file_back(lost=False)
         if self._kept or self._filed:
             await self._learn_revocations()
         return True

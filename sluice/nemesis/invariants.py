@@ -40,7 +40,7 @@ from sluice.nemesis.workload import Reference, RequestSpec
 _ACCESS = re.compile(r"access request_id=(\S+) .*?key_id=(\S+) .*?completion_tokens=(\d+)(?:.*? usage_id=(\w+))?")
 #: Registry state (the models, their admission keys, ``sl:epoch``: the registry's generation,
 #: which must never expire lest an idle Redis read as one that lost its data) and API keys.
-_ALLOWED_NO_TTL = re.compile(r"^(sl:models|sl:epoch|sl:apikeys(:revoked|:enforced)?|sl:apikey:.*|sl:\{"
+_ALLOWED_NO_TTL = re.compile(r"^(sl:models|sl:epoch|sl:apikeys(:revoked|:enforced|:filed)?|sl:apikey:.*|sl:\{"
                              + re.escape(MODEL) + r"\}:.*)$")
 
 

@@ -824,6 +824,27 @@ async def test_a_reader_whose_poll_redis_never_answers_ends_with_an_error_not_a_
     assert b"re-attach" in got[-2] and b"service_unavailable" in got[-2]
 
 
+async def test_a_reader_reads_on_across_seconds_without_redis(private_redis) -> None:
+    """Regression (the nemesis, Sentinel, seed 11: nem-250's readers ended three times with
+    "the stream's journal could not be read" while Sentinel named no master, each a round
+    trip for its client): polls that fail at once are tried again as long as a poll without
+    an answer is waited for, so Redis away for 4 s (a failover's length) and back ends no reader."""
+    server = private_redis["server"]
+
+    def away_for_a_while(key: str) -> None:
+        server.shutdown(save=True)  # every poll now fails at once (connection refused)
+
+        def back() -> None:
+            server.start()
+            with server.admin() as admin:
+                admin.xadd(keys.journal(key), {"d": b"data: [DONE]\n\n", "s": b""}, id="0-2")
+        threading.Timer(4.0, back).start()
+
+    got = await _read_one_journal(server, away_for_a_while, 20)
+    assert not any(b"re-attach" in data for data in got), got
+    assert got[0] == b"id: 1\ndata: 1\n\n" and got[-1].endswith(DONE), got
+
+
 async def test_a_reader_whose_redis_connection_was_closed_reads_on(private_redis) -> None:
     """Regression (make test, four processes): a re-attach just after a Redis restart ended
     with "the stream's journal could not be read" on its first poll's stale connection. A
