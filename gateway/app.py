@@ -68,7 +68,7 @@ from gateway.surfaces.pooling import (
 )
 from gateway.surfaces.responses import ResponseShape, ResponsesRequest
 from gateway.surfaces.shape import Shape
-from sluice import keys
+from sluice import keys, redis_faults
 from sluice.apikeys import ApiKey
 from sluice.errors import (
     AuthenticationFailed,
@@ -724,8 +724,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RedisError)
     async def redis_error(request: Request, exc: RedisError) -> Response:
-        log.warning("redis error: %s", exc)
-        return render(request, Unavailable("the gateway's state store is unreachable", retry_after_s=2))
+        return render(request, redis_faults.unavailable(exc))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -62,6 +63,8 @@ class RequestContext:
     headers: dict[str, str] = field(default_factory=dict)
     #: Workers whose connection broke while serving this request (see lost_a_worker).
     workers_lost: set[str] = field(default_factory=set)
+    #: When each line that :meth:`first_to_say` let through was said (monotonic).
+    said: dict[tuple[str, ...], float] = field(default_factory=dict)
     #: Usage, timings, access log, metrics and trace span of this request.
     record: RequestRecord = field(default=None)  # type: ignore[assignment]
 
@@ -84,6 +87,16 @@ class RequestContext:
         the nemesis)."""
         self.workers_lost.add(worker_id)
         return len(self.workers_lost) < 2
+
+    def first_to_say(self, *what: str) -> bool:
+        """Whether a log line about ``what`` is this request's first within a second: the
+        choices of an ``n > 1`` request that one fault hits together log it once (the
+        nemesis: an ``n=16`` stream wrote each migration's line 16 times)."""
+        now = time.monotonic()
+        if now - self.said.get(what, -math.inf) < 1.0:
+            return False
+        self.said[what] = now
+        return True
 
     def take_charges(self) -> list[Charge]:
         """The charges to settle (the key's, the model name's: gateway/admission/name_limits.py),

@@ -39,7 +39,7 @@ from gateway.admission import scripts
 from gateway.admission.grants import GrantListener, GrantMessage
 from gateway.admission.reaper import Reaper
 from gateway.config import GatewaySettings
-from sluice import keys
+from sluice import keys, redis_faults
 from sluice.aftercare import detach
 from sluice.directory import Directory, Epoch
 from sluice.errors import (
@@ -96,7 +96,7 @@ def as_sluice_error(exc: BaseException) -> SluiceError:
     if isinstance(exc, asyncio.CancelledError):
         return ClientGone("the request was cancelled")
     if isinstance(exc, (RedisError, OSError)):
-        return Unavailable("the gateway's state store is unreachable", retry_after_s=2)
+        return redis_faults.unavailable(exc, log_it=False)
     return SluiceError("internal error in the gateway")
 
 

@@ -88,7 +88,7 @@ from gateway.streams.event_ids import DONE, frame, id_tail, mark, tag_of
 from gateway.streams.journal_history import JournalHistory
 from gateway.streams.journal_keeper import Finished, JournalKeeper
 from gateway.surfaces.openai import CHOICE_START, PLAIN_END
-from sluice import keys
+from sluice import keys, redis_faults
 from sluice.errors import InvalidRequest, SluiceError, UpstreamFailed, error_event
 
 log = logging.getLogger("sluice.journal")
@@ -766,7 +766,7 @@ class JournalWriter:
             self._fail_start(exc, f"its first journal write failed: {exc}")
             return
         self._failure = exc
-        log.warning("journal write failed for %s: %s", self.key, exc)
+        redis_faults.report("a journal write failed (it is tried again)", exc, f" (stream {self.key})")
         self._progress.set()
 
     @property

@@ -130,8 +130,11 @@ class Migrator:
                         shunned.append(upstream.worker_id)
                     last_failed = [upstream.worker_id]
                     moves += 1
-                    log.warning("request %s: worker %s broke off after %d tokens, %d of them its own (%s); migrating",
-                                ctx.request_id, upstream.worker_id, len(sent), len(sent) - placed_at, exc.message)
+                    if ctx.first_to_say("broke off", upstream.worker_id, exc.message):
+                        log.warning("request %s: worker %s broke off after %d tokens, %d of them its own (%s); "
+                                    "migrating%s", ctx.request_id, upstream.worker_id, len(sent), len(sent) - placed_at,
+                                    exc.message, "" if len(upstreams) == 1 else f" (choice {index}, and any other "
+                                    "choice it served)")
                     await upstream.aclose()
             if sent and not resumable(payload):
                 raise UpstreamFailed(
@@ -164,11 +167,10 @@ class Migrator:
                         raise
                     raise Unavailable("the stream could not migrate: the gateway's state store is unreachable",
                                       retry_after_s=2) from exc
-                if not waited:
-                    log.warning("request %s: migrating waits: %s", ctx.request_id,
-                                exc.message if isinstance(exc, Unavailable)
-                                else f"Redis is unreachable ({type(exc).__name__}: {exc})")
-                    waited = True
+                why = exc.message if isinstance(exc, Unavailable) else f"Redis is unreachable ({type(exc).__name__}: {exc})"
+                if not waited and ctx.first_to_say("migrating waits", why):
+                    log.warning("request %s: migrating waits: %s", ctx.request_id, why)
+                waited = True
                 await asyncio.sleep(_RETRY_S)
 
     def _may_migrate(self, exc: SluiceError, migrations: int, ctx: RequestContext) -> bool:

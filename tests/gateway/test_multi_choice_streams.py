@@ -50,7 +50,7 @@ def test_one_worker_dying_under_two_choices_is_not_a_query_of_death(start_worker
     """Regression (nemesis seed 7: 41 of the 46 "query of death" errors were n > 1
     requests): the gateway counted a lost worker per choice, so one worker killed under
     two choices of a request read as two workers dead, and the stream ended with
-    ``query_of_death`` instead of migrating both choices."""
+    ``query_of_death`` instead of migrating both choices. The migration is logged once."""
     model = "one-death-n"
     doomed = start_worker(model, sim_max_seqs=8, sim_token_ms=15, sim_ttft_ms=0)
     # The simulator's text depends only on (prompt, seed, position): a fast worker of another
@@ -71,3 +71,6 @@ def test_one_worker_dying_under_two_choices_is_not_a_query_of_death(start_worker
                 start_worker(model, sim_max_seqs=8, sim_token_ms=1, sim_ttft_ms=0)  # where they can go
                 doomed.kill()
     assert texts == [c.text for c in sorted(reference.choices, key=lambda c: c.index)]
+    # One line for the worker that broke off under both choices (it was a line per choice:
+    # an n=16 stream of the nemesis wrote each migration's line 16 times).
+    assert gateway.log_path.read_text().count(" broke off after ") == 1
