@@ -185,6 +185,18 @@ class EmbeddedRedis:
         finally:
             os.kill(self.pid, signal.SIGCONT)
 
+    def refuse_writes(self, seconds: float) -> None:
+        """Full for ``seconds``: a ``maxmemory`` below what it holds (``noeviction``, Redis's
+        default policy) makes it refuse every write with ``OOM`` while it answers reads;
+        then its own ``maxmemory`` again."""
+        with self.admin() as client:
+            before = client.config_get("maxmemory")["maxmemory"]
+            client.config_set("maxmemory", "1")
+            try:
+                time.sleep(seconds)
+            finally:
+                client.config_set("maxmemory", before)
+
     def kill(self) -> None:
         """SIGKILL, as a crash would; the server can be started again on its port with ``start()``."""
         if self.process is not None and self.process.poll() is None:

@@ -227,6 +227,8 @@ class Nemesis:
             await asyncio.to_thread(s.topology.flushall)
         elif kind == "redis_stop":
             await asyncio.to_thread(s.topology.stall, f.duration_s)
+        elif kind == "redis_full":
+            await asyncio.to_thread(s.topology.refuse_writes, f.duration_s)
         elif kind in FAILOVERS:
             # Begun once it can succeed, as an operator would: a replica linked to the master.
             # The wait is not part of the failover's figures.

@@ -24,6 +24,7 @@ KINDS: dict[str, tuple[str, float, float]] = {
     "redis_restart_lossy": ("redis", 0.2, 1.5),  # SHUTDOWN NOSAVE, down, restart empty
     "flushall": ("redis", 0.0, 0.0),
     "redis_stop": ("redis", 1.0, 6.0),           # SIGSTOP, SIGCONT
+    "redis_full": ("redis", 1.0, 5.0),           # a master at its maxmemory: every write refused (OOM)
     "link_delay": ("link", 2.0, 6.0),            # one gateway's Redis link: each chunk delayed
     "link_cut": ("link", 1.0, 5.0),              # one gateway's Redis link: connections cut, refused
     "client_cut": ("clients", 0.0, 0.0),         # some clients drop their connection mid-stream

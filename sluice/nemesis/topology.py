@@ -49,6 +49,9 @@ class Topology(Protocol):
     def stall(self, seconds: float) -> None:
         """SIGSTOP a master for ``seconds``, then SIGCONT."""
 
+    def refuse_writes(self, seconds: float) -> None:
+        """A master full (at its ``maxmemory``) for ``seconds``."""
+
     def ready_for_failover(self) -> None:
         """Wait until a failover could succeed (a replica linked to the master it replaces)."""
 
@@ -93,6 +96,9 @@ class SingleRedis:
     def stall(self, seconds: float) -> None:
         self.server.stall(seconds)
 
+    def refuse_writes(self, seconds: float) -> None:
+        self.server.refuse_writes(seconds)
+
     def ready_for_failover(self) -> None:
         raise RuntimeError("a single Redis server has nothing to fail over to")
 
@@ -128,6 +134,9 @@ class SentinelRedis:
 
     def stall(self, seconds: float) -> None:
         self.deployment.stall_master(seconds)
+
+    def refuse_writes(self, seconds: float) -> None:
+        self.deployment.master().refuse_writes(seconds)
 
     def ready_for_failover(self) -> None:
         self.deployment.wait_replica_ready()
@@ -170,6 +179,9 @@ class ClusterRedis:
 
     def stall(self, seconds: float) -> None:
         self.deployment.master(self._victim()).stall(seconds)
+
+    def refuse_writes(self, seconds: float) -> None:
+        self.deployment.master(self._victim()).refuse_writes(seconds)
 
     def ready_for_failover(self) -> None:
         self.deployment.wait_replicated()
