@@ -131,6 +131,8 @@ def _gateway_errors(system: System) -> dict[str, int]:
                 continue
             last = (entry.get("exc") or "").strip().splitlines()[-1:] or [""]
             what = re.sub(r"\b[0-9a-f]{32,}\b", "<key>", f"{entry.get('msg', '').strip()} | {last[0][:160]}")
+            # A repeated fault's line, said once per few seconds with a count (sluice/redis_faults.py).
+            what = re.sub(r" \(\d+ more like it in the last \d+ s\)", " (and more like it)", what)
             found[what] = found.get(what, 0) + 1
     return found
 
