@@ -50,6 +50,7 @@ from redis.exceptions import RedisError
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
 from gateway.relay.upstream import Dispatcher, Line, Upstream, query_of_death
+from sluice import redis_faults
 from sluice.errors import DeadlineExceeded, SluiceError, Unavailable, UpstreamFailed
 
 PROGRESS_TOKENS = 8
@@ -165,11 +166,14 @@ class Migrator:
                 if time.monotonic() > until or ctx.remaining_s() <= _RETRY_S:
                     if isinstance(exc, Unavailable):
                         raise
-                    raise Unavailable("the stream could not migrate: the gateway's state store is unreachable",
-                                      retry_after_s=2) from exc
-                why = exc.message if isinstance(exc, Unavailable) else f"Redis is unreachable ({type(exc).__name__}: {exc})"
-                if not waited and ctx.first_to_say("migrating waits", why):
-                    log.warning("request %s: migrating waits: %s", ctx.request_id, why)
+                    told = redis_faults.unavailable(exc, log_it=False)
+                    raise Unavailable(f"the stream could not migrate: {told.message}",
+                                      retry_after_s=told.retry_after_s) from exc
+                if not waited:  # said once per wait, not formatted on every retry
+                    why = exc.message if isinstance(exc, Unavailable) else \
+                        f"Redis: {redis_faults.kind_of(exc)} ({type(exc).__name__}: {exc})"
+                    if ctx.first_to_say("migrating waits", why):
+                        log.warning("request %s: migrating waits: %s", ctx.request_id, why)
                 waited = True
                 await asyncio.sleep(_RETRY_S)
 
