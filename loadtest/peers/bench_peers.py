@@ -9,7 +9,11 @@ the same timing).
 
 Prints one table and writes ``loadtest/peers/peers.json`` and ``peers.png``. Every path
 runs at each concurrency in turn (16, 64, then past the point where direct stops scaling),
-with a warm-up before each measured window. Ports: ``--base-port`` and the next nine.
+with a warm-up before each measured window. Ports: ``--base-port`` and the next eleven.
+
+Two more paths measure the floor under any Python gateway on Sluice's stack
+(``floor_relay.py``): ``python floor`` (uvicorn, a JSON parse and a pass-through hop) and
+``python floor + 2 Redis calls`` (the same with an admission's two round trips).
 """
 
 from __future__ import annotations
@@ -85,7 +89,10 @@ def group_cpu_s(pgid: int) -> float:
 
 #: The Sluice processes whose CPU per streamed chunk is reported, by the name they were started under.
 CPU_GROUPS = {"gateway": "sluice-gateway", "gateway x2": "sluice-gateway-2", "gateway baseline": "sluice-gateway-baseline",
-              "openai worker": "sluice-worker-openai", "vllm-router": "vllm-router"}
+              "openai worker": "sluice-worker-openai", "vllm-router": "vllm-router",
+              "floor": "python-floor", "floor+redis": "python-floor-redis"}
+#: The floor relay's paths (floor_relay.py), by the CPU group of their process.
+FLOORS = {"python floor": "floor", "python floor + 2 Redis calls": "floor+redis"}
 
 
 def wait_ready(url: str, timeout_s: float = 120, json_body: dict[str, object] | None = None) -> None:
@@ -184,6 +191,7 @@ def start_all(procs: Procs, base: int, ttft_ms: float, token_ms: float, redis_ur
         _start_router(procs, base, mock, paths)
     if only is None or "litellm" in only:
         _start_litellm(procs, base, mock, paths)
+    _start_floors(procs, base, mock, redis_url, paths, only)
     paths += start_sluice(procs, base, redis_url, mock, "mock", sim=(ttft_ms, token_ms), baseline=baseline)
     probe = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
     for p in paths:
@@ -197,6 +205,17 @@ def _start_router(procs: Procs, base: int, mock: str, paths: list[Path_]) -> Non
     procs.start("vllm-router", [str(router), "--host", "127.0.0.1", "--port", str(base + 1), "--worker-urls", mock,
                                 "--policy", "round_robin", "--log-level", "warning"])
     paths.append(Path_("vllm-router", f"http://127.0.0.1:{base + 1}", "mock"))
+
+
+def _start_floors(procs: Procs, base: int, mock: str, redis_url: str, paths: list[Path_],
+                  only: set[str] | None) -> None:
+    for port, (name, group) in enumerate(FLOORS.items(), start=base + 9):
+        if only is not None and name not in only:
+            continue
+        calls = ["--redis", redis_url, "--redis-calls", "2"] if "Redis" in name else []
+        procs.start(CPU_GROUPS[group], [sys.executable, str(HERE / "floor_relay.py"), "--port", str(port),
+                                        "--upstream", mock, *calls], env={"PYTHONPATH": str(ROOT)})
+        paths.append(Path_(name, f"http://127.0.0.1:{port}", "mock"))
 
 
 def _start_litellm(procs: Procs, base: int, mock: str, paths: list[Path_]) -> None:
@@ -266,10 +285,11 @@ def table(results: dict[str, dict[str, dict[str, object]]], levels: list[int]) -
             group = "gateway x2" if "2 gateway procs" in name else "gateway baseline" if " at " in name else "gateway"
             if name == "vllm-router":  # the router's own process: its CPU beside the gateway's
                 group = "vllm-router"
-            proxy = name.startswith("sluice") or name == "vllm-router"
+            group = FLOORS.get(name, group)
+            proxy = name.startswith("sluice") or name == "vllm-router" or name in FLOORS
             gw = cpu.get(group) if proxy else None
             gw_req = per_request.get(group) if proxy else None
-            rd = per_request.get("redis") if name.startswith("sluice") else None
+            rd = per_request.get("redis") if name.startswith("sluice") or "Redis" in name else None
             wk = cpu.get("openai worker") if name.startswith("sluice (openai") else None
             lines.append(f"| {name} | {level} | {r['chunks_per_s']:,.0f} | {r.get('requests_per_s') or 0:,.0f} "
                          f"| {ratio:.2f} | {fmt(r['ttft_p50_ms'])} | "
