@@ -11,9 +11,10 @@ Prints one table and writes ``loadtest/peers/peers.json`` and ``peers.png``. Eve
 runs at each concurrency in turn (16, 64, then past the point where direct stops scaling),
 with a warm-up before each measured window. Ports: ``--base-port`` and the next eleven.
 
-Two more paths measure the floor under any Python gateway on Sluice's stack
-(``floor_relay.py``): ``python floor`` (uvicorn, a JSON parse and a pass-through hop) and
-``python floor + 2 Redis calls`` (the same with an admission's two round trips).
+Three more paths measure the floor under any Python gateway on Sluice's stack
+(``floor_relay.py``): ``python floor (uvicorn)`` (a JSON parse and a pass-through hop),
+``python floor (uvicorn) + 2 Redis calls`` (the same with an admission's two round trips),
+``python floor (raw asyncio)`` (no uvicorn: a protocol of a few lines on httptools).
 """
 
 from __future__ import annotations
@@ -90,9 +91,10 @@ def group_cpu_s(pgid: int) -> float:
 #: The Sluice processes whose CPU per streamed chunk is reported, by the name they were started under.
 CPU_GROUPS = {"gateway": "sluice-gateway", "gateway x2": "sluice-gateway-2", "gateway baseline": "sluice-gateway-baseline",
               "openai worker": "sluice-worker-openai", "vllm-router": "vllm-router",
-              "floor": "python-floor", "floor+redis": "python-floor-redis"}
+              "floor": "python-floor", "floor-raw": "python-floor-raw", "floor+redis": "python-floor-redis"}
 #: The floor relay's paths (floor_relay.py), by the CPU group of their process.
-FLOORS = {"python floor": "floor", "python floor + 2 Redis calls": "floor+redis"}
+FLOORS = {"python floor (uvicorn)": "floor", "python floor (raw asyncio)": "floor-raw",
+          "python floor (uvicorn) + 2 Redis calls": "floor+redis"}
 
 
 def wait_ready(url: str, timeout_s: float = 120, json_body: dict[str, object] | None = None) -> None:
@@ -213,6 +215,7 @@ def _start_floors(procs: Procs, base: int, mock: str, redis_url: str, paths: lis
         if only is not None and name not in only:
             continue
         calls = ["--redis", redis_url, "--redis-calls", "2"] if "Redis" in name else []
+        calls += ["--server", "raw"] if "raw" in name else []
         procs.start(CPU_GROUPS[group], [sys.executable, str(HERE / "floor_relay.py"), "--port", str(port),
                                         "--upstream", mock, *calls], env={"PYTHONPATH": str(ROOT)})
         paths.append(Path_(name, f"http://127.0.0.1:{port}", "mock"))

@@ -13,8 +13,11 @@ on), no framework, no auth, no queue, no validation, no record, no metrics. Per 
 - posts the body to the engine server over Sluice's own HTTP/1.1 hop (``sluice/http1.py``,
   kept-alive connections) and passes its answer through unchanged, chunk by chunk.
 
-``bench_peers.py --floor`` runs it as the paths ``python floor`` and ``python floor + 2 Redis
-calls`` beside the others. What it costs per request is what a Python gateway on this
+``--server raw`` replaces uvicorn with an asyncio protocol of a few lines on httptools' parser
+(no ASGI messages, one write per chunk): the least an HTTP server of our own could cost.
+
+``bench_peers.py`` runs it as the paths ``python floor (uvicorn)``, ``python floor (raw
+asyncio)`` and ``python floor (uvicorn) + 2 Redis calls`` beside the others. What it costs per request is what a Python gateway on this
 stack pays before it does any of its own work; see loadtest/peers/README.md for the runs.
 
     python loadtest/peers/floor_relay.py --port 18529 --upstream http://127.0.0.1:18520 [--redis URL --redis-calls 2]
@@ -27,8 +30,10 @@ import asyncio
 from typing import Any
 from urllib.parse import urlsplit
 
+import httptools
 import orjson
 import uvicorn
+import uvloop
 
 from sluice.http1 import Http1Pool
 from sluice.script_channel import ScriptChannel
@@ -77,7 +82,69 @@ class Floor:
                     "headers": [(b"content-type", kind)]})
         async for chunk in response.aiter_raw():
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await response.aclose()  # the engine connection back to the pool
         await send({"type": "http.response.body", "body": b""})
+
+    async def answer(self, conn: RawConnection, path: bytes, body: bytes, keep: bool) -> None:
+        """The same request on the raw server: the response written to the socket directly."""
+        write = conn.transport.write
+        if path != b"/v1/chat/completions":
+            write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+            return
+        model = orjson.loads(body).get("model")
+        for i in range(self.redis_calls):
+            await self.step(keys=(f"floor:{model}",), args=("INCR" if i % 2 == 0 else "DECR",))
+        assert self.pool is not None
+        response = await self.pool.post(self.upstream, "/v1/chat/completions", body,
+                                         {"content-type": "application/json"})
+        kind = response.headers.get(b"content-type", b"application/json")
+        write(b"HTTP/1.1 %d OK\r\ncontent-type: %b\r\ntransfer-encoding: chunked\r\n%b\r\n"
+              % (response.status_code, kind, b"" if keep else b"connection: close\r\n"))
+        async for chunk in response.aiter_raw():
+            write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        await response.aclose()
+        write(b"0\r\n\r\n")
+        if not keep:
+            conn.transport.close()
+
+
+class RawConnection(asyncio.Protocol):
+    """One client connection of the raw server: httptools parses, :meth:`Floor.answer`
+    answers (no pipelining: the load generator sends a request after the last answer)."""
+
+    def __init__(self, floor: Floor) -> None:
+        self.floor = floor
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.url, self.body = b"", bytearray()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.transport.close()
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_body(self, body: bytes) -> None:
+        self.body += body
+
+    def on_message_complete(self) -> None:
+        path, body = self.url.partition(b"?")[0], bytes(self.body)
+        self.url, self.body = b"", bytearray()
+        asyncio.get_running_loop().create_task(self.floor.answer(self, path, body, self.parser.should_keep_alive()))
+
+
+async def serve_raw(floor: Floor, port: int) -> None:
+    await floor._start()
+    server = await asyncio.get_running_loop().create_server(lambda: RawConnection(floor), "127.0.0.1", port,
+                                                            backlog=2048)
+    async with server:
+        await server.serve_forever()
 
 
 def main() -> None:
@@ -86,8 +153,15 @@ def main() -> None:
     parser.add_argument("--upstream", required=True, help="the engine server, e.g. http://127.0.0.1:18520")
     parser.add_argument("--redis", help="Redis URL (redis://host:port) for --redis-calls")
     parser.add_argument("--redis-calls", type=int, default=0, help="Redis round trips per request (0: none)")
+    parser.add_argument("--server", choices=["uvicorn", "raw"], default="uvicorn",
+                        help="uvicorn (what Sluice runs on), or a raw asyncio protocol with httptools: the least a "
+                        "Python HTTP server of our own could cost")
     args = parser.parse_args()
-    uvicorn.run(Floor(args.upstream, args.redis, args.redis_calls), host="127.0.0.1", port=args.port,
+    floor = Floor(args.upstream, args.redis, args.redis_calls)
+    if args.server == "raw":
+        uvloop.run(serve_raw(floor, args.port))
+        return
+    uvicorn.run(floor, host="127.0.0.1", port=args.port,
                 loop="uvloop", http="httptools", log_level="warning", access_log=False)
 
 
