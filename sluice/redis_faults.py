@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from redis.exceptions import ReadOnlyError, ResponseError
 
@@ -29,7 +30,7 @@ log = logging.getLogger("sluice.gateway")
 #: A kind of Redis fault is logged at most once this often (with a count of the rest).
 EVERY_S = 5.0
 
-_SAID: dict[tuple[str, str], list[float]] = {}  # (what, kind) -> [when last said, times since]
+_SAID: dict[tuple[str, ...], list[float]] = {}  # what -> [when last said, times since]
 
 
 def kind_of(exc: BaseException) -> str:
@@ -66,11 +67,20 @@ def report(what: str, exc: BaseException, detail: str = "") -> None:
     and kind of fault, with how many times it happened in between; ``detail`` (a stream's
     key, say) is said with the line that is logged."""
     kind = kind_of(exc)
+    throttled((what, kind), log.error if kind == "full" else log.warning,
+              "%s%s: %s: %s", what, detail, _WHY[kind], exc)
+
+
+def throttled(what: tuple[str, ...], say: Callable[..., None], message: str, *args: object) -> None:
+    """``say(message, *args)`` once per :data:`EVERY_S` for each ``what``, with how many
+    times it was asked in between: for a line that one fault can make every request or
+    stream of a gateway write at once (a Redis that lost its data: one per live stream)."""
     now = time.monotonic()
-    said = _SAID.get((what, kind))
+    said = _SAID.get(what)
     if said is not None and now - said[0] < EVERY_S:
         said[1] += 1
         return
-    more = f" ({int(said[1])} more like it in the last {now - said[0]:.0f} s)" if said is not None and said[1] else ""
-    (log.error if kind == "full" else log.warning)("%s%s: %s: %s%s", what, detail, _WHY[kind], exc, more)
-    _SAID[(what, kind)] = [now, 0]
+    if said is not None and said[1]:
+        message += f" ({int(said[1])} more like it in the last {now - said[0]:.0f} s)"
+    say(message, *args)
+    _SAID[what] = [now, 0]

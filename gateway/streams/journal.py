@@ -730,8 +730,9 @@ class JournalWriter:
             # Redis lost events last + 1..: nothing was appended after the hole; write them
             # again, then the pending ones, in the next round. Redis lost the stream's memory
             # reservation with them: reserve it again with the next event (journal_quota.py).
-            log.warning("journal %s: Redis lost events %d..%d; this gateway writes them again and goes on "
-                        "producing it", self.key, last + 1, self._written)
+            redis_faults.throttled(("journal lost events",), log.warning, "journal %s: Redis lost events %d..%d; "
+                                   "this gateway writes them again and goes on producing it", self.key, last + 1,
+                                   self._written)
             self._rewrite_from = last + 1
             if self._budget is not None:
                 self._budget.reserved = 0
@@ -741,8 +742,8 @@ class JournalWriter:
             return
         if status == 2 and not self._lost_noted:
             self._lost_noted = True
-            log.warning("journal %s: Redis lost its :live or key record; this gateway re-claimed it and goes on "
-                        "producing it", self.key)
+            redis_faults.throttled(("journal re-claimed",), log.warning, "journal %s: Redis lost its :live or key "
+                                   "record; this gateway re-claimed it and goes on producing it", self.key)
         self._rewrite_from = None
         batch, first = self._pending[:self._in_flight], self._written + 1
         self._written += len(batch)

@@ -136,7 +136,13 @@ class RawConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         path, body = self.url.partition(b"?")[0], bytes(self.body)
         self.url, self.body = b"", bytearray()
-        asyncio.get_running_loop().create_task(self.floor.answer(self, path, body, self.parser.should_keep_alive()))
+        task = asyncio.get_running_loop().create_task(self.floor.answer(self, path, body,
+                                                                         self.parser.should_keep_alive()))
+        _ANSWERING.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(_ANSWERING.discard)
+
+
+_ANSWERING: set[asyncio.Task[None]] = set()
 
 
 async def serve_raw(floor: Floor, port: int) -> None:
