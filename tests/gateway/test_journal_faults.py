@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -101,6 +102,35 @@ def test_a_resumable_stream_goes_on_when_redis_loses_its_data(private_redis, sta
     # So does one that saw event 140.
     with httpx.stream("GET", f"{gateway.url}/v1/streams/{key}", headers={"Last-Event-ID": "140"}, timeout=30) as r:
         assert _events(r.iter_lines()) == events[140:]
+
+
+def test_a_loss_under_many_resumable_streams_is_logged_once_not_once_per_stream(private_redis, start_worker,
+                                                                                start_gateway) -> None:
+    """A Redis that loses its data under N live resumable streams: every stream goes on,
+    and the gateway says so in a line, not N (each stream logged that Redis lost its events,
+    and the same for a lost ``:live``: thousands of lines for thousands of streams, burying
+    what else the loss did)."""
+    server = private_redis["server"]
+    start_worker("many", redis_at=server.url, sim_token_ms=20, sim_ttft_ms=0)
+    gateway = start_gateway(redis_at=server.url)
+    body = {"model": "many", "prompt": "a story", "max_tokens": 80, "ignore_eos": True, "stream": True}
+    streams, lost = 12, threading.Event()
+
+    def one(_: int) -> list:
+        # Every stream is past event 20 when the first one to get there flushes Redis (once).
+        def lose() -> None:
+            if not lost.is_set():
+                lost.set()
+                _lose(private_redis, "flushall")
+        return _stream(gateway.url + "/v1/completions", body, {"Idempotency-Key": uuid.uuid4().hex}, lose, at=20)
+
+    with ThreadPoolExecutor(streams) as pool:
+        results = list(pool.map(one, range(streams)))
+    for events in results:
+        assert not _errors(events), _errors(events)
+        assert [i for i, _ in events if i is not None] == list(range(1, 81)) and events[-1][1] == "[DONE]"
+    said = gateway.log_path.read_text().count("Redis lost events")
+    assert 1 <= said <= 2, said  # a second line only past the 5 s window; before, one per stream
 
 
 def test_a_resumable_stream_whose_generation_ends_while_redis_is_down_is_journaled_to_its_end(
