@@ -129,14 +129,24 @@ class _Kept:
         self.fields = {**self.fields, "revoked": "1"}
 
 
-def _learn_revoked(prefix: str, *copies: _Kept | None) -> None:
-    """Mark this process's copies of a record revoked, and say so once, whichever way it was
-    learned (a verify, a write-back that found the record revoked, ``sl:apikeys:revoked``):
-    CI, 2026-12-02, a write-back right after a loss learned it first and no line said so."""
-    fresh = [copy for copy in copies if copy is not None and not copy.revoked]
+def _learn_revoked(prefix: str, kept: _Kept | None, filed: _Kept | None, keys_file: str | None) -> None:
+    """Mark this process's copies of a record revoked (``kept``: the one it verified;
+    ``filed``: the keys file's), and say so once, whichever way it was learned (a verify, a
+    write-back that found the record revoked, ``sl:apikeys:revoked``): CI, 2026-12-02, a
+    write-back right after a loss learned it first and no line said so.
+
+    A keys file that still says valid is said at warning level: this process keeps the
+    revocation, but a loss that outlives every gateway process would bring the key back
+    from the file (a ``sluice keys revoke`` run without ``--keys-file``)."""
+    fresh = [copy for copy in (kept, filed) if copy is not None and not copy.revoked]
     for copy in fresh:
         copy.revoke()
-    if fresh:
+    if any(copy is filed for copy in fresh):
+        log.warning("API key %s was revoked, but the keys file %s still has it valid: this gateway keeps the "
+                    "revocation, while a Redis loss that outlives every gateway would bring the key back. "
+                    "Rewrite the file (sluice keys export %s), or revoke with --keys-file", prefix, keys_file,
+                    keys_file)
+    elif fresh:
         log.info("API key %s was revoked: this gateway's copy is marked revoked", prefix)
 
 
@@ -254,7 +264,7 @@ class KeyKeeper:
         record = parse_record(fields)
         if record.revoked:
             if kept is not None:
-                _learn_revoked(prefix, self._kept.get(prefix), self._filed.get(prefix))
+                _learn_revoked(prefix, self._kept.get(prefix), self._filed.get(prefix), self._keys_file)
             raise AuthenticationFailed("invalid or revoked API key")
         self._keep(prefix, fields)
         return record
@@ -325,7 +335,8 @@ class KeyKeeper:
                 held.append(None)
                 continue
             if state == "revoked":
-                _learn_revoked(prefix, kept, self._filed.get(prefix))
+                filed = self._filed.get(prefix)
+                _learn_revoked(prefix, None if kept is filed else kept, filed, self._keys_file)
             self.restored += int(written)
             held.append(kept.fields)
             listed.append(prefix)
@@ -422,7 +433,7 @@ class KeyKeeper:
             batch = prefixes[i:i + self._batch]
             for prefix, member in zip(batch, await self._redis.smismember(keys.API_KEYS_REVOKED, batch)):
                 if member:
-                    _learn_revoked(prefix, self._kept.get(prefix), self._filed.get(prefix))
+                    _learn_revoked(prefix, self._kept.get(prefix), self._filed.get(prefix), self._keys_file)
 
     async def _after_look(self, lost: bool) -> bool:
         """After each of the watcher's looks: drop old copies, write every copy back if Redis

@@ -328,6 +328,7 @@ def test_keys_in_a_keys_file_outlive_every_gateway_that_verified_them(
         start_worker(MODEL, redis_at=server.url, sim_token_ms=0, sim_ttft_ms=0)
         key, prefix = _create(server.url, "filed")
         doomed, doomed_prefix = _create(server.url, "revoked-in-the-file")
+        _, stale_prefix = _create(server.url, "revoked-without-the-file")
         path = tmp_path / "keys.jsonl"
         _keys_cli("export", str(path), "--redis-url", server.url)
         _keys_cli("revoke", doomed_prefix, "--redis-url", server.url, "--keys-file", str(path))
@@ -345,6 +346,10 @@ def test_keys_in_a_keys_file_outlive_every_gateway_that_verified_them(
             _list_models(fresh, doomed)
         assert client.hget(keys.api_key(doomed_prefix), "revoked") == b"1"
         assert httpx.get(fresh.url + "/v1/models").status_code == 401  # no key: not served
+        # A revocation the file does not have: the gateway keeps it, and says the file would undo it.
+        _keys_cli("revoke", stale_prefix, "--redis-url", server.url)
+        wait_for(lambda: f"API key {stale_prefix} was revoked, but the keys file" in fresh.log_path.read_text(), 10,
+                 "the gateway to warn that its keys file still has the revoked key valid")
         client.close()
 
 
