@@ -35,7 +35,7 @@ import orjson
 import uvicorn
 import uvloop
 
-from sluice.http1 import Http1Pool
+from sluice.http1 import Http1Pool, Http1Response
 from sluice.script_channel import ScriptChannel
 
 _STEP = "return redis.call(ARGV[1], KEYS[1])"
@@ -54,6 +54,17 @@ class Floor:
             where = urlsplit(self.redis_url)
             self.step = ScriptChannel(where.hostname or "127.0.0.1", where.port or 6379).register_script(_STEP)
 
+    async def _forward(self, body: bytes) -> tuple[Http1Response, bytes]:
+        """What every request costs whatever the server: the parse, the Redis round trips,
+        the engine's response (and its content type)."""
+        model = orjson.loads(body).get("model")  # what a router reads, at the least
+        for i in range(self.redis_calls):
+            await self.step(keys=(f"floor:{model}",), args=("INCR" if i % 2 == 0 else "DECR",))
+        assert self.pool is not None
+        response = await self.pool.post(self.upstream, "/v1/chat/completions", body,
+                                         {"content-type": "application/json"})
+        return response, response.headers.get(b"content-type", b"application/json")
+
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             while (await receive())["type"] != "lifespan.shutdown":
@@ -71,13 +82,7 @@ class Floor:
             await send({"type": "http.response.start", "status": 404, "headers": []})
             await send({"type": "http.response.body", "body": b""})
             return
-        model = orjson.loads(body).get("model")  # what a router reads, at the least
-        for i in range(self.redis_calls):
-            await self.step(keys=(f"floor:{model}",), args=("INCR" if i % 2 == 0 else "DECR",))
-        assert self.pool is not None
-        response = await self.pool.post(self.upstream, "/v1/chat/completions", body,
-                                         {"content-type": "application/json"})
-        kind = response.headers.get(b"content-type", b"application/json")
+        response, kind = await self._forward(body)
         await send({"type": "http.response.start", "status": response.status_code,
                     "headers": [(b"content-type", kind)]})
         async for chunk in response.aiter_raw():
@@ -91,13 +96,7 @@ class Floor:
         if path != b"/v1/chat/completions":
             write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
             return
-        model = orjson.loads(body).get("model")
-        for i in range(self.redis_calls):
-            await self.step(keys=(f"floor:{model}",), args=("INCR" if i % 2 == 0 else "DECR",))
-        assert self.pool is not None
-        response = await self.pool.post(self.upstream, "/v1/chat/completions", body,
-                                         {"content-type": "application/json"})
-        kind = response.headers.get(b"content-type", b"application/json")
+        response, kind = await self._forward(body)
         write(b"HTTP/1.1 %d OK\r\ncontent-type: %b\r\ntransfer-encoding: chunked\r\n%b\r\n"
               % (response.status_code, kind, b"" if keep else b"connection: close\r\n"))
         async for chunk in response.aiter_raw():
