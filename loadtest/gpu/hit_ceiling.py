@@ -12,7 +12,10 @@ requests.
     .venv/bin/python -m loadtest.gpu.hit_ceiling --quick    (baseline only)
 
 What it found (README, "Overflow: the hit rate no router can pass"): round robin gets ~47 %
-from the popular prefixes every worker caches, so the best oracle reaches ~1.9x of it.
+from the popular prefixes every worker caches, so the best oracle reaches ~1.9x of it. And
+"the slow tenth": even the oracle leaves ~12.5 % of requests missing their whole prefix at
+Zipf 0.9, so the P90 request prefills a whole prefix under any router (only a worker that
+pins its hottest prefixes brings the misses under 10 %).
 """
 
 from __future__ import annotations
