@@ -64,3 +64,29 @@ def test_a_full_redis_is_a_503_that_says_so_and_a_resumable_stream_waits_it_out(
         refusals = _log_lines(gateway, "Redis refuses writes: it is at its maxmemory")
         assert 2 <= len(refusals) <= 4, refusals  # the requests' line and the journal's; was 20 + ~50
         admin.close()
+
+
+def test_a_stream_that_cannot_migrate_while_redis_is_full_is_told_so(start_worker, start_gateway) -> None:
+    """A stream whose worker dies while Redis refuses writes waits to migrate (a new slot is a
+    write), then ends with an error that names the fault: it said "the gateway's state store
+    is unreachable" whatever the fault, sending an operator to the network."""
+    with EmbeddedRedis(args=["--maxmemory-policy", "noeviction"]) as server:
+        worker = start_worker(MODEL, redis_at=server.url, sim_token_ms=50, sim_ttft_ms=0)
+        gateway = start_gateway(redis_at=server.url, env={"SLUICE_GATEWAY_MIGRATION_WAIT_S": "1"})
+        admin = redis.Redis.from_url(server.url)
+        lines: list[str] = []
+        try:
+            with httpx.stream("POST", gateway.url + "/v1/chat/completions",
+                              json={**CHAT, "max_tokens": 200, "stream": True}, timeout=60) as resp:
+                assert resp.status_code == 200
+                for line in resp.iter_lines():
+                    lines.append(line)
+                    if len(lines) == 10:
+                        admin.config_set("maxmemory", "100kb")  # below what it holds: every write refused
+                        worker.kill()
+        finally:
+            admin.config_set("maxmemory", "0")
+            admin.close()
+        errors = [line for line in lines if line.startswith('data: {"error"')]
+        assert len(errors) == 1, lines[-3:]
+        assert "could not migrate" in errors[0] and "state store is full" in errors[0], errors[0]
