@@ -222,9 +222,9 @@ MISS_TOKENS = 1000
 
 def tail_of(reqs, events, policy, weights, **kw) -> dict:
     """What the slowest requests prefill under ``policy``: the P50 and P90 of each measured
-    request's uncached prompt tokens, and the share (%) that missed its prefix."""
+    request's uncached prompt tokens, the share (%) that missed its prefix, and the hit rate."""
     tails: dict = {}
-    simulate(reqs, events, policy, weights, tails=tails, **kw)
+    tails["hit"] = simulate(reqs, events, policy, weights, tails=tails, **kw)
     return tails
 
 
@@ -346,7 +346,7 @@ def main():
         return
     print("the slow tenth: prompt tokens each request prefills (P50 / P90) and the share that missed its "
           f"prefix (>= {MISS_TOKENS} tokens to prefill), {args.requests} requests, seeds 0-2", flush=True)
-    for z in (0.9, 0.6):
+    for z in (0.6, 0.8, 0.9, 1.0, 1.2):
         sz = replace(base, zipf_s=z)
         g = groups_of("overflow", sz)
         w = zipf_weights(g, sz.zipf_s)
@@ -357,7 +357,8 @@ def main():
                     "oracle+pin": max((tail_of(reqs, events, "partition", w, pin=p) for p in (16, 20)),
                                       key=lambda t: -t["missed"])}
             print(f"  zipf {z} seed {seed}: " + "  ".join(
-                f"{k} {t['p50']}/{t['p90']} tokens, {t['missed']:.1f}% missed" for k, t in arms.items()), flush=True)
+                f"{k} {t['p50']}/{t['p90']} tokens, {t['missed']:.1f}% missed" for k, t in arms.items())
+                + f"  | hit oracle/rr {arms['oracle']['hit'] / arms['rr']['hit']:.2f}x", flush=True)
     show(f"long({args.long})", baseline(base, [7], args.long)[2])
     show(f"arm({args.requests}) answers-not-reused", baseline(base, [0], args.requests, answer_match=False)[2])
     print("aside: sweeps (rr vs best oracle = max(partition LRU, partition+pin)), 6,000 requests, seed 3", flush=True)
