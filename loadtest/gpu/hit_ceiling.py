@@ -14,8 +14,9 @@ requests.
 What it found (README, "Overflow: the hit rate no router can pass"): round robin gets ~47 %
 from the popular prefixes every worker caches, so the best oracle reaches ~1.9x of it. And
 "the slow tenth": even the oracle leaves ~12.5 % of requests missing their whole prefix at
-Zipf 0.9, so the P90 request prefills a whole prefix under any router (only a worker that
-pins its hottest prefixes brings the misses under 10 %).
+Zipf 0.9, so the P90 request prefills a whole prefix under any router. Misses fall under a
+tenth only at Zipf ~1.1 and above, where the hit rate's 2x is out of reach: with LRU caches
+no popularity meets both of issue 24's overflow goals (pinning the hottest prefixes would).
 """
 
 from __future__ import annotations
