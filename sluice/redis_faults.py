@@ -21,9 +21,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from redis.exceptions import ReadOnlyError, ResponseError
+from redis.exceptions import ResponseError
 
 from sluice.errors import Unavailable
+from sluice.redis_pool import is_demotion
 
 log = logging.getLogger("sluice.gateway")
 
@@ -37,7 +38,7 @@ def kind_of(exc: BaseException) -> str:
     """``full``, ``read-only`` or ``unreachable``."""
     if isinstance(exc, ResponseError) and "OOM command not allowed" in str(exc):
         return "full"  # (inside a script, redis-py raises a plain ResponseError that quotes it)
-    if isinstance(exc, ReadOnlyError) or (isinstance(exc, ResponseError) and "READONLY" in str(exc)):
+    if isinstance(exc, ResponseError) and is_demotion(exc):
         return "read-only"
     return "unreachable"
 

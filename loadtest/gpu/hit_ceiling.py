@@ -351,7 +351,8 @@ def main():
         sz = replace(base, zipf_s=z)
         g = groups_of("overflow", sz)
         w = zipf_weights(g, sz.zipf_s)
-        w = [v / sum(w) for v in w]
+        total = sum(w)
+        w = [v / total for v in w]
         for seed in (0, 1, 2):
             reqs, events = build(sz, seed, args.requests)
             arms = {"rr": tail_of(reqs, events, "rr", w), "oracle": tail_of(reqs, events, "partition", w),
