@@ -80,8 +80,11 @@ def test_a_worker_nobody_answers_for_stops_getting_slots_at_once(start_worker, s
         # A long stream holds one of the survivor's slots, so least-loaded routing sends
         # the next request to the idle (dead) worker: no reliance on how ties break. It
         # lasts 100 s: starting the second worker can take over 10 s on a loaded machine,
-        # and a stream that ended by then left a tie that the survivor could win.
-        busy = client.completions.create(model=model, prompt="busy", max_tokens=2000, stream=True)
+        # and a stream that ended by then left a tie that the survivor could win. Past its
+        # EOS too: the simulator ends "busy" at its 77th token (3.9 s), and a CI run whose
+        # second worker took longer to start failed here (7f3f5bf).
+        busy = client.completions.create(model=model, prompt="busy", max_tokens=2000, stream=True,
+                                         extra_body={"ignore_eos": True})
         assert next(iter(busy)).choices
         doomed = start_worker(model, heartbeat_ms=10_000)  # its heartbeat would stay alive 30 s
         doomed.kill()
