@@ -16,7 +16,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import anyio
 import httpx
 import orjson
 from fastapi import FastAPI, Request
@@ -69,6 +68,7 @@ from gateway.surfaces.pooling import (
 from gateway.surfaces.responses import ResponseShape, ResponsesRequest
 from gateway.surfaces.shape import Shape
 from sluice import keys, redis_faults
+from sluice.aftercare import to_the_end
 from sluice.apikeys import ApiKey
 from sluice.errors import (
     AuthenticationFailed,
@@ -283,9 +283,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             try:
                 count = await svc(request).counter.count(req, ctx)
             finally:
-                with anyio.CancelScope(shield=True):
-                    for charge in ctx.take_charges():
-                        await svc(request).tenancy.settle_quietly(charge, 0, ctx.request_id)
+                await to_the_end(svc(request).tenancy.settle_all(ctx.take_charges(), 0, ctx.request_id))
         except BaseException as exc:
             record.finish(as_sluice_error(exc))
             raise
@@ -423,8 +421,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
 
 def svc(request: Request) -> Services:
-    """This process's services, from the lifespan state."""
-    services: Services | None = getattr(request.state, "services", None)
+    """This process's services, from the lifespan state (read from the scope: ``request.state``
+    builds an object per request to read it through, ~1 µs a call, three calls a request)."""
+    services: Services | None = request.scope.get("state", {}).get("services")
     if services is None:
         raise Unavailable("gateway is starting", retry_after_s=1)
     return services

@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 log = logging.getLogger("sluice.gateway")
+
+T = TypeVar("T")
 
 #: The clean-ups running now: a task the loop holds only weakly could be collected mid-way.
 _running: set[asyncio.Task[Any]] = set()
@@ -41,3 +43,35 @@ def detach(work: Coroutine[Any, Any, Any], what: str) -> asyncio.Task[Any]:
 def pending() -> int:
     """How many clean-ups are still running (tests, shutdown)."""
     return len(_running)
+
+
+async def to_the_end(work: Coroutine[Any, Any, T]) -> T:
+    """Await ``work``, a clean-up, so that this task's cancellation does not cut it short;
+    a cancellation that came meanwhile goes on up once it has ended.
+
+    Why not ``anyio.CancelScope(shield=True)``, which the gateway used: it shields only from
+    anyio's own cancel scopes, and nothing in the gateway cancels through one. Every
+    cancellation here is asyncio's ``Task.cancel`` (the SSE response's watch for a client
+    that left, ``asyncio.timeout``, uvicorn at shutdown), and that went through the scope into
+    the clean-up (tests/test_aftercare.py). It also cost about 7 µs a scope, two per
+    streamed request (py-spy, loadtest/peers/README.md).
+
+    A task being cancelled (the clean-up runs because of that) runs ``work`` in a task of
+    its own and waits for it through any further cancellation: there a second one, such as
+    uvicorn's at shutdown, is what could come. A task that is not runs ``work`` inline, for
+    nothing: the common end of a request. A first cancellation arriving in that short
+    window still cuts the clean-up, as it did through anyio's scope."""
+    current = asyncio.current_task()
+    if current is None or not current.cancelling():
+        return await work
+    inner = asyncio.get_running_loop().create_task(work)
+    cancelled_again = False
+    while not inner.done():
+        try:
+            await asyncio.wait([inner])  # a cancellation of this wait leaves ``inner`` running
+        except asyncio.CancelledError:
+            cancelled_again = True
+    result = inner.result()  # its own failure first
+    if cancelled_again:
+        raise asyncio.CancelledError
+    return result

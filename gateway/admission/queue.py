@@ -31,7 +31,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
-import anyio
 import orjson
 from redis.exceptions import RedisError
 
@@ -40,7 +39,7 @@ from gateway.admission.grants import GrantListener, GrantMessage
 from gateway.admission.reaper import Reaper
 from gateway.config import GatewaySettings
 from sluice import keys, redis_faults
-from sluice.aftercare import detach
+from sluice.aftercare import detach, to_the_end
 from sluice.directory import Directory, Epoch
 from sluice.errors import (
     InvalidRequest,
@@ -363,13 +362,10 @@ class Admission:
                     await self._claim(leases)
                     return leases
                 if disconnected is not None and await disconnected():
-                    for lease in await self._depart(waiter):
-                        await self.release(lease)
+                    await self._depart_and_release(waiter)
                     raise ClientGone("client disconnected while queued")
         except asyncio.CancelledError:
-            with anyio.CancelScope(shield=True):
-                for lease in await self._depart(waiter):
-                    await self.release(lease)
+            await to_the_end(self._depart_and_release(waiter))
             raise
         finally:
             self._waiters.pop(ask.request_id, None)
@@ -388,6 +384,11 @@ class Admission:
             waiting, retry_after_s = "Redis did not say how many wait", self._unknown_retry_after_s()
         raise RateLimited(f"no capacity for '{ask.model}' within the queue timeout ({waiting})",
                           retry_after_s=retry_after_s, code="queue_timeout")
+
+    async def _depart_and_release(self, waiter: _Waiter) -> None:
+        """The waiter leaves the queue, and gives back what it was granted meanwhile."""
+        for lease in await self._depart(waiter):
+            await self.release(lease)
 
     async def _depart(self, waiter: _Waiter) -> list[Lease]:
         """The waiter leaves the queue (after any re-queue of it in flight has landed)."""

@@ -299,6 +299,11 @@ class Tenancy:
         except (RedisError, OSError) as exc:
             log.warning("could not settle the rate-limit charge of %s: %s", request_id, exc)
 
+    async def settle_all(self, charges: list[Charge], used_tokens: int, request_id: str) -> None:
+        """:meth:`settle_quietly` each of a request's charges (the key's, its model name's)."""
+        for charge in charges:
+            await self.settle_quietly(charge, used_tokens, request_id)
+
     async def settle(self, charge: Charge, used_tokens: int) -> None:
         running = self._running.get(charge.key.prefix, {})
         running.pop(charge.stream_id, None)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 
-import anyio
 from starlette.responses import Response
 
 from gateway.admission.tenancy import Tenancy
@@ -22,6 +21,7 @@ from gateway.config import GatewaySettings
 from gateway.context import RequestContext
 from gateway.relay.upstream import Dispatcher, Line
 from gateway.surfaces.pooling import PoolingRequest, render
+from sluice.aftercare import to_the_end
 from sluice.errors import UpstreamFailed
 
 log = logging.getLogger("sluice.gateway")
@@ -49,14 +49,12 @@ class PoolingServing:
                     record.add(0, line)
                     answer = line
             finally:
-                with anyio.CancelScope(shield=True):
-                    await upstream.aclose()
+                await to_the_end(upstream.aclose())
             if answer is None:
                 raise UpstreamFailed("the worker sent no answer", code="worker_lost")
             body = render(req, answer)
         except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._settle(ctx, 0)
+            await to_the_end(self._settle(ctx, 0))
             raise
         record.finish()
         await self._settle(ctx, record.prompt_tokens)

@@ -2,7 +2,8 @@
 
 Per chunk, bytes come from templates (gateway/surfaces/openai.py), never from models.
 Both renderers end the same way whatever happens (success, error, client gone):
-their ``end`` callback (close upstreams, settle) runs once, shielded from cancellation.
+their ``end`` callback (close upstreams, settle) runs once, to its end
+(:func:`sluice.aftercare.to_the_end`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, Literal
 
-import anyio
 from starlette.responses import Response
 
 from gateway.admission.queue import ClientGone, as_sluice_error
@@ -28,6 +28,7 @@ from gateway.surfaces.openai import (
     completion_body,
 )
 from gateway.surfaces.shape import Shape
+from sluice.aftercare import to_the_end
 from sluice.errors import SluiceError, Unavailable, error_event
 
 log = logging.getLogger("sluice.gateway")
@@ -92,10 +93,14 @@ async def sse_events(
         outcome = ClientGone("client disconnected mid-stream")
         raise
     finally:
-        with anyio.CancelScope(shield=True):
-            await close_lines(lines)  # closed at one of our yields: the choices stop before their upstreams close
-            await end(outcome, completed)
+        # closed at one of our yields: the choices stop before their upstreams close
+        await to_the_end(_close_then(lines, lambda: end(outcome, completed)))
     yield DONE
+
+
+async def _close_then(lines: AsyncIterator[tuple[int, Line]], end: Callable[[], Awaitable[None]]) -> None:
+    await close_lines(lines)
+    await end()
 
 
 class DeliveredJSON(Response):
@@ -115,8 +120,7 @@ class DeliveredJSON(Response):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            with anyio.CancelScope(shield=True):
-                await self._delivered()
+            await to_the_end(self._delivered())
 
 
 async def json_response(
@@ -154,9 +158,7 @@ async def json_response(
         record.finish(as_sluice_error(exc))
         raise
     finally:
-        with anyio.CancelScope(shield=True):
-            await close_lines(lines)
-            await end()
+        await to_the_end(_close_then(lines, end))
     if shape is not None:
         body = shape.json_body(texts[0], finishes[0], stops[0], calls[0].calls(), record.usage())
         return DeliveredJSON(body, headers, delivered)

@@ -11,13 +11,12 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import anyio
 from opentelemetry.context import Context
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.responses import Response
 
-from gateway.admission.queue import ClientGone
+from gateway.admission.queue import ClientGone, Lease
 from gateway.admission.tenancy import Charge, Tenancy
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
@@ -53,7 +52,7 @@ from gateway.surfaces.openai import (
 )
 from gateway.surfaces.shape import Shape
 from sluice import keys
-from sluice.aftercare import detach
+from sluice.aftercare import detach, to_the_end
 from sluice.errors import (
     Conflict,
     DeadlineExceeded,
@@ -153,8 +152,7 @@ class Serving:
         is free again, its charges refunded."""
         if key is not None:
             await self._idempotency.settle(key, ctx.internal_id, completed=False)
-        for charge in charges:
-            await self._tenancy.settle_quietly(charge, 0, ctx.request_id)
+        await self._tenancy.settle_all(charges, 0, ctx.request_id)
 
     async def _generate(
         self, kind: Kind, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext,
@@ -193,9 +191,8 @@ class Serving:
             response = await json_response(kind, req, lines, record, headers, ctx.disconnected, len(upstreams),
                                            lambda: _close(upstreams), lambda: self._bill_json(ctx), shape)
         except BaseException:
-            with anyio.CancelScope(shield=True):
-                record.served_nothing()  # no body reached the client (a cancelled one too)
-                await abandon()
+            record.served_nothing()  # no body reached the client (a cancelled one too)
+            await to_the_end(abandon())
             raise
         if ctx.idempotency_key is not None:
             await self._idempotency.settle(ctx.idempotency_key, ctx.internal_id, True, bytes(response.body))
@@ -249,10 +246,7 @@ class Serving:
         try:
             failure = await self._start_producer(writer, events, tap, ending)
         except BaseException:  # cancelled before its stream began
-            with anyio.CancelScope(shield=True):
-                await self._undo_start(key, owner, budget)
-                ctx.record.served_nothing()
-                await abandon()
+            await to_the_end(self._unstarted(key, owner, budget, ctx.record, abandon))
             raise
         if isinstance(failure, JournalLost):
             # This gateway stalled past its claim's TTL and a retry claimed the key: that one
@@ -268,12 +262,17 @@ class Serving:
             # its data, and their clients were sent that stream again from event 1).
             return await self.reattach(key, None if held is None else ctx.last_event, retry=True, until=ctx.deadline)
         if failure is not None:  # the quota's 429, or Redis failing: what its first write did goes
-            with anyio.CancelScope(shield=True):
-                await self._undo_start(key, owner, budget)
-                ctx.record.served_nothing()
-                await abandon()
+            await to_the_end(self._unstarted(key, owner, budget, ctx.record, abandon))
             raise failure
         return SSEResponse(first.events(), self._keepalive, first.close, headers)
+
+    async def _unstarted(self, key: str, owner: str, budget: StreamBudget, record: RequestRecord,
+                         abandon: Callable[[], Awaitable[None]]) -> None:
+        """A resumable stream that did not begin: its start undone, nothing billed, its
+        generation's clean-up run."""
+        await self._undo_start(key, owner, budget)
+        record.served_nothing()
+        await abandon()
 
     async def _undo_start(self, key: str, owner: str, budget: StreamBudget) -> None:
         """Undo what a stream's first write did, or may have done, when the stream did not
@@ -297,9 +296,7 @@ class Serving:
         try:
             failure = await writer.started()
         except BaseException:
-            with anyio.CancelScope(shield=True):
-                await writer.abort()
-                await asyncio.wait([producer])
+            await to_the_end(_aborted(writer, producer))
             raise
         if failure is not None:
             await asyncio.wait([producer])  # its generation's clean-up has run
@@ -489,15 +486,19 @@ class Serving:
         opened = [r for r in results if isinstance(r, Upstream)]
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
-            with anyio.CancelScope(shield=True):
-                for upstream in opened:
-                    await upstream.aclose()
-                held = {u.lease.lease_id for u in opened}
-                for lease in leases:  # a lease whose open never ran; releasing twice is harmless
-                    if lease.lease_id not in held:
-                        await self._dispatcher.release(lease)
+            await to_the_end(self._give_back(opened, leases))
             raise failure
         return opened
+
+    async def _give_back(self, opened: list[Upstream], leases: list[Lease]) -> None:
+        """The generations of a request one of whose opens failed: closed, and the slots of
+        those never opened released (releasing twice is harmless)."""
+        for upstream in opened:
+            await upstream.aclose()
+        held = {u.lease.lease_id for u in opened}
+        for lease in leases:
+            if lease.lease_id not in held:
+                await self._dispatcher.release(lease)
 
     async def reattach(self, key: str, last_event: str | None, *, retry: bool = False,
                        until: float | None = None) -> Response:
@@ -589,8 +590,7 @@ class Serving:
     async def _settle_usage(self, ctx: RequestContext, used_tokens: int) -> None:
         """Correct the key's and the model name's TPM charges with what the request really
         used; once."""
-        for charge in ctx.take_charges():
-            await self._tenancy.settle_quietly(charge, used_tokens, ctx.request_id)
+        await self._tenancy.settle_all(ctx.take_charges(), used_tokens, ctx.request_id)
 
     async def _bill_json(self, ctx: RequestContext) -> None:
         """A JSON answer handed to its client's connection: finish the record (the access line
@@ -655,6 +655,12 @@ def _held_by_journal(state: Recovered, digest: int) -> Held | None:
         raise HistoryLost(f"the stream's journal lacks events 1..{state.base} (Redis lost data): it cannot be "
                           f"continued; {RESEND_POST}")
     return held
+
+
+async def _aborted(writer: JournalWriter, producer: asyncio.Task[None]) -> None:
+    """A producer whose request left before its stream began: stopped, and waited for."""
+    await writer.abort()
+    await asyncio.wait([producer])
 
 
 async def _close(upstreams: list[Upstream | None]) -> None:

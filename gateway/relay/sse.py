@@ -19,11 +19,11 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
-import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.surfaces.openai import DONE
+from sluice.aftercare import to_the_end
 
 log = logging.getLogger("sluice.gateway")
 
@@ -132,12 +132,14 @@ class SSEResponse(Response):
             self._open = False
             self._keepalive.discard(self)
             watcher.cancel()
-            with anyio.CancelScope(shield=True):
-                aclose = getattr(self._events, "aclose", None)
-                if aclose is not None:  # suspended at a yield if a send failed: run its finally
-                    await aclose()
-                if self._cleanup is not None:
-                    await self._cleanup()
+            await to_the_end(self._clean_up())
+
+    async def _clean_up(self) -> None:
+        aclose = getattr(self._events, "aclose", None)
+        if aclose is not None:  # suspended at a yield if a send failed: run its finally
+            await aclose()
+        if self._cleanup is not None:
+            await self._cleanup()
 
     async def _watch(self, receive: Receive, task: asyncio.Task[None], gone: asyncio.Future[None]) -> None:
         """Wait for the client to leave; then cancel the stream (once) if it is still open."""

@@ -44,13 +44,13 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 from redis.exceptions import RedisError
 
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
 from gateway.relay.upstream import Dispatcher, Line, Upstream, query_of_death
 from sluice import redis_faults
+from sluice.aftercare import to_the_end
 from sluice.errors import DeadlineExceeded, SluiceError, Unavailable, UpstreamFailed
 
 PROGRESS_TOKENS = 8
@@ -231,5 +231,8 @@ async def _merge(sources: list[AsyncIterator[tuple[int, Line]]]) -> AsyncIterato
         closing = True
         for task in tasks:
             task.cancel()
-        with anyio.CancelScope(shield=True):
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await to_the_end(_ended(tasks))
+
+
+async def _ended(tasks: list[asyncio.Task[Any]]) -> None:
+    await asyncio.gather(*tasks, return_exceptions=True)
