@@ -4,9 +4,14 @@ Why not sse-starlette: its response runs a supervisor with four tasks per stream
 pump, a ping timer, a shutdown listener, a disconnect listener), anyio cancel scopes and a
 lock around every send. On a saturated gateway that was the largest single cost of starting
 a stream (about a fifth of the CPU of a request, profiled with py-spy), and thousands of
-open streams meant thousands of ping timers. Here a stream is its own request task plus
-one idle task that waits for the client to leave; :class:`Keepalive` pings every stream
-that has been quiet for a while from one timer.
+open streams meant thousands of ping timers. Here a stream is its own request task plus,
+once it has lasted ``WATCH_AFTER_S``, one idle task that waits for the client to leave;
+:class:`Keepalive` pings every stream that has been quiet for a while from one timer.
+
+Why the watch waits: its task (made, started, cancelled and ended) cost about 20 µs, some 4 %
+of a one-token stream's CPU in the gateway, and most short streams have ended before a tenth
+of a second (loadtest/peers/README.md). A client that leaves sooner is noticed once the
+watch starts, and its generation stopped then: at most ``WATCH_AFTER_S`` of tokens later.
 
 Shutdown: streams are left to finish during uvicorn's graceful shutdown
 (``shutdown_grace_s``), then cancelled by uvicorn; clean-up runs either way.
@@ -28,6 +33,9 @@ from sluice.aftercare import to_the_end
 log = logging.getLogger("sluice.gateway")
 
 PING = b": ping\n\n"
+
+#: Seconds a stream runs before a task watches for its client leaving (see above).
+WATCH_AFTER_S = 0.1
 
 
 class Keepalive:
@@ -99,8 +107,15 @@ class SSEResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
         assert task is not None
-        gone = asyncio.get_running_loop().create_future()
-        watcher = asyncio.get_running_loop().create_task(self._watch(receive, task, gone))
+        loop = asyncio.get_running_loop()
+        gone = loop.create_future()
+        watchers: list[asyncio.Task[None]] = []
+
+        def watch() -> None:
+            if self._open:
+                watchers.append(loop.create_task(self._watch(receive, task, gone)))
+
+        timer = loop.call_later(WATCH_AFTER_S, watch)
         self._send = send
         self._open = True
         self._keepalive.add(self)
@@ -131,7 +146,9 @@ class SSEResponse(Response):
         finally:
             self._open = False
             self._keepalive.discard(self)
-            watcher.cancel()
+            timer.cancel()
+            for watcher in watchers:
+                watcher.cancel()
             await to_the_end(self._clean_up())
 
     async def _clean_up(self) -> None:

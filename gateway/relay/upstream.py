@@ -50,7 +50,6 @@ from sluice.tasks import GENERATE, Task
 from sluice.telemetry import inject
 
 log = logging.getLogger("sluice.gateway")
-tracer = trace.get_tracer("sluice.gateway")
 
 Line = dict[str, Any]
 
@@ -345,8 +344,10 @@ class Dispatcher:
         # Started, not made current: nothing inside reads the current span, and
         # ``start_as_current_span`` (a context manager, a context attached and detached) cost
         # about 25 µs of each request's CPU with tracing off (loadtest/peers/README.md).
-        queue_span = tracer.start_span("queue.wait", context=ctx.record.context(),
-                                       attributes={"sluice.priority": ctx.priority})
+        queue_span = ctx.record.child("queue.wait")
+        tracing = queue_span.is_recording()
+        if tracing:
+            queue_span.set_attribute("sluice.priority", ctx.priority)
         try:
             try:
                 leases = await self._admission.acquire(
@@ -372,12 +373,13 @@ class Dispatcher:
                                            f"'{model}'") from None
                 raise
             ctx.record.known_model()
-            queue_span.set_attributes({"sluice.worker_id": ",".join(sorted({x.worker_id for x in leases})),
-                                       "sluice.role": role or "both",
-                                       "sluice.route": self._settings.routing,
-                                       "sluice.route.matched_blocks": max(x.matched_blocks for x in leases)})
+            if tracing:
+                queue_span.set_attributes({"sluice.worker_id": ",".join(sorted({x.worker_id for x in leases})),
+                                           "sluice.role": role or "both",
+                                           "sluice.route": self._settings.routing,
+                                           "sluice.route.matched_blocks": max(x.matched_blocks for x in leases)})
         except Exception as exc:  # as start_as_current_span records it (not a cancellation)
-            if queue_span.is_recording():
+            if tracing:
                 queue_span.record_exception(exc)
                 queue_span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
             raise
@@ -430,12 +432,12 @@ class Dispatcher:
                 (lease,) = await self.admit(model, f"{payload['request_id']}~{attempt}", ctx, cost=cost,
                                             exclude=excluded, boost=boost or attempt > 1, prefix=prefix,
                                             task=task, role=role)
-            span = tracer.start_span("upstream", context=record.context(), kind=SpanKind.CLIENT,
-                                     attributes={"sluice.worker_id": lease.worker_id, "sluice.attempt": attempt,
-                                                 "sluice.role": role or "both",
-                                                 "sluice.route": s.routing,
-                                                 "sluice.route.matched_blocks": lease.matched_blocks,
-                                                 "sluice.route.prompt_blocks": len(prefix.blocks)})
+            span = record.child("upstream", SpanKind.CLIENT)
+            if span.is_recording():
+                span.set_attributes({"sluice.worker_id": lease.worker_id, "sluice.attempt": attempt,
+                                     "sluice.role": role or "both", "sluice.route": s.routing,
+                                     "sluice.route.matched_blocks": lease.matched_blocks,
+                                     "sluice.route.prompt_blocks": len(prefix.blocks)})
             try:
                 upstream = await self._attempt(lease, body, ctx.deadline, span, route, path)
                 self._admission.prefilled(lease)
