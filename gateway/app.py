@@ -222,12 +222,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             except ValidationError as exc:
                 raise _validation_error(exc.errors()) from None
         req = parsed
-        check_caps(req, settings)
-        ctx = _context(request, req, body, settings, key, record, queue_cost(req, settings.fair_output_tokens))
+        chars = check_caps(req, settings)
+        ctx = _context(request, req, body, settings, key, record, queue_cost(req, chars, settings.fair_output_tokens))
         ctx.session = session_of(req.prompt_cache_key, session_header(headers_of(request)), req.user)
         if ctx.idempotency_key is not None and req.stream:
             journal_events(req, settings, typed=shape is not None)  # 400 before any work when it cannot fit
-        await charge(s, ctx, key, req.model, token_estimate(req), generations(req))
+        await charge(s, ctx, key, req.model, token_estimate(req, chars), generations(req))
         record.describe(req.model, req.n, ctx.priority, key.prefix if key else None)
         return req, ctx, shape
 

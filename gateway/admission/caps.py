@@ -26,7 +26,10 @@ def prompt_chars(req: ChatCompletionRequest | CompletionRequest) -> int:
     return total
 
 
-def check_caps(req: ChatCompletionRequest | CompletionRequest, s: GatewaySettings) -> None:
+def check_caps(req: ChatCompletionRequest | CompletionRequest, s: GatewaySettings) -> int:
+    """Refuse a request past the gateway's caps; returns its prompt's characters, counted once
+    for :func:`token_estimate` and :func:`queue_cost` (a chat's tools are serialized to count
+    them: three times per request, before)."""
     refused = req.refusal()
     if refused is not None:
         raise InvalidRequest(f"{refused[0]}: {refused[1]}", param=refused[0])
@@ -53,6 +56,7 @@ def check_caps(req: ChatCompletionRequest | CompletionRequest, s: GatewaySetting
         raise InvalidRequest(f"at most {s.max_stop} stop sequences", param="stop")
     if any(len(stop) > s.max_stop_chars or not stop for stop in stops):
         raise InvalidRequest(f"stop sequences must be 1-{s.max_stop_chars} characters", param="stop")
+    return chars
 
 
 def generations(req: ChatCompletionRequest | CompletionRequest) -> int:
@@ -60,14 +64,15 @@ def generations(req: ChatCompletionRequest | CompletionRequest) -> int:
     return req.n * (len(req.prompts()) if isinstance(req, CompletionRequest) else 1)
 
 
-def token_estimate(req: ChatCompletionRequest | CompletionRequest) -> int:
-    """Tokens charged against a key's TPM at admission (corrected by real usage at the end)."""
-    return prompt_chars(req) // 4 + 1 + generations(req) * (req.token_limit() or 256)
+def token_estimate(req: ChatCompletionRequest | CompletionRequest, chars: int) -> int:
+    """Tokens charged against a key's TPM at admission (corrected by real usage at the end);
+    ``chars``: the prompt's (:func:`prompt_chars`)."""
+    return chars // 4 + 1 + generations(req) * (req.token_limit() or 256)
 
 
-def queue_cost(req: ChatCompletionRequest | CompletionRequest, output_tokens: int) -> int:
+def queue_cost(req: ChatCompletionRequest | CompletionRequest, chars: int, output_tokens: int) -> int:
     """The request's charge to its tenant's fair share of the queue, until its real usage
     corrects it: each generation's output at its max_tokens, but at most ``output_tokens``.
     (Charged at its declared max_tokens, a tenant sending 32768 got 1 of the first 10 grants
     against one that omitted it, for equal real work.)"""
-    return prompt_chars(req) // 4 + 1 + generations(req) * min(req.token_limit() or output_tokens, output_tokens)
+    return chars // 4 + 1 + generations(req) * min(req.token_limit() or output_tokens, output_tokens)
