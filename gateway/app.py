@@ -26,7 +26,6 @@ from pydantic import BaseModel, ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -559,17 +558,23 @@ async def _read_body(request: Request, limit: int) -> bytes:
     declared = headers_of(request).get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > _DRAIN_LIMIT:
         raise _too_large(limit)
+    # Straight from ``receive``: Starlette's ``request.stream()`` is an async generator
+    # around the same loop, a frame and a few µs more per request.
     chunks: list[bytes] = []
     size = 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size <= limit:
-                chunks.append(chunk)
-            elif size > _DRAIN_LIMIT:
-                break
-    except ClientDisconnect:  # it left while sending its body: a 499, not an error of ours
-        raise ClientGone("the client disconnected while sending its request body") from None
+    receive = request.receive
+    more = True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":  # it left while sending its body: a 499, not an error of ours
+            raise ClientGone("the client disconnected while sending its request body")
+        chunk = message.get("body", b"")
+        more = message.get("more_body", False)
+        size += len(chunk)
+        if size <= limit:
+            chunks.append(chunk)
+        elif size > _DRAIN_LIMIT:
+            break
     if size > limit:
         raise _too_large(limit)
     return b"".join(chunks)
