@@ -36,6 +36,9 @@ def priority_class(priority: int) -> str:
     return "urgent" if priority < 0 else "default" if priority == 0 else "low"
 
 
+PRIORITY_CLASSES = ("urgent", "default", "low")
+
+
 @dataclass(frozen=True, slots=True)
 class ModelSeries:
     """The per-model series every finished request records into, looked up once per model:
@@ -50,6 +53,10 @@ class ModelSeries:
     route_error_tokens: Any
     retries: Any
     migrations: Any
+    #: Requests that ended well (the status of most), and the queue's wait by priority class
+    #: (three): the two ``labels()`` a request still made, looked up once as well.
+    ok: Any
+    queue_wait: dict[str, Any]
 
 
 class GatewayMetrics:
@@ -105,7 +112,8 @@ class GatewayMetrics:
                 self.ttft.labels(model), self.e2e.labels(model), self.prompt_tokens.labels(model),
                 self.completion_tokens.labels(model), self.cached_tokens.labels(model),
                 self.route_expected_tokens.labels(model), self.route_error_tokens.labels(model),
-                self.retries.labels(model), self.migrations.labels(model))
+                self.retries.labels(model), self.migrations.labels(model), self.requests.labels(model, "ok"),
+                {c: self.queue_wait.labels(model, c) for c in PRIORITY_CLASSES})
         return found
 
     def render(self) -> bytes:

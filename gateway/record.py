@@ -183,17 +183,17 @@ class RequestRecord:
         else:
             error = None
         m.in_flight.dec()
-        m.requests.labels(model, status).inc()
+        series = m.series(model)  # every series exists from the model's first request on, at 0
+        (series.ok if status == "ok" else m.requests.labels(model, status)).inc()
         if error is not None:
             m.errors.labels(model, error.type).inc()
             if error.code in REJECTIONS:
                 m.rejections.labels(model, error.code).inc()
             self.span.set_status(Status(StatusCode.ERROR, error.message))
-        series = m.series(model)  # every series exists from the model's first request on, at 0
         if self.first_token_s is not None:
             series.ttft.observe(self.first_token_s)
         if self.workers or self.prefill_workers:
-            m.queue_wait.labels(model, priority_class(self.priority)).observe(self.queue_wait_s)
+            series.queue_wait[priority_class(self.priority)].observe(self.queue_wait_s)
         series.e2e.observe(total)
         for counter, amount in ((series.prompt_tokens, self.prompt_tokens),
                                 (series.completion_tokens, self.completion_tokens),
