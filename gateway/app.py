@@ -38,7 +38,7 @@ from gateway.admission.routing import IndexCorrections
 from gateway.admission.tenancy import Tenancy
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext, headers_of, resolve_deadline, resolve_priority
-from gateway.lean_routes import LeanRoutes
+from gateway.lean_routes import Front, LeanRoutes
 from gateway.loss_watch import LossWatch
 from gateway.metrics import GatewayMetrics
 from gateway.record import RequestRecord
@@ -164,7 +164,8 @@ async def open_services(settings: GatewaySettings) -> Services:
                     counter=PromptCounter(settings, dispatcher, http, workers))
 
 
-def create_app(settings: GatewaySettings) -> FastAPI:
+def create_app(settings: GatewaySettings) -> Front:
+    """The gateway's ASGI app: its completion routes lean (gateway/lean_routes.py), the rest FastAPI's."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Services]]:
         services = await open_services(settings)
@@ -178,8 +179,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     # /docs and /openapi.json are routes of ours: behind the API key once keys exist.
     app = FastAPI(title="Sluice", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    lean = LeanRoutes()  # the completion paths skip FastAPI's per-request layers
-    lean.install(app)
+    lean = LeanRoutes()  # the completion paths skip FastAPI's per-request layers (:class:`Front`)
     app.add_middleware(RequestIdMiddleware)
     _install_error_handlers(app)
 
@@ -416,7 +416,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     _install_openapi(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest, MessagesRequest,
                            EmbeddingRequest, ScoreRequest, RerankRequest, TokenizeRequest, DetokenizeRequest])
-    return app
+    return Front(app, lean, _new_request_id)
 
 
 def svc(request: Request) -> Services:
@@ -531,7 +531,8 @@ def _new_request_id(given: str) -> str:
 
 
 class RequestIdMiddleware:
-    """Every response carries ``x-request-id``: the client's when valid, else a fresh one."""
+    """Every response carries ``x-request-id``: the client's when valid, else a fresh one
+    (FastAPI's routes; :class:`gateway.lean_routes.Front` does the same for the lean ones)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

@@ -1,24 +1,34 @@
-"""The completion routes without FastAPI's per-request layers; FastAPI keeps every other
-route, the exception handlers and the OpenAPI document.
+"""The completion routes served straight from the ASGI scope; FastAPI serves every other
+route, holds the exception handlers and documents every route (the OpenAPI document).
 
 Why: with one token per request, FastAPI's path to an endpoint (ExceptionMiddleware and
 its send wrapper, the AsyncExitStack middleware, the router's matching of every route,
 ``request_response`` and dependency solving for an endpoint that takes only the
 ``Request``) was about a tenth of a gateway process's CPU per request (py-spy on
-``loadtest/peers/profile_gateway.py --max-tokens 1``; the measured gain is in
-loadtest/peers/README.md). The endpoints themselves parse and validate their bodies by
-hand, so FastAPI did nothing for them that these layers are needed for.
+``loadtest/peers/profile_gateway.py --max-tokens 1``; the measured gains are in
+loadtest/peers/README.md). The endpoints parse and validate their bodies by hand, so
+FastAPI did nothing for them that these layers are needed for. After that, the layers in
+front of the lean routes were still FastAPI's and Starlette's entry points, Starlette's
+ServerErrorMiddleware and our request-id middleware, each a frame per request, and every
+send went through two wrappers (one to know whether the response had started, one to add
+the request id): :class:`Front`, what uvicorn runs, does what they did for these routes in
+one frame and one wrapper.
 
-:class:`LeanMiddleware` is placed inside ``RequestIdMiddleware`` (so every answer
-still carries ``x-request-id``) and ServerErrorMiddleware (so an unhandled error is still
-the same logged 500): a ``POST`` to a path registered here runs its endpoint directly, and
-an exception it raises before its response starts goes to the app's own exception handler
-for that type, as Starlette's ExceptionMiddleware would send it. Anything else goes on to
-FastAPI unchanged, including other methods on these paths (405) and a trailing slash.
+What a lean route gets, as the layers gave it:
+- ``x-request-id`` on every answer: the client's when valid, else a fresh one (also in the
+  scope as ``sluice.request_id``; gateway/app.py's ``RequestIdMiddleware`` does the same for
+  FastAPI's routes);
+- an exception before the response starts answers through the app's handler for its type
+  (as Starlette's ExceptionMiddleware); one no handler takes (an unexpected error) through
+  the app's ``Exception`` handler (logged, a 500 in the client's shape), and is raised on
+  for uvicorn to log, as ServerErrorMiddleware does; after the response started, it is
+  raised on (uvicorn closes the connection).
+Anything else (other methods on these paths: 405; a trailing slash; the lifespan) goes to
+FastAPI unchanged.
 
 >>> lean = LeanRoutes()
->>> lean.install(app)                        # before the request-id middleware is added
 >>> lean.add("/v1/chat/completions", route)  # the same endpoint FastAPI documents
+>>> app = Front(fastapi_app, lean, new_request_id)
 """
 
 from __future__ import annotations
@@ -29,9 +39,10 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+Handler = Callable[[Request, Exception], Awaitable[Response]]
 
 
 class LeanRoutes:
@@ -40,23 +51,19 @@ class LeanRoutes:
     def __init__(self) -> None:
         self.endpoints: dict[str, Endpoint] = {}
 
-    def install(self, app: FastAPI) -> None:
-        """Serve this registry's endpoints in ``app`` (call it before adding the request-id
-        middleware, which then wraps it)."""
-        app.add_middleware(LeanMiddleware, endpoints=self.endpoints, handlers=app.exception_handlers)
-
     def add(self, path: str, endpoint: Endpoint) -> None:
         self.endpoints[path] = endpoint
 
 
-class LeanMiddleware:
-    """Runs a registered endpoint straight from the ASGI scope; anything else goes on to FastAPI."""
+class Front:
+    """The ASGI app uvicorn runs: a lean route straight from the scope, the rest FastAPI's."""
 
-    def __init__(self, app: ASGIApp, endpoints: dict[str, Endpoint], handlers: dict[Any, Any]) -> None:
+    def __init__(self, app: FastAPI, lean: LeanRoutes, request_id: Callable[[str], str]) -> None:
         self.app = app
-        self._endpoints = endpoints
+        self._endpoints = lean.endpoints
         #: The FastAPI app's exception handlers, read when an exception needs one.
-        self._handlers = handlers
+        self._handlers: dict[Any, Handler] = app.exception_handlers
+        self._request_id = request_id
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = self._endpoints.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" \
@@ -64,22 +71,42 @@ class LeanMiddleware:
         if endpoint is None:
             await self.app(scope, receive, send)
             return
+        scope["app"] = self.app  # as Starlette's entry point sets it
+        given = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), "")
+        rid = scope["sluice.request_id"] = self._request_id(given)
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if not started and message["type"] == "http.response.start":
+                started = True
+                headers = message.get("headers", ())
+                if not any(k == b"x-request-id" for k, _ in headers):  # raw header names are lower case
+                    message = {**message, "headers": [*headers, (b"x-request-id", rid.encode())]}
+            await send(message)
+
         request = Request(scope, receive)
         try:
-            response = await endpoint(request)
+            try:
+                response = await endpoint(request)
+            except Exception as exc:
+                handler = self._handler(exc)
+                if handler is None:
+                    raise
+                response = await handler(request, exc)
+                exc.__traceback__ = None  # as Starlette does: reused instances keep no tracebacks
+            await response(scope, receive, send_with_id)
         except Exception as exc:
-            handler = self._handler(exc)
-            if handler is None:
-                raise  # ServerErrorMiddleware: logged, a 500 in OpenAI's shape
-            response = await handler(request, exc)
-            exc.__traceback__ = None  # as Starlette does: reused instances keep no tracebacks
-        await response(scope, receive, send)
+            unexpected = self._handlers.get(Exception)
+            if not started and unexpected is not None:
+                await (await unexpected(request, exc))(scope, receive, send_with_id)
+            raise
 
-    def _handler(self, exc: Exception) -> Callable[[Request, Exception], Awaitable[Response]] | None:
+    def _handler(self, exc: Exception) -> Handler | None:
         for cls in type(exc).__mro__:
             if cls in (Exception, BaseException):
-                return None  # the 500 handler is ServerErrorMiddleware's, outside this one
+                return None  # an unexpected error: the 500 and the raise, in __call__
             handler = self._handlers.get(cls)
             if handler is not None:
-                return handler  # type: ignore[no-any-return]
+                return handler
         return None

@@ -9,8 +9,8 @@ It answers one question (issue 22): how much would an HTTP server of our own for
 completion routes save? Only what these layers cost. Requests are counted as uvicorn's
 ``on_headers_complete`` calls (cProfile counts every resumption of a coroutine as a call).
 A layer's own cost is its inclusive time less that of what it calls into: uvicorn's
-``run_asgi`` less the outermost middleware's, each middleware less the next, the lean
-dispatcher less the endpoint and the response it runs. uvicorn's ``send`` includes the
+``run_asgi`` less the front's (uvicorn's proxy-headers middleware between them), the lean
+front (gateway/lean_routes.py) less the endpoint and the response it runs. uvicorn's ``send`` includes the
 socket writes (uvloop's C code is not profiled apart), which any server makes.
 """
 
@@ -25,7 +25,7 @@ POINTS = {
     "headers": ("on_headers_complete", "uvicorn/protocols/http/httptools_impl"),
     "run_asgi": ("run_asgi", "uvicorn/protocols/http/httptools_impl"),
     "send": ("send", "uvicorn/protocols/http/httptools_impl"),
-    "send_with_id": ("send_with_id", "gateway/app.py"),
+    "send_with_id": ("send_with_id", "gateway/lean_routes"),
     "lean": ("__call__", "gateway/lean_routes"),
     "route": ("route", "gateway/app.py"),
     "sse": ("__call__", "gateway/relay/sse"),
@@ -50,15 +50,15 @@ def main() -> None:
     requests = at["headers"][0]
     assert requests, "no request in this profile"
     work = at["data_received"][2] + at["run_asgi"][2]  # everything a request runs from the server
-    # The response's sends run inside the endpoint's response (sse), which the lean
-    # dispatcher runs: RequestIdMiddleware's wrapper, then uvicorn's send.
+    # The response's sends run inside the endpoint's response (sse), which the lean front
+    # runs: its send wrapper, then uvicorn's send.
     layers = {
         "uvicorn: parsing, the request's task (data_received)": at["data_received"][2],
-        "uvicorn's run_asgi, ServerErrorMiddleware, RequestIdMiddleware (their own time)":
+        "uvicorn's run_asgi and proxy-headers middleware (their own time)":
             at["run_asgi"][2] - at["lean"][2],
-        "the lean dispatcher (LeanMiddleware), less the endpoint and its response":
+        "the lean front (Front), less the endpoint and its response":
             at["lean"][2] - at["route"][2] - at["sse"][2],
-        "RequestIdMiddleware's send wrapper, less uvicorn's send": at["send_with_id"][2] - at["send"][2],
+        "the front's send wrapper, less uvicorn's send": at["send_with_id"][2] - at["send"][2],
         "uvicorn's send, the socket writes included": at["send"][2],
     }
     print(f"{requests:,} requests; {work / requests * 1e6:,.0f} µs each from the server's entry points (profiled: "
