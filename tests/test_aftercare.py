@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import anyio
@@ -31,15 +31,21 @@ async def _cancelled_twice(clean_up: Callable[[Callable[[], Any]], Any]) -> list
             await clean_up(work)
             raise
 
-    task = asyncio.get_running_loop().create_task(request())
-    await asyncio.sleep(0.05)
-    task.cancel()
-    await asyncio.sleep(0.05)
-    task.cancel()
+    task = await _cancel_twice(request())
     with contextlib.suppress(asyncio.CancelledError):
         await task
     assert task.cancelled()
     return steps
+
+
+async def _cancel_twice(request: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    """``request`` as a task, cancelled once as it works, and again during its clean-up."""
+    task = asyncio.get_running_loop().create_task(request)
+    await asyncio.sleep(0.02)
+    task.cancel()
+    await asyncio.sleep(0.02)
+    task.cancel()
+    return task
 
 
 async def test_a_clean_up_runs_to_its_end_through_a_second_cancellation() -> None:
@@ -78,10 +84,6 @@ async def test_a_failing_clean_up_raises_its_own_error_first() -> None:
             await to_the_end(work())
             raise
 
-    task = asyncio.get_running_loop().create_task(request())
-    await asyncio.sleep(0.02)
-    task.cancel()
-    await asyncio.sleep(0.02)
-    task.cancel()
+    task = await _cancel_twice(request())
     with pytest.raises(ValueError, match="Redis said no"):
         await task
