@@ -19,10 +19,11 @@ What a lean route gets, as the layers gave it:
   scope as ``sluice.request_id``; gateway/app.py's ``RequestIdMiddleware`` does the same for
   FastAPI's routes);
 - an exception before the response starts answers through the app's handler for its type
-  (as Starlette's ExceptionMiddleware); one no handler takes (an unexpected error) through
-  the app's ``Exception`` handler (logged, a 500 in the client's shape), and is raised on
-  for uvicorn to log, as ServerErrorMiddleware does; after the response started, it is
-  raised on (uvicorn closes the connection).
+  (as Starlette's ExceptionMiddleware); one no handler takes (an unexpected error) goes to
+  the app's ``Exception`` handler (it logs it), whose 500 in the client's shape is sent if the
+  response has not started, and is raised on for uvicorn (which closes the connection), as
+  ServerErrorMiddleware does. One difference: that 500 now carries ``x-request-id`` too
+  (ServerErrorMiddleware sent it outside the request-id middleware).
 Anything else (other methods on these paths: 405; a trailing slash; the lifespan) goes to
 FastAPI unchanged.
 
@@ -98,8 +99,10 @@ class Front:
             await response(scope, receive, send_with_id)
         except Exception as exc:
             unexpected = self._handlers.get(Exception)
-            if not started and unexpected is not None:
-                await (await unexpected(request, exc))(scope, receive, send_with_id)
+            if unexpected is not None:
+                answer = await unexpected(request, exc)  # logged here, whether it can still answer or not
+                if not started:
+                    await answer(scope, receive, send_with_id)
             raise
 
     def _handler(self, exc: Exception) -> Handler | None:

@@ -36,9 +36,6 @@ def priority_class(priority: int) -> str:
     return "urgent" if priority < 0 else "default" if priority == 0 else "low"
 
 
-PRIORITY_CLASSES = ("urgent", "default", "low")
-
-
 @dataclass(frozen=True, slots=True)
 class ModelSeries:
     """The per-model series every finished request records into, looked up once per model:
@@ -53,10 +50,18 @@ class ModelSeries:
     route_error_tokens: Any
     retries: Any
     migrations: Any
-    #: Requests that ended well (the status of most), and the queue's wait by priority class
-    #: (three): the two ``labels()`` a request still made, looked up once as well.
+    #: Requests that ended well (the status of most), and the queue's wait by priority class,
+    #: each class's series made when first observed: the two ``labels()`` a request still made.
     ok: Any
     queue_wait: dict[str, Any]
+    queue_wait_family: Any
+    model: str
+
+    def waited(self, priority_class: str) -> Any:
+        child = self.queue_wait.get(priority_class)
+        if child is None:
+            child = self.queue_wait[priority_class] = self.queue_wait_family.labels(self.model, priority_class)
+        return child
 
 
 class GatewayMetrics:
@@ -113,7 +118,7 @@ class GatewayMetrics:
                 self.completion_tokens.labels(model), self.cached_tokens.labels(model),
                 self.route_expected_tokens.labels(model), self.route_error_tokens.labels(model),
                 self.retries.labels(model), self.migrations.labels(model), self.requests.labels(model, "ok"),
-                {c: self.queue_wait.labels(model, c) for c in PRIORITY_CLASSES})
+                {}, self.queue_wait, model)
         return found
 
     def render(self) -> bytes:

@@ -193,7 +193,7 @@ class RequestRecord:
         if self.first_token_s is not None:
             series.ttft.observe(self.first_token_s)
         if self.workers or self.prefill_workers:
-            series.queue_wait[priority_class(self.priority)].observe(self.queue_wait_s)
+            series.waited(priority_class(self.priority)).observe(self.queue_wait_s)
         series.e2e.observe(total)
         for counter, amount in ((series.prompt_tokens, self.prompt_tokens),
                                 (series.completion_tokens, self.completion_tokens),

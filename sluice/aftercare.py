@@ -71,7 +71,7 @@ async def to_the_end(work: Coroutine[Any, Any, T]) -> T:
             await asyncio.wait([inner])  # a cancellation of this wait leaves ``inner`` running
         except asyncio.CancelledError:
             cancelled_again = True
-    result = inner.result()  # its own failure first
-    if cancelled_again:
-        raise asyncio.CancelledError
-    return result
+    if cancelled_again:  # the cancellation goes on up, even past a clean-up that failed
+        failure = None if inner.cancelled() else inner.exception()
+        raise asyncio.CancelledError from failure
+    return inner.result()
