@@ -324,7 +324,10 @@ async def test_600_queued_streams_cost_a_bounded_number_of_connections(start_wor
         statuses = await asyncio.gather(*(one(client, i) for i in range(600)))
     done.set()
     await watcher
-    assert statuses.count(200) == 600, (sorted(set(statuses)), refusals[:3], gateway.log_tail(20))
+    # What the gateway said other than access lines: why an attempt failed (a flake on a
+    # Cluster, where some requests got "every live worker failed": the cause is not known yet).
+    said = [line for line in gateway.log_tail(4000).splitlines() if '"msg": "access ' not in line][-12:]
+    assert statuses.count(200) == 600, (sorted(set(statuses)), refusals[:2], said)
     assert 0 < peak <= 16, peak
     wait_for(lambda: _inflight(backend.client, model) == 0, 5, "every slot back")
 
