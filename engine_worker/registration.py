@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -104,18 +105,25 @@ class Registration:
 
     async def _loop(self) -> None:
         beating = True
+        spent = 0.0
         while True:
-            await asyncio.sleep(self._period_s)
+            # A beat every period, not a period after the last one ended: a beat that takes its
+            # time (three round trips on a loaded Cluster) no longer stretches the gap that the
+            # expiry, HEARTBEAT_MISSES periods, has to cover.
+            await asyncio.sleep(max(0.0, self._period_s - spent))
+            began = time.monotonic()
             if self._healthy() != beating:
                 beating = not beating
                 log.warning("engine %s: heartbeat %s", "healthy again" if beating else "unhealthy",
                             "resumed" if beating else "paused (gateways stop routing here)")
             if not beating:
+                spent = 0.0
                 continue
             try:
                 await self.beat()
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed: %s", exc)
+            spent = time.monotonic() - began
 
     async def deregister(self) -> None:
         """Stop beating and vanish from the registry, so no new request is routed here."""

@@ -284,6 +284,13 @@ class Admission:
         try:
             result = await self._ask(ask, ask.timeout_s)
             status = result[0].decode()
+            if status == "none" and not ask.exclude and await self.live_workers(model) > 0:
+                # The model's workers had all missed a heartbeat when ACQUIRE ran, and one has
+                # beaten since: ask once more rather than refuse. (A CI run on a loaded Cluster
+                # refused 210 of 600 requests so, each told "every live worker failed this
+                # request" though none had been tried: a worker's beat is three round trips there.)
+                result = await self._ask(ask, ask.timeout_s)
+                status = result[0].decode()
             if status == "granted":
                 return self._granted(ask, result[1])
             if status == "none":
@@ -540,6 +547,8 @@ class Admission:
             return await self.missing_model(model)
         if role and not retried:
             return Unavailable(f"model '{model}' has no live {role} worker", retry_after_s=1)
+        if not retried:  # none was live when it was admitted, and none was tried
+            return Unavailable(f"model '{model}' has no live worker", retry_after_s=1)
         return Unavailable(f"every live worker for '{model}' failed this request", retry_after_s=1)
 
     async def missing_model(self, model: str) -> SluiceError:
