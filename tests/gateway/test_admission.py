@@ -79,7 +79,10 @@ async def test_high_priority_admitted_first(start_worker, start_gateway, backend
     plan = [(f"low{i}", 5) for i in range(3)] + [(f"high{i}", -5) for i in range(3)]
     order = await _completion_order(gateways, model, plan)
     blocker.join(10)
-    assert order[:3] == ["high0", "high1", "high2"], order
+    # Across two gateways, requests sent 40 ms apart can reach Redis in another order on a
+    # loaded machine (a CI run: high1 before high0); what is tested is that every high one
+    # goes before every low one.
+    assert (order[:3] if replicas == 1 else sorted(order[:3])) == ["high0", "high1", "high2"], order
     assert sorted(order[3:]) == ["low0", "low1", "low2"], order
 
 

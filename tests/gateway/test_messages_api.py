@@ -267,7 +267,9 @@ def test_a_stream_migrates_when_its_worker_dies(stack, client, messages_redis, s
     """Migration is the chat path's: the worker dies mid-stream, the other one continues it,
     and the client's text is the uninterrupted generation's, with no error event."""
     model = "mmig"
-    workers = [start_worker(model, redis_at=messages_redis, sim_token_ms=40, sim_ttft_ms=0) for _ in range(2)]
+    # 100 ms a token: at 40 a loaded CI run's client read its third piece after the whole
+    # 1.2 s stream had ended, and no worker was serving it any more.
+    workers = [start_worker(model, redis_at=messages_redis, sim_token_ms=100, sim_ttft_ms=0) for _ in range(2)]
     body = {"model": model, "max_tokens": 30, "messages": [{"role": "user", "content": "Tell me about locks."}]}
     reference = client.messages.create(**body)
     assert reference.usage.output_tokens == 30, "a natural end before 30 tokens would test nothing"
