@@ -73,6 +73,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--measure-s", type=float, default=10.0)
     parser.add_argument("--keep-alive", action="store_true", help="each client loop keeps its connection")
+    parser.add_argument("--think-ms", type=float, default=0.0,
+                        help="each loop pauses a random 0..N ms between requests (as bench_peers.py's)")
     parser.add_argument("--base-port", type=int, default=18620)
     parser.add_argument("--py-spy", help="output prefix for py-spy's collapsed stacks of the gateway")
     parser.add_argument("--cprofile", help="run the gateway under cProfile, its stats to this file (calls per "
@@ -122,7 +124,7 @@ def main() -> None:
 
                     async def measure(url: str = url, model: str = model, level: int = level) -> tuple[load.Window, float]:
                         win, cpu = await asyncio.gather(load.run(url, model, level, 2.0, args.measure_s, args.max_tokens,
-                                                                    keep_alive=args.keep_alive),
+                                                                    keep_alive=args.keep_alive, think_ms=args.think_ms),
                                                         bp.window_cpu({"gateway": pid}, 2.0, args.measure_s))
                         return win, cpu["gateway"]
 

@@ -28,10 +28,11 @@ def test_sigkill_one_of_two_workers(start_worker, start_gateway, redis_client) -
                 model=model, messages=[{"role": "user", "content": str(i)}], max_tokens=3, stream=True
             )
             assert sum(1 for c in stream if c.choices) == 3
-    # Three missed heartbeats (200 ms each) later, the dead worker is no longer live.
+    # Three missed heartbeats (200 ms each) later, the dead worker is no longer live; the
+    # survivor is (polled: on a loaded machine its own beat may be a moment late).
     time.sleep(0.8)
     assert not worker_alive(redis_client, model, first.name)
-    assert worker_alive(redis_client, model, second.name)
+    wait_for(lambda: worker_alive(redis_client, model, second.name), 5, "the survivor's heartbeat")
 
 
 def test_no_live_worker_is_503_with_retry_after(start_worker, start_gateway) -> None:

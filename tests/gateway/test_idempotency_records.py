@@ -253,7 +253,7 @@ async def test_a_retry_whose_last_round_is_slow_is_still_told_its_key_is_running
     monkeypatch.setattr(records, "_claim", slow_near_the_end)
     with pytest.raises(Unavailable, match="still running"):
         await _answer(records.claim(key, "fp", True, time.monotonic() + 60, owner="retry"), 2)
-    assert 1.0 <= time.monotonic() - started < 1.5
+    assert 1.0 <= time.monotonic() - started < 3.0  # (the bug waited 20 s)
 
 
 async def test_a_claim_on_a_stalled_cluster_node_is_told_503_within_claim_max_s(

@@ -500,7 +500,8 @@ async def test_a_redis_stall_past_live_ttl_is_not_a_dead_producer(private_redis)
     producers (in other gateways) were alive and about to re-claim them. A poll that Redis
     held up restarts the readers' quiet clock: producers get ``idle_s`` to re-claim first."""
     client = await create_pool(private_redis["server"].url)
-    readers = JournalReaders(client, poll_s=0.01, idle_s=0.3)
+    # idle_s 1.5 (0.3 left 0.2 s for the test's own re-claim below: a loaded machine's pause)
+    readers = JournalReaders(client, poll_s=0.01, idle_s=1.5)
     adopted = _recorded_take_overs(readers)
     key = uuid.uuid4().hex
     for number in (1, 2, 3):  # a producer elsewhere wrote three events, and lives
@@ -510,10 +511,10 @@ async def test_a_redis_stall_past_live_ttl_is_not_a_dead_producer(private_redis)
         follower = asyncio.create_task(_collect(readers.tail(key, after=1)))
         await asyncio.sleep(0.1)  # events 2 and 3 delivered; the reader is quiet
         await client.delete(keys.journal_live(key))  # it expires during the stall
-        await client.execute_command("DEBUG", "SLEEP", "1.0")  # Redis stalls, past the reader's idle_s
+        await client.execute_command("DEBUG", "SLEEP", "2.5")  # Redis stalls, past the reader's idle_s
         await asyncio.sleep(0.1)  # the producer's next write, a retry period later (journal.py)
         await client.set(keys.journal_live(key), "elsewhere", px=3000)  # re-claims the stream
-        await asyncio.sleep(0.6)  # two idle periods: a dead producer would be taken over by now
+        await asyncio.sleep(3.0)  # two idle periods: a dead producer would be taken over by now
         assert adopted == []
         await client.xadd(keys.journal(key), {"d": DONE, "s": b""}, id="0-4")
         assert await follower == [b"id: 2\ndata: 2\n\n", b"id: 3\ndata: 3\n\n", DONE]
@@ -541,7 +542,11 @@ async def test_a_finished_journal_on_a_cluster_node_that_lost_its_data_is_writte
             history.add(stored, b"")
             await client.xadd(keys.journal(scope), {"d": stored, "s": b""}, id=f"0-{number}")
         keeper.keep(Finished(scope, "p", "fp", b"", history, 60_000, None, 0))
-        await asyncio.sleep(0.5)  # the keeper has looked once
+        looked = time.monotonic() + 10
+        while keeper._watch.seen_epoch != "epoch-1":  # the keeper has looked once (polled: a loaded machine)
+            assert time.monotonic() < looked, "the keeper's first look"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
         node = next(s for s in cluster.servers if s.port == client.get_node_from_key(keys.journal(scope)).port)
         await asyncio.to_thread(node.shutdown, save=False)
         await asyncio.to_thread(node.start)  # back empty, with its slots (nodes.conf)
@@ -815,11 +820,14 @@ async def test_a_finished_stream_whose_record_alone_redis_lost_gets_it_back_done
         await client.aclose()
 
 
-async def _read_one_journal(server, after_first: Callable[[str], None], timeout_s: float) -> list[bytes]:
+async def _read_one_journal(server, after_first: Callable[[str], None], timeout_s: float,
+                            poll_timeout_s: float = 2.0) -> list[bytes]:
     """What one journal reader gets of a journal holding event 1: ``after_first(key)`` runs
-    once it has that event (a fault, more events), and the read ends within ``timeout_s``."""
+    once it has that event (a fault, more events), and the read ends within ``timeout_s``.
+    ``poll_timeout_s``: 2 s where no error is expected (a loaded machine's pause with a poll
+    outstanding must not end the reader), short where the test waits for it."""
     client = await create_pool(server.url)
-    readers = JournalReaders(client, poll_s=0.01, idle_s=5, poll_timeout_s=0.5)
+    readers = JournalReaders(client, poll_s=0.01, idle_s=5, poll_timeout_s=poll_timeout_s)
     key = uuid.uuid4().hex
     got: list[bytes] = []
     try:
@@ -846,7 +854,8 @@ async def test_a_reader_whose_poll_redis_never_answers_ends_with_an_error_not_a_
     the in-band "re-attach" error, then ``[DONE]``, well before the socket's own timeout."""
     server = private_redis["server"]
     try:  # the next poll is never answered; the socket's own timeout is 5 s
-        got = await _read_one_journal(server, lambda _: os.kill(server.process.pid, signal.SIGSTOP), 3)
+        got = await _read_one_journal(server, lambda _: os.kill(server.process.pid, signal.SIGSTOP), 3,
+                                      poll_timeout_s=0.5)
     finally:
         os.kill(server.process.pid, signal.SIGCONT)
     assert got[0] == b"id: 1\ndata: 1\n\n" and got[-1] == DONE

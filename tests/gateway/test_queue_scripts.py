@@ -207,7 +207,7 @@ async def test_grant_to_a_gateway_that_just_died_idles_its_slot_briefly(fleet: F
     started = time.monotonic()
     await live.release(held)  # the ghost's entry is first and still counts as alive: it gets the slot
     (lease,) = await asyncio.wait_for(mine, 8)
-    assert time.monotonic() - started < 4.5  # within the 3 s claim window (+ a reap), not 60 s
+    assert time.monotonic() - started < 8  # within the 3 s claim window (+ a reap, + slack), not 60 s
     await live.release(lease)
 
 

@@ -151,7 +151,7 @@ def test_a_client_that_attached_to_a_running_stream_ends_at_its_own_deadline(sta
         took = time.monotonic() - started
         rest = _events(lines, None, first)
     followed = _events(again.text.splitlines())
-    assert took < 2.0 + 1.5, took
+    assert took < 2.0 + 4.5, took  # the deadline and a loaded machine's slack (as test_redis_outage's)
     assert followed[-1][1] == "[DONE]" and '"timeout"' in followed[-2][1], followed
     assert rest[-1][1] == "[DONE]" and len([i for i, _ in rest if i]) == 4  # the stream went on
 
