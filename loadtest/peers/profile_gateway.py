@@ -8,6 +8,7 @@ profile of the gateway (optional), and Redis's time per admission script.
     ... --py-spy /tmp/gw           # also /tmp/gw-<level>.txt, py-spy's collapsed stacks (needs py-spy)
     ... --cprofile /tmp/gw.prof    # the gateway under cProfile (its stats written when it stops)
     ... --strace                   # the gateway's system calls per request, by call (strace -c; slows it)
+    ... --keep-alive --think-ms 4  # as bench_peers.py's issue-22 runs: kept-alive loops out of step
 
 Timing model of the mock as in bench_peers.py (first token 20 ms, one token per 5 ms).
 The figures are for finding the next hot spot, not for comparing with peers: py-spy
