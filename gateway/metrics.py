@@ -14,7 +14,7 @@ counters stay counted; its live gauges (``in_flight``) are dropped by the superv
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import (
@@ -36,10 +36,11 @@ def priority_class(priority: int) -> str:
     return "urgent" if priority < 0 else "default" if priority == 0 else "low"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ModelSeries:
     """The per-model series every finished request records into, looked up once per model:
-    ``labels()`` takes a lock and builds a key each time, a dozen times per request."""
+    ``labels()`` takes a lock and builds a key each time, a dozen times per request. Not
+    frozen: the queue's wait series of a priority class is made when first observed."""
 
     ttft: Any
     e2e: Any
@@ -53,9 +54,9 @@ class ModelSeries:
     #: Requests that ended well (the status of most), and the queue's wait by priority class,
     #: each class's series made when first observed: the two ``labels()`` a request still made.
     ok: Any
-    queue_wait: dict[str, Any]
     queue_wait_family: Any
     model: str
+    queue_wait: dict[str, Any] = field(default_factory=dict)
 
     def waited(self, priority_class: str) -> Any:
         child = self.queue_wait.get(priority_class)
@@ -118,7 +119,7 @@ class GatewayMetrics:
                 self.completion_tokens.labels(model), self.cached_tokens.labels(model),
                 self.route_expected_tokens.labels(model), self.route_error_tokens.labels(model),
                 self.retries.labels(model), self.migrations.labels(model), self.requests.labels(model, "ok"),
-                {}, self.queue_wait, model)
+                self.queue_wait, model)
         return found
 
     def render(self) -> bytes:

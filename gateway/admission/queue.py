@@ -284,7 +284,8 @@ class Admission:
         try:
             result = await self._ask(ask, ask.timeout_s)
             status = result[0].decode()
-            if status == "none" and not ask.exclude and await self.live_workers(model) > 0:
+            live: int | None = None  # live workers counted since ACQUIRE said 'none'
+            if status == "none" and not ask.exclude and (live := await self.live_workers(model)) > 0:
                 # The model's workers had all missed a heartbeat when ACQUIRE ran, and one has
                 # beaten since: ask once more rather than refuse. (A CI run on a loaded Cluster
                 # refused 210 of 600 requests so, each told "every live worker failed this
@@ -294,7 +295,7 @@ class Admission:
             if status == "granted":
                 return self._granted(ask, result[1])
             if status == "none":
-                raise await self._no_worker(model, bool(ask.exclude), ask.role)
+                raise await self._no_worker(model, bool(ask.exclude), ask.role, live)
             if status == "untasked":
                 raise InvalidRequest(
                     f"no live worker of model '{model}' serves {ROUTES.get(ask.task, ask.task)}: task '{ask.task}' "
@@ -542,8 +543,9 @@ class Admission:
             self._known.popitem(last=False)
         return leases
 
-    async def _no_worker(self, model: str, retried: bool, role: str = "") -> SluiceError:
-        if not retried and await self.live_workers(model) == 0:
+    async def _no_worker(self, model: str, retried: bool, role: str = "", live: int | None = None) -> SluiceError:
+        """Why no worker was granted. ``live``: the live workers, if counted a moment ago."""
+        if not retried and (live if live is not None else await self.live_workers(model)) == 0:
             return await self.missing_model(model)
         if role and not retried:
             return Unavailable(f"model '{model}' has no live {role} worker", retry_after_s=1)
