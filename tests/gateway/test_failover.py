@@ -93,7 +93,7 @@ def test_a_worker_nobody_answers_for_stops_getting_slots_at_once(start_worker, s
         assert client.completions.create(model=model, prompt="next", max_tokens=2).choices
         busy.close()
     assert not worker_alive(redis_client, model, doomed.name)
-    assert worker_alive(redis_client, model, survivor.name)
+    wait_for(lambda: worker_alive(redis_client, model, survivor.name), 5, "the survivor's heartbeat")
 
 
 def test_a_stream_whose_every_worker_died_waits_for_a_replacement(start_worker, start_gateway) -> None:
