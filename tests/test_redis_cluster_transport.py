@@ -66,7 +66,7 @@ async def _past_deadline(redis_cluster_url: str) -> None:
         started = time.monotonic()
         with pytest.raises(redis.TimeoutError, match="did not answer"):
             await client.xread({key: "$"}, block=3000)
-        assert time.monotonic() - started < 1.5
+        assert time.monotonic() - started < 2.5  # the deadline, not the 3 s block (slack for a loaded machine)
         pipe = client.pipeline()
         pipe.xread({key: "$"}, block=3000)
         with pytest.raises(redis.TimeoutError, match="did not answer"):
