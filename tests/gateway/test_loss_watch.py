@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -16,7 +17,7 @@ from sluice.embedded_redis import EmbeddedRedis
 from sluice.redis_pool import create_pool
 
 
-async def until(check, within_s: float = 5.0, what: str = "") -> None:
+async def until(check: Callable[[], bool], within_s: float = 5.0, what: str = "") -> None:
     """Wait for ``check()`` (polled): a loaded machine may take several of the watch's looks
     for what an idle one does in one (fixed sleeps of 0.2-0.4 s left 0.1-0.2 s of margin)."""
     deadline = asyncio.get_running_loop().time() + within_s
