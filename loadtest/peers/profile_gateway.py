@@ -9,6 +9,7 @@ profile of the gateway (optional), and Redis's time per admission script.
     ... --cprofile /tmp/gw.prof    # the gateway under cProfile (its stats written when it stops)
     ... --strace                   # the gateway's system calls per request, by call (strace -c; slows it)
     ... --keep-alive --think-ms 4  # as bench_peers.py's issue-22 runs: kept-alive loops out of step
+    ... --access                   # the gateway's access lines: where its added TTFT is spent (logging costs it)
 
 Timing model of the mock as in bench_peers.py (first token 20 ms, one token per 5 ms).
 The figures are for finding the next hot spot, not for comparing with peers: py-spy
@@ -19,11 +20,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import calendar
 import hashlib
+import json
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -68,12 +72,48 @@ def syscalls_per_request(summary: str, requests: float) -> str:
             + ", ".join(f"{name} {count / requests:.2f}" for name, count in ranked[:8]))
 
 
+def access_split(log: Path, offset: int, since: float, client_p50: float | None,
+                 direct_p50: float | None) -> str:
+    """The window's access lines (the gateway's own clock, from the app's first step): the
+    median admission (``queue_wait_ms``) and first token (``ttft_ms``), against the client's
+    and direct's medians. Client - app = outside the app (server, sockets, the loop's backlog
+    before the app runs and before its first write is read); app - direct - admission = the
+    rest of the app's way to the engine and back."""
+    queue, ttft = [], []
+    with open(log, "rb") as f:
+        f.seek(offset)
+        for raw in f:
+            try:
+                entry = json.loads(raw)
+            except ValueError:
+                continue
+            if not str(entry.get("msg", "")).startswith("access ") or entry.get("ttft_ms") is None:
+                continue
+            at = calendar.timegm(time.strptime(entry["ts"][:19], "%Y-%m-%dT%H:%M:%S")) + float(entry["ts"][19:-1] or 0)
+            if at >= since:
+                queue.append(float(entry["queue_wait_ms"]))
+                ttft.append(float(entry["ttft_ms"]))
+    if not ttft or client_p50 is None or direct_p50 is None:
+        return "access lines: none in the window"
+    queue.sort()
+    ttft.sort()
+    q50, t50, c50, d50 = queue[len(queue) // 2], ttft[len(ttft) // 2], 1000 * client_p50, 1000 * direct_p50
+    return (f"access lines {len(ttft)}: TTFT p50 client {c50:.1f} ms = app {t50:.1f} (admission {q50:.1f}, the "
+            f"rest {t50 - q50:.1f}; direct {d50:.1f}) + outside the app {c50 - t50:.1f} ms; added "
+            f"{c50 - d50:+.1f} ms = admission {q50:+.1f}, the app's other steps {t50 - q50 - d50:+.1f}, "
+            f"outside {c50 - t50:+.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", default="16", help="concurrent streams, comma-separated")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--measure-s", type=float, default=10.0)
     parser.add_argument("--keep-alive", action="store_true", help="each client loop keeps its connection")
+    parser.add_argument("--access", action="store_true",
+                        help="log the gateway's access lines (INFO) and split its added TTFT: admission, the rest of "
+                             "the app until the first token, and outside the app (the server, the sockets, the loop's "
+                             "backlog); logging each request costs the gateway some CPU")
     parser.add_argument("--think-ms", type=float, default=0.0,
                         help="each loop pauses a random 0..N ms between requests (as bench_peers.py's)")
     parser.add_argument("--base-port", type=int, default=18620)
@@ -97,8 +137,10 @@ def main() -> None:
                                    "--served-model-name", "m", "--port", str(base + 1), "--redis-url", embedded.url,
                                    "--upstream-capacity", "256", "--relay", "direct"], env=env)
             profiled = ["-m", "cProfile", "-o", args.cprofile] if args.cprofile else []
-            procs.start("gateway", [py, *profiled, "-m", "sluice", *common, "gateway", "--port", str(base + 2), "--redis-url",
-                                    embedded.url, "--procs", "1"], env=env)
+            logged = ["--log-level", "INFO"] if args.access else common
+            procs.start("gateway", [py, *profiled, "-m", "sluice", *logged, "gateway", "--port", str(base + 2),
+                                    "--redis-url", embedded.url, "--procs", "1"], env=env)
+            gateway_log = procs.logs / "gateway.log"
             gateway = f"http://127.0.0.1:{base + 2}"
             probe = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
             bp.wait_ready(gateway + "/v1/chat/completions", 120, probe)
@@ -106,6 +148,7 @@ def main() -> None:
             client.config_set("slowlog-log-slower-than", 0)
             client.config_set("slowlog-max-len", 100_000)
             pid = procs.groups["gateway"]
+            direct_p50: float | None = None
             for level in [int(x) for x in args.levels.split(",")]:
                 for name, url, model in (("direct", mock, "mock"), ("gateway", gateway, "m")):
                     spy = None
@@ -122,6 +165,7 @@ def main() -> None:
                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                     client.slowlog_reset()
                     opened = client.info("stats")["total_connections_received"]
+                    logged_from, window_from = gateway_log.stat().st_size, time.time() + 2.0  # past the warm-up
 
                     async def measure(url: str = url, model: str = model, level: int = level) -> tuple[load.Window, float]:
                         win, cpu = await asyncio.gather(load.run(url, model, level, 2.0, args.measure_s, args.max_tokens,
@@ -140,6 +184,10 @@ def main() -> None:
                           flush=True)
                     print(f"  redis connections opened meanwhile: "
                           f"{client.info('stats')['total_connections_received'] - opened - 1}", flush=True)
+                    if args.access and name == "gateway":
+                        print("  " + access_split(gateway_log, logged_from, window_from, p50, direct_p50), flush=True)
+                    if name == "direct":
+                        direct_p50 = p50
                     if spy is not None:
                         spy.wait()
                     if traced is not None:
