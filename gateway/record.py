@@ -183,7 +183,7 @@ class RequestRecord:
         else:
             error = None
         m.in_flight.dec()
-        series = m.series(model)  # every series exists from the model's first request on, at 0
+        series = m.series(model)  # its series exist from the model's first request on, at 0 (a priority class's queue wait: from its first)
         (series.ok if status == "ok" else m.requests.labels(model, status)).inc()
         if error is not None:
             m.errors.labels(model, error.type).inc()
