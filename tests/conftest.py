@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import orjson
+import psutil
 import pytest
 import redis
 
@@ -129,13 +130,35 @@ class Proc:
         self._log.close()
         return self.process.returncode
 
+    def listens(self) -> bool:
+        """Whether this process (or a child of it) holds the listening socket of its URL's port.
+        A 200 from the port alone is not enough: the shards of ``make test`` choose ports at
+        random side by side, and a child that lost its port to another shard's process found
+        that process answering its /health (CI, 2026-12-05: a worker "never registered")."""
+        port = httpx.URL(self.url).port
+        try:
+            root = psutil.Process(self.pid)
+            family = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return False
+        for member in family:
+            try:
+                if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                       for c in member.net_connections(kind="tcp")):
+                    return True
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return False
+
     def wait_http(self, path: str, timeout_s: float = 30) -> None:
+        """Until this process answers 200 at ``path``; a process that lost its port exits
+        ("address already in use"), which ``start_on_free_ports`` retries on another."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
                 raise RuntimeError(f"{self.name} exited early:\n{self.log_tail()}")
             try:
-                if httpx.get(self.url + path, timeout=1).status_code == 200:
+                if httpx.get(self.url + path, timeout=1).status_code == 200 and self.listens():
                     return
             except httpx.HTTPError:
                 pass
@@ -226,11 +249,11 @@ def procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Proc]]:
     stop_all(started, timeout_s=5)
 
 
-def _start_on_a_free_port(procs: list[Proc], launch: Callable[[int], Proc], timeout_s: float) -> Proc:
-    return _start_on_free_ports(procs, [launch], timeout_s)[0]
+def start_on_a_free_port(procs: list[Proc], launch: Callable[[int], Proc], timeout_s: float) -> Proc:
+    return start_on_free_ports(procs, [launch], timeout_s)[0]
 
 
-def _start_on_free_ports(procs: list[Proc], launches: list[Callable[[int], Proc]], timeout_s: float) -> list[Proc]:
+def start_on_free_ports(procs: list[Proc], launches: list[Callable[[int], Proc]], timeout_s: float) -> list[Proc]:
     """Each ``launch(port)`` on a free port, until its child serves ``/health`` there. A port
     is chosen free and bound by the child a moment later; on a shared machine another process
     can take it in between, and the child exits ("address already in use"): then again on
@@ -332,7 +355,7 @@ def start_workers(
     def start(workers: list[WorkerArgs]) -> list[Proc]:
         # vLLM loads a model and warms up: allow minutes on a busy 2-core machine.
         sim = all(kwargs.get("engine", "sim") == "sim" for _, kwargs in workers)
-        started = _start_on_free_ports(procs, [launcher(*args, **kwargs) for args, kwargs in workers],
+        started = start_on_free_ports(procs, [launcher(*args, **kwargs) for args, kwargs in workers],
                                        60.0 if sim else 600.0)
         for proc, (args, kwargs) in zip(started, workers, strict=True):
             registered(proc, args[0] if args else kwargs.get("model", "sim"), kwargs.get("redis_at"))
@@ -363,7 +386,7 @@ def start_gateway(
             proc.url = f"http://127.0.0.1:{port}"
             return proc
 
-        return _start_on_a_free_port(procs, launch, 30)
+        return start_on_a_free_port(procs, launch, 30)
 
     return start
 

@@ -13,8 +13,7 @@ import pytest
 from engine_worker.engines.openai_upstream import parse_metrics, upstream_error
 from loadtest.peers.mock_openai import chat_template, detokenize, embedding, next_token, score, tokenize
 from sluice import keys
-from sluice.embedded_redis import free_port
-from tests.conftest import ROOT, Proc, wait_for, worker_alive
+from tests.conftest import ROOT, Proc, start_on_a_free_port, wait_for, worker_alive
 
 MOCK = ROOT / "loadtest" / "peers" / "mock_openai.py"
 
@@ -24,13 +23,13 @@ def start_mock(procs, tmp_path_factory):
     logs = tmp_path_factory.mktemp("mock-logs")
 
     def start(*flags: str) -> Proc:
-        port = free_port()
-        proc = Proc(f"mock-{port}", [sys.executable, str(MOCK), "--port", str(port), *flags],
-                    logs / f"mock-{port}.log", {"PYTHONUNBUFFERED": "1"})
-        proc.url = f"http://127.0.0.1:{port}"
-        procs.append(proc)
-        proc.wait_http("/health")
-        return proc
+        def launch(port: int) -> Proc:
+            proc = Proc(f"mock-{port}", [sys.executable, str(MOCK), "--port", str(port), *flags],
+                        logs / f"mock-{port}.log", {"PYTHONUNBUFFERED": "1"})
+            proc.url = f"http://127.0.0.1:{port}"
+            return proc
+
+        return start_on_a_free_port(procs, launch, 30)
 
     return start
 
