@@ -12,8 +12,16 @@ the scripts' path).
     .venv/bin/python loadtest/admission_cost.py                       # this checkout
     .venv/bin/python loadtest/admission_cost.py --baseline /tmp/before  # and another, same run
 
+Besides Redis's CPU it gives two figures per request that swing less with the machine's
+speed: the scripts' time as Redis counts it (``INFO commandstats``, without the sockets and
+the parsing) and the commands the scripts ran, which do not swing at all.
+
+``--scripts-of DIR``: a checkout whose Lua scripts alone differ from this one's, measured
+request by request in turn with this one on one Redis, each script call timed by Redis.
+
 ``--baseline DIR``: a checkout of another commit (``git worktree add /tmp/before <commit>``),
-measured in the same run in turn with this one, level by level; the table gives the ratio.
+measured in the same run in turn with this one, level by level. ``--repeat N``: N rounds of
+that; the table gives medians (this 2-core machine's speed can swing by half within minutes).
 Writes ``admission_cost.json`` and ``admission_cost.png`` (``--out`` for other names).
 """
 
@@ -23,6 +31,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -68,14 +77,88 @@ async def measure(url: str, routing: str, workers: int, requests: int) -> dict[s
             (lease,) = await gateway.acquire(ask(i))
             await gateway.release(lease)
 
+    await redis.config_resetstat()
     cpu0, t0 = redis_cpu_s(pid), time.perf_counter()
     await asyncio.gather(*(client(i) for i in range(16)))
     wall, cpu = time.perf_counter() - t0, redis_cpu_s(pid) - cpu0
+    stats = await redis.info("commandstats")
     for lease in held:
         await gateway.release(lease)
     await gateway.close()
     await redis.aclose()
-    return {"redis_us_per_request": cpu / requests * 1e6, "requests_per_s": requests / wall}
+    scripts = [v for k, v in stats.items() if k.startswith("cmdstat_eval")]
+    inner = sum(v["calls"] for k, v in stats.items() if not k.startswith(("cmdstat_eval", "cmdstat_info")))
+    return {"redis_us_per_request": cpu / requests * 1e6, "requests_per_s": requests / wall,
+            # Redis's own timing of the scripts (no sockets, no parsing): steadier than the CPU
+            # ticks on a machine whose speed swings; and the commands they ran, which do not swing.
+            "script_us_per_request": sum(v["usec"] for v in scripts) / requests,
+            "calls_per_request": inner / requests}
+
+
+async def interleaved(url: str, routing: str, workers: int, requests: int, other: Path) -> dict[str, dict[str, float]]:
+    """This checkout's admission against one whose Lua scripts come from ``other``'s
+    ``gateway/admission/scripts.py`` (nothing else of it), request by request in turn on one
+    Redis, each script call timed by Redis itself (``SLOWLOG``, every call). A drift of the
+    machine's speed falls on both alike, where checkouts measured one after the other took
+    it in turns (this 2-core machine: ±20 % between rounds of the same code)."""
+    import hashlib
+    import importlib.util
+
+    from redis.asyncio import Redis
+
+    from engine_worker.registration import Registration
+    from gateway.admission import queue
+    from gateway.admission import scripts as ours
+    from gateway.config import GatewaySettings
+
+    spec = importlib.util.spec_from_file_location("other_scripts", other / "gateway/admission/scripts.py")
+    assert spec is not None and spec.loader is not None
+    theirs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(theirs)
+    redis = Redis.from_url(url)
+    model = "m" + uuid.uuid4().hex[:8]
+    for i in range(workers):
+        await Registration(redis, model=model, worker_id=f"w{i:04d}", url="http://127.0.0.1:9", engine="sim",
+                           capacity=64, heartbeat_ms=60_000, stats=lambda: {"running": 0}).beat()
+    gateways, names = [], {}
+    for code, module in (("this checkout", ours), (f"scripts of {other.name}", theirs)):
+        queue.scripts = module  # read when an Admission is made
+        gateways.append(queue.Admission(redis, GatewaySettings(redis_url=url, routing=routing)))
+        await gateways[-1].start()
+        for script in ("ACQUIRE", "RELEASE"):
+            names[hashlib.sha1(getattr(module, script).encode()).hexdigest().encode()] = code
+    queue.scripts = ours
+    prefixes = [[uuid.uuid4().hex[:16] for _ in range(16)] for _ in range(64)]
+
+    def ask(i: int) -> queue.Ask:
+        blocks = tuple(prefixes[i % 64]) if routing == "cache" else ()
+        return queue.Ask(model=model, request_id=uuid.uuid4().hex, blocks=blocks)
+
+    held = [lease for i in range(min(32, workers * 8)) for lease in await gateways[0].acquire(ask(i))]
+    await redis.config_set("slowlog-log-slower-than", 0)
+    await redis.config_set("slowlog-max-len", 4 * requests)
+    await redis.slowlog_reset()
+
+    async def client(first: int) -> None:
+        for i in range(first, requests, 16):
+            gateway = gateways[(i // 16) % 2]
+            (lease,) = await gateway.acquire(ask(i))
+            await gateway.release(lease)
+
+    await asyncio.gather(*(client(i) for i in range(16)))
+    timed: dict[str, list[int]] = {code: [] for code in names.values()}
+    for entry in await redis.slowlog_get(4 * requests):
+        command = entry["command"].split()
+        if command[0] == b"EVALSHA" and command[1] in names:
+            timed[names[command[1]]].append(int(entry["duration"]))
+    await redis.config_set("slowlog-log-slower-than", 10_000)
+    for lease in held:
+        await gateways[0].release(lease)
+    for gateway in gateways:
+        await gateway.close()
+    await redis.aclose()
+    # ACQUIRE and RELEASE alternate, so twice the mean call is one request's.
+    return {code: {"script_us_per_request": 2 * statistics.mean(times)} for code, times in timed.items()}
 
 
 def child(args: argparse.Namespace) -> None:
@@ -90,6 +173,11 @@ def main() -> None:
     parser.add_argument("--routings", default="least,cache", help="routings to measure, comma-separated (least, rr, cache)")
     parser.add_argument("--requests", type=int, default=4000, help="acquire + release pairs per level")
     parser.add_argument("--baseline", help="another checkout of Sluice, measured in the same run")
+    parser.add_argument("--scripts-of", type=Path,
+                        help="a checkout whose Lua scripts alone differ: measured against this one's request by "
+                             "request, on one Redis, each call timed by Redis (steadier than --baseline)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds, each checkout in turn within a round; the table gives medians")
     parser.add_argument("--out", default=str(HERE / "admission_cost"), help="output path without extension")
     parser.add_argument("--root", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
@@ -103,6 +191,14 @@ def main() -> None:
     sys.path.insert(0, str(HERE.parent))
     from sluice.embedded_redis import EmbeddedRedis
 
+    if args.scripts_of:
+        with EmbeddedRedis() as server:
+            for routing in args.routings.split(","):
+                for workers in [int(w) for w in args.workers.split(",")]:
+                    got = asyncio.run(interleaved(server.url, routing, workers, args.requests, args.scripts_of))
+                    figures = [f"{code}: {v['script_us_per_request']:.1f} µs" for code, v in got.items()]
+                    print(f"| {routing} | {workers} | " + " | ".join(figures) + " |", flush=True)
+        return
     codes = {"this checkout": str(HERE.parent)}
     if args.baseline:
         codes[f"baseline ({Path(args.baseline).name})"] = str(Path(args.baseline).resolve())
@@ -110,28 +206,35 @@ def main() -> None:
     with EmbeddedRedis() as server:
         for routing in args.routings.split(","):
             for workers in [int(w) for w in args.workers.split(",")]:
-                for code, root in codes.items():
-                    out = subprocess.run(
-                        [sys.executable, __file__, "--root", root, "--url", server.url, "--routing", routing,
-                         "--workers", str(workers), "--requests", str(args.requests)],
-                        check=True, capture_output=True, text=True).stdout
-                    row = {"code": code, "routing": routing, "workers": workers, **json.loads(out.splitlines()[-1])}
-                    rows.append(row)
-                    print(f"{code:28} {routing:6} {workers:4} workers: Redis {row['redis_us_per_request']:7.1f} µs "
-                          f"per request, {row['requests_per_s']:7,.0f} req/s", flush=True)
+                for _ in range(args.repeat):
+                    for code, root in codes.items():
+                        out = subprocess.run(
+                            [sys.executable, __file__, "--root", root, "--url", server.url, "--routing", routing,
+                             "--workers", str(workers), "--requests", str(args.requests)],
+                            check=True, capture_output=True, text=True).stdout
+                        row = {"code": code, "routing": routing, "workers": workers, **json.loads(out.splitlines()[-1])}
+                        rows.append(row)
+                        print(f"{code:28} {routing:6} {workers:4} workers: Redis {row['redis_us_per_request']:7.1f} µs "
+                              f"per request (scripts {row['script_us_per_request']:6.1f} µs, "
+                              f"{row['calls_per_request']:5.1f} calls), {row['requests_per_s']:7,.0f} req/s", flush=True)
     report(rows, list(codes), args.out)
 
 
+def median_of(rows: list[dict[str, object]], code: str, routing: str, workers: int, figure: str) -> float:
+    return statistics.median(float(r[figure]) for r in rows  # type: ignore[arg-type]
+                             if r["code"] == code and r["routing"] == routing and r["workers"] == workers)
+
+
 def report(rows: list[dict[str, object]], codes: list[str], out: str) -> None:
-    print("\n| routing | workers | " + " | ".join(f"Redis µs/request, {c}" for c in codes)
-          + (" | ratio |" if len(codes) > 1 else " |"))
-    print("| --- | --- | " + " | ".join("---" for _ in codes) + (" | --- |" if len(codes) > 1 else " |"))
+    figures = {"redis_us_per_request": "Redis CPU µs", "script_us_per_request": "script µs",
+               "calls_per_request": "calls"}
+    print("\nPer admitted request (medians of the rounds):\n")
+    print("| routing | workers | " + " | ".join(f"{name}, {c}" for name in figures.values() for c in codes) + " |")
+    print("| --- | --- | " + " | ".join("---" for _ in figures for _ in codes) + " |")
     levels = sorted({(str(r["routing"]), int(r["workers"])) for r in rows}, key=lambda k: (k[0], k[1]))  # type: ignore[arg-type]
     for routing, workers in levels:
-        figures = [next(float(r["redis_us_per_request"]) for r in rows  # type: ignore[arg-type]
-                        if r["code"] == c and r["routing"] == routing and r["workers"] == workers) for c in codes]
-        ratio = f" | {figures[0] / figures[1]:.2f}× |" if len(figures) > 1 else " |"
-        print(f"| {routing} | {workers} | " + " | ".join(f"{f:.1f}" for f in figures) + ratio)
+        cells = [median_of(rows, c, routing, workers, f) for f in figures for c in codes]
+        print(f"| {routing} | {workers} | " + " | ".join(f"{v:.1f}" for v in cells) + " |")
     Path(out + ".json").write_text(json.dumps(rows, indent=1))
     import matplotlib
     matplotlib.use("Agg")
@@ -139,8 +242,8 @@ def report(rows: list[dict[str, object]], codes: list[str], out: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for code in codes:
         for routing in sorted({str(r["routing"]) for r in rows}):
-            points = sorted((int(r["workers"]), float(r["redis_us_per_request"])) for r in rows  # type: ignore[arg-type]
-                            if r["code"] == code and r["routing"] == routing)
+            points = sorted((w, median_of(rows, code, routing, w, "redis_us_per_request"))
+                            for w in {int(r["workers"]) for r in rows if r["routing"] == routing})  # type: ignore[arg-type]
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{code}, {routing}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("workers serving the model")

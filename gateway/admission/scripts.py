@@ -127,8 +127,14 @@ local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
 -- The calling gateway is alive (it is running this script) -- recorded only where the model
--- has workers or waiters: a client naming a model nobody serves creates no key.
-if redis.call('EXISTS', K_WORKERS, K_META) > 0 then redis.call('HSET', K_GATEWAYS, gateway, now + gw_ttl) end
+-- has workers or waiters: a client naming a model nobody serves creates no key. Only a
+-- gateway's waiting requests need it (the pump drops those of a gateway that stopped
+-- beating), so it is recorded when one is queued, by the beats (RENEW) while they wait,
+-- and by the rare scripts; a request granted at once and a release skip it (two Redis
+-- calls of each, loadtest/admission_cost.py).
+local function mark_alive()
+  if redis.call('EXISTS', K_WORKERS, K_META) > 0 then redis.call('HSET', K_GATEWAYS, gateway, now + gw_ttl) end
+end
 
 -- Live workers (heartbeat not expired) with their capacity, slots in use and pending
 -- prefill (uncached prompt blocks of the requests they hold, counted by cache routing).
@@ -186,7 +192,13 @@ local function restricted(ws, excluded)
   return false
 end
 
-local urgent_recently = redis.call('EXISTS', K_URGENT_SEEN) == 1
+-- Whether urgent requests came in the last minute: read once, when first needed (a release
+-- with nobody waiting never needs it).
+local urgent_recently = nil
+local function urgent_seen()
+  if urgent_recently == nil then urgent_recently = redis.call('EXISTS', K_URGENT_SEEN) == 1 end
+  return urgent_recently
+end
 local function is_urgent(priority) return priority <= urgent_max end
 
 -- Urgent headroom (see the module docstring): the slots of w that the reserve leaves
@@ -201,7 +213,7 @@ end
 -- more than the unreserved share of its workers holds, which the reserve would otherwise
 -- make ungrantable for as long as urgent traffic lasts.
 local function may_fill(ws, excluded, priority, need)
-  if is_urgent(priority) or not urgent_recently then return true end
+  if is_urgent(priority) or not urgent_seen() then return true end
   local room = 0
   for _, w in ipairs(ws) do
     if not excluded[w.id] then room = room + unreserved(w) end
@@ -420,8 +432,8 @@ local function head_of(t)
 end
 
 local function start_tag(t)
-  local v = tonumber(redis.call('HGET', K_FAIR, 'V:2') or '0')
-  return math.max(v, tonumber(redis.call('HGET', K_FAIR, 'F:2:' .. t) or '0'))
+  local vf = redis.call('HMGET', K_FAIR, 'V:2', 'F:2:' .. t)
+  return math.max(tonumber(vf[1] or '0'), tonumber(vf[2] or '0'))
 end
 
 local function refresh_head(t)
@@ -555,9 +567,8 @@ local function free_lease(lease)
   prefill_done(lease, w)
   if not w then return 0 end
   redis.call('HDEL', K_OWNER, lease)
-  if tonumber(redis.call('HGET', K_INFLIGHT, w) or '0') > 0 then
-    redis.call('HINCRBY', K_INFLIGHT, w, -1)
-  end
+  -- never below 0 (a count the reaper's recount set lower meanwhile)
+  if redis.call('HINCRBY', K_INFLIGHT, w, -1) < 0 then redis.call('HSET', K_INFLIGHT, w, 0) end
   return 1
 end
 
@@ -568,7 +579,7 @@ end
 -- Whether a request waits in either queue (a tenant left in the heads counts: the pump
 -- tidies it away).
 local function waiting()
-  return queue_length() > 0 or redis.call('ZCARD', K_HEADS) > 0
+  return redis.call('EXISTS', K_QURGENT, K_QNORMAL, K_HEADS) > 0  -- an empty zset is no key
 end
 """
 
@@ -611,7 +622,8 @@ for _, w in ipairs(ws) do
 end
 if room == 0 then return {'none'} end
 if room < need then return {'too_big', room} end
-local length = queue_length()
+local length = 0
+if redis.call('EXISTS', K_QURGENT, K_QNORMAL) > 0 then length = queue_length() end  -- one call while none waits
 -- Retries and migrations are never refused for length: they hold a client mid-request.
 if not boost and length >= tonumber(ARGV[11]) then return {'full', length} end
 
@@ -638,8 +650,9 @@ if length == 0 then
     if boost then
       -- retries and migrations are charged nothing
     elseif is_urgent(priority) then
-      local v = tonumber(redis.call('HGET', K_FAIR, 'V:1') or '0')
-      local tag = math.max(v, tonumber(redis.call('HGET', K_FAIR, 'F:1:' .. tenant) or '0'))
+      local vf = redis.call('HMGET', K_FAIR, 'V:1', 'F:1:' .. tenant)
+      local v = tonumber(vf[1] or '0')
+      local tag = math.max(v, tonumber(vf[2] or '0'))
       redis.call('HSET', K_FAIR, 'F:1:' .. tenant, tag + cost)
       if tag > v then redis.call('HSET', K_FAIR, 'V:1', tag) end
     else
@@ -650,6 +663,7 @@ if length == 0 then
   end
   meta.blocks = nil
 end
+mark_alive()  -- it waits: the pump drops the entries of a gateway that stopped beating
 if boost then
   redis.call('ZADD', K_QURGENT, -4e15 + now, req)
 elseif is_urgent(priority) then
@@ -687,10 +701,8 @@ return {'queued', queue_length() - 1, newest[1] and newest[1][1] or '0-0'}
 #: frees the slot and hands it on to the queue. Returns 1 if the lease existed.
 RELEASE = _PRELUDE + r"""
 local freed = free_lease(ARGV[7])
-if freed == 1 then
-  redis.call('LPUSH', K_DONE, now)
-  redis.call('LTRIM', K_DONE, 0, 255)
-end
+-- The last 256 completions are what RETRY_AFTER reads; trimmed in steps of 32, not each time.
+if freed == 1 and redis.call('LPUSH', K_DONE, now) > 288 then redis.call('LTRIM', K_DONE, 0, 255) end
 -- Grants charge an estimate (gateway/admission/caps.py: queue_cost); the real usage replaces it
 -- before the slot is handed on, so the next grant already sees the tenant's real service.
 -- F never falls below V: a tenant banks no credit for its overestimates.
@@ -699,12 +711,15 @@ end
 local busy = waiting()
 if ARGV[8] then
   local fkey = 'F:' .. ARGV[9] .. ':' .. ARGV[8]
-  local v = tonumber(redis.call('HGET', K_FAIR, 'V:' .. ARGV[9]) or '0')
-  local f = tonumber(redis.call('HGET', K_FAIR, fkey) or '0')
+  local vf = redis.call('HMGET', K_FAIR, 'V:' .. ARGV[9], fkey)
+  local v, f = tonumber(vf[1] or '0'), tonumber(vf[2] or '0')
   redis.call('HSET', K_FAIR, fkey, math.max(v, f + tonumber(ARGV[10])))
   if ARGV[9] == '2' and busy then refresh_head(ARGV[8]) end
 end
-if busy then pump(live_workers(), nil) end
+if busy then
+  mark_alive()  -- as before every script did: a beat that runs late keeps a margin under load
+  pump(live_workers(), nil)
+end
 return freed
 """
 
@@ -713,6 +728,7 @@ return freed
 #: pending prefill kept, so the first token still takes it off} (a grant raced in: serve or
 #: release it) | {'gone'}.
 CANCEL = _PRELUDE + r"""
+mark_alive()
 local req, need = ARGV[7], tonumber(ARGV[8])
 local raw = redis.call('HGET', K_META, req)
 if raw then
@@ -744,6 +760,7 @@ return {'granted', cjson.encode(out)}
 #: leases whose holder stopped renewing them (a dead gateway), forgets long-dead gateways,
 #: then pumps. Returns {leases reclaimed, counter corrections}.
 REAP = _PRELUDE + r"""
+mark_alive()
 local expired = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, 256)
 for _, lease in ipairs(expired) do free_lease(lease) end
 local gws = redis.call('HGETALL', K_GATEWAYS)
@@ -794,9 +811,10 @@ return {#expired, corrections}
 """
 
 #: ARGV 7.. lease ids held by the calling gateway: push their expiry to now + TTL.
-#: Also keeps the calling gateway alive (the prelude), so its queued requests stay.
+#: Also keeps the calling gateway alive (mark_alive), so its queued requests stay.
 #: Returns the lease ids that no longer exist (reaped: their slot is gone).
 RENEW = _PRELUDE + r"""
+mark_alive()
 local lost = {}
 for i = 7, #ARGV do
   if redis.call('ZADD', K_LEASES, 'XX', 'CH', now + lease_ttl, ARGV[i]) == 0
@@ -811,6 +829,7 @@ return lost
 #: its data. Each one missing is leased again on its worker (the stream holds that slot).
 #: Returns how many were missing.
 RECLAIM = _PRELUDE + r"""
+mark_alive()
 local missing = 0
 for i = 7, #ARGV - 1, 2 do
   if not redis.call('ZSCORE', K_LEASES, ARGV[i]) then
@@ -833,7 +852,7 @@ return #ARGV - 6
 #: ARGV 7 queue position. Returns seconds until that many requests have drained at the
 #: recent completion rate (the last 30 s), or -1 when too few completions to tell.
 RETRY_AFTER = _PRELUDE + r"""
-local stamps = redis.call('LRANGE', K_DONE, 0, -1)
+local stamps = redis.call('LRANGE', K_DONE, 0, 255)
 local count, oldest = 0, now
 for _, t in ipairs(stamps) do
   t = tonumber(t)
