@@ -129,9 +129,10 @@ local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 -- The calling gateway is alive (it is running this script) -- recorded only where the model
 -- has workers or waiters: a client naming a model nobody serves creates no key. Only a
 -- gateway's waiting requests need it (the pump drops those of a gateway that stopped
--- beating), so it is recorded when one is queued, by the beats (RENEW) while they wait,
--- and by the rare scripts; a request granted at once and a release skip it (two Redis
--- calls of each, loadtest/admission_cost.py).
+-- beating), so it is recorded where the caller has a request waiting: ACQUIRE queueing it,
+-- its beats (RENEW) while it waits, CANCEL, and a RELEASE that finds requests waiting. A
+-- request granted at once and a plain release skip it (two Redis calls of each,
+-- loadtest/admission_cost.py), and a model no request of this gateway waited in gets no key.
 local function mark_alive()
   if redis.call('EXISTS', K_WORKERS, K_META) > 0 then redis.call('HSET', K_GATEWAYS, gateway, now + gw_ttl) end
 end
@@ -147,6 +148,10 @@ local function counts(key)
   return out
 end
 
+-- Built per worker per script, so kept lean (a fleet's admission cost grows with it): the
+-- decoded record is the worker's entry, and most workers share their tasks' table.
+local GENERATE_ONLY, NO_LORAS = {generate = true}, {}
+
 local function live_workers()
   local entries = redis.call('HGETALL', K_WORKERS)
   local prefill, alive, inflight = counts(K_PREFILL), counts(K_ALIVE), counts(K_INFLIGHT)
@@ -154,13 +159,18 @@ local function live_workers()
   for i = 1, #entries, 2 do
     local id, rec = entries[i], entries[i + 1]
     if (alive[id] or 0) >= now then
-      local r = cjson.decode(rec)
-      local serves = {}
-      for _, t in ipairs(r.tasks or {'generate'}) do serves[t] = true end
-      out[#out + 1] = {id = id, url = r.url, cap = math.max(tonumber(r.capacity) or 1, 1),
-                       used = inflight[id] or 0,
-                       prefill = math.max(prefill[id] or 0, 0), serves = serves, role = r.role or 'both',
-                       loras = r.loras or {}, lora_max = tonumber(r.lora_max) or 0}
+      local w = cjson.decode(rec)  -- id, url, capacity, tasks, role, loras, lora_max, ...
+      local tasks = w.tasks
+      if tasks and not (#tasks == 1 and tasks[1] == 'generate') then
+        w.serves = {}
+        for _, t in ipairs(tasks) do w.serves[t] = true end
+      else
+        w.serves = GENERATE_ONLY
+      end
+      w.id, w.cap, w.used = id, math.max(tonumber(w.capacity) or 1, 1), inflight[id] or 0
+      w.prefill, w.role = math.max(prefill[id] or 0, 0), w.role or 'both'
+      w.loras, w.lora_max = w.loras or NO_LORAS, tonumber(w.lora_max) or 0
+      out[#out + 1] = w
     else
       redis.call('HDEL', K_WORKERS, id)
       redis.call('HDEL', K_ALIVE, id)
@@ -760,7 +770,6 @@ return {'granted', cjson.encode(out)}
 #: leases whose holder stopped renewing them (a dead gateway), forgets long-dead gateways,
 #: then pumps. Returns {leases reclaimed, counter corrections}.
 REAP = _PRELUDE + r"""
-mark_alive()
 local expired = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, 256)
 for _, lease in ipairs(expired) do free_lease(lease) end
 local gws = redis.call('HGETALL', K_GATEWAYS)
@@ -829,7 +838,6 @@ return lost
 #: its data. Each one missing is leased again on its worker (the stream holds that slot).
 #: Returns how many were missing.
 RECLAIM = _PRELUDE + r"""
-mark_alive()
 local missing = 0
 for i = 7, #ARGV - 1, 2 do
   if not redis.call('ZSCORE', K_LEASES, ARGV[i]) then
