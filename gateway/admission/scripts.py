@@ -612,6 +612,10 @@ local req, priority, need = ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9])
 local boost, tenant, cost = ARGV[13] == '1', ARGV[14], tonumber(ARGV[15])
 local exclude = cjson.decode(ARGV[12])
 local task = ARGV[21] or 'generate'
+-- A retry or a migration (its client is mid-request) writes first, as every script once did:
+-- a Redis that refuses writes is then named as such ("the state store is full"), where the
+-- worker it lost would otherwise be all it could report (tests/gateway/test_redis_full.py).
+if boost then mark_alive() end
 if is_urgent(priority) and redis.call('EXISTS', K_WORKERS) == 1 then
   redis.call('SET', K_URGENT_SEEN, '1', 'PX', 60000)
   urgent_recently = true

@@ -301,7 +301,9 @@ async def test_600_queued_streams_cost_a_bounded_number_of_connections(start_wor
     """Regression: every queued request parked its own Redis connection in BLPOP; past the
     pool's 100, every Redis call of the gateway failed and live workers answered 503."""
     model = "flood"
-    start_worker(model, redis_at=backend.url, sim_max_seqs=8, sim_token_ms=2, sim_ttft_ms=0)
+    # A beat a second (alive 3 s): its 600 streams' scripts on a loaded CI held up a 200 ms
+    # beat past its 600 ms, and 64 requests found "no live worker" (2026-12-05).
+    start_worker(model, redis_at=backend.url, sim_max_seqs=8, sim_token_ms=2, sim_ttft_ms=0, heartbeat_ms=1000)
     gateway = start_gateway(env={"SLUICE_GATEWAY_QUEUE_TIMEOUT_S": "120", "SLUICE_REDIS_MAX_CONNECTIONS": "16"},
                             redis_at=backend.url)
     peak = 0

@@ -52,7 +52,8 @@ def test_redis_outage_and_recovery(private_redis, start_worker, start_gateway) -
     resp = httpx.post(gateway.url + "/v1/completions", json={"model": model, "prompt": "x"}, timeout=10)
     assert resp.status_code == 503
     assert int(resp.headers["retry-after"]) >= 1
-    assert time.monotonic() - started < 3
+    # 0.05 s on an idle machine, 3.01 s once on a loaded CI (2026-12-05); a hang is the 10 s timeout.
+    assert time.monotonic() - started < 6
     assert httpx.get(gateway.url + "/ready").status_code == 503
 
     thread.join(10)
