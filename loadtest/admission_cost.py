@@ -36,7 +36,9 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
@@ -47,39 +49,55 @@ def redis_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def measure(url: str, routing: str, workers: int, requests: int) -> dict[str, float]:
-    """One level, from the code on ``sys.path`` (this checkout's or the baseline's)."""
-    from redis.asyncio import Redis
-
+async def fleet(redis: Any, routing: str, workers: int) -> Callable[[int], Any]:
+    """``workers`` registered workers of a new model; returns its request ``i``'s ask (cache
+    routing: 16 prompt blocks from one of 64 prefixes)."""
     from engine_worker.registration import Registration
-    from gateway.admission.queue import Admission, Ask
-    from gateway.config import GatewaySettings
+    from gateway.admission.queue import Ask
 
-    redis = Redis.from_url(url)
-    pid = int((await redis.info("server"))["process_id"])
     model = "m" + uuid.uuid4().hex[:8]
     for i in range(workers):
         await Registration(redis, model=model, worker_id=f"w{i:04d}", url="http://127.0.0.1:9", engine="sim",
                            capacity=64, heartbeat_ms=60_000, stats=lambda: {"running": 0}).beat()
-    gateway = Admission(redis, GatewaySettings(redis_url=url, routing=routing))
-    await gateway.start()
     prefixes = [[uuid.uuid4().hex[:16] for _ in range(16)] for _ in range(64)]
 
     def ask(i: int) -> Ask:
         blocks = tuple(prefixes[i % 64]) if routing == "cache" else ()
         return Ask(model=model, request_id=uuid.uuid4().hex, blocks=blocks)
 
-    # A fleet in use: some slots held by streams that run on.
-    held = [lease for i in range(min(32, workers * 8)) for lease in await gateway.acquire(ask(i))]
+    return ask
 
+
+async def admit(gateways: list[Any], ask: Callable[[int], Any], requests: int) -> None:
+    """``requests`` acquire + release pairs, 16 at a time; request ``i`` goes through
+    ``gateways[(i // 16) % len(gateways)]`` (in turn, when there are several)."""
     async def client(first: int) -> None:
         for i in range(first, requests, 16):
+            gateway = gateways[(i // 16) % len(gateways)]
             (lease,) = await gateway.acquire(ask(i))
             await gateway.release(lease)
 
+    await asyncio.gather(*(client(i) for i in range(16)))
+
+
+async def measure(url: str, routing: str, workers: int, requests: int) -> dict[str, float]:
+    """One level, from the code on ``sys.path`` (this checkout's or the baseline's)."""
+    from redis.asyncio import Redis
+
+    from gateway.admission.queue import Admission
+    from gateway.config import GatewaySettings
+
+    redis = Redis.from_url(url)
+    pid = int((await redis.info("server"))["process_id"])
+    ask = await fleet(redis, routing, workers)
+    gateway = Admission(redis, GatewaySettings(redis_url=url, routing=routing))
+    await gateway.start()
+    # A fleet in use: some slots held by streams that run on.
+    held = [lease for i in range(min(32, workers * 8)) for lease in await gateway.acquire(ask(i))]
+
     await redis.config_resetstat()
     cpu0, t0 = redis_cpu_s(pid), time.perf_counter()
-    await asyncio.gather(*(client(i) for i in range(16)))
+    await admit([gateway], ask, requests)
     wall, cpu = time.perf_counter() - t0, redis_cpu_s(pid) - cpu0
     stats = await redis.info("commandstats")
     for lease in held:
@@ -106,7 +124,6 @@ async def interleaved(url: str, routing: str, workers: int, requests: int, other
 
     from redis.asyncio import Redis
 
-    from engine_worker.registration import Registration
     from gateway.admission import queue
     from gateway.admission import scripts as ours
     from gateway.config import GatewaySettings
@@ -116,10 +133,7 @@ async def interleaved(url: str, routing: str, workers: int, requests: int, other
     theirs = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(theirs)
     redis = Redis.from_url(url)
-    model = "m" + uuid.uuid4().hex[:8]
-    for i in range(workers):
-        await Registration(redis, model=model, worker_id=f"w{i:04d}", url="http://127.0.0.1:9", engine="sim",
-                           capacity=64, heartbeat_ms=60_000, stats=lambda: {"running": 0}).beat()
+    ask = await fleet(redis, routing, workers)
     gateways, names = [], {}
     for code, module in (("this checkout", ours), (f"scripts of {other.name}", theirs)):
         queue.scripts = module  # read when an Admission is made
@@ -128,24 +142,11 @@ async def interleaved(url: str, routing: str, workers: int, requests: int, other
         for script in ("ACQUIRE", "RELEASE"):
             names[hashlib.sha1(getattr(module, script).encode()).hexdigest().encode()] = code
     queue.scripts = ours
-    prefixes = [[uuid.uuid4().hex[:16] for _ in range(16)] for _ in range(64)]
-
-    def ask(i: int) -> queue.Ask:
-        blocks = tuple(prefixes[i % 64]) if routing == "cache" else ()
-        return queue.Ask(model=model, request_id=uuid.uuid4().hex, blocks=blocks)
-
     held = [lease for i in range(min(32, workers * 8)) for lease in await gateways[0].acquire(ask(i))]
     await redis.config_set("slowlog-log-slower-than", 0)
     await redis.config_set("slowlog-max-len", 4 * requests)
     await redis.slowlog_reset()
-
-    async def client(first: int) -> None:
-        for i in range(first, requests, 16):
-            gateway = gateways[(i // 16) % 2]
-            (lease,) = await gateway.acquire(ask(i))
-            await gateway.release(lease)
-
-    await asyncio.gather(*(client(i) for i in range(16)))
+    await admit(gateways, ask, requests)
     timed: dict[str, list[int]] = {code: [] for code in names.values()}
     for entry in await redis.slowlog_get(4 * requests):
         command = entry["command"].split()
@@ -195,8 +196,12 @@ def main() -> None:
         with EmbeddedRedis() as server:
             for routing in args.routings.split(","):
                 for workers in [int(w) for w in args.workers.split(",")]:
-                    got = asyncio.run(interleaved(server.url, routing, workers, args.requests, args.scripts_of))
-                    figures = [f"{code}: {v['script_us_per_request']:.1f} µs" for code, v in got.items()]
+                    rounds = [asyncio.run(interleaved(server.url, routing, workers, args.requests, args.scripts_of))
+                              for _ in range(args.repeat)]
+                    figures = []
+                    for code in rounds[0]:
+                        each = sorted(r[code]["script_us_per_request"] for r in rounds)
+                        figures.append(f"{code}: {statistics.median(each):.1f} µs ({' / '.join(f'{v:.0f}' for v in each)})")
                     print(f"| {routing} | {workers} | " + " | ".join(figures) + " |", flush=True)
         return
     codes = {"this checkout": str(HERE.parent)}
