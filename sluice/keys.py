@@ -146,6 +146,14 @@ def stats(model: str) -> str:
     return _tag(model) + ":stats"
 
 
+def routing(model: str) -> str:
+    """Each registered worker's routing facts, what admission reads of it at every request:
+    ``"<capacity> <url>"`` for a worker that serves generation alone, in both roles, with no
+    adapters (the common case: no JSON to decode), else its registry record itself (JSON).
+    Written with the record and the heartbeat by every beat (engine_worker/registration.py)."""
+    return _tag(model) + ":routing"
+
+
 def inflight(model: str) -> str:
     return _tag(model) + ":inflight"
 
@@ -193,6 +201,7 @@ class AdmissionKeys(NamedTuple):
     prefix_lru: str
     prefill: str
     lease_prefill: str
+    routing: str
 
 
 @functools.lru_cache(maxsize=256)
@@ -206,7 +215,7 @@ def admission(model: str) -> AdmissionKeys:
         depth=t + ":depth", grants=grants(model), gateways=t + ":gateways", fair=t + ":fair",
         done=done(model), urgent_seen=t + ":urgent_seen", heads=normal + ":heads",
         prefix=prefix_index(model)[0], prefix_lru=prefix_index(model)[1],
-        prefill=prefill(model), lease_prefill=t + ":lease_prefill",
+        prefill=prefill(model), lease_prefill=t + ":lease_prefill", routing=routing(model),
     )
 
 
@@ -225,8 +234,8 @@ def prefix_index(model: str) -> list[str]:
 
 
 def worker_keys(model: str) -> list[str]:
-    """KEYS of the worker registration scripts: workers, alive, stats."""
-    return [workers(model), alive(model), stats(model)]
+    """KEYS of the worker registration scripts: workers, alive, stats, routing."""
+    return [workers(model), alive(model), stats(model), routing(model)]
 
 
 def api_key(prefix: str) -> str:

@@ -119,7 +119,7 @@ _PRELUDE = f"local GRANTS_KEPT = {keys.GRANTS_KEPT}\n" + prefix_index.FUNCTIONS 
 local K_WORKERS, K_ALIVE, K_INFLIGHT, K_LEASES, K_OWNER = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local K_QURGENT, K_QNORMAL, K_META, K_DEPTH, K_GRANTS = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local K_GATEWAYS, K_FAIR, K_DONE, K_URGENT_SEEN, K_HEADS = KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15]
-local K_PREFIX, K_PREFIX_LRU, K_PREFILL, K_LEASE_PREFILL = KEYS[16], KEYS[17], KEYS[18], KEYS[19]
+local K_PREFIX, K_PREFIX_LRU, K_PREFILL, K_LEASE_PREFILL, K_ROUTING = KEYS[16], KEYS[17], KEYS[18], KEYS[19], KEYS[20]
 local gateway = ARGV[1]
 local lease_ttl, gw_ttl = tonumber(ARGV[2]), tonumber(ARGV[3])
 local reserve, urgent_max, step = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -148,32 +148,55 @@ local function counts(key)
   return out
 end
 
--- Built per worker per script, so kept lean (a fleet's admission cost grows with it): the
--- decoded record is the worker's entry, and most workers share their tasks' table.
+-- Built per worker per request, so kept lean (a fleet's admission cost grows with it). Most
+-- workers serve generation alone with no adapters: their routing facts are "<capacity> <url>"
+-- (sluice/keys.py: routing), read without decoding JSON, and they share their tables.
+-- Decoding every worker's record was about half of ACQUIRE's cost per worker
+-- (loadtest/admission_cost.py: 256 workers).
 local GENERATE_ONLY, NO_LORAS = {generate = true}, {}
+local match = string.match
+
+local function entry(id, facts, used, prefill)
+  local cap = match(facts, '^%d+')
+  if cap then
+    return {id = id, facts = facts, cap = math.max(tonumber(cap), 1), used = used, prefill = prefill,
+            role = 'both', serves = GENERATE_ONLY, loras = NO_LORAS, lora_max = 0}
+  end
+  local w = cjson.decode(facts)  -- id, url, capacity, tasks, role, loras, lora_max, ...
+  local tasks = w.tasks
+  if tasks and not (#tasks == 1 and tasks[1] == 'generate') then
+    w.serves = {}
+    for _, t in ipairs(tasks) do w.serves[t] = true end
+  else
+    w.serves = GENERATE_ONLY
+  end
+  w.id, w.cap, w.used = id, math.max(tonumber(w.capacity) or 1, 1), used
+  w.prefill, w.role = prefill, w.role or 'both'
+  w.loras, w.lora_max = w.loras or NO_LORAS, tonumber(w.lora_max) or 0
+  return w
+end
+
+-- The worker's URL: in its record, or after its capacity in its routing facts.
+local function url_of(w)
+  return w.url or match(w.facts, ' (.+)$')
+end
 
 local function live_workers()
-  local entries = redis.call('HGETALL', K_WORKERS)
-  local prefill, alive, inflight = counts(K_PREFILL), counts(K_ALIVE), counts(K_INFLIGHT)
+  local alive = redis.call('HGETALL', K_ALIVE)
+  local prefill, inflight, facts = counts(K_PREFILL), counts(K_INFLIGHT), {}
+  local flat = redis.call('HGETALL', K_ROUTING)
+  for i = 1, #flat, 2 do facts[flat[i]] = flat[i + 1] end
   local out = {}
-  for i = 1, #entries, 2 do
-    local id, rec = entries[i], entries[i + 1]
-    if (alive[id] or 0) >= now then
-      local w = cjson.decode(rec)  -- id, url, capacity, tasks, role, loras, lora_max, ...
-      local tasks = w.tasks
-      if tasks and not (#tasks == 1 and tasks[1] == 'generate') then
-        w.serves = {}
-        for _, t in ipairs(tasks) do w.serves[t] = true end
-      else
-        w.serves = GENERATE_ONLY
-      end
-      w.id, w.cap, w.used = id, math.max(tonumber(w.capacity) or 1, 1), inflight[id] or 0
-      w.prefill, w.role = math.max(prefill[id] or 0, 0), w.role or 'both'
-      w.loras, w.lora_max = w.loras or NO_LORAS, tonumber(w.lora_max) or 0
-      out[#out + 1] = w
+  for i = 1, #alive, 2 do
+    local id = alive[i]
+    if tonumber(alive[i + 1]) >= now then
+      -- No facts: a worker of a version before them (or a test's own record): its record.
+      local f = facts[id] or redis.call('HGET', K_WORKERS, id)
+      if f then out[#out + 1] = entry(id, f, inflight[id] or 0, math.max(prefill[id] or 0, 0)) end
     else
       redis.call('HDEL', K_WORKERS, id)
       redis.call('HDEL', K_ALIVE, id)
+      redis.call('HDEL', K_ROUTING, id)
     end
   end
   return out
@@ -418,7 +441,7 @@ local function lease_all(picks, req, ttl, meta)
       redis.call('HINCRBY', K_PREFILL, w.id, adds)
       redis.call('HSET', K_LEASE_PREFILL, lease, adds)
     end
-    out[#out + 1] = {lease, w.id, w.url, picks.matched[w.id] or 0, adds}
+    out[#out + 1] = {lease, w.id, url_of(w), picks.matched[w.id] or 0, adds}
     if #blocks > 0 and not marked[w.id] then
       marked[w.id] = true
       holders_add(K_PREFIX, K_PREFIX_LRU, blocks, w.id, now, picks.matched[w.id] or 0)
@@ -818,6 +841,14 @@ if ARGV[7] == '1' then
     end
   end
   corrections = corrections + recount(K_INFLIGHT, slots) + recount(K_PREFILL, prefill)
+end
+-- Registry entries without a heartbeat go (live_workers drops those whose heartbeat lapsed,
+-- and reads no others): a worker a gateway found unreachable (its heartbeat deleted), or one
+-- whose facts a gateway of an earlier version left when it dropped the worker.
+for _, key in ipairs({K_WORKERS, K_ROUTING}) do
+  for _, id in ipairs(redis.call('HKEYS', key)) do
+    if redis.call('HEXISTS', K_ALIVE, id) == 0 then redis.call('HDEL', key, id) end
+  end
 end
 pump(live_workers(), nil)
 return {#expired, corrections}

@@ -699,3 +699,46 @@ async def test_a_worker_that_beat_again_between_acquire_and_the_gateway_s_look_i
     (lease,) = await gw.acquire(fleet.ask())
     assert lease.worker_id == worker
     await gw.release(lease)
+
+
+async def test_admission_routes_from_facts_records_and_workers_without_facts(fleet: Fleet) -> None:
+    """A worker that serves generation alone is routed from its facts ("<capacity> <url>", no
+    JSON decoded at each request), any other from its record; a worker of a version before
+    the facts (a record and a heartbeat only) is still granted. Each lease names its
+    worker's own URL."""
+    def registration(worker_id: str, **fields: object) -> Registration:
+        return Registration(fleet.redis, model=fleet.model, worker_id=worker_id, url=f"http://127.0.0.1:9/{worker_id}",
+                            engine="sim", capacity=2, heartbeat_ms=60_000, stats=dict, **fields)  # type: ignore[arg-type]
+
+    for reg in (registration("plain"), registration("tasks", tasks=("generate", "embed")), registration("older")):
+        await reg.beat()
+    routing = keys.routing(fleet.model)
+    facts = await fleet.redis.hgetall(routing)  # type: ignore[attr-defined]
+    assert facts[b"plain"] == b"2 http://127.0.0.1:9/plain"
+    assert facts[b"tasks"].startswith(b"{")  # its record
+    await fleet.redis.hdel(routing, "older")  # type: ignore[attr-defined]
+    gw = await fleet.gateway()
+    leases = await gw.acquire(fleet.ask(need=6))
+    assert sorted(lease.worker_id for lease in leases) == ["older"] * 2 + ["plain"] * 2 + ["tasks"] * 2
+    assert all(lease.url == f"http://127.0.0.1:9/{lease.worker_id}" for lease in leases)
+    for lease in leases:
+        await gw.release(lease)
+
+
+async def test_a_worker_found_unreachable_leaves_the_registry_at_the_next_reap(fleet: Fleet) -> None:
+    """A worker whose heartbeat a gateway deleted (nothing answered at its address) is no
+    longer read at each request: its record and facts go at the next reap, and its next
+    beat, if it lives, puts everything back."""
+    worker = await fleet.worker(capacity=2)
+    other = await fleet.worker(capacity=2)
+    gw = await fleet.gateway()
+    await gw.unreachable(Lease(model=fleet.model, lease_id="x", worker_id=worker, url=""))
+    await gw.reap_once()
+    for key in (keys.workers(fleet.model), keys.routing(fleet.model)):
+        assert [k.decode() for k in await fleet.redis.hkeys(key)] == [other]  # type: ignore[attr-defined]
+    for _ in range(4):
+        (lease,) = await gw.acquire(fleet.ask())
+        assert lease.worker_id == other
+        await gw.release(lease)
+    await fleet._workers[0].beat()
+    assert len(await fleet.redis.hkeys(keys.routing(fleet.model))) == 2  # type: ignore[attr-defined]
