@@ -17,7 +17,8 @@ speed: the scripts' time as Redis counts it (``INFO commandstats``, without the 
 the parsing) and the commands the scripts ran, which do not swing at all.
 
 ``--scripts-of DIR``: a checkout whose Lua scripts alone differ from this one's, measured
-request by request in turn with this one on one Redis, each script call timed by Redis.
+request by request in turn with this one on one Redis, each script call timed by Redis
+(its JSON and chart give the scripts' time per request).
 
 ``--baseline DIR``: a checkout of another commit (``git worktree add /tmp/before <commit>``),
 measured in the same run in turn with this one, level by level. ``--repeat N``: N rounds of
@@ -193,16 +194,21 @@ def main() -> None:
     from sluice.embedded_redis import EmbeddedRedis
 
     if args.scripts_of:
+        rows = []
         with EmbeddedRedis() as server:
             for routing in args.routings.split(","):
                 for workers in [int(w) for w in args.workers.split(",")]:
                     rounds = [asyncio.run(interleaved(server.url, routing, workers, args.requests, args.scripts_of))
                               for _ in range(args.repeat)]
+                    rows += [{"code": code, "routing": routing, "workers": workers, **r[code]}
+                             for r in rounds for code in r]
                     figures = []
                     for code in rounds[0]:
                         each = sorted(r[code]["script_us_per_request"] for r in rounds)
                         figures.append(f"{code}: {statistics.median(each):.1f} µs ({' / '.join(f'{v:.0f}' for v in each)})")
                     print(f"| {routing} | {workers} | " + " | ".join(figures) + " |", flush=True)
+        report(rows, list(dict.fromkeys(str(r["code"]) for r in rows)), args.out,
+               {"script_us_per_request": "script µs"}, "script µs per admitted request (SLOWLOG)")
         return
     codes = {"this checkout": str(HERE.parent)}
     if args.baseline:
@@ -230,9 +236,12 @@ def median_of(rows: list[dict[str, object]], code: str, routing: str, workers: i
                              if r["code"] == code and r["routing"] == routing and r["workers"] == workers)
 
 
-def report(rows: list[dict[str, object]], codes: list[str], out: str) -> None:
-    figures = {"redis_us_per_request": "Redis CPU µs", "script_us_per_request": "script µs",
-               "calls_per_request": "calls"}
+def report(rows: list[dict[str, object]], codes: list[str], out: str, figures: dict[str, str] | None = None,
+           ylabel: str = "Redis CPU µs per admitted request") -> None:
+    """The medians' table, ``out``.json (every round) and ``out``.png (the first figure by fleet size)."""
+    figures = figures or {"redis_us_per_request": "Redis CPU µs", "script_us_per_request": "script µs",
+                          "calls_per_request": "calls"}
+    charted = next(iter(figures))
     print("\nPer admitted request (medians of the rounds):\n")
     print("| routing | workers | " + " | ".join(f"{name}, {c}" for name in figures.values() for c in codes) + " |")
     print("| --- | --- | " + " | ".join("---" for _ in figures for _ in codes) + " |")
@@ -247,12 +256,13 @@ def report(rows: list[dict[str, object]], codes: list[str], out: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for code in codes:
         for routing in sorted({str(r["routing"]) for r in rows}):
-            points = sorted((w, median_of(rows, code, routing, w, "redis_us_per_request"))
+            points = sorted((w, median_of(rows, code, routing, w, charted))
                             for w in {int(r["workers"]) for r in rows if r["routing"] == routing})  # type: ignore[arg-type]
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{code}, {routing}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("workers serving the model")
-    ax.set_ylabel("Redis CPU µs per admitted request")
+    ax.set_ylabel(ylabel)
+    ax.set_yscale("log")
     ax.set_title("Admission's cost to Redis (ACQUIRE + RELEASE)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
