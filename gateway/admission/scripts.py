@@ -299,6 +299,7 @@ local function least_pick(ws, excluded, full, route)
       near[#near + 1] = w
     end
   end
+  if #near == 1 then return near[1] end  -- no turn to take (nor a counter to move)
   local ids, of = by_id(near)
   return of[ids[redis.call('HINCRBY', K_FAIR, 'least', 1) % #ids + 1]]
 end
