@@ -11,26 +11,26 @@ from typing import Any
 import orjson
 from redis.exceptions import RedisError
 
-from sluice import keys
+from sluice import keys, routing_facts
 from sluice.directory import Directory
 from sluice.roles import BOTH, Role
 
 log = logging.getLogger("sluice.worker")
 
 
-# KEYS workers, alive, stats, routing (one slot). ARGV id, record JSON, stats JSON, TTL (ms),
-# routing facts (sluice/keys.py: routing).
-_BEAT = r"""
+# KEYS workers, alive, stats, routing (one slot). ARGV id, record JSON, stats JSON, TTL (ms).
+# The routing facts come from the record (sluice/routing_facts.py).
+_BEAT = routing_facts.FUNCTIONS + r"""
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('HSET', KEYS[2], ARGV[1], now + tonumber(ARGV[4]))
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
-redis.call('HSET', KEYS[4], ARGV[1], ARGV[5])
+redis.call('HSET', KEYS[4], ARGV[1], routing_facts(ARGV[2]))
 return 1
 """
 
-# KEYS workers, alive, stats. ARGV id.
+# KEYS workers, alive, stats, routing. ARGV id.
 _LEAVE = r"""
 for _, k in ipairs(KEYS) do redis.call('HDEL', k, ARGV[1]) end
 return 1
@@ -70,9 +70,6 @@ class Registration:
         self._record = {"id": worker_id, "url": url, "engine": engine, "capacity": capacity, "tasks": list(tasks),
                         "role": role}
         self._extra = record
-        #: The routing facts of a worker that serves generation alone, in both roles, with no
-        #: adapters (sluice/keys.py: routing); None for any other, whose facts are its record.
-        self._plain = f"{capacity} {url}" if tuple(tasks) == ("generate",) and role == BOTH else None
         self._also = also
         self._period_s = heartbeat_ms / 1000
         self._ttl_ms = heartbeat_ms * keys.HEARTBEAT_MISSES
@@ -88,11 +85,9 @@ class Registration:
     async def beat(self) -> None:
         # The directory and the epoch live in other slots: separate, idempotent writes.
         self._epoch = (await self._directory.register(self.model, self._epoch)).id
-        extra = self._extra()
-        record = orjson.dumps({**self._record, **extra})
         await self._beat(keys=keys.worker_keys(self.model),
-                         args=[self.worker_id, record, orjson.dumps(self._stats()), self._ttl_ms,
-                               record if extra or self._plain is None else self._plain])
+                         args=[self.worker_id, orjson.dumps({**self._record, **self._extra()}),
+                               orjson.dumps(self._stats()), self._ttl_ms])
         if self._also is not None:
             await self._also()
 

@@ -147,10 +147,8 @@ def stats(model: str) -> str:
 
 
 def routing(model: str) -> str:
-    """Each registered worker's routing facts, what admission reads of it at every request:
-    ``"<capacity> <url>"`` for a worker that serves generation alone, in both roles, with no
-    adapters (the common case: no JSON to decode), else its registry record itself (JSON).
-    Written with the record and the heartbeat by every beat (engine_worker/registration.py)."""
+    """Each registered worker's routing facts (sluice/routing_facts.py), what admission reads
+    of it at every request; written beside its record by every beat."""
     return _tag(model) + ":routing"
 
 

@@ -113,9 +113,11 @@ and each pick is among its holders while one may take it, else among the workers
 from __future__ import annotations
 
 from gateway.admission import adapters, affinity
-from sluice import keys, prefix_index
+from gateway.admission.lua_prelude import Prelude
+from sluice import keys, prefix_index, routing_facts
 
-_PRELUDE = f"local GRANTS_KEPT = {keys.GRANTS_KEPT}\n" + prefix_index.FUNCTIONS + affinity.FUNCTIONS + adapters.FUNCTIONS + r"""
+_PRELUDE = f"local GRANTS_KEPT = {keys.GRANTS_KEPT}\n" + prefix_index.FUNCTIONS + affinity.FUNCTIONS + adapters.FUNCTIONS \
+    + routing_facts.FUNCTIONS + r"""
 local K_WORKERS, K_ALIVE, K_INFLIGHT, K_LEASES, K_OWNER = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local K_QURGENT, K_QNORMAL, K_META, K_DEPTH, K_GRANTS = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local K_GATEWAYS, K_FAIR, K_DONE, K_URGENT_SEEN, K_HEADS = KEYS[11], KEYS[12], KEYS[13], KEYS[14], KEYS[15]
@@ -148,11 +150,19 @@ local function counts(key)
   return out
 end
 
+-- A hash's fields and values, as they are.
+local function fields(key)
+  local out = {}
+  local flat = redis.call('HGETALL', key)
+  for i = 1, #flat, 2 do out[flat[i]] = flat[i + 1] end
+  return out
+end
+
 -- Built per worker per request, so kept lean (a fleet's admission cost grows with it). Most
--- workers serve generation alone with no adapters: their routing facts are "<capacity> <url>"
--- (sluice/keys.py: routing), read without decoding JSON, and they share their tables.
--- Decoding every worker's record was about half of ACQUIRE's cost per worker
--- (loadtest/admission_cost.py: 256 workers).
+-- workers serve generation alone: their routing facts (sluice/routing_facts.py) are
+-- "<capacity> <url>", read without decoding JSON, and they share their tables. Decoding
+-- every worker's record was about half of ACQUIRE's cost per worker (256 workers:
+-- loadtest/admission_cost.py).
 local GENERATE_ONLY, NO_LORAS = {generate = true}, {}
 local match = string.match
 
@@ -162,7 +172,7 @@ local function entry(id, facts, used, prefill)
     return {id = id, facts = facts, cap = math.max(tonumber(cap), 1), used = used, prefill = prefill,
             role = 'both', serves = GENERATE_ONLY, loras = NO_LORAS, lora_max = 0}
   end
-  local w = cjson.decode(facts)  -- id, url, capacity, tasks, role, loras, lora_max, ...
+  local w = cjson.decode(facts)  -- the record: id, url, capacity, tasks, role, loras, lora_max, ...
   local tasks = w.tasks
   if tasks and not (#tasks == 1 and tasks[1] == 'generate') then
     w.serves = {}
@@ -176,22 +186,24 @@ local function entry(id, facts, used, prefill)
   return w
 end
 
--- The worker's URL: in its record, or after its capacity in its routing facts.
+-- The worker's URL: in its record, or after its capacity in its facts.
 local function url_of(w)
-  return w.url or match(w.facts, ' (.+)$')
+  return w.url or (w.facts and match(w.facts, ' (.+)$')) or ''
 end
 
 local function live_workers()
   local alive = redis.call('HGETALL', K_ALIVE)
-  local prefill, inflight, facts = counts(K_PREFILL), counts(K_INFLIGHT), {}
-  local flat = redis.call('HGETALL', K_ROUTING)
-  for i = 1, #flat, 2 do facts[flat[i]] = flat[i + 1] end
+  local prefill, inflight, facts = counts(K_PREFILL), counts(K_INFLIGHT), fields(K_ROUTING)
+  local records = nil  -- read (once) only for a worker without facts: see REAP
   local out = {}
   for i = 1, #alive, 2 do
     local id = alive[i]
     if tonumber(alive[i + 1]) >= now then
-      -- No facts: a worker of a version before them (or a test's own record): its record.
-      local f = facts[id] or redis.call('HGET', K_WORKERS, id)
+      local f = facts[id]
+      if not f then
+        records = records or fields(K_WORKERS)
+        f = records[id]
+      end
       if f then out[#out + 1] = entry(id, f, inflight[id] or 0, math.max(prefill[id] or 0, 0)) end
     else
       redis.call('HDEL', K_WORKERS, id)
@@ -627,6 +639,10 @@ local function waiting()
 end
 """
 
+#: Each script gets the prelude's functions it calls, where it first needs them
+#: (gateway/admission/lua_prelude.py: every script defining all of them was ~20 µs a call).
+PRELUDE = Prelude(_PRELUDE)
+
 #: ARGV 7 request id, 8 priority, 9 slots needed, 10 queue timeout (ms), 11 max queue length,
 #: 12 excluded worker ids (JSON list), 13 boosted (1: a retry or migration), 14 tenant, 15 cost,
 #: 16 prompt block hashes (JSON list), 17 routing (least | rr | cache), 18 load (blocks per
@@ -641,7 +657,7 @@ end
 #: | {'queued', position, the grant stream's last id (its grant can only come after it)}
 #: | {'full', length} | {'none'} | {'too_big', slots of the live workers it may use}
 #: | {'untasked'} (live workers, none of which serves the task).
-ACQUIRE = _PRELUDE + r"""
+ACQUIRE = PRELUDE.script(r"""
 local req, priority, need = ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9])
 local boost, tenant, cost = ARGV[13] == '1', ARGV[14], tonumber(ARGV[15])
 local exclude = cjson.decode(ARGV[12])
@@ -711,6 +727,7 @@ if length == 0 then
   end
   meta.blocks = nil
 end
+""", r"""
 mark_alive()  -- it waits: the pump drops the entries of a gateway that stopped beating
 if boost then
   redis.call('ZADD', K_QURGENT, -4e15 + now, req)
@@ -742,12 +759,12 @@ if direct_blocks then
 end
 local newest = redis.call('XREVRANGE', K_GRANTS, '+', '-', 'COUNT', 1)
 return {'queued', queue_length() - 1, newest[1] and newest[1][1] or '0-0'}
-"""
+""")
 
 #: ARGV 7 lease id; optionally 8 tenant, 9 the class its grant charged (1 urgent, 2 normal),
 #: 10 tokens its generation really used minus what its grant charged. Corrects the charge,
 #: frees the slot and hands it on to the queue. Returns 1 if the lease existed.
-RELEASE = _PRELUDE + r"""
+RELEASE = PRELUDE.script(r"""
 local freed = free_lease(ARGV[7])
 -- The last 256 completions are what RETRY_AFTER reads; trimmed in steps of 32, not each time.
 if freed == 1 and redis.call('LPUSH', K_DONE, now) > 288 then redis.call('LTRIM', K_DONE, 0, 255) end
@@ -755,27 +772,27 @@ if freed == 1 and redis.call('LPUSH', K_DONE, now) > 288 then redis.call('LTRIM'
 -- before the slot is handed on, so the next grant already sees the tenant's real service.
 -- F never falls below V: a tenant banks no credit for its overestimates.
 -- With nobody waiting there is no head to re-score and no slot to hand on: the queue's keys
--- and the workers need not be read.
+-- and the workers need not be read (nor the queue's functions defined, below).
 local busy = waiting()
 if ARGV[8] then
   local fkey = 'F:' .. ARGV[9] .. ':' .. ARGV[8]
   local vf = redis.call('HMGET', K_FAIR, 'V:' .. ARGV[9], fkey)
   local v, f = tonumber(vf[1] or '0'), tonumber(vf[2] or '0')
   redis.call('HSET', K_FAIR, fkey, math.max(v, f + tonumber(ARGV[10])))
-  if ARGV[9] == '2' and busy then refresh_head(ARGV[8]) end
 end
-if busy then
-  mark_alive()  -- as before every script did: a beat that runs late keeps a margin under load
-  pump(live_workers(), nil)
-end
+if not busy then return freed end
+""", r"""
+if ARGV[8] and ARGV[9] == '2' then refresh_head(ARGV[8]) end
+mark_alive()  -- as before every script did: a beat that runs late keeps a margin under load
+pump(live_workers(), nil)
 return freed
-"""
+""")
 
 #: ARGV 7 request id, 8 slots it needed. A waiter leaves the queue:
 #: {'removed'} | {'granted', leases JSON as ACQUIRE's, the prefix match unknown (0) but the
 #: pending prefill kept, so the first token still takes it off} (a grant raced in: serve or
 #: release it) | {'gone'}.
-CANCEL = _PRELUDE + r"""
+CANCEL = PRELUDE.script(r"""
 mark_alive()
 local req, need = ARGV[7], tonumber(ARGV[8])
 local raw = redis.call('HGET', K_META, req)
@@ -802,12 +819,12 @@ for i = 0, need - 1 do
 end
 if #out == 0 then return {'gone'} end
 return {'granted', cjson.encode(out)}
-"""
+""")
 
 #: ARGV 7 1 to recount ``inflight`` and the pending prefill from the leases. Reclaims
 #: leases whose holder stopped renewing them (a dead gateway), forgets long-dead gateways,
 #: then pumps. Returns {leases reclaimed, counter corrections}.
-REAP = _PRELUDE + r"""
+REAP = PRELUDE.script(r"""
 local expired = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, 256)
 for _, lease in ipairs(expired) do free_lease(lease) end
 local gws = redis.call('HGETALL', K_GATEWAYS)
@@ -853,22 +870,35 @@ if ARGV[7] == '1' then
   end
   corrections = corrections + recount(K_INFLIGHT, slots) + recount(K_PREFILL, prefill)
 end
--- Registry entries without a heartbeat go (live_workers drops those whose heartbeat lapsed,
--- and reads no others): a worker a gateway found unreachable (its heartbeat deleted), or one
--- whose facts a gateway of an earlier version left when it dropped the worker.
-for _, key in ipairs({K_WORKERS, K_ROUTING}) do
-  for _, id in ipairs(redis.call('HKEYS', key)) do
-    if redis.call('HEXISTS', K_ALIVE, id) == 0 then redis.call('HDEL', key, id) end
+-- The registry. Entries without a heartbeat go (live_workers drops those whose heartbeat
+-- lapsed, and reads no others): a worker a gateway found unreachable (its heartbeat deleted),
+-- or facts a gateway of an earlier version left when it dropped their worker. Each worker's
+-- routing facts are made again from its record where they differ: a worker of an earlier
+-- version writes none, and a worker id run again by one would keep stale facts.
+local alive, facts = fields(K_ALIVE), fields(K_ROUTING)
+local records = redis.call('HGETALL', K_WORKERS)
+for i = 1, #records, 2 do
+  local id = records[i]
+  if not alive[id] then
+    redis.call('HDEL', K_WORKERS, id)
+    redis.call('HDEL', K_ROUTING, id)
+  else
+    local f = routing_facts(records[i + 1])
+    if facts[id] ~= f then redis.call('HSET', K_ROUTING, id, f) end
   end
+  facts[id] = nil
+end
+for id in pairs(facts) do
+  if not alive[id] then redis.call('HDEL', K_ROUTING, id) end
 end
 pump(live_workers(), nil)
 return {#expired, corrections}
-"""
+""")
 
 #: ARGV 7.. lease ids held by the calling gateway: push their expiry to now + TTL.
 #: Also keeps the calling gateway alive (mark_alive), so its queued requests stay.
 #: Returns the lease ids that no longer exist (reaped: their slot is gone).
-RENEW = _PRELUDE + r"""
+RENEW = PRELUDE.script(r"""
 mark_alive()
 local lost = {}
 for i = 7, #ARGV do
@@ -878,12 +908,12 @@ for i = 7, #ARGV do
   end
 end
 return lost
-"""
+""")
 
 #: ARGV 7.. pairs of lease id and worker id: leases of running streams that Redis lost with
 #: its data. Each one missing is leased again on its worker (the stream holds that slot).
 #: Returns how many were missing.
-RECLAIM = _PRELUDE + r"""
+RECLAIM = PRELUDE.script(r"""
 local missing = 0
 for i = 7, #ARGV - 1, 2 do
   if not redis.call('ZSCORE', K_LEASES, ARGV[i]) then
@@ -894,18 +924,18 @@ for i = 7, #ARGV - 1, 2 do
   end
 end
 return missing
-"""
+""")
 
 #: ARGV 7.. lease ids whose first token arrived: their prompts are prefilled, so their
 #: uncached blocks leave their workers' pending prefill. Returns how many leases.
-PREFILLED = _PRELUDE + r"""
+PREFILLED = PRELUDE.script(r"""
 for i = 7, #ARGV do prefill_done(ARGV[i], redis.call('HGET', K_OWNER, ARGV[i])) end
 return #ARGV - 6
-"""
+""")
 
 #: ARGV 7 queue position. Returns seconds until that many requests have drained at the
 #: recent completion rate (the last 30 s), or -1 when too few completions to tell.
-RETRY_AFTER = _PRELUDE + r"""
+RETRY_AFTER = PRELUDE.script(r"""
 local stamps = redis.call('LRANGE', K_DONE, 0, 255)
 local count, oldest = 0, now
 for _, t in ipairs(stamps) do
@@ -918,7 +948,7 @@ end
 if count < 2 then return -1 end
 local rate = count / math.max((now - oldest) / 1000, 1)
 return math.ceil((tonumber(ARGV[7]) + 1) / rate)
-"""
+""")
 
 #: KEYS workers, alive. Returns the number of workers with a live heartbeat.
 LIVE = r"""

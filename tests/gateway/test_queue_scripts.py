@@ -702,43 +702,55 @@ async def test_a_worker_that_beat_again_between_acquire_and_the_gateway_s_look_i
 
 
 async def test_admission_routes_from_facts_records_and_workers_without_facts(fleet: Fleet) -> None:
-    """A worker that serves generation alone is routed from its facts ("<capacity> <url>", no
-    JSON decoded at each request), any other from its record; a worker of a version before
-    the facts (a record and a heartbeat only) is still granted. Each lease names its
-    worker's own URL."""
+    """A worker that serves generation alone, in both roles, without adapters is routed from
+    its facts ("<capacity> <url>": no JSON decoded at each request), any other from its
+    record; a worker of a version before the facts (its record and heartbeat only) is still
+    granted, and the reap gives it facts. Each lease names its worker's own URL."""
     def registration(worker_id: str, **fields: object) -> Registration:
         return Registration(fleet.redis, model=fleet.model, worker_id=worker_id, url=f"http://127.0.0.1:9/{worker_id}",
                             engine="sim", capacity=2, heartbeat_ms=60_000, stats=dict, **fields)  # type: ignore[arg-type]
 
-    for reg in (registration("plain"), registration("tasks", tasks=("generate", "embed")), registration("older")):
+    registrations = [registration("plain"), registration("tasks", tasks=("generate", "embed")),
+                     registration("prefill", role="prefill"), registration("lora", record=lambda: {"loras": [],
+                                                                                                    "lora_max": 2}),
+                     registration("older")]
+    for reg in registrations:
         await reg.beat()
     routing = keys.routing(fleet.model)
     facts = await fleet.redis.hgetall(routing)  # type: ignore[attr-defined]
     assert facts[b"plain"] == b"2 http://127.0.0.1:9/plain"
-    assert facts[b"tasks"].startswith(b"{")  # its record
+    for worker in (b"tasks", b"prefill", b"lora"):
+        assert facts[worker] == await fleet.redis.hget(keys.workers(fleet.model), worker)  # type: ignore[attr-defined]
     await fleet.redis.hdel(routing, "older")  # type: ignore[attr-defined]
     gw = await fleet.gateway()
-    leases = await gw.acquire(fleet.ask(need=6))
-    assert sorted(lease.worker_id for lease in leases) == ["older"] * 2 + ["plain"] * 2 + ["tasks"] * 2
+    leases = await gw.acquire(fleet.ask(need=10))  # every slot of the five
+    assert sorted(lease.worker_id for lease in leases) == sorted(2 * [reg.worker_id for reg in registrations])
     assert all(lease.url == f"http://127.0.0.1:9/{lease.worker_id}" for lease in leases)
     for lease in leases:
         await gw.release(lease)
-
-
-async def test_a_worker_found_unreachable_leaves_the_registry_at_the_next_reap(fleet: Fleet) -> None:
-    """A worker whose heartbeat a gateway deleted (nothing answered at its address) is no
-    longer read at each request: its record and facts go at the next reap, and its next
-    beat, if it lives, puts everything back."""
-    worker = await fleet.worker(capacity=2)
-    other = await fleet.worker(capacity=2)
-    gw = await fleet.gateway()
-    await gw.unreachable(Lease(model=fleet.model, lease_id="x", worker_id=worker, url=""))
     await gw.reap_once()
-    for key in (keys.workers(fleet.model), keys.routing(fleet.model)):
-        assert [k.decode() for k in await fleet.redis.hkeys(key)] == [other]  # type: ignore[attr-defined]
-    for _ in range(4):
-        (lease,) = await gw.acquire(fleet.ask())
-        assert lease.worker_id == other
-        await gw.release(lease)
-    await fleet._workers[0].beat()
-    assert len(await fleet.redis.hkeys(keys.routing(fleet.model))) == 2  # type: ignore[attr-defined]
+    assert await fleet.redis.hget(routing, "older") == b"2 http://127.0.0.1:9/older"  # type: ignore[attr-defined]
+
+
+async def test_the_reap_mends_stale_facts_and_drops_those_of_workers_gone(fleet: Fleet) -> None:
+    """Facts that differ from their worker's record (a worker id run again by a version that
+    writes none) are made again from the record by the next reap; a worker whose heartbeat a
+    gateway deleted (nothing answered at its address) leaves the registry at the next reap,
+    and one whose heartbeat lapsed at the next request. A beat puts everything back."""
+    stale, unreachable, lapsed = [await fleet.worker(capacity=2) for _ in range(3)]
+    gw = await fleet.gateway()
+    routing = keys.routing(fleet.model)
+    await fleet.redis.hset(routing, stale, "9 http://127.0.0.1:1/stale")  # type: ignore[attr-defined]
+    await gw.unreachable(Lease(model=fleet.model, lease_id="x", worker_id=unreachable, url=""))
+    await gw.reap_once()
+    assert await fleet.redis.hget(routing, stale) == b"2 http://127.0.0.1:9"  # type: ignore[attr-defined]
+    for key in (keys.workers(fleet.model), routing):
+        assert unreachable.encode() not in await fleet.redis.hkeys(key)  # type: ignore[attr-defined]
+    await fleet.redis.hset(keys.alive(fleet.model), lapsed, 1)  # type: ignore[attr-defined]  # lapsed long ago
+    (lease,) = await gw.acquire(fleet.ask())
+    assert lease.worker_id == stale
+    await gw.release(lease)
+    assert sorted(await fleet.redis.hkeys(routing)) == [stale.encode()]  # type: ignore[attr-defined]
+    for registration in fleet._workers:
+        await registration.beat()
+    assert len(await fleet.redis.hkeys(routing)) == 3  # type: ignore[attr-defined]
