@@ -23,9 +23,10 @@ from __future__ import annotations
 #: Lua: ``routing_facts(record)``, the facts of a worker from its registry record (JSON).
 FUNCTIONS = r"""
 local function routing_facts(record)
-  local w = cjson.decode(record)
+  local ok, w = pcall(cjson.decode, record)
+  if not ok or type(w) ~= 'table' then return record end  -- no record of ours: as it is
   local cap, tasks = w.capacity, w.tasks
-  if type(cap) == 'number' and cap >= 1 and cap == math.floor(cap) and type(w.url) == 'string'
+  if type(cap) == 'number' and cap >= 1 and cap < 2^31 and cap == math.floor(cap) and type(w.url) == 'string'
      and type(tasks) == 'table' and #tasks == 1 and tasks[1] == 'generate'
      and (w.role == nil or w.role == 'both') and w.loras == nil and w.lora_max == nil then
     return string.format('%d %s', cap, w.url)

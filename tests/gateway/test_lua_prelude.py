@@ -50,7 +50,12 @@ def test_a_part_that_calls_nothing_gets_nothing() -> None:
     assert defined(Prelude(SOURCE).script("return 1\n")) == []
 
 
-@pytest.mark.parametrize("source", ["local function f()\n  return 1\n", "local x = f()\nlocal function f()\nend\n"])
+@pytest.mark.parametrize("source", [
+    "local function f()\n  return 1\n",  # no end
+    "local x = f()\nlocal function f()\nend\n",  # a plain statement that calls a function
+    "local function f()\n  return 1\nlocal function g()\nend\n",  # a definition inside one
+    "local function f() if x then return 1 end\n  return 2\nend\n",  # taken for one line: its end is stray
+])
 def test_a_prelude_it_cannot_split_is_refused(source: str) -> None:
     with pytest.raises(ValueError):
         Prelude(source)
@@ -64,3 +69,24 @@ def test_a_release_with_nobody_waiting_defines_three_functions_and_the_queue_pat
     assert "pump" in defined(busy) and "live_workers" in defined(busy)
     granted, queued = scripts.ACQUIRE.split("  meta.blocks = nil\nend\n")
     assert "pump" not in defined(granted) and "pump" in defined(queued)
+
+
+def test_a_function_in_one_line_is_one_function() -> None:
+    """Regression: ``local function is_urgent(p) return p <= urgent_max end`` took every line
+    up to the next function's ``end``, and a script calling only that next one lacked it."""
+    source = "local function one(x) return x end  -- short\nlocal function two()\n  return 2\nend\n"
+    assert Prelude(source).functions == ["one", "two"]
+    assert defined(Prelude(source).script("return two()\n")) == ["two"]
+
+
+SCRIPTS = [name for name, value in vars(scripts).items() if name.isupper() and isinstance(value, str)
+           and "redis.call" in value]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_prelude_function_a_script_names_is_defined_in_it(name: str) -> None:
+    """A function left out would be a nil global, an error only on the path that calls it."""
+    source = getattr(scripts, name)
+    code = re.sub(r"--.*$", "", source, flags=re.M)
+    named = {f for f in scripts.PRELUDE.functions if re.search(rf"\b{f}\b", code)}
+    assert named <= set(defined(source))
