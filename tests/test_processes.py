@@ -8,18 +8,22 @@ from pathlib import Path
 
 from sluice.processes import Child
 
-# A child that logs every SIGTERM it gets and takes 1 s to stop after the first one.
+# A child that counts every SIGTERM it gets, takes 1 s to stop after the first one, then logs
+# them. Its handler does no I/O: one that wrote to the log ran inside the main code's write of
+# "ready" (the test saw the line before that write returned) and failed on the writer's lock
+# ("reentrant call", a CI flake).
 _COUNTING = """
 import signal, sys, time
-log = open(sys.argv[1], "a", buffering=1)
 stopping = []
 def on_term(sig, frame):
-    log.write("TERM\\n")
     stopping.append(time.monotonic())
 signal.signal(signal.SIGTERM, on_term)
-log.write("ready\\n")
-while not stopping or time.monotonic() - stopping[0] < 1.0:
-    time.sleep(0.01)
+with open(sys.argv[1], "a") as log:
+    log.write("ready\\n")
+    log.flush()
+    while not stopping or time.monotonic() - stopping[0] < 1.0:
+        time.sleep(0.01)
+    log.write("TERM\\n" * len(stopping))
 """
 
 
