@@ -55,7 +55,7 @@ stopped beating (it died) are dropped instead of granted.
 Routing: which live worker with a free slot gets a request. ``least``: the lowest share
 of slots in use, a request not yet past its first token counting ``1 + prefill`` (12 by
 default), and among the workers within ``spread`` requests of it (3 by default), each in
-turn (a counter in Redis, as round robin's).
+turn (the next id after the last one taken, kept in Redis for every gateway).
 Two ways it went wrong, both in a closed loop of users on one H200 with 4 vLLM workers
 (issue 24; tests/gateway/test_least_routing.py runs the loop in virtual time):
 - It took the single lowest, ties to the registry's first worker: the worker a request just
@@ -162,17 +162,15 @@ end
 -- workers serve generation alone: their routing facts (sluice/routing_facts.py) are
 -- "<capacity> <url>", read without decoding JSON, and they share their tables. Decoding
 -- every worker's record was about half of ACQUIRE's cost per worker (256 workers:
--- loadtest/admission_cost.py).
+-- loadtest/admission_cost.py). A plain worker's entry is built in live_workers' loop itself:
+-- a function call and a pattern per worker were half of what building the entries cost.
 local GENERATE_ONLY, NO_LORAS = {generate = true}, {}
-local match = string.match
+local match, find, sub = string.match, string.find, string.sub
 
-local function entry(id, facts, used, prefill)
-  local cap = match(facts, '^%d+')
-  if cap then
-    return {id = id, facts = facts, cap = math.max(tonumber(cap), 1), used = used, prefill = prefill,
-            role = 'both', serves = GENERATE_ONLY, loras = NO_LORAS, lora_max = 0}
-  end
-  local w = cjson.decode(facts)  -- the record: id, url, capacity, tasks, role, loras, lora_max, ...
+-- The entry of a worker whose facts are its record: id, url, capacity, tasks, role, loras,
+-- lora_max, ...
+local function record_entry(id, record, used, prefill)
+  local w = cjson.decode(record)
   local tasks = w.tasks
   if tasks and not (#tasks == 1 and tasks[1] == 'generate') then
     w.serves = {}
@@ -195,7 +193,7 @@ local function live_workers()
   local alive = redis.call('HGETALL', K_ALIVE)
   local prefill, inflight, facts = counts(K_PREFILL), counts(K_INFLIGHT), fields(K_ROUTING)
   local records = nil  -- read (once) only for a worker without facts: see REAP
-  local out = {}
+  local out, n = {}, 0
   for i = 1, #alive, 2 do
     local id = alive[i]
     if tonumber(alive[i + 1]) >= now then
@@ -204,7 +202,19 @@ local function live_workers()
         records = records or fields(K_WORKERS)
         f = records[id]
       end
-      if f then out[#out + 1] = entry(id, f, inflight[id] or 0, math.max(prefill[id] or 0, 0)) end
+      if f then
+        local used, pending = inflight[id] or 0, prefill[id] or 0
+        if pending < 0 then pending = 0 end
+        -- "<capacity> <url>": the digits before the space (a record has none there)
+        local cap = tonumber(sub(f, 1, (find(f, ' ', 1, true) or 1) - 1))
+        n = n + 1
+        if cap then
+          out[n] = {id = id, facts = f, cap = cap > 1 and cap or 1, used = used, prefill = pending,
+                    role = 'both', serves = GENERATE_ONLY, loras = NO_LORAS, lora_max = 0}
+        else
+          out[n] = record_entry(id, f, used, pending)
+        end
+      end
     else
       redis.call('HDEL', K_WORKERS, id)
       redis.call('HDEL', K_ALIVE, id)
@@ -295,25 +305,36 @@ end
 
 -- Least loaded (see the module docstring): the eligible workers within `spread` requests of
 -- the lowest load (a request before its first token weighing 1 + route.prefill), taken in
--- turn from a shared counter (as round robin's).
+-- turn: the one whose id follows the last one taken (K_FAIR's least:last), else the first by
+-- id. One pass over the workers and one over the eligible ones, without sorting: sorting the
+-- near workers' ids (an idle fleet's are all near) cost a tenth of ACQUIRE at 64 workers.
 local function least_pick(ws, excluded, full, route)
-  local low = nil
+  local low, cands, loads, n = nil, {}, {}, 0
+  local weight = route.prefill
   for _, w in ipairs(ws) do
     if eligible(w, excluded, full) then
-      local share = (w.used + route.prefill * w.prefill) / w.cap
-      if low == nil or share < low then low = share end
+      local load = w.used + weight * w.prefill
+      n = n + 1
+      cands[n], loads[n] = w, load
+      if low == nil or load / w.cap < low then low = load / w.cap end
     end
   end
-  if low == nil then return nil end
-  local near = {}
-  for _, w in ipairs(ws) do
-    if eligible(w, excluded, full) and w.used + route.prefill * w.prefill <= low * w.cap + route.spread then
-      near[#near + 1] = w
+  if n <= 1 then return cands[1] end  -- no turn to take (nor a last one to move)
+  local last = redis.call('HGET', K_FAIR, 'least:last') or ''
+  local spread, first, after, near = route.spread, nil, nil, 0
+  for i = 1, n do
+    local w = cands[i]
+    if loads[i] <= low * w.cap + spread then
+      local id = w.id
+      near = near + 1
+      if first == nil or id < first.id then first = w end
+      if id > last and (after == nil or id < after.id) then after = w end
     end
   end
-  if #near == 1 then return near[1] end  -- no turn to take (nor a counter to move)
-  local ids, of = by_id(near)
-  return of[ids[redis.call('HINCRBY', K_FAIR, 'least', 1) % #ids + 1]]
+  if near == 1 then return first end
+  local pick = after or first
+  redis.call('HSET', K_FAIR, 'least:last', pick.id)
+  return pick
 end
 
 -- The cheapest eligible worker for cache routing (see the module docstring), least loaded on ties.

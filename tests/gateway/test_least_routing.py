@@ -8,8 +8,9 @@ loaded for its user's next request (its slot was just freed), so every user went
 the worker it left, forever: the users that the start's burst put on one worker together
 prefilled together, decoded together, finished together and came back together, in
 lockstep (four such cohorts on one GPU, prefilling at the same time). Least now takes the
-workers within ``spread`` requests of the lowest load in turn, from a counter in Redis
-shared by every gateway, so balanced workers are taken as round robin takes them.
+workers within ``spread`` requests of the lowest load in turn (the next id after the last
+one taken, kept in Redis for every gateway), so balanced workers are taken as round robin
+takes them.
 
 Second cause, with that spread of 1 and slots alone: waves. The users a worker freed at
 one engine step all found it the least loaded and came back together, and their prompts
@@ -39,6 +40,26 @@ async def test_least_sends_ties_to_every_worker_not_the_registrys_first(fleet: F
         chosen.append(lease.worker_id)
         await gw.release(lease)
     assert sorted(chosen) == ["a", "a", "b", "b", "c", "c"], chosen
+
+
+async def test_least_takes_near_workers_in_id_order_from_the_last_one_taken(fleet: Fleet) -> None:
+    """The turn is kept in Redis (no sort, no counter): through two gateways, idle workers are
+    taken in id order, and a worker that leaves the near set is skipped, not waited for."""
+    for worker_id in ("c", "a", "b"):
+        await fleet.worker(capacity=8, worker_id=worker_id)
+    gateways = [await fleet.gateway(routing="least"), await fleet.gateway(routing="least")]
+    chosen = []
+    for i in range(6):
+        (lease,) = await gateways[i % 2].acquire(fleet.ask())
+        chosen.append(lease.worker_id)
+        await gateways[i % 2].release(lease)
+    assert chosen == ["a", "b", "c", "a", "b", "c"]
+    (lease,) = await gateways[0].acquire(fleet.ask(exclude=("a",)))
+    assert lease.worker_id == "b"  # after c comes a again, which this request may not use
+    await gateways[0].release(lease)
+    (lease,) = await gateways[1].acquire(fleet.ask())
+    assert lease.worker_id == "c"
+    await gateways[1].release(lease)
 
 
 async def test_least_still_fills_the_least_loaded_worker_first(fleet: Fleet) -> None:
