@@ -66,7 +66,7 @@ from gateway.surfaces.pooling import (
 )
 from gateway.surfaces.responses import ResponseShape, ResponsesRequest
 from gateway.surfaces.shape import Shape
-from sluice import keys, redis_faults
+from sluice import keys, redis_faults, ticks
 from sluice.aftercare import to_the_end
 from sluice.apikeys import ApiKey
 from sluice.errors import (
@@ -247,7 +247,7 @@ def create_app(settings: GatewaySettings) -> Front:
             # this bounds them all together. Unbounded, a request sent with 1 s left stayed
             # silent for 18 s while a Cluster node was away, each Redis command taking its
             # own 12 s (the nemesis, Cluster: nem-1968 and five more past their deadline).
-            bound = asyncio.timeout(_answer_within_s(request, settings))
+            bound = ticks.timeout(_answer_within_s(request, settings))
             try:
                 async with bound:
                     req, ctx, shape = await admitted(request, model, record)
@@ -358,7 +358,7 @@ def create_app(settings: GatewaySettings) -> Front:
         until = resolve_deadline(given, settings) if "x-sluice-timeout-ms" in given else None
         answer_by = until if until is not None else \
             time.monotonic() + settings.queue_timeout_s + settings.ttft_timeout_s
-        bound = asyncio.timeout(answer_by - time.monotonic() + ANSWER_GRACE_S)
+        bound = ticks.timeout(answer_by - time.monotonic() + ANSWER_GRACE_S)
         try:
             async with bound:
                 caller = await svc(request).tenancy.authenticate(given.get("authorization"))

@@ -34,6 +34,7 @@ from gateway.context import RequestContext
 from gateway.record import RequestRecord
 from gateway.relay.direct import DeltaLines, DirectRelay
 from gateway.relay.disagg import Disaggregation
+from sluice import ticks
 from sluice.engine_server import RELAY_SCHEME
 from sluice.errors import (
     DeadlineExceeded,
@@ -484,7 +485,7 @@ class Dispatcher:
         by_deadline = left_s <= s.ttft_timeout_s
         upstream: Upstream | None = None
         try:
-            async with asyncio.timeout(ttft_s):
+            async with ticks.timeout(ttft_s):
                 if lease.url.startswith(RELAY_SCHEME):
                     upstream = Upstream(self._admission, lease, await self._open_direct(lease.url, body), span,
                                         route)

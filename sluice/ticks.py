@@ -1,0 +1,189 @@
+"""Timeouts for many requests on one loop timer, to a tick's precision.
+
+Why: each request a gateway served ran two ``asyncio.timeout`` scopes (the route's bound on
+every wait before its response, an attempt's wait for its first token) and a loop timer for
+its stream's disconnect watch. The two scopes, each a timer handle made, scheduled and
+cancelled, were 3.3 % of a gateway process's CPU at 64 one-token streams (py-spy,
+``loadtest/peers/profile_gateway.py --max-tokens 1 --keep-alive``; a scope 5.0 µs against
+2.2 here, timeit under uvloop; loadtest/peers/README.md). Neither needs better than a few
+hundredths of a second: they bound waits of seconds. Here a scope joins the set of the tick
+it is due in (a set add) and leaves it when its block ends (a discard), and one loop timer,
+set for the earliest tick that has entries, fires them. (The watch's timer gained nothing
+so, and stays the loop's.)
+
+A scope fires at most :data:`TICK_S` after it is due (plus the loop's own lateness), never
+before. :func:`timeout` is ``asyncio.timeout`` with that precision: the task is cancelled at
+the deadline, and the block raises ``TimeoutError`` (a cancellation from elsewhere stays a
+cancellation).
+
+What the wheel holds is bounded by what runs: a scope leaves its set when its block ends, and
+an emptied set is dropped at once. Its heap keeps each tick that had a set once, until the
+tick comes: at most one per tick up to the longest deadline ahead (an hour's bound: 144,000
+ints), whatever the request rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import math
+import weakref
+from collections.abc import Callable
+from types import TracebackType
+
+#: Seconds per tick: the precision of every timeout and delayed call made here.
+TICK_S = 0.025
+
+
+class _Entry:
+    """Something due at a tick: :meth:`fire` runs once it is due, unless it left first."""
+
+    __slots__ = ("_bucket", "_tick", "_wheel")
+
+    def __init__(self) -> None:
+        self._bucket: set[_Entry] | None = None
+        self._tick = 0
+        self._wheel: _Wheel | None = None
+
+    def _leave(self) -> None:
+        bucket, self._bucket = self._bucket, None
+        if bucket is not None:
+            bucket.discard(self)
+            if not bucket and self._wheel is not None:
+                self._wheel.drop(self._tick, bucket)
+
+    def fire(self) -> None:
+        raise NotImplementedError
+
+
+class _Wheel:
+    """One event loop's entries, in sets by the tick they are due in."""
+
+    __slots__ = ("__weakref__", "_armed", "_buckets", "_handle", "_loop", "_queued", "_ticks")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = weakref.ref(loop)  # the wheel lives as long as its loop, never longer
+        self._buckets: dict[int, set[_Entry]] = {}
+        self._ticks: list[int] = []  # a heap of the ticks to come that had a set
+        self._queued: set[int] = set()  # the ticks in that heap
+        self._armed: int | None = None
+        self._handle: asyncio.TimerHandle | None = None
+
+    def add(self, entry: _Entry, when: float) -> None:
+        """``entry`` is due at ``when`` (the loop's clock)."""
+        tick = math.ceil(when / TICK_S)
+        bucket = self._buckets.get(tick)
+        if bucket is None:
+            bucket = self._buckets[tick] = set()
+            if tick not in self._queued:
+                self._queued.add(tick)
+                heapq.heappush(self._ticks, tick)
+                if self._armed is None or tick < self._armed:
+                    self._arm(tick)
+        bucket.add(entry)
+        entry._bucket, entry._tick, entry._wheel = bucket, tick, self
+
+    def drop(self, tick: int, bucket: set[_Entry]) -> None:
+        """An emptied set leaves at once (its tick stays in the heap until it comes)."""
+        if self._buckets.get(tick) is bucket:
+            del self._buckets[tick]
+
+    def pending(self) -> int:
+        """Entries waiting (for tests and figures)."""
+        return sum(len(bucket) for bucket in self._buckets.values())
+
+    def _arm(self, tick: int) -> None:
+        loop = self._loop()
+        if loop is None or loop.is_closed():
+            return
+        if self._handle is not None:
+            self._handle.cancel()
+        self._armed = tick
+        self._handle = loop.call_at(tick * TICK_S, self._fire)
+
+    def _fire(self) -> None:
+        self._handle = self._armed = None
+        loop = self._loop()
+        if loop is None:
+            return
+        now = loop.time()
+        ticks = self._ticks
+        try:
+            while ticks and ticks[0] * TICK_S <= now:
+                tick = heapq.heappop(ticks)
+                self._queued.discard(tick)
+                bucket = self._buckets.pop(tick, None)
+                for entry in list(bucket or ()):
+                    entry._bucket = None
+                    try:
+                        entry.fire()
+                    except Exception as exc:  # one failure neither stops the rest nor the wheel
+                        loop.call_exception_handler({"message": "a timeout failed to fire", "exception": exc})
+        finally:
+            if ticks:
+                self._arm(ticks[0])
+
+
+_wheels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Wheel] = weakref.WeakKeyDictionary()
+#: The last loop's wheel: a server runs one loop, so the lookup is mostly one comparison.
+_last: tuple[weakref.ref[asyncio.AbstractEventLoop], _Wheel] | None = None
+
+
+def wheel(loop: asyncio.AbstractEventLoop | None = None) -> _Wheel:
+    """The running (or given) loop's wheel."""
+    global _last
+    loop = loop or asyncio.get_running_loop()
+    if _last is not None and _last[0]() is loop:
+        return _last[1]
+    found = _wheels.get(loop)
+    if found is None:
+        found = _wheels[loop] = _Wheel(loop)
+    _last = (weakref.ref(loop), found)
+    return found
+
+
+class Timeout(_Entry):
+    """``async with timeout(delay_s) as scope``: see the module docstring."""
+
+    __slots__ = ("_cancelling", "_delay_s", "_state", "_task")
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self._delay_s = delay_s
+        self._task: asyncio.Task[object] | None = None
+        self._cancelling = 0
+        self._state = "new"
+
+    def expired(self) -> bool:
+        """Whether the deadline came while the block ran (as ``asyncio.Timeout.expired``)."""
+        return self._state in ("expiring", "expired")
+
+    async def __aenter__(self) -> Timeout:
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("a timeout must be used inside a task")
+        loop = asyncio.get_running_loop()
+        self._task, self._cancelling, self._state = task, task.cancelling(), "entered"
+        wheel(loop).add(self, loop.time() + self._delay_s)
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        self._leave()
+        task, self._task = self._task, None
+        if self._state == "expiring":
+            self._state = "expired"
+            if task is not None and task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+                raise TimeoutError from exc  # our own cancellation, and no other came meanwhile
+        elif self._state == "entered":
+            self._state = "exited"
+
+    def fire(self) -> None:
+        if self._state == "entered" and self._task is not None:
+            self._state = "expiring"
+            self._task.cancel()
+
+
+def timeout(delay_s: float) -> Timeout:
+    """A scope that ends its block with ``TimeoutError`` after ``delay_s`` (a tick late at most)."""
+    return Timeout(delay_s)
