@@ -27,7 +27,9 @@ carry their own hash tag for the same reason.
     sl:{m}:grants                  stream of grants, read by one listener per gateway process
     sl:{m}:gateways                hash gateway process id -> liveness expiry (ms, Redis clock)
     sl:{m}:fair                    hash V:<class> -> virtual time, F:<class>:<tenant> -> finish tag;
-                                   seq, rr, least -> counters (arrivals, round robin's and least's turns)
+                                   seq, rr -> counters (arrivals, round robin's turn); least:last ->
+                                   the worker least routing took last (its turn; `least`, a counter
+                                   until 2026-12-05, is left to gateways of earlier versions)
     sl:{m}:done                    list of recent completion times (ms), for Retry-After
     sl:{m}:urgent_seen             exists for a minute after an urgent request: slot headroom is on
     sl:{m}:prefix                  hash prefix block hash -> ids of workers holding it (space-separated)

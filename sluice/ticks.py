@@ -17,9 +17,11 @@ the deadline, and the block raises ``TimeoutError`` (a cancellation from elsewhe
 cancellation).
 
 What the wheel holds is bounded by what runs: a scope leaves its set when its block ends, and
-an emptied set is dropped at once. Its heap keeps each tick that had a set once, until the
-tick comes: at most one per tick up to the longest deadline ahead (an hour's bound: 144,000
-ints), whatever the request rate.
+an emptied set is dropped at once. Its heap (and the set of the ticks in it) keeps each tick
+that had a set once until the tick comes or becomes the earliest: at most one per tick up to
+the longest deadline ahead (an hour's bound: 144,000 ints), whatever the request rate. The
+timer is set only for a tick that still has scopes. This mirrors Python 3.11's
+``asyncio.timeout`` (3.12's also chains the cancellation to the ``TimeoutError``).
 """
 
 from __future__ import annotations
@@ -59,10 +61,10 @@ class _Entry:
 class _Wheel:
     """One event loop's entries, in sets by the tick they are due in."""
 
-    __slots__ = ("__weakref__", "_armed", "_buckets", "_handle", "_loop", "_queued", "_ticks")
+    __slots__ = ("_armed", "_buckets", "_handle", "_loop", "_queued", "_ticks")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = weakref.ref(loop)  # the wheel lives as long as its loop, never longer
+        self._loop = weakref.ref(loop)
         self._buckets: dict[int, set[_Entry]] = {}
         self._ticks: list[int] = []  # a heap of the ticks to come that had a set
         self._queued: set[int] = set()  # the ticks in that heap
@@ -88,6 +90,18 @@ class _Wheel:
         if self._buckets.get(tick) is bucket:
             del self._buckets[tick]
 
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        return self._loop()
+
+    def close(self) -> None:
+        """Its loop is closed: nothing more fires, and nothing is held."""
+        if self._handle is not None:
+            self._handle.cancel()
+        self._handle = self._armed = None
+        self._buckets.clear()
+        self._ticks.clear()
+        self._queued.clear()
+
     def pending(self) -> int:
         """Entries waiting (for tests and figures)."""
         return sum(len(bucket) for bucket in self._buckets.values())
@@ -95,6 +109,7 @@ class _Wheel:
     def _arm(self, tick: int) -> None:
         loop = self._loop()
         if loop is None or loop.is_closed():
+            self.close()
             return
         if self._handle is not None:
             self._handle.cancel()
@@ -106,10 +121,13 @@ class _Wheel:
         loop = self._loop()
         if loop is None:
             return
-        now = loop.time()
+        # uvloop's clock is in whole milliseconds: a timer on time can read a hair before its
+        # tick (k * 0.025 > 25 * k / 1000 for a third of k), and re-armed for that tick it fired
+        # again at once until the millisecond turned (hundreds of empty turns a tick).
+        due = math.floor(loop.time() / TICK_S + 1e-6)
         ticks = self._ticks
         try:
-            while ticks and ticks[0] * TICK_S <= now:
+            while ticks and ticks[0] <= due:
                 tick = heapq.heappop(ticks)
                 self._queued.discard(tick)
                 bucket = self._buckets.pop(tick, None)
@@ -120,25 +138,36 @@ class _Wheel:
                     except Exception as exc:  # one failure neither stops the rest nor the wheel
                         loop.call_exception_handler({"message": "a timeout failed to fire", "exception": exc})
         finally:
+            while ticks and ticks[0] not in self._buckets:  # ticks whose scopes all ended: no wake-up
+                self._queued.discard(heapq.heappop(ticks))
             if ticks:
                 self._arm(ticks[0])
 
 
-_wheels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Wheel] = weakref.WeakKeyDictionary()
+#: Each loop's wheel by the loop's id. A wheel holds its loop weakly, but its armed timer
+#: holds it strongly: a closed loop's wheel is let go of (timer cancelled, entries dropped)
+#: when the next loop's wheel is made (tests run a loop each).
+_wheels: dict[int, _Wheel] = {}
 #: The last loop's wheel: a server runs one loop, so the lookup is mostly one comparison.
-_last: tuple[weakref.ref[asyncio.AbstractEventLoop], _Wheel] | None = None
+_last: _Wheel | None = None
 
 
 def wheel(loop: asyncio.AbstractEventLoop | None = None) -> _Wheel:
     """The running (or given) loop's wheel."""
     global _last
     loop = loop or asyncio.get_running_loop()
-    if _last is not None and _last[0]() is loop:
-        return _last[1]
-    found = _wheels.get(loop)
-    if found is None:
-        found = _wheels[loop] = _Wheel(loop)
-    _last = (weakref.ref(loop), found)
+    last = _last
+    if last is not None and last.loop() is loop:
+        return last
+    found = _wheels.get(id(loop))
+    if found is None or found.loop() is not loop:
+        for key, other in list(_wheels.items()):
+            gone = other.loop()
+            if gone is None or gone.is_closed():
+                other.close()
+                del _wheels[key]
+        found = _wheels[id(loop)] = _Wheel(loop)
+    _last = found
     return found
 
 
@@ -159,6 +188,8 @@ class Timeout(_Entry):
         return self._state in ("expiring", "expired")
 
     async def __aenter__(self) -> Timeout:
+        if self._state != "new":
+            raise RuntimeError("a timeout scope is entered once")
         task = asyncio.current_task()
         if task is None:
             raise RuntimeError("a timeout must be used inside a task")

@@ -307,16 +307,17 @@ end
 -- the lowest load (a request before its first token weighing 1 + route.prefill), taken in
 -- turn: the one whose id follows the last one taken (K_FAIR's least:last), else the first by
 -- id. One pass over the workers and one over the eligible ones, without sorting: sorting the
--- near workers' ids (an idle fleet's are all near) cost a tenth of ACQUIRE at 64 workers.
+-- near workers' ids (an idle fleet's are all near) cost a tenth of ACQUIRE at 64 workers. Two
+-- Redis calls (HGET, HSET) where the counter took one (HINCRBY); none for a single candidate.
 local function least_pick(ws, excluded, full, route)
-  local low, cands, loads, n = nil, {}, {}, 0
+  local low, cands, shares, n = nil, {}, {}, 0
   local weight = route.prefill
   for _, w in ipairs(ws) do
     if eligible(w, excluded, full) then
-      local load = w.used + weight * w.prefill
+      local share = (w.used + weight * w.prefill) / w.cap
       n = n + 1
-      cands[n], loads[n] = w, load
-      if low == nil or load / w.cap < low then low = load / w.cap end
+      cands[n], shares[n] = w, share
+      if low == nil or share < low then low = share end
     end
   end
   if n <= 1 then return cands[1] end  -- no turn to take (nor a last one to move)
@@ -324,7 +325,9 @@ local function least_pick(ws, excluded, full, route)
   local spread, first, after, near = route.spread, nil, nil, 0
   for i = 1, n do
     local w = cands[i]
-    if loads[i] <= low * w.cap + spread then
+    -- Shares compared as computed (the lowest is always near): (29 / 50) * 50 < 29 in
+    -- doubles, and with a spread of 0 a load compared against low * cap could leave none.
+    if shares[i] <= low + spread / w.cap then
       local id = w.id
       near = near + 1
       if first == nil or id < first.id then first = w end

@@ -62,6 +62,26 @@ async def test_least_takes_near_workers_in_id_order_from_the_last_one_taken(flee
     await gateways[1].release(lease)
 
 
+async def test_least_with_no_spread_takes_equal_shares_in_turn_whatever_the_capacities(fleet: Fleet) -> None:
+    """Spread 0 (the least loaded alone, ties in turn) with capacities 50 and 100, 29 and 58
+    slots in use: equal shares, yet (29 / 50) * 50 < 29 in doubles. The near test compared
+    each load with the lowest share times the capacity, and found no worker near at all: the
+    script failed (ACQUIRE raised) where both workers had room."""
+    await fleet.worker(capacity=50, worker_id="a")
+    await fleet.worker(capacity=100, worker_id="b")
+    gw = await fleet.gateway(routing="least", route_least_spread=0, route_least_pending_weight=0)
+    held = [(await gw.acquire(fleet.ask(exclude=("b",))))[0] for _ in range(29)]
+    held += [(await gw.acquire(fleet.ask(exclude=("a",))))[0] for _ in range(58)]
+    chosen = []
+    for _ in range(2):
+        (lease,) = await gw.acquire(fleet.ask())
+        chosen.append(lease.worker_id)
+        await gw.release(lease)
+    assert sorted(chosen) == ["a", "b"], chosen  # ties in turn
+    for lease in held:
+        await gw.release(lease)
+
+
 async def test_least_still_fills_the_least_loaded_worker_first(fleet: Fleet) -> None:
     """Taking near-equal workers in turn keeps least's point: a worker more than ``spread``
     (3) requests below the others gets every request until it is within 3 of them."""
