@@ -30,49 +30,27 @@ import asyncio
 import heapq
 import math
 import weakref
-from collections.abc import Callable
 from types import TracebackType
 
-#: Seconds per tick: the precision of every timeout and delayed call made here.
+#: Seconds per tick: the precision of every timeout made here.
 TICK_S = 0.025
 
 
-class _Entry:
-    """Something due at a tick: :meth:`fire` runs once it is due, unless it left first."""
-
-    __slots__ = ("_bucket", "_tick", "_wheel")
-
-    def __init__(self) -> None:
-        self._bucket: set[_Entry] | None = None
-        self._tick = 0
-        self._wheel: _Wheel | None = None
-
-    def _leave(self) -> None:
-        bucket, self._bucket = self._bucket, None
-        if bucket is not None:
-            bucket.discard(self)
-            if not bucket and self._wheel is not None:
-                self._wheel.drop(self._tick, bucket)
-
-    def fire(self) -> None:
-        raise NotImplementedError
-
-
 class _Wheel:
-    """One event loop's entries, in sets by the tick they are due in."""
+    """One event loop's timeout scopes, in sets by the tick they are due in."""
 
     __slots__ = ("_armed", "_buckets", "_handle", "_loop", "_queued", "_ticks")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = weakref.ref(loop)
-        self._buckets: dict[int, set[_Entry]] = {}
+        self._buckets: dict[int, set[Timeout]] = {}
         self._ticks: list[int] = []  # a heap of the ticks to come that had a set
         self._queued: set[int] = set()  # the ticks in that heap
         self._armed: int | None = None
         self._handle: asyncio.TimerHandle | None = None
 
-    def add(self, entry: _Entry, when: float) -> None:
-        """``entry`` is due at ``when`` (the loop's clock)."""
+    def add(self, scope: Timeout, when: float) -> None:
+        """``scope`` is due at ``when`` (the loop's clock)."""
         tick = math.ceil(when / TICK_S)
         bucket = self._buckets.get(tick)
         if bucket is None:
@@ -82,10 +60,10 @@ class _Wheel:
                 heapq.heappush(self._ticks, tick)
                 if self._armed is None or tick < self._armed:
                     self._arm(tick)
-        bucket.add(entry)
-        entry._bucket, entry._tick, entry._wheel = bucket, tick, self
+        bucket.add(scope)
+        scope._bucket, scope._tick, scope._wheel = bucket, tick, self
 
-    def drop(self, tick: int, bucket: set[_Entry]) -> None:
+    def drop(self, tick: int, bucket: set[Timeout]) -> None:
         """An emptied set leaves at once (its tick stays in the heap until it comes)."""
         if self._buckets.get(tick) is bucket:
             del self._buckets[tick]
@@ -103,7 +81,7 @@ class _Wheel:
         self._queued.clear()
 
     def pending(self) -> int:
-        """Entries waiting (for tests and figures)."""
+        """Scopes waiting (for tests and figures)."""
         return sum(len(bucket) for bucket in self._buckets.values())
 
     def _arm(self, tick: int) -> None:
@@ -131,12 +109,9 @@ class _Wheel:
                 tick = heapq.heappop(ticks)
                 self._queued.discard(tick)
                 bucket = self._buckets.pop(tick, None)
-                for entry in list(bucket or ()):
-                    entry._bucket = None
-                    try:
-                        entry.fire()
-                    except Exception as exc:  # one failure neither stops the rest nor the wheel
-                        loop.call_exception_handler({"message": "a timeout failed to fire", "exception": exc})
+                for scope in list(bucket or ()):
+                    scope._bucket = None
+                    scope._expire()
         finally:
             while ticks and ticks[0] not in self._buckets:  # ticks whose scopes all ended: no wake-up
                 self._queued.discard(heapq.heappop(ticks))
@@ -171,13 +146,15 @@ def wheel(loop: asyncio.AbstractEventLoop | None = None) -> _Wheel:
     return found
 
 
-class Timeout(_Entry):
+class Timeout:
     """``async with timeout(delay_s) as scope``: see the module docstring."""
 
-    __slots__ = ("_cancelling", "_delay_s", "_state", "_task")
+    __slots__ = ("_bucket", "_cancelling", "_delay_s", "_state", "_task", "_tick", "_wheel")
 
     def __init__(self, delay_s: float) -> None:
-        super().__init__()
+        self._bucket: set[Timeout] | None = None  # the set of its tick while its block runs
+        self._tick = 0
+        self._wheel: _Wheel | None = None
         self._delay_s = delay_s
         self._task: asyncio.Task[object] | None = None
         self._cancelling = 0
@@ -193,14 +170,18 @@ class Timeout(_Entry):
         task = asyncio.current_task()
         if task is None:
             raise RuntimeError("a timeout must be used inside a task")
-        loop = asyncio.get_running_loop()
+        loop = task.get_loop()
         self._task, self._cancelling, self._state = task, task.cancelling(), "entered"
         wheel(loop).add(self, loop.time() + self._delay_s)
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
-        self._leave()
+        bucket, self._bucket = self._bucket, None
+        if bucket is not None:
+            bucket.discard(self)
+            if not bucket and self._wheel is not None:
+                self._wheel.drop(self._tick, bucket)
         task, self._task = self._task, None
         if self._state == "expiring":
             self._state = "expired"
@@ -209,7 +190,8 @@ class Timeout(_Entry):
         elif self._state == "entered":
             self._state = "exited"
 
-    def fire(self) -> None:
+    def _expire(self) -> None:
+        """Its tick came (the wheel calls it)."""
         if self._state == "entered" and self._task is not None:
             self._state = "expiring"
             self._task.cancel()
