@@ -44,10 +44,12 @@ class Fleet:
         self._workers: list[Registration] = []
 
     async def worker(self, capacity: int, worker_id: str | None = None,
-                     tasks: tuple[str, ...] = ("generate",), role: Role = "both") -> str:
+                     tasks: tuple[str, ...] = ("generate",), role: Role = "both", url: str = "http://127.0.0.1:9",
+                     **fields: object) -> str:
+        """A registered worker; ``fields``: Registration's other arguments (``record``, say)."""
         reg = Registration(self.redis, model=self.model, worker_id=worker_id or uuid.uuid4().hex[:6],
-                           url="http://127.0.0.1:9", engine="sim", capacity=capacity, heartbeat_ms=60_000,
-                           stats=lambda: {"running": 0}, tasks=tasks, role=role)
+                           url=url, engine="sim", capacity=capacity, heartbeat_ms=60_000,
+                           stats=lambda: {"running": 0}, tasks=tasks, role=role, **fields)  # type: ignore[arg-type]
         await reg.beat()
         self._workers.append(reg)
         return reg.worker_id
@@ -706,16 +708,12 @@ async def test_admission_routes_from_facts_records_and_workers_without_facts(fle
     its facts ("<capacity> <url>": no JSON decoded at each request), any other from its
     record; a worker of a version before the facts (its record and heartbeat only) is still
     granted, and the reap gives it facts. Each lease names its worker's own URL."""
-    def registration(worker_id: str, **fields: object) -> Registration:
-        return Registration(fleet.redis, model=fleet.model, worker_id=worker_id, url=f"http://127.0.0.1:9/{worker_id}",
-                            engine="sim", capacity=2, heartbeat_ms=60_000, stats=dict, **fields)  # type: ignore[arg-type]
+    async def worker(worker_id: str, **fields: object) -> str:
+        return await fleet.worker(2, worker_id, url=f"http://127.0.0.1:9/{worker_id}", **fields)  # type: ignore[arg-type]
 
-    registrations = [registration("plain"), registration("tasks", tasks=("generate", "embed")),
-                     registration("prefill", role="prefill"), registration("lora", record=lambda: {"loras": [],
-                                                                                                    "lora_max": 2}),
-                     registration("older")]
-    for reg in registrations:
-        await reg.beat()
+    workers = [await worker("plain"), await worker("tasks", tasks=("generate", "embed")),
+               await worker("prefill", role="prefill"),
+               await worker("lora", record=lambda: {"loras": [], "lora_max": 2}), await worker("older")]
     routing = keys.routing(fleet.model)
     facts = await fleet.redis.hgetall(routing)  # type: ignore[attr-defined]
     assert facts[b"plain"] == b"2 http://127.0.0.1:9/plain"
@@ -724,7 +722,7 @@ async def test_admission_routes_from_facts_records_and_workers_without_facts(fle
     await fleet.redis.hdel(routing, "older")  # type: ignore[attr-defined]
     gw = await fleet.gateway()
     leases = await gw.acquire(fleet.ask(need=10))  # every slot of the five
-    assert sorted(lease.worker_id for lease in leases) == sorted(2 * [reg.worker_id for reg in registrations])
+    assert sorted(lease.worker_id for lease in leases) == sorted(2 * workers)
     assert all(lease.url == f"http://127.0.0.1:9/{lease.worker_id}" for lease in leases)
     for lease in leases:
         await gw.release(lease)
