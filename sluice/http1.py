@@ -159,6 +159,8 @@ def _unchunk(buffer: bytearray) -> tuple[list[bytes], bool]:
 
 #: A chunk's size line longer than this is no HTTP server's.
 _MAX_SIZE_LINE = 4096
+#: URLs whose parts a pool keeps (far more than a fleet's workers).
+_MAX_TARGETS = 4096
 
 
 class Http1Pool:
@@ -167,6 +169,9 @@ class Http1Pool:
     def __init__(self, connect_timeout_s: float) -> None:
         self._connect_timeout_s = connect_timeout_s
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
+        #: Each URL's host and port, path and ``host`` header, parsed once (workers come and
+        #: go: emptied when it reaches :data:`_MAX_TARGETS`).
+        self._targets: dict[str, tuple[tuple[str, int], str, str]] = {}
 
     def give_back(self, conn: _Conn) -> None:
         idle = self._idle.setdefault(conn.key, [])
@@ -185,9 +190,15 @@ class Http1Pool:
 
     async def post(self, url: str, path: str, body: bytes, headers: dict[str, str]) -> Http1Response:
         """Send the request and read the response head; the body is read by the caller."""
-        parts = urlsplit(url)
-        key = (parts.hostname or "127.0.0.1", parts.port or 80)
-        head = (f"POST {parts.path.rstrip('/')}{path} HTTP/1.1\r\nhost: {parts.netloc}\r\n"
+        target = self._targets.get(url)
+        if target is None:
+            if len(self._targets) >= _MAX_TARGETS:
+                self._targets.clear()
+            parts = urlsplit(url)
+            target = self._targets[url] = ((parts.hostname or "127.0.0.1", parts.port or 80),
+                                           parts.path.rstrip("/"), parts.netloc)
+        key, base, netloc = target
+        head = (f"POST {base}{path} HTTP/1.1\r\nhost: {netloc}\r\n"
                 f"content-length: {len(body)}\r\n"
                 + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n").encode("latin-1")
         idle = self._idle.get(key)

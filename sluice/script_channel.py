@@ -101,7 +101,7 @@ def _bulk(value: Any) -> bytes:
 
 
 def _bulks(values: Sequence[Any]) -> bytes:
-    """:func:`_bulk` of each value, joined. The common types (``str``, ``int``, ``bytes``)
+    """:func:`_bulk` of each value, joined. The common types (``str``, ``int``, ``bytes``, ``float``)
     by their exact type first: a script call packs 20-30 arguments, and the ``isinstance``
     checks for each were a few per cent of a short request's CPU (loadtest/peers/README.md)."""
     out = []
@@ -113,8 +113,10 @@ def _bulks(values: Sequence[Any]) -> bytes:
             data = b"%d" % value
         elif kind is bytes:
             data = value
+        elif kind is float:  # admission passes eight settings as floats
+            data = repr(value).encode()
         else:
-            out.append(_bulk(value))  # a float, a subclass, or an error
+            out.append(_bulk(value))  # a subclass, or an error
             continue
         out.append(b"$%d\r\n%b\r\n" % (len(data), data))
     return b"".join(out)

@@ -446,7 +446,10 @@ class Dispatcher:
                 return upstream
             except _Retryable as exc:
                 reason = str(exc)
-                if exc.lost and not ctx.lost_a_worker(lease.worker_id):
+                # Past the deadline, a worker's lost connection may be the worker ending the
+                # request at the deadline: 504 below, not a query of death (the route's timer
+                # fires up to a tick late, and the nemesis met a 502 inside that tick).
+                if exc.lost and not ctx.lost_a_worker(lease.worker_id) and time.monotonic() < ctx.deadline:
                     log.error("request %s: worker %s died too; not retrying a probable query of death",
                               ctx.request_id, lease.worker_id)
                     raise query_of_death() from None

@@ -123,6 +123,9 @@ class Migrator:
                 except (UpstreamFailed, DeadlineExceeded) as exc:
                     progressed = len(sent) - placed_at >= PROGRESS_TOKENS
                     if not progressed and exc.code == "worker_lost" and not ctx.lost_a_worker(upstream.worker_id):
+                        if ctx.remaining_s() <= 0:  # the worker may have ended it at the deadline
+                            raise DeadlineExceeded("the request ran past its deadline (its worker broke off)",
+                                                   code="request_timeout") from None
                         raise query_of_death() from None
                     if not self._may_migrate(exc, 0 if progressed else migrations, ctx):
                         raise
