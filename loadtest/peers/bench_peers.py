@@ -80,7 +80,10 @@ class Procs:
 
 def group_cpu_s(pgid: int) -> float:
     """CPU seconds of a process group's live processes and of everything under them (a
-    negative ``pgid``: the one process ``-pgid``, e.g. the embedded Redis)."""
+    negative ``pgid``: the one process ``-pgid``, e.g. the embedded Redis; :data:`MACHINE`:
+    every core's busy time)."""
+    if pgid == MACHINE:
+        return proc_cpu.machine_busy_s()
     table = proc_cpu.process_table()
     if pgid < 0:
         return table[-pgid][2] if -pgid in table else 0.0
@@ -92,6 +95,12 @@ def group_cpu_s(pgid: int) -> float:
 CPU_GROUPS = {"gateway": "sluice-gateway", "gateway x2": "sluice-gateway-2", "gateway baseline": "sluice-gateway-baseline",
               "openai worker": "sluice-worker-openai", "vllm-router": "vllm-router",
               "floor": "python-floor", "floor-raw": "python-floor-raw", "floor+redis": "python-floor-redis"}
+#: Not a process group: the whole machine's busy CPU (``group_cpu_s``).
+MACHINE = 0
+#: Every path's window also reports the engine's CPU (the mock, or vLLM's server), the load
+#: generator's (this process) and the whole machine's: on this 2-core machine a path's rate
+#: is bounded by the sum of its processes' CPU per request once the cores are busy, and the
+#: table's last columns say when they are.
 #: The floor relay's paths (floor_relay.py), by the CPU group of their process.
 FLOORS = {"python floor (uvicorn)": "floor", "python floor (raw asyncio)": "floor-raw",
           "python floor (uvicorn) + 2 Redis calls": "floor+redis"}
@@ -273,8 +282,9 @@ def median_of(runs: list[dict[str, object]]) -> dict[str, object]:
 
 def table(results: dict[str, dict[str, dict[str, object]]], levels: list[int]) -> str:
     lines = [("| path | streams | chunks/s | req/s | × direct | TTFT p50 ms | +p50 over direct | TTFT p99 ms | errors "
-              "| gateway CPU µs/chunk | gateway CPU µs/request | openai worker CPU µs/chunk | Redis CPU µs/request |"),
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| gateway CPU µs/chunk | gateway CPU µs/request | openai worker CPU µs/chunk | Redis CPU µs/request "
+              "| engine + load CPU µs/request | machine CPU µs/request | cores busy |"),
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for level in levels:
         direct = results["direct"][str(level)]
         for name, by_level in results.items():
@@ -298,8 +308,23 @@ def table(results: dict[str, dict[str, dict[str, object]]], levels: list[int]) -
                          f"| {ratio:.2f} | {fmt(r['ttft_p50_ms'])} | "
                          f"{'-' if added is None else f'{added:+.1f}'} | {fmt(r['ttft_p99_ms'])} | {r['errors']} "
                          f"| {'-' if gw is None else f'{gw:.0f}'} | {'-' if gw_req is None else f'{gw_req:.0f}'} "
-                         f"| {'-' if wk is None else f'{wk:.0f}'} | {'-' if rd is None else f'{rd:.0f}'} |")
+                         f"| {'-' if wk is None else f'{wk:.0f}'} | {'-' if rd is None else f'{rd:.0f}'} "
+                         f"| {shared(per_request, 'engine', 'load')} | {shared(per_request, 'machine')} "
+                         f"| {busy_cores(r)} |")
     return "\n".join(lines)
+
+
+def shared(per_request: dict[str, float | None], *groups: str) -> str:
+    """The summed CPU µs per request of ``groups`` (absent from runs before they were measured)."""
+    values = [per_request.get(g) for g in groups]
+    return "-" if any(v is None for v in values) else f"{sum(values):.0f}"  # type: ignore[arg-type]
+
+
+def busy_cores(r: dict[str, object]) -> str:
+    """How many of the machine's cores were busy in the window, on average."""
+    machine = (r.get("cpu_us_per_request") or {}).get("machine")  # type: ignore[union-attr]
+    rate = r.get("requests_per_s")
+    return "-" if machine is None or not rate else f"{machine * rate / 1e6:.2f} of {os.cpu_count()}"
 
 
 def draw(results: dict[str, dict[str, dict[str, object]]], levels: list[int], out: Path, title: str) -> None:
@@ -410,6 +435,10 @@ def main() -> None:
             print(f"logs in {logs}; {len(paths)} paths x {levels} streams, {args.measure_s:g} s each", flush=True)
             groups = {k: procs.groups[name] for k, name in CPU_GROUPS.items() if name in procs.groups}
             groups["redis"] = -redis.pid  # only Sluice's paths use it
+            engine = procs.groups.get("mock") or procs.groups.get("vllm-serve")
+            if engine is not None:
+                groups["engine"] = engine
+            groups.update(load=-os.getpid(), machine=MACHINE)
             results = asyncio.run(measure(paths, levels, args.warmup_s, args.measure_s, args.max_tokens, groups,
                                           args.repeat, stream=not args.no_stream, keep_alive=args.keep_alive,
                                           think_ms=args.think_ms))

@@ -31,3 +31,11 @@ def tree(roots: set[int], table: dict[int, tuple[int, int, float]]) -> set[int]:
     while more := {pid for pid, (ppid, _, _) in table.items() if ppid in inside} - inside:
         inside |= more
     return inside
+
+
+def machine_busy_s() -> float:
+    """CPU seconds every core of the machine spent busy (not idle, not waiting on I/O) since
+    boot: what all processes, the kernel's own work on their behalf included, took."""
+    with open("/proc/stat", "rb") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / TICK  # user..steal, less idle and iowait
