@@ -76,6 +76,10 @@ class GenerateRequest(BaseModel):
     #: A prefill hop sends ``{"do_remote_decode": true, ...}``; a decode hop sends what its
     #: prefill's finishing line returned.
     kv_transfer_params: dict[str, Any] | None = None
+    #: The client takes the answer whole and it is short (gateway/surfaces/openai.py
+    #: ``answered_whole``): an engine behind an OpenAI-compatible server asks it for one JSON
+    #: answer, and its one line is the finishing one. The other engines stream as ever.
+    whole: bool = False
 
     @classmethod
     def parse(cls, body: bytes) -> GenerateRequest:

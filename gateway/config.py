@@ -38,6 +38,14 @@ class GatewaySettings(RedisSettings):
     ttft_timeout_s: float = Field(default=60.0, gt=0)
     #: Longest silence between two upstream lines once tokens flow.
     stall_timeout_s: float = Field(default=30.0, gt=0)
+    #: A non-streaming request for at most this many tokens (no logprobs, tools or echo) is
+    #: asked of an OpenAI-compatible engine server (``--engine openai``, either relay) as one
+    #: JSON answer, not a stream: its server serializes one body instead of a chunk per token
+    #: plus a usage chunk (the mock engine spent 1.9x the CPU on a streamed one-token answer;
+    #: loadtest/peers/README.md). Its attempt is bounded by ``ttft_timeout_s`` as a first token
+    #: is, and an engine lost meanwhile means a retry from the start, not a migration: its
+    #: client has seen nothing. 0: always stream.
+    whole_max_tokens: int = Field(default=16, ge=0, le=4096)
     #: SSE comment pings keep idle proxies from closing a slow stream.
     sse_ping_s: float = Field(default=15.0, gt=0)
     #: Longest wait in the model's queue before 429 + Retry-After.

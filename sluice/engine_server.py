@@ -279,15 +279,18 @@ class EngineServer:
         migrated stream, the check that it finished): every generator between the socket
         and the client is one more step per relayed chunk (loadtest/peers/README.md)."""
         held = ""
-        if request.resume_token_ids or request.resume_text_chars:
+        resumed = bool(request.resume_token_ids or request.resume_text_chars)
+        if resumed:
             path, body, held = await self._resume_body(request)
         elif request.messages is not None:
             path, body = "/v1/chat/completions", {**self._sampling(request, chat=True), "messages": request.messages}
         else:
             path, body = "/v1/completions", {**self._sampling(request, chat=False), "prompt": request.prompt or ""}
         chat = path.endswith("chat/completions")
-        if (request.kv_transfer_params or {}).get("do_remote_decode"):
-            # A prefill hop: vLLM returns the decode side's parameters only in whole answers.
+        # A prefill hop: vLLM returns the decode side's parameters only in whole answers. A
+        # short answer its client takes whole: one body for the server to make, not a chunk
+        # per token and one for usage (a migrated stream's resumption always streams).
+        if (request.kv_transfer_params or {}).get("do_remote_decode") or (request.whole and not resumed):
             yield emit(await self._whole(path, body, chat=chat))
             return
         response = await self._open(path, body)

@@ -160,7 +160,7 @@ class Serving:
     ) -> Response:
         record = ctx.record
         headers = {"x-request-id": ctx.request_id, **ctx.headers}
-        payloads = worker_payloads(req, ctx.internal_id)
+        payloads = worker_payloads(req, ctx.internal_id, self._settings.whole_max_tokens)
         digest = digestible(payloads, shape is not None)
         if held is not None and not digest:  # (an id we never gave)
             raise HistoryLost(f"the stream this Last-Event-ID ({held.after}) belongs to is no longer known (Redis "

@@ -287,11 +287,13 @@ class CompletionRequest(_SamplingFields):
         return list(prompt)  # type: ignore[arg-type]
 
 
-def worker_payloads(req: ChatCompletionRequest | CompletionRequest, request_id: str) -> list[dict[str, Any]]:
-    """One ``POST /internal/generate`` body per choice: prompts x n, in choice-index order."""
+def worker_payloads(req: ChatCompletionRequest | CompletionRequest, request_id: str,
+                    whole_max_tokens: int = 0) -> list[dict[str, Any]]:
+    """One ``POST /internal/generate`` body per choice: prompts x n, in choice-index order.
+    ``whole_max_tokens``: see :func:`answered_whole`."""
     prompts: list[str | list[int] | None] = list(req.prompts()) if isinstance(req, CompletionRequest) else [None]
     count = len(prompts) * req.n
-    return [
+    payloads = [
         worker_payload(
             req,
             request_id if count == 1 else f"{request_id}-{index}",
@@ -300,6 +302,19 @@ def worker_payloads(req: ChatCompletionRequest | CompletionRequest, request_id: 
         )
         for index in range(count)
     ]
+    if answered_whole(req, whole_max_tokens):
+        for payload in payloads:
+            payload["whole"] = True
+    return payloads
+
+
+def answered_whole(req: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> bool:
+    """Whether an engine server may answer ``req`` in one JSON body (GenerateRequest.whole):
+    its client takes it whole, it is short (at most ``max_tokens``), and nothing in it needs
+    the streamed chunks' fields (logprobs, tool calls, an echoed prompt)."""
+    limit = req.token_limit()
+    return (not req.stream and limit is not None and limit <= max_tokens and req.logprobs_count() is None
+            and not getattr(req, "tools", None) and not getattr(req, "echo", False))
 
 
 def worker_payload(

@@ -105,6 +105,26 @@ def test_priority_and_token_ids_are_passed_on(client, mocks) -> None:
     assert bodies[0]["priority"] == -3 and bodies[0]["return_token_ids"] is True
 
 
+def test_a_short_answer_taken_whole_is_asked_of_the_server_whole(client, mocks) -> None:
+    """A non-streaming request for a few tokens is one JSON answer from the server (one body
+    for it to make, not a chunk per token and one for usage); a stream, a longer answer and
+    an answer with logprobs are streamed from it, as before."""
+    probes = {"whole probe short": {"max_tokens": 5}, "whole probe long": {"max_tokens": 17},
+              "whole probe logprobs": {"max_tokens": 5, "logprobs": 1}}
+    for prompt, more in probes.items():
+        answer = client.completions.create(model="mockv", prompt=prompt, extra_body={"ignore_eos": True}, **more)
+        assert answer.choices[0].text == reference(tokenize(prompt), more["max_tokens"])
+        assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(tokenize(prompt)),
+                                                                                more["max_tokens"])
+    stream = client.completions.create(model="mockv", prompt="whole probe stream", max_tokens=5, stream=True,
+                                       extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in stream if c.choices) == reference(tokenize("whole probe stream"), 5)
+    asked = {b["prompt"]: b for m in mocks["vllm"] for b in received(m) if str(b.get("prompt")).startswith("whole")}
+    assert (asked["whole probe short"]["stream"], asked["whole probe short"].get("stream_options")) == (False, None)
+    assert asked["whole probe short"]["return_token_ids"] is True  # the answer's ids, for the bill and the record
+    assert [asked[p]["stream"] for p in ("whole probe long", "whole probe logprobs", "whole probe stream")] == [True] * 3
+
+
 def test_a_server_that_refuses_priority_is_asked_without_it(client, mocks) -> None:
     resp = client.completions.create(model="mockg", prompt="priority probe beta", max_tokens=2,
                                      extra_body={"priority": 5})
