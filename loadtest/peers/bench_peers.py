@@ -121,8 +121,9 @@ def wait_ready(url: str, timeout_s: float = 120, json_body: dict[str, object] | 
     raise RuntimeError(f"{url} not ready after {timeout_s}s")
 
 
-def start_vllm(procs: Procs, base: int, redis_url: str) -> list[Path_]:
-    """vLLM's own server (CPU, the default model) read directly and through Sluice."""
+def start_vllm(procs: Procs, base: int, redis_url: str, baseline: Path | None = None) -> list[Path_]:
+    """vLLM's own server (CPU, the default model) read directly and through Sluice (and
+    through ``baseline``'s gateway, when given)."""
     from sluice.models import default_model_dir
 
     py = sys.executable
@@ -135,7 +136,8 @@ def start_vllm(procs: Procs, base: int, redis_url: str) -> list[Path_]:
                 env={"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
     server = f"http://127.0.0.1:{base}"
     wait_ready(server + "/health", 600)
-    return [Path_("direct", server, name)] + start_sluice(procs, base, redis_url, server, name, sim=None)
+    return [Path_("direct", server, name)] + start_sluice(procs, base, redis_url, server, name, sim=None,
+                                                          baseline=baseline)
 
 
 def _commit(root: Path) -> str:
@@ -425,7 +427,7 @@ def main() -> None:
     try:
         with EmbeddedRedis() as redis:
             if args.server == "vllm":
-                paths = start_vllm(procs, args.base_port, redis.url)
+                paths = start_vllm(procs, args.base_port, redis.url, args.baseline)
             else:
                 paths = start_all(procs, args.base_port, args.ttft_ms, args.token_ms, redis.url, args.baseline,
                                   set(args.only.split(",")) if args.only else None)
