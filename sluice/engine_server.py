@@ -230,12 +230,18 @@ class EngineServer:
                                            headers=self._headers)
         return await self._http.send(request, stream=True)
 
-    async def _open(self, path: str, body: dict[str, Any]) -> Http1Response | httpx.Response:
-        """Send the request; a server that refuses ``priority`` is asked once more without it."""
+    async def _open(self, path: str, body: dict[str, Any], *, whole: bool = False) -> Http1Response | httpx.Response:
+        """Send the request; a server that refuses ``priority`` is asked once more without it.
+        ``whole``: a whole answer, whose head comes after its generation, so a connection that
+        breaks before the head broke with the request in it (a lost server, as a stream's
+        broken body is), where a stream's head comes at once."""
         while True:
             try:
                 response = await self._send(path, body)
             except httpx.HTTPError as exc:
+                if whole and not isinstance(exc, httpx.ConnectError):
+                    raise UpstreamFailed(f"the upstream server broke off: {type(exc).__name__}",
+                                         code="worker_lost") from None
                 raise Unavailable(f"upstream server unreachable: {type(exc).__name__}", retry_after_s=1) from None
             if response.status_code == 200:
                 return response
@@ -252,16 +258,19 @@ class EngineServer:
     async def _whole(self, path: str, body: dict[str, Any], *, chat: bool) -> Delta:
         """One whole answer as one finishing delta, with the ``kv_transfer_params`` it returned."""
         body = {**{k: v for k, v in body.items() if k != "stream_options"}, "stream": False}
-        response = await self._open(path, body)
+        response = await self._open(path, body, whole=True)
         try:
             answer = orjson.loads(await response.aread())
         except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
             raise UpstreamFailed(f"the upstream answer broke: {type(exc).__name__}", code="worker_lost") from None
         finally:
             await response.aclose()
-        choice = (answer.get("choices") or [{}])[0]
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+        finish = choice.get("finish_reason")
+        if not finish:  # as a stream that ends before it finished
+            raise UpstreamFailed("the upstream server's answer has no finished choice", code="worker_lost")
         text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
-        finish = choice.get("finish_reason") or "length"
         return Delta(choice.get("token_ids") or [], text or "", finish,
                      _usage(answer["usage"]) if answer.get("usage") else None,
                      stop_sequence=stop_string(finish, choice.get("stop_reason")),

@@ -202,15 +202,32 @@ class Http1Pool:
                 f"content-length: {len(body)}\r\n"
                 + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n").encode("latin-1")
         idle = self._idle.get(key)
+        broke: httpx.HTTPError | None = None
         while idle:
-            # A reused connection the server closed meanwhile fails before any byte of a
-            # response: that is safe to try once more on a fresh connection.
             conn = idle.pop()
+            if conn.reader.at_eof() or conn.writer.is_closing():
+                conn.close()  # closed by its server while idle (its keep-alive timeout, or it went down)
+                continue
+            # A reused connection the server closed just now fails before any byte of a
+            # response: that is safe to try once more on a fresh connection.
             try:
                 return await self._exchange(conn, head, body)
-            except (httpx.ReadError, httpx.RemoteProtocolError):
+            except (httpx.ReadError, httpx.RemoteProtocolError) as exc:
                 conn.close()
-        conn = await self._connect(key)
+                broke = exc
+            except BaseException:
+                conn.close()  # cancelled (a timeout, a client gone): the server sees the request end
+                raise
+        try:
+            conn = await self._connect(key)
+        except httpx.ConnectError:
+            # The server took the request on a kept connection, broke it, and takes no new
+            # one: it went down with the request in it. Told as the broken exchange it was
+            # (a whole answer's server dies before its head: gateway/relay/upstream.py counts
+            # a lost worker toward a query of death), not as a server never reached.
+            if broke is not None:
+                raise broke from None
+            raise
         try:
             return await self._exchange(conn, head, body)
         except BaseException:

@@ -147,6 +147,100 @@ async def test_failures_are_httpx_errors(server) -> None:
     await pool.aclose()
 
 
+async def _serve(handle) -> tuple[str, asyncio.AbstractServer]:  # type: ignore[no-untyped-def]
+    port = free_port()
+    return f"http://127.0.0.1:{port}", await asyncio.start_server(handle, "127.0.0.1", port)
+
+
+async def _read_request(reader: asyncio.StreamReader) -> None:
+    await reader.readuntil(b"\r\n\r\n")  # (the tests below send no body)
+
+
+async def test_a_kept_connection_its_server_closed_while_idle_is_left_for_a_new_one() -> None:
+    """A server's keep-alive timeout (or its end) closed the idle connection: the next
+    request goes out on a new one, without first failing on the old one."""
+    connections = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await _read_request(reader)
+        writer.write(SIZED)
+        await writer.drain()
+        writer.close()  # an answer of known length, then the connection closed while idle
+
+    url, srv = await _serve(handle)
+    pool = Http1Pool(connect_timeout_s=1)
+    for _ in range(2):
+        response = await pool.post(url, "/x", b"", {})
+        assert await response.aread() == b"not found"
+        await response.aclose()
+        await asyncio.sleep(0.05)  # the server's close arrives
+    assert connections == 2
+    await pool.aclose()
+    srv.close()
+    await srv.wait_closed()
+
+
+async def test_a_server_that_goes_down_with_the_request_in_it_broke_the_exchange() -> None:
+    """The request went out on a kept connection, and its server went down before answering
+    (a whole answer's server dies before its head): a broken exchange, not a server never
+    reached, though a new connection is refused too (gateway/relay/upstream.py counts the
+    first as a worker lost with the request)."""
+    served = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal served
+        await _read_request(reader)
+        served += 1
+        writer.write(SIZED)
+        await writer.drain()
+        await _read_request(reader)  # the second request arrives; the server goes down
+        srv.close()
+        writer.transport.abort()
+        writer.close()
+
+    url, srv = await _serve(handle)
+    pool = Http1Pool(connect_timeout_s=1)
+    first = await pool.post(url, "/x", b"", {})
+    await first.aread()
+    await first.aclose()
+    with pytest.raises((httpx.ReadError, httpx.RemoteProtocolError)):
+        await pool.post(url, "/x", b"", {})
+    with pytest.raises(httpx.ConnectError):  # a server that is simply not there
+        await pool.post(url, "/x", b"", {})
+    assert served == 1
+    await pool.aclose()
+    await srv.wait_closed()
+
+
+async def test_a_request_cancelled_on_a_kept_connection_closes_it() -> None:
+    """A timeout (or a client gone) while a kept connection waits for its answer closes it,
+    so the server sees the request end and can stop its work."""
+    ended = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(SIZED)
+        await writer.drain()
+        await _read_request(reader)  # never answered
+        if await reader.read() == b"":
+            ended.set()
+        writer.close()
+
+    url, srv = await _serve(handle)
+    pool = Http1Pool(connect_timeout_s=1)
+    first = await pool.post(url, "/x", b"", {})
+    await first.aread()
+    await first.aclose()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(pool.post(url, "/x", b"", {}), 0.2)
+    await asyncio.wait_for(ended.wait(), 2)
+    await pool.aclose()
+    srv.close()
+    await srv.wait_closed()
+
+
 def test_chunk_framing_across_reads() -> None:
     """A chunked body's framing parsed from reads that split it anywhere (a size line, its
     extension, the data, the terminating chunk) or bring several chunks at once."""

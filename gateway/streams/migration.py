@@ -122,12 +122,16 @@ class Migrator:
                     return
                 except (UpstreamFailed, DeadlineExceeded) as exc:
                     progressed = len(sent) - placed_at >= PROGRESS_TOKENS
-                    if not progressed and exc.code == "worker_lost" and not ctx.lost_a_worker(upstream.worker_id):
-                        if ctx.remaining_s() <= 0:  # the worker may have ended it at the deadline
-                            raise DeadlineExceeded("the request ran past its deadline (its worker broke off)",
-                                                   code="request_timeout") from None
+                    # Past the deadline, a worker that broke off may have ended the request at
+                    # the deadline itself: the deadline's 504, not a lost worker's 502.
+                    late = ctx.remaining_s() <= 0 and exc.code == "worker_lost"
+                    if not progressed and exc.code == "worker_lost" and not ctx.lost_a_worker(upstream.worker_id) \
+                            and not late:
                         raise query_of_death() from None
                     if not self._may_migrate(exc, 0 if progressed else migrations, ctx):
+                        if late:
+                            raise DeadlineExceeded("the request ran past its deadline (its worker broke off)",
+                                                   code="request_timeout") from None
                         raise
                     if not progressed:
                         migrations += 1
