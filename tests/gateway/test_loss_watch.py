@@ -60,7 +60,11 @@ async def test_a_loss_reaches_every_listener_and_a_failed_write_back_is_tried_ag
             await asyncio.sleep(0.2)  # more looks: nobody is told again
             assert heard["steady"].count(True) == 1  # told once
             assert heard["flaky"].count(True) == 2  # told again after its write-back failed
-            assert heard["flaky"][:2] == [True, True]
+            # A look already under way when the calls were cleared may still report the old
+            # epoch (a CI run on a loaded machine heard [False, True, True]): from the loss on,
+            # the failed write-back is told again at the next look.
+            told = heard["flaky"][heard["flaky"].index(True):]
+            assert told[:2] == [True, True]
             assert watch.since_loss_s() < 5 and watch.unsure_s() > 0
         finally:
             await watch.close()
