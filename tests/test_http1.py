@@ -156,6 +156,14 @@ async def _read_request(reader: asyncio.StreamReader) -> None:
     await reader.readuntil(b"\r\n\r\n")  # (the tests below send no body)
 
 
+async def _answer_then_take_another(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answer a first request on the connection, then read a second one and leave it unanswered."""
+    await _read_request(reader)
+    writer.write(SIZED)
+    await writer.drain()
+    await _read_request(reader)
+
+
 async def test_a_kept_connection_its_server_closed_while_idle_is_left_for_a_new_one() -> None:
     """A server's keep-alive timeout (or its end) closed the idle connection: the next
     request goes out on a new one, without first failing on the old one."""
@@ -191,12 +199,9 @@ async def test_a_server_that_goes_down_with_the_request_in_it_broke_the_exchange
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal served
-        await _read_request(reader)
+        await _answer_then_take_another(reader, writer)
         served += 1
-        writer.write(SIZED)
-        await writer.drain()
-        await _read_request(reader)  # the second request arrives; the server goes down
-        srv.close()
+        srv.close()  # the second request arrived; the server goes down
         writer.transport.abort()
         writer.close()
 
@@ -220,10 +225,7 @@ async def test_a_request_cancelled_on_a_kept_connection_closes_it() -> None:
     ended = asyncio.Event()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
-        writer.write(SIZED)
-        await writer.drain()
-        await _read_request(reader)  # never answered
+        await _answer_then_take_another(reader, writer)  # the second is never answered
         if await reader.read() == b"":
             ended.set()
         writer.close()
