@@ -336,7 +336,7 @@ class Admission:
                             else self._s.route_prefill_weight, ask.task,
                             ask.session if self._s.session_affinity != "off" else "", self._s.session_affinity,
                             self._s.session_load_bound, self._s.session_cost_blocks, ask.adapter, ask.role,
-                            self._s.route_least_spread),
+                            self._s.route_least_spread, self._s.route_sample),
         ))
         try:
             return cast(list[Any], await asyncio.shield(call))

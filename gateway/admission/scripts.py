@@ -103,6 +103,21 @@ choice serves a request granted from the queue by a release, so queued requests 
 their affinity. A granted request's blocks are marked held by its worker in the index,
 in the same script: routing costs no Redis call on the request's path beyond ACQUIRE.
 
+Large fleets. Reading every worker of the model at every request made admission's cost in
+Redis grow with the fleet: 2.6 ms of script time per request at 1,024 workers (one Redis then
+admits a few hundred requests a second for the whole fleet), 0.7 ms at 256, against 0.16 at 16
+(loadtest/admission_cost.py). A model with more than 4 x ``d`` live workers (``d``:
+``route_sample``, 8 by default) routes a request that finds nobody waiting, and needs one slot
+of plain generation (no exclusions, session, adapter or role) by least load or by cache, among
+``d`` workers drawn at random (``HRANDFIELD``) plus the workers the prefix index names for its
+prompt, each hash read for those ids alone (``HMGET``). This is the "power of d choices": the
+least loaded of a few random workers keeps the fleet's load nearly as even as the least loaded
+of all, and cache routing still sees every holder of the prompt's prefix. What changes: least
+and cache compare the sample, not the fleet (the hot-spot guard's coolest worker and the mean
+capacity are the sample's). A sample with no room, anything that waits, ``rr`` (a turn over
+every worker) and everything else read the whole fleet as before, as does a Redis without
+``HRANDFIELD`` (before 6.2).
+
 Sessions (:mod:`gateway.admission.affinity`): a request naming a session goes to the first
 worker of the session's rendezvous rank within a load bound (``bounded``), or cache routing
 charges every worker but the session's home a few blocks more (``cost``). LoRA adapters
@@ -189,6 +204,18 @@ local function url_of(w)
   return w.url or (w.facts and match(w.facts, ' (.+)$')) or ''
 end
 
+-- A live worker's entry from its routing facts `f` (or its record), slots in use and pending prefill.
+local function entry_of(id, f, used, pending)
+  if pending < 0 then pending = 0 end
+  -- "<capacity> <url>": the digits before the space (a record has none there)
+  local cap = tonumber(sub(f, 1, (find(f, ' ', 1, true) or 1) - 1))
+  if cap then
+    return {id = id, facts = f, cap = cap > 1 and cap or 1, used = used, prefill = pending,
+            role = 'both', serves = GENERATE_ONLY, loras = NO_LORAS, lora_max = 0}
+  end
+  return record_entry(id, f, used, pending)
+end
+
 local function live_workers()
   local alive = redis.call('HGETALL', K_ALIVE)
   local prefill, inflight, facts = counts(K_PREFILL), counts(K_INFLIGHT), fields(K_ROUTING)
@@ -203,22 +230,46 @@ local function live_workers()
         f = records[id]
       end
       if f then
-        local used, pending = inflight[id] or 0, prefill[id] or 0
-        if pending < 0 then pending = 0 end
-        -- "<capacity> <url>": the digits before the space (a record has none there)
-        local cap = tonumber(sub(f, 1, (find(f, ' ', 1, true) or 1) - 1))
         n = n + 1
-        if cap then
-          out[n] = {id = id, facts = f, cap = cap > 1 and cap or 1, used = used, prefill = pending,
-                    role = 'both', serves = GENERATE_ONLY, loras = NO_LORAS, lora_max = 0}
-        else
-          out[n] = record_entry(id, f, used, pending)
-        end
+        out[n] = entry_of(id, f, inflight[id] or 0, prefill[id] or 0)
       end
     else
       redis.call('HDEL', K_WORKERS, id)
       redis.call('HDEL', K_ALIVE, id)
       redis.call('HDEL', K_ROUTING, id)
+    end
+  end
+  return out
+end
+
+-- A sample of the live workers for a large fleet (see "Large fleets" above): `d` drawn at
+-- random, and the workers `matched` names (those the prefix index says hold the prompt's
+-- first blocks), read with one call per hash for just those ids. Nil if this Redis has no
+-- HRANDFIELD (before 6.2): the caller reads the whole fleet.
+local function sampled_workers(d, matched)
+  local drawn = redis.pcall('HRANDFIELD', K_ALIVE, d)
+  if type(drawn) ~= 'table' or drawn.err then return nil end
+  local ids, seen = {}, {}
+  for _, id in ipairs(drawn) do
+    seen[id] = true
+    ids[#ids + 1] = id
+  end
+  for id in pairs(matched) do
+    if not seen[id] then
+      seen[id] = true
+      ids[#ids + 1] = id
+    end
+  end
+  if #ids == 0 then return {} end
+  local beats = redis.call('HMGET', K_ALIVE, unpack(ids))
+  local facts = redis.call('HMGET', K_ROUTING, unpack(ids))
+  local inflight = redis.call('HMGET', K_INFLIGHT, unpack(ids))
+  local prefill = redis.call('HMGET', K_PREFILL, unpack(ids))
+  local out = {}
+  for i, id in ipairs(ids) do
+    if beats[i] and tonumber(beats[i]) >= now then  -- the dead are left to REAP's full scan to tidy
+      local f = facts[i] or redis.call('HGET', K_WORKERS, id)
+      if f then out[#out + 1] = entry_of(id, f, tonumber(inflight[i]) or 0, tonumber(prefill[i]) or 0) end
     end
   end
   return out
@@ -380,7 +431,7 @@ local function choose(ws, excluded, priority, need, route)
   local matched = {}
   local n = 0
   if route.mode == 'cache' then n = #(route.blocks or {}) end
-  if n > 0 then matched = prefix_matches(K_PREFIX, route.blocks) end
+  if n > 0 then matched = route.matched or prefix_matches(K_PREFIX, route.blocks) end
   local picks, prefill, seen = {}, {}, {}
   local full = may_fill(ws, excluded, priority, need)
   -- The cost variant needs cache routing's cost; under the other routings affinity is bounded.
@@ -514,6 +565,22 @@ end
 local function start_tag(t)
   local vf = redis.call('HMGET', K_FAIR, 'V:2', 'F:2:' .. t)
   return math.max(tonumber(vf[1] or '0'), tonumber(vf[2] or '0'))
+end
+
+-- The fair-queuing charge of a request granted in ACQUIRE itself, as the queue would have
+-- charged it; retries and migrations (`boost`) are charged nothing.
+local function charge_direct(boost, priority, tenant, cost)
+  if boost then return end
+  if is_urgent(priority) then
+    local vf = redis.call('HMGET', K_FAIR, 'V:1', 'F:1:' .. tenant)
+    local v = tonumber(vf[1] or '0')
+    local tag = math.max(v, tonumber(vf[2] or '0'))
+    redis.call('HSET', K_FAIR, 'F:1:' .. tenant, tag + cost)
+    if tag > v then redis.call('HSET', K_FAIR, 'V:1', tag) end
+  else
+    local tag = start_tag(tenant)
+    redis.call('HSET', K_FAIR, 'V:2', tag, 'F:2:' .. tenant, tag + cost)
+  end
 end
 
 local function refresh_head(t)
@@ -676,7 +743,8 @@ PRELUDE = Prelude(_PRELUDE)
 #: (bounded | cost), 24 its load bound (x the mean share), 25 its cost for a worker other than
 #: the session's home, 26 LoRA adapter ('': the base model; :mod:`gateway.admission.adapters`),
 #: 27 the role of the workers a disaggregated hop needs ('': any worker; :mod:`sluice.roles`),
-#: 28 least's spread (requests above the lowest load still taken in turn).
+#: 28 least's spread (requests above the lowest load still taken in turn), 29 the sample a large
+#: fleet's plain request is chosen from (0: the whole fleet always).
 #: Returns {'granted', leases JSON [[lease, worker, url, matched blocks, prefill blocks], ...]}
 #: | {'queued', position, the grant stream's last id (its grant can only come after it)}
 #: | {'full', length} | {'none'} | {'too_big', slots of the live workers it may use}
@@ -694,10 +762,42 @@ if is_urgent(priority) and redis.call('EXISTS', K_WORKERS) == 1 then
   redis.call('SET', K_URGENT_SEEN, '1', 'PX', 60000)
   urgent_recently = true
 end
-local ws = live_workers()
-if #ws == 0 then return {'none'} end
 local adapter = ARGV[26] ~= '' and ARGV[26] or nil
 local role = ARGV[27] ~= '' and ARGV[27] or nil
+local meta = {deadline = now + tonumber(ARGV[10]), exclude = exclude, priority = priority, need = need,
+              gw = gateway, mode = ARGV[17], load = tonumber(ARGV[18]), hot = tonumber(ARGV[19]),
+              prefill = tonumber(ARGV[20])}
+if task ~= 'generate' then meta.task = task end
+if ARGV[17] == 'least' then meta.spread = tonumber(ARGV[28]) end
+meta.adapter, meta.role = adapter, role
+if ARGV[22] ~= '' then
+  meta.session, meta.affinity, meta.bound, meta.away = ARGV[22], ARGV[23], tonumber(ARGV[24]), tonumber(ARGV[25])
+end
+-- The caller's blocks stay out of its stored meta unless it has to wait (no JSON round trip
+-- for a request granted at once).
+local direct_blocks = ARGV[17] == 'cache' and cjson.decode(ARGV[16]) or nil
+
+-- A large fleet (more than 4 x ARGV[29] live workers), nobody waiting, one slot of plain
+-- generation by least load or by cache: chosen among a sample (see "Large fleets" above),
+-- granted and charged as below. A sample with no room leaves the choice to the whole fleet.
+local d = tonumber(ARGV[29]) or 0
+if d > 0 and need == 1 and #exclude == 0 and task == 'generate' and not adapter and not role
+    and not meta.session and ARGV[17] ~= 'rr' and redis.call('EXISTS', K_QURGENT, K_QNORMAL) == 0
+    and redis.call('HLEN', K_ALIVE) > 4 * d then
+  local route = route_of(meta)
+  route.blocks = direct_blocks
+  route.matched = direct_blocks and prefix_matches(K_PREFIX, direct_blocks) or {}
+  local sample = sampled_workers(d, route.matched)
+  local picks = sample and #sample > 0 and choose(sample, {}, priority, 1, route) or nil
+  if picks then
+    meta.blocks = direct_blocks
+    charge_direct(boost, priority, tenant, cost)
+    return {'granted', lease_all(picks, req, lease_ttl, meta)}
+  end
+end
+
+local ws = live_workers()
+if #ws == 0 then return {'none'} end
 local excluded = adapter_unfit(ws, exclusions(ws, exclude, task, role), adapter)
 local serving = false
 for _, w in ipairs(ws) do serving = serving or w.serves[task] == true end
@@ -715,19 +815,6 @@ if redis.call('EXISTS', K_QURGENT, K_QNORMAL) > 0 then length = queue_length() e
 -- Retries and migrations are never refused for length: they hold a client mid-request.
 if not boost and length >= tonumber(ARGV[11]) then return {'full', length} end
 
-local meta = {deadline = now + tonumber(ARGV[10]), exclude = exclude, priority = priority, need = need,
-              gw = gateway, mode = ARGV[17], load = tonumber(ARGV[18]), hot = tonumber(ARGV[19]),
-              prefill = tonumber(ARGV[20])}
-if task ~= 'generate' then meta.task = task end
-if ARGV[17] == 'least' then meta.spread = tonumber(ARGV[28]) end
-meta.adapter, meta.role = adapter, role
-if ARGV[22] ~= '' then
-  meta.session, meta.affinity, meta.bound, meta.away = ARGV[22], ARGV[23], tonumber(ARGV[24]), tonumber(ARGV[25])
-end
--- The caller's blocks stay out of its stored meta unless it has to wait (no JSON round trip
--- for a request granted at once).
-local direct_blocks = ARGV[17] == 'cache' and cjson.decode(ARGV[16]) or nil
-
 -- Nobody waits: the queue's pump would take this request first and alone. Grant it here,
 -- with the same fair-queuing charge as a grant from the queue, and skip the queue's
 -- writes and reads (about half of this script's work for a request granted at once).
@@ -735,18 +822,7 @@ if length == 0 then
   meta.blocks = direct_blocks
   local picks = choose(ws, excluded, priority, need, route_of(meta))
   if picks ~= nil then
-    if boost then
-      -- retries and migrations are charged nothing
-    elseif is_urgent(priority) then
-      local vf = redis.call('HMGET', K_FAIR, 'V:1', 'F:1:' .. tenant)
-      local v = tonumber(vf[1] or '0')
-      local tag = math.max(v, tonumber(vf[2] or '0'))
-      redis.call('HSET', K_FAIR, 'F:1:' .. tenant, tag + cost)
-      if tag > v then redis.call('HSET', K_FAIR, 'V:1', tag) end
-    else
-      local tag = start_tag(tenant)
-      redis.call('HSET', K_FAIR, 'V:2', tag, 'F:2:' .. tenant, tag + cost)
-    end
+    charge_direct(boost, priority, tenant, cost)
     return {'granted', lease_all(picks, req, lease_ttl, meta)}
   end
   meta.blocks = nil

@@ -1,0 +1,82 @@
+"""Admission on a large fleet (gateway/admission/scripts.py, "Large fleets"): past 4 x
+``route_sample`` live workers a plain request is routed among a random sample plus the
+holders of its prompt's prefix, and the whole fleet is read only when the sample has no
+room. On a real Redis (single server and a three-master cluster)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from sluice import keys
+from tests.gateway import test_queue_scripts as queue_tests
+from tests.gateway.test_queue_scripts import Fleet
+
+url, redis, fleet = queue_tests.url, queue_tests.redis, queue_tests.fleet
+
+WORKERS = 60  # past 4 x 8, the default sample
+
+
+async def _workers(fleet: Fleet, capacity: int) -> list[str]:
+    return [await fleet.worker(capacity=capacity, worker_id=f"w{i:03d}") for i in range(WORKERS)]
+
+
+async def test_a_large_fleet_fills_every_slot_the_sample_misses_included(fleet: Fleet) -> None:
+    """Every slot of the fleet is granted, one by one, with nothing released: the last
+    requests find one free slot among 60 workers, which a sample of 8 almost never holds, so
+    they are granted through the whole fleet's scan. Then the fleet is full: the next one waits."""
+    ids = await _workers(fleet, capacity=2)
+    gw = await fleet.gateway(routing="least", queue_timeout_s=0.2)
+    leases = [lease for _ in range(2 * WORKERS) for lease in await gw.acquire(fleet.ask())]
+    held = Counter(lease.worker_id for lease in leases)
+    assert held == dict.fromkeys(ids, 2)  # every slot once, none past its capacity
+    inflight = await fleet.redis.hgetall(keys.admission(fleet.model)[2])  # type: ignore[attr-defined]
+    assert {k.decode(): int(v) for k, v in inflight.items()} == dict.fromkeys(ids, 2)
+    try:
+        await gw.acquire(fleet.ask())
+        raise AssertionError("a full fleet granted a slot")
+    except Exception as exc:  # the queue's timeout: nothing was free
+        assert getattr(exc, "code", "") == "queue_timeout", exc
+    for lease in leases:
+        await gw.release(lease)
+
+
+async def test_a_large_fleet_spreads_its_load(fleet: Fleet) -> None:
+    """Least among a random sample keeps the load even: 120 requests held on 60 workers of 8
+    slots land on many workers, and none holds more than a few (the whole fleet's least would
+    put exactly 2 on each; a sample of 8 rarely misses by more than one)."""
+    await _workers(fleet, capacity=8)
+    gw = await fleet.gateway(routing="least")
+    leases = [lease for _ in range(120) for lease in await gw.acquire(fleet.ask())]
+    held = Counter(lease.worker_id for lease in leases)
+    assert len(held) >= 45, held
+    assert max(held.values()) <= 4, held
+    for lease in leases:
+        await gw.release(lease)
+
+
+async def test_cache_routing_on_a_large_fleet_finds_the_prefix_wherever_it_is(fleet: Fleet) -> None:
+    """The workers holding a prompt's prefix join the sample: a prompt served once goes back
+    to its worker every time, where a random sample of 8 of 60 would hold it one time in eight."""
+    await _workers(fleet, capacity=8)
+    gw = await fleet.gateway(routing="cache")
+    blocks = tuple(f"blk{i}" for i in range(16))
+    (first,) = await gw.acquire(fleet.ask(blocks=blocks))
+    await gw.release(first)
+    chosen = []
+    for _ in range(12):
+        (lease,) = await gw.acquire(fleet.ask(blocks=blocks))
+        chosen.append(lease.worker_id)
+        assert lease.matched_blocks == 16
+        await gw.release(lease)
+    assert set(chosen) == {first.worker_id}
+
+
+async def test_with_no_sample_the_whole_fleet_is_read(fleet: Fleet) -> None:
+    """``SLUICE_GATEWAY_ROUTE_SAMPLE=0``: least over the whole fleet, exactly as before: 60
+    requests on 60 idle workers go one to each."""
+    await _workers(fleet, capacity=8)
+    gw = await fleet.gateway(routing="least", route_sample=0)
+    leases = [lease for _ in range(WORKERS) for lease in await gw.acquire(fleet.ask())]
+    assert len({lease.worker_id for lease in leases}) == WORKERS
+    for lease in leases:
+        await gw.release(lease)
