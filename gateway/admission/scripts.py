@@ -782,8 +782,8 @@ local direct_blocks = ARGV[17] == 'cache' and cjson.decode(ARGV[16]) or nil
 -- granted and charged as below. A sample with no room leaves the choice to the whole fleet.
 local d = tonumber(ARGV[29]) or 0
 if d > 0 and need == 1 and #exclude == 0 and task == 'generate' and not adapter and not role
-    and not meta.session and ARGV[17] ~= 'rr' and redis.call('EXISTS', K_QURGENT, K_QNORMAL) == 0
-    and redis.call('HLEN', K_ALIVE) > 4 * d then
+    and not meta.session and ARGV[17] ~= 'rr' and redis.call('HLEN', K_ALIVE) > 4 * d
+    and redis.call('EXISTS', K_QURGENT, K_QNORMAL) == 0 then
   local route = route_of(meta)
   route.blocks = direct_blocks
   route.matched = direct_blocks and prefix_matches(K_PREFIX, direct_blocks) or {}
