@@ -100,15 +100,34 @@ def _text_logprobs(logprobs: Any) -> list[list[Any]] | None:
 
 
 def _delta(choice: dict[str, Any], chat: bool) -> Delta:
+    tool_calls = None
     if chat:
-        text = (choice.get("delta") or {}).get("content") or ""
+        delta = choice.get("delta") or {}
+        text = delta.get("content") or ""
+        tool_calls = delta.get("tool_calls") or None
         logprobs = _chat_logprobs(choice.get("logprobs"))
     else:
         text = choice.get("text") or ""
         logprobs = _text_logprobs(choice.get("logprobs"))
     ids = choice.get("token_ids") or []
     finish = choice.get("finish_reason")
-    return Delta(ids, text, finish, None, logprobs, stop_sequence=stop_string(finish, choice.get("stop_reason")))
+    return Delta(ids, text, finish, None, logprobs, tool_calls,
+                 stop_sequence=stop_string(finish, choice.get("stop_reason")))
+
+
+def _tool_choice(mode: str | dict[str, str] | None) -> str | dict[str, Any] | None:
+    """The request's tool mode as OpenAI's ``tool_choice``."""
+    if isinstance(mode, dict):
+        return {"type": "function", "function": {"name": mode.get("name", "")}}
+    return mode
+
+
+def _response_format(constraint: dict[str, Any]) -> dict[str, Any]:
+    """A decoding constraint (``{"json": schema}``, ``{"json_object": true}``) as OpenAI's
+    ``response_format``."""
+    if "json" in constraint:
+        return {"type": "json_schema", "json_schema": {"name": "response", "schema": constraint["json"]}}
+    return {"type": "json_object"}
 
 
 def _usage(usage: dict[str, Any]) -> Usage:
@@ -169,6 +188,19 @@ class EngineServer:
             body["priority"] = request.priority
         if request.kv_transfer_params is not None:
             body["kv_transfer_params"] = request.kv_transfer_params
+        # What OpenAI's API names (min_p: vLLM's, SGLang's): sent as asked, so a server that
+        # cannot honour one refuses it (its 400 is the client's), never dropped on the way.
+        if request.min_p is not None:
+            body["min_p"] = request.min_p
+        if request.logit_bias:
+            body["logit_bias"] = request.logit_bias
+        if request.structured is not None:
+            body["response_format"] = _response_format(request.structured)
+        if chat and request.tools:
+            body["tools"] = request.tools
+            body["tool_choice"] = _tool_choice(request.tool_mode)
+            if not request.parallel_tool_calls:
+                body["parallel_tool_calls"] = False
         return body
 
     async def _post_json(self, path: str, body: dict[str, Any]) -> Any:
@@ -190,6 +222,8 @@ class EngineServer:
             body: dict[str, Any] = {"model": self.model, "messages": request.messages, "add_generation_prompt": True}
             if request.tools:
                 body["tools"] = request.tools
+        elif request.prompt_token_ids is not None:
+            return len(request.prompt_token_ids)
         else:
             body = {"model": self.model, "prompt": request.prompt or ""}
         return len((await self._post_json("/tokenize", body))["tokens"])
@@ -200,13 +234,20 @@ class EngineServer:
         if not self.token_ids:
             raise Conflict("this worker's upstream server does not return token ids, so a stream cannot "
                            "continue on it exactly", code="resume_unsupported")
+        if request.tools and request.tool_mode != "none":
+            # It goes on as a token prompt to /v1/completions, where the server parses no tool calls.
+            raise Conflict("a stream that may call tools cannot continue exactly on an OpenAI-compatible "
+                           "server", code="resume_unsupported")
         if request.messages is not None:
             tokenized = await self._post_json("/tokenize", {"model": self.model, "messages": request.messages,
                                                             "add_generation_prompt": True})
+            prompt_ids = tokenized["tokens"]
+        elif request.prompt_token_ids is not None:
+            prompt_ids = request.prompt_token_ids
         else:
-            tokenized = await self._post_json("/tokenize", {"model": self.model, "prompt": request.prompt or ""})
+            prompt_ids = (await self._post_json("/tokenize", {"model": self.model, "prompt": request.prompt or ""}))["tokens"]
         body = self._sampling(request, chat=False)
-        body["prompt"] = [int(i) for i in tokenized["tokens"]] + list(request.resume_token_ids)
+        body["prompt"] = [int(i) for i in prompt_ids] + list(request.resume_token_ids)
         held = ""
         if request.resume_token_ids and request.resume_text_chars is not None:
             text = await self._post_json("/detokenize", {"model": self.model, "tokens": request.resume_token_ids})
@@ -255,6 +296,17 @@ class EngineServer:
                 continue
             raise upstream_error(response.status_code, detail)
 
+    async def _echo(self, request: GenerateRequest) -> str:
+        """A completion's prompt as text, for ``echo``: as given, or a token-id prompt detokenized
+        by the server (one that cannot is refused: the client asked for the prompt back)."""
+        if request.prompt is not None:
+            return request.prompt
+        if not self.token_ids:
+            raise InvalidRequest(f"model {request.model!r} is served by a server that cannot detokenize, so a "
+                                 "token-id prompt cannot be echoed", param="echo")
+        detokenized = await self._post_json("/detokenize", {"model": self.model, "tokens": request.prompt_token_ids})
+        return str(detokenized.get("prompt", ""))
+
     async def _whole(self, path: str, body: dict[str, Any], *, chat: bool) -> Delta:
         """One whole answer as one finishing delta, with the ``kv_transfer_params`` it returned."""
         body = {**{k: v for k, v in body.items() if k != "stream_options"}, "stream": False}
@@ -270,9 +322,12 @@ class EngineServer:
         finish = choice.get("finish_reason")
         if not finish:  # as a stream that ends before it finished
             raise UpstreamFailed("the upstream server's answer has no finished choice", code="worker_lost")
-        text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
+        message = (choice.get("message") or {}) if chat else {}
+        text = message.get("content") if chat else choice.get("text")
+        # Whole calls, as deltas of the streamed shape: each call's index is its place.
+        calls = [{"index": i, **call} for i, call in enumerate(message.get("tool_calls") or ())] or None
         return Delta(choice.get("token_ids") or [], text or "", finish,
-                     _usage(answer["usage"]) if answer.get("usage") else None,
+                     _usage(answer["usage"]) if answer.get("usage") else None, tool_calls=calls,
                      stop_sequence=stop_string(finish, choice.get("stop_reason")),
                      kv_transfer_params=answer.get("kv_transfer_params"))
 
@@ -294,13 +349,18 @@ class EngineServer:
         elif request.messages is not None:
             path, body = "/v1/chat/completions", {**self._sampling(request, chat=True), "messages": request.messages}
         else:
-            path, body = "/v1/completions", {**self._sampling(request, chat=False), "prompt": request.prompt or ""}
+            prompt = request.prompt if request.prompt is not None else request.prompt_token_ids or ""
+            path, body = "/v1/completions", {**self._sampling(request, chat=False), "prompt": prompt}
         chat = path.endswith("chat/completions")
+        # A completion's echoed prompt leads its first delta (a migrated stream's client has it).
+        echo = await self._echo(request) if request.echo and not resumed else None
         # A prefill hop: vLLM returns the decode side's parameters only in whole answers. A
         # short answer its client takes whole: one body for the server to make, not a chunk
         # per token and one for usage (a migrated stream's resumption always streams).
         if (request.kv_transfer_params or {}).get("do_remote_decode") or (request.whole and not resumed):
-            yield emit(await self._whole(path, body, chat=chat))
+            whole = await self._whole(path, body, chat=chat)
+            whole.echo = echo
+            yield emit(whole)
             return
         response = await self._open(path, body)
         finish: Delta | None = None
@@ -331,9 +391,11 @@ class EngineServer:
                         delta = _delta(choice, chat)
                         if delta.finish_reason is not None:
                             finish = delta
-                        elif delta.text or delta.token_ids:
+                        elif delta.text or delta.token_ids or delta.tool_calls:
                             if held:
                                 delta.text, held = held + delta.text, ""
+                            if echo is not None:
+                                delta.echo, echo = echo, None
                             yield emit(delta)
                 if ended:
                     break
@@ -346,6 +408,8 @@ class EngineServer:
         finish.usage = usage
         if held:
             finish.text = held + finish.text
+        if echo is not None:
+            finish.echo = echo
         yield emit(finish)
 
 

@@ -14,7 +14,9 @@ a token whose hash falls in 1/64 of the range ends the sequence (unless ``ignore
 vLLM's names, ``return_token_ids``, token-id prompts, ``/tokenize`` and ``/detokenize``.
 ``GET /mock/requests`` lists the request bodies received (tests read what was passed on),
 ``POST /health {"ok": false}`` makes it fail its health check until ``{"ok": true}``;
-a body whose prompt contains ``MOCK_FAIL_MIDWAY`` breaks its stream after 3 tokens.
+a body whose prompt contains ``MOCK_FAIL_MIDWAY`` breaks its stream after 3 tokens. A chat
+request with ``tools`` whose ``tool_choice`` names a function (or is "required") calls it:
+the tokens become its arguments, ``{"words": "<the tokens' words>"}`` (:func:`tool_arguments`).
 
 ``--usage`` says where ``usage`` goes when the client asks for it (``include_usage``), as
 servers differ: ``own`` (OpenAI's shape: a chunk of its own, ``choices: []``, after the
@@ -154,11 +156,34 @@ class MockEngine:
         self._wake.set()
 
 
+def tool_called(body: dict[str, Any]) -> str | None:
+    """The function a chat request makes the mock call (``tool_choice`` naming one, or
+    "required": the first tool), else None (it answers in text)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not tools:
+        return None
+    if isinstance(choice, dict):
+        return str((choice.get("function") or {}).get("name"))
+    return str(tools[0]["function"]["name"]) if choice == "required" else None
+
+
+def tool_arguments(words: list[str]) -> str:
+    """The arguments the mock's call passes: its tokens' words, as JSON."""
+    return '{"words": "' + " ".join(words) + '"}'
+
+
 def _chunk(rid: str, chat: bool, created: int, token: int | None, finish: str | None,
-           want_ids: bool, usage: dict[str, Any] | None = None) -> bytes:
+           want_ids: bool, usage: dict[str, Any] | None = None, call: tuple[str, bool] | None = None) -> bytes:
+    """``call``: the token is a piece of a call's arguments: (the function, whether it is the first)."""
     text = "" if token is None else " " + VOCAB[token]
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
-    if chat:
+    if chat and call is not None:
+        name, first = call
+        piece = ('{"words": "' + text[1:] if first else text) + ('"}' if finish else "")
+        head = {"id": f"call_{rid}", "type": "function", "function": {"name": name, "arguments": piece}}
+        choice["delta"] = {"tool_calls": [{"index": 0, **(head if first else {"function": {"arguments": piece}})}]}
+        choice["finish_reason"] = finish and "tool_calls"
+    elif chat:
         choice["delta"] = {"content": text}
     else:
         choice["text"] = text
@@ -172,7 +197,7 @@ def _chunk(rid: str, chat: bool, created: int, token: int | None, finish: str | 
 
 
 async def _whole(stream: _Stream, rid: str, chat: bool, created: int, prompt_len: int, want_ids: bool,
-                 cached: int) -> dict[str, Any]:
+                 cached: int, call: str | None = None) -> dict[str, Any]:
     """A non-streaming answer: the same tokens at the same pace, in one body at the end."""
     tokens: list[int] = []
     finish = None
@@ -184,7 +209,12 @@ async def _whole(stream: _Stream, rid: str, chat: bool, created: int, prompt_len
         tokens.append(token)
     text = "".join(" " + VOCAB[t] for t in tokens)
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-    if chat:
+    if chat and call is not None:
+        choice["message"] = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"call_{rid}", "type": "function",
+             "function": {"name": call, "arguments": tool_arguments([VOCAB[t] for t in tokens])}}]}
+        choice["finish_reason"] = "tool_calls"
+    elif chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
@@ -234,8 +264,9 @@ def create_app(engine: MockEngine) -> Starlette:
         kv = body.get("kv_transfer_params") or {}
         cached = prompt_len if kv.get("do_remote_prefill") else 0
         engine.add(stream)
+        call = tool_called(body) if chat else None
         if not body.get("stream"):
-            answer = await _whole(stream, rid, chat, created, prompt_len, want_ids, cached)
+            answer = await _whole(stream, rid, chat, created, prompt_len, want_ids, cached, call)
             if kv.get("do_remote_decode"):
                 answer["kv_transfer_params"] = _kept_kv(engine, prompt_len)
             return json(answer)
@@ -254,7 +285,8 @@ def create_app(engine: MockEngine) -> Starlette:
                     token, finish = item
                     inline = wants_usage and (engine.usage == "every" or (engine.usage == "finish" and finish is not None))
                     usage = _usage(prompt_len, stream.generated, cached) if inline else None
-                    yield _chunk(rid, chat, created, token, finish, want_ids, usage)
+                    yield _chunk(rid, chat, created, token, finish, want_ids, usage,
+                                 None if call is None else (call, stream.generated == 1))
                     if finish is not None:
                         break
                 if wants_usage and engine.usage == "own":

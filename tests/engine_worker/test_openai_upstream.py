@@ -282,3 +282,53 @@ def test_embeddings_scores_and_tokens_pass_through(mocks, start_worker, gateway)
         assert tokens["tokens"] == tokenize(texts[0]) and tokens["max_model_len"] == 4096
         generic = http.post("/v1/score", json={"model": "mockge", "text_1": "a", "text_2": "b"})
         assert generic.status_code == 400 and "/score" in generic.json()["error"]["message"]
+
+
+def test_every_field_a_server_can_honour_reaches_it(client, mocks) -> None:
+    """min_p, logit_bias and response_format reach the server as OpenAI (and vLLM) name
+    them; they were dropped on the way, and the answer ignored them silently."""
+    schema = {"type": "object", "properties": {"w": {"type": "string"}}}
+    client.chat.completions.create(
+        model="mockv", messages=[{"role": "user", "content": "fields probe"}], max_tokens=3,
+        logit_bias={"17": -5}, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        extra_body={"min_p": 0.1})
+    (body,) = [b for m in mocks["vllm"] for b in received(m) if "fields probe" in str(b.get("messages"))]
+    assert (body["min_p"], body["logit_bias"]) == (0.1, {"17": -5})
+    assert body["response_format"] == {"type": "json_schema", "json_schema": {"name": "response", "schema": schema}}
+
+
+def test_token_prompts_and_echo_reach_the_server(client, mocks) -> None:
+    """A token-id prompt is sent as one (it was sent as ""), and ``echo`` puts the prompt
+    before the completion (it was dropped): as text, or a token prompt detokenized by the server."""
+    ids = tokenize("token prompt probe")
+    answer = client.completions.create(model="mockv", prompt=ids, max_tokens=4, extra_body={"ignore_eos": True})
+    assert answer.choices[0].text == reference(ids, 4)
+    assert [b["prompt"] for m in mocks["vllm"] for b in received(m) if b.get("prompt") == ids] == [ids]
+    echoed = client.completions.create(model="mockv", prompt="echo probe", max_tokens=4, echo=True,
+                                       extra_body={"ignore_eos": True})
+    assert echoed.choices[0].text == "echo probe" + reference(tokenize("echo probe"), 4)
+    stream = client.completions.create(model="mockv", prompt=ids, max_tokens=4, echo=True, stream=True,
+                                       extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in stream if c.choices) == detokenize(ids) + reference(ids, 4)
+
+
+def test_tool_calls_of_the_server_reach_the_client(client, mocks) -> None:
+    """``tools`` and ``tool_choice`` reach the server (they were dropped: the model answered
+    in text), and its calls come back as calls, whole and streamed."""
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "call a tool"}]
+    expected = '{"words": "' + reference(tokenize(chat_template(messages)), 5).strip() + '"}'
+    whole = client.chat.completions.create(model="mockv", messages=messages, max_tokens=5, tools=tools,
+                                           tool_choice={"type": "function", "function": {"name": "lookup"}},
+                                           extra_body={"ignore_eos": True})
+    (call,) = whole.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("lookup", expected)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    stream = client.chat.completions.create(model="mockv", messages=messages, max_tokens=5, tools=tools,
+                                            tool_choice="required", stream=True, extra_body={"ignore_eos": True})
+    pieces = [d for c in stream if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    assert pieces[0].function.name == "lookup" and pieces[0].id
+    assert "".join(p.function.arguments or "" for p in pieces) == expected
+    bodies = [b for m in mocks["vllm"] for b in received(m) if b.get("messages") == messages]
+    assert [b["tool_choice"] for b in bodies] == [{"type": "function", "function": {"name": "lookup"}}, "required"]
+    assert all(b["tools"] == tools for b in bodies)
