@@ -194,11 +194,15 @@ class EngineServer:
             body["min_p"] = request.min_p
         if request.logit_bias:
             body["logit_bias"] = request.logit_bias
-        if request.structured is not None:
+        # A prefill hop makes one token for its KV: the tools stay (they are in the prompt,
+        # which both hops must share), the constraints on its answer go (a one-token answer
+        # cannot be a call, nor the schema's JSON, and some servers refuse such an answer).
+        prefill_hop = bool((request.kv_transfer_params or {}).get("do_remote_decode"))
+        if request.structured is not None and not prefill_hop:
             body["response_format"] = _response_format(request.structured)
         if chat and request.tools:
             body["tools"] = request.tools
-            body["tool_choice"] = _tool_choice(request.tool_mode)
+            body["tool_choice"] = "none" if prefill_hop else _tool_choice(request.tool_mode)
             if not request.parallel_tool_calls:
                 body["parallel_tool_calls"] = False
         return body
@@ -239,9 +243,11 @@ class EngineServer:
             raise Conflict("a stream that may call tools cannot continue exactly on an OpenAI-compatible "
                            "server", code="resume_unsupported")
         if request.messages is not None:
-            tokenized = await self._post_json("/tokenize", {"model": self.model, "messages": request.messages,
-                                                            "add_generation_prompt": True})
-            prompt_ids = tokenized["tokens"]
+            # The prompt the first server had: its chat template saw the tools (with "none" too).
+            asked: dict[str, Any] = {"model": self.model, "messages": request.messages, "add_generation_prompt": True}
+            if request.tools:
+                asked["tools"] = request.tools
+            prompt_ids = (await self._post_json("/tokenize", asked))["tokens"]
         elif request.prompt_token_ids is not None:
             prompt_ids = request.prompt_token_ids
         else:

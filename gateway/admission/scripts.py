@@ -106,11 +106,12 @@ in the same script: routing costs no Redis call on the request's path beyond ACQ
 Large fleets. Reading every worker of the model at every request made admission's cost in
 Redis grow with the fleet: 2.6 ms of script time per request at 1,024 workers (one Redis then
 admits a few hundred requests a second for the whole fleet), 0.7 ms at 256, against 0.16 at 16
-(loadtest/admission_cost.py). A model with more than 4 x ``d`` live workers (``d``:
+(loadtest/admission_cost.py). A model with more than 4 x ``d`` registered workers (``d``:
 ``route_sample``, 8 by default) routes a request that finds nobody waiting, and needs one slot
 of plain generation (no exclusions, session, adapter or role) by least load or by cache, among
 ``d`` workers drawn at random (``HRANDFIELD``) plus the workers the prefix index names for its
-prompt, each hash read for those ids alone (``HMGET``). This is the "power of d choices": the
+prompt, each hash read for those ids alone (``HMGET``; workers that do not generate, such
+as embedding workers, are left out of the sample). This is the "power of d choices": the
 least loaded of a few random workers keeps the fleet's load nearly as even as the least loaded
 of all, and cache routing still sees every holder of the prompt's prefix. What changes: least
 and cache compare the sample, not the fleet (the hot-spot guard's coolest worker and the mean
@@ -242,8 +243,8 @@ local function live_workers()
   return out
 end
 
--- A sample of the live workers for a large fleet (see "Large fleets" above): `d` drawn at
--- random, and the workers `matched` names (those the prefix index says hold the prompt's
+-- A sample of the live workers that generate, for a large fleet (see "Large fleets" above):
+-- `d` drawn at random, and the workers `matched` names (those the prefix index says hold the prompt's
 -- first blocks), read with one call per hash for just those ids. Nil if this Redis has no
 -- HRANDFIELD (before 6.2): the caller reads the whole fleet.
 local function sampled_workers(d, matched)
@@ -269,7 +270,8 @@ local function sampled_workers(d, matched)
   for i, id in ipairs(ids) do
     if beats[i] and tonumber(beats[i]) >= now then  -- the dead are left to REAP's full scan to tidy
       local f = facts[i] or redis.call('HGET', K_WORKERS, id)
-      if f then out[#out + 1] = entry_of(id, f, tonumber(inflight[i]) or 0, tonumber(prefill[i]) or 0) end
+      local w = f and entry_of(id, f, tonumber(inflight[i]) or 0, tonumber(prefill[i]) or 0)
+      if w and w.serves.generate then out[#out + 1] = w end  -- (an embedding worker's is no sample)
     end
   end
   return out
@@ -777,7 +779,7 @@ end
 -- for a request granted at once).
 local direct_blocks = ARGV[17] == 'cache' and cjson.decode(ARGV[16]) or nil
 
--- A large fleet (more than 4 x ARGV[29] live workers), nobody waiting, one slot of plain
+-- A large fleet (more than 4 x ARGV[29] registered workers), nobody waiting, one slot of plain
 -- generation by least load or by cache: chosen among a sample (see "Large fleets" above),
 -- granted and charged as below. A sample with no room leaves the choice to the whole fleet.
 local d = tonumber(ARGV[29]) or 0

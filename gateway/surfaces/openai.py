@@ -451,7 +451,8 @@ class ToolCallAssembler:
             )
             call["id"] = delta.get("id") or call["id"]
             function = delta.get("function") or {}
-            call["function"]["name"] += function.get("name") or ""
+            # A name comes whole, once (some servers repeat it in every delta of a call).
+            call["function"]["name"] = call["function"]["name"] or function.get("name") or ""
             call["function"]["arguments"] += function.get("arguments") or ""
 
     def calls(self) -> list[dict[str, Any]]:

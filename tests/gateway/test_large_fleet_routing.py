@@ -80,3 +80,16 @@ async def test_with_no_sample_the_whole_fleet_is_read(fleet: Fleet) -> None:
     assert len({lease.worker_id for lease in leases}) == WORKERS
     for lease in leases:
         await gw.release(lease)
+
+
+async def test_the_sample_leaves_out_workers_that_do_not_generate(fleet: Fleet) -> None:
+    """Regression (review): the sample skipped the task check, so a chat request on a large
+    fleet of embedding workers and one generating worker went to an embedding worker."""
+    for i in range(WORKERS):
+        await fleet.worker(capacity=4, worker_id=f"e{i:03d}", tasks=("embed",))
+    generator = await fleet.worker(capacity=4, worker_id="gen")
+    gw = await fleet.gateway(routing="least")
+    for _ in range(10):
+        (lease,) = await gw.acquire(fleet.ask())
+        assert lease.worker_id == generator
+        await gw.release(lease)
