@@ -93,3 +93,24 @@ async def test_the_sample_leaves_out_workers_that_do_not_generate(fleet: Fleet) 
         (lease,) = await gw.acquire(fleet.ask())
         assert lease.worker_id == generator
         await gw.release(lease)
+
+
+async def test_the_sample_leaves_out_workers_whose_heartbeat_stopped(fleet: Fleet) -> None:
+    """Two thirds of a large fleet stop beating: every slot granted is a live worker's, the
+    dead ones drawn into samples are passed over (and tidied by the whole fleet's scan)."""
+    ids = await _workers(fleet, capacity=2)
+    dead, live = ids[:40], ids[40:]
+    alive_key = keys.admission(fleet.model)[1]
+    for worker_id in dead:
+        await fleet.redis.hset(alive_key, worker_id, 0)  # type: ignore[attr-defined]  # its beat expired long ago
+    gw = await fleet.gateway(routing="least", queue_timeout_s=0.2)
+    leases = [lease for _ in range(2 * len(live)) for lease in await gw.acquire(fleet.ask())]
+    assert Counter(lease.worker_id for lease in leases) == dict.fromkeys(live, 2)
+    try:
+        await gw.acquire(fleet.ask())
+        raise AssertionError("a slot of a dead worker was granted")
+    except Exception as exc:
+        assert getattr(exc, "code", "") == "queue_timeout", exc
+    assert not {k.decode() for k in await fleet.redis.hkeys(alive_key)} & set(dead)  # type: ignore[attr-defined]
+    for lease in leases:
+        await gw.release(lease)
