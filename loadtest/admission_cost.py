@@ -20,6 +20,10 @@ the parsing) and the commands the scripts ran, which do not swing at all.
 request by request in turn with this one on one Redis, each script call timed by Redis
 (its JSON and chart give the scripts' time per request).
 
+``--saturated``: the fleet full instead (one slot per worker, every one taken, 16 requests
+always waiting): each request queues in ACQUIRE and is granted by a RELEASE's pump, the paths
+that still read the whole fleet (gateway/admission/scripts.py, "Large fleets").
+
 ``--baseline DIR``: a checkout of another commit (``git worktree add /tmp/before <commit>``),
 measured in the same run in turn with this one, level by level. ``--repeat N``: N rounds of
 that; the table gives medians (this 2-core machine's speed can swing by half within minutes).
@@ -50,7 +54,7 @@ def redis_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def fleet(redis: Any, routing: str, workers: int) -> Callable[[int], Any]:
+async def fleet(redis: Any, routing: str, workers: int, capacity: int = 64) -> Callable[[int], Any]:
     """``workers`` registered workers of a new model; returns its request ``i``'s ask (cache
     routing: 16 prompt blocks from one of 64 prefixes)."""
     from engine_worker.registration import Registration
@@ -59,7 +63,7 @@ async def fleet(redis: Any, routing: str, workers: int) -> Callable[[int], Any]:
     model = "m" + uuid.uuid4().hex[:8]
     for i in range(workers):
         await Registration(redis, model=model, worker_id=f"w{i:04d}", url="http://127.0.0.1:9", engine="sim",
-                           capacity=64, heartbeat_ms=60_000, stats=lambda: {"running": 0}).beat()
+                           capacity=capacity, heartbeat_ms=60_000, stats=lambda: {"running": 0}).beat()
     prefixes = [[uuid.uuid4().hex[:16] for _ in range(16)] for _ in range(64)]
 
     def ask(i: int) -> Ask:
@@ -81,8 +85,25 @@ async def admit(gateways: list[Any], ask: Callable[[int], Any], requests: int) -
     await asyncio.gather(*(client(i) for i in range(16)))
 
 
-async def measure(url: str, routing: str, workers: int, requests: int) -> dict[str, float]:
-    """One level, from the code on ``sys.path`` (this checkout's or the baseline's)."""
+async def admit_saturated(gateway: Any, ask: Callable[[int], Any], slots: int, requests: int) -> None:
+    """``requests`` acquire + release pairs on a fleet of ``slots`` slots, every one taken:
+    ``slots`` + 16 clients in closed loops, so 16 always wait, every acquire queues and every
+    release hands its slot to a waiting one (the queue's paths)."""
+    done = 0
+
+    async def client(i: int) -> None:
+        nonlocal done
+        while done < requests:
+            (lease,) = await gateway.acquire(ask(i))
+            await gateway.release(lease)
+            done += 1
+
+    await asyncio.gather(*(client(i) for i in range(slots + 16)))
+
+
+async def measure(url: str, routing: str, workers: int, requests: int, saturated: bool = False) -> dict[str, float]:
+    """One level, from the code on ``sys.path`` (this checkout's or the baseline's).
+    ``saturated``: one slot per worker, every one taken, requests waiting (:func:`admit_saturated`)."""
     from redis.asyncio import Redis
 
     from gateway.admission.queue import Admission
@@ -90,15 +111,18 @@ async def measure(url: str, routing: str, workers: int, requests: int) -> dict[s
 
     redis = Redis.from_url(url)
     pid = int((await redis.info("server"))["process_id"])
-    ask = await fleet(redis, routing, workers)
-    gateway = Admission(redis, GatewaySettings(redis_url=url, routing=routing))
+    ask = await fleet(redis, routing, workers, capacity=1 if saturated else 64)
+    gateway = Admission(redis, GatewaySettings(redis_url=url, routing=routing, queue_timeout_s=60, max_queue=100_000))
     await gateway.start()
     # A fleet in use: some slots held by streams that run on.
-    held = [lease for i in range(min(32, workers * 8)) for lease in await gateway.acquire(ask(i))]
+    held = [] if saturated else [lease for i in range(min(32, workers * 8)) for lease in await gateway.acquire(ask(i))]
 
     await redis.config_resetstat()
     cpu0, t0 = redis_cpu_s(pid), time.perf_counter()
-    await admit([gateway], ask, requests)
+    if saturated:
+        await admit_saturated(gateway, ask, workers, requests)
+    else:
+        await admit([gateway], ask, requests)
     wall, cpu = time.perf_counter() - t0, redis_cpu_s(pid) - cpu0
     stats = await redis.info("commandstats")
     for lease in held:
@@ -166,7 +190,7 @@ async def interleaved(url: str, routing: str, workers: int, requests: int, other
 def child(args: argparse.Namespace) -> None:
     """Run one level with the code under ``--root`` and print its figures as JSON."""
     sys.path.insert(0, args.root)
-    print(json.dumps(asyncio.run(measure(args.url, args.routing, args.workers, args.requests))))
+    print(json.dumps(asyncio.run(measure(args.url, args.routing, args.workers, args.requests, args.saturated))))
 
 
 def main() -> None:
@@ -181,6 +205,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1,
                         help="rounds, each checkout in turn within a round; the table gives medians")
     parser.add_argument("--out", default=str(HERE / "admission_cost"), help="output path without extension")
+    parser.add_argument("--saturated", action="store_true",
+                        help="every slot taken and requests waiting (one slot per worker, 16 clients more than "
+                             "slots): the queue's paths, not a request granted at once (not with --scripts-of)")
     parser.add_argument("--root", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--routing", help=argparse.SUPPRESS)
@@ -221,7 +248,8 @@ def main() -> None:
                     for code, root in codes.items():
                         out = subprocess.run(
                             [sys.executable, __file__, "--root", root, "--url", server.url, "--routing", routing,
-                             "--workers", str(workers), "--requests", str(args.requests)],
+                             "--workers", str(workers), "--requests", str(args.requests),
+                             *(["--saturated"] if args.saturated else [])],
                             check=True, capture_output=True, text=True).stdout
                         row = {"code": code, "routing": routing, "workers": workers, **json.loads(out.splitlines()[-1])}
                         rows.append(row)
