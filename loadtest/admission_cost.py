@@ -20,9 +20,10 @@ the parsing) and the commands the scripts ran, which do not swing at all.
 request by request in turn with this one on one Redis, each script call timed by Redis
 (its JSON and chart give the scripts' time per request).
 
-``--saturated``: the fleet full instead (one slot per worker, every one taken, 16 requests
-always waiting): each request queues in ACQUIRE and is granted by a RELEASE's pump, the paths
-that still read the whole fleet (gateway/admission/scripts.py, "Large fleets").
+``--saturated``: the fleet full instead (one slot per worker, all but one held, 16 clients
+in closed loops taking turns at that one): each request queues in ACQUIRE and is granted by
+a RELEASE's pump, the paths that still read the whole fleet (gateway/admission/scripts.py,
+"Large fleets").
 
 ``--baseline DIR``: a checkout of another commit (``git worktree add /tmp/before <commit>``),
 measured in the same run in turn with this one, level by level. ``--repeat N``: N rounds of
@@ -85,10 +86,10 @@ async def admit(gateways: list[Any], ask: Callable[[int], Any], requests: int) -
     await asyncio.gather(*(client(i) for i in range(16)))
 
 
-async def admit_saturated(gateway: Any, ask: Callable[[int], Any], slots: int, requests: int) -> None:
-    """``requests`` acquire + release pairs on a fleet of ``slots`` slots, every one taken:
-    ``slots`` + 16 clients in closed loops, so 16 always wait, every acquire queues and every
-    release hands its slot to a waiting one (the queue's paths)."""
+async def admit_saturated(gateway: Any, ask: Callable[[int], Any], requests: int, free_one: Any) -> None:
+    """``requests`` acquire + release pairs on a full fleet: 16 clients in closed loops
+    queue for the one slot ``free_one`` (a coroutine) frees, so every acquire queues and
+    every release hands the slot to a waiting client (the queue's paths)."""
     done = 0
 
     async def client(i: int) -> None:
@@ -98,7 +99,10 @@ async def admit_saturated(gateway: Any, ask: Callable[[int], Any], slots: int, r
             await gateway.release(lease)
             done += 1
 
-    await asyncio.gather(*(client(i) for i in range(slots + 16)))
+    clients = [asyncio.create_task(client(i)) for i in range(16)]
+    await asyncio.sleep(0.2)  # all of them queued
+    await free_one
+    await asyncio.gather(*clients)
 
 
 async def measure(url: str, routing: str, workers: int, requests: int, saturated: bool = False) -> dict[str, float]:
@@ -114,13 +118,13 @@ async def measure(url: str, routing: str, workers: int, requests: int, saturated
     ask = await fleet(redis, routing, workers, capacity=1 if saturated else 64)
     gateway = Admission(redis, GatewaySettings(redis_url=url, routing=routing, queue_timeout_s=60, max_queue=100_000))
     await gateway.start()
-    # A fleet in use: some slots held by streams that run on.
-    held = [] if saturated else [lease for i in range(min(32, workers * 8)) for lease in await gateway.acquire(ask(i))]
+    # A fleet in use: some slots held by streams that run on (saturated: every slot).
+    held = [lease for i in range(workers if saturated else min(32, workers * 8)) for lease in await gateway.acquire(ask(i))]
 
     await redis.config_resetstat()
     cpu0, t0 = redis_cpu_s(pid), time.perf_counter()
     if saturated:
-        await admit_saturated(gateway, ask, workers, requests)
+        await admit_saturated(gateway, ask, requests, gateway.release(held.pop()))
     else:
         await admit([gateway], ask, requests)
     wall, cpu = time.perf_counter() - t0, redis_cpu_s(pid) - cpu0
