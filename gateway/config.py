@@ -111,11 +111,12 @@ class GatewaySettings(RedisSettings):
     #: closed loop sends every user back to the worker it left (gateway/admission/scripts.py);
     #: kept to measure. 3, measured with the weight above (1 before, with slots alone).
     route_least_spread: float = Field(default=3.0, ge=0)
-    #: A model with more than 4x this many live workers: a request that finds nobody waiting
-    #: is routed (least, cache) among this many workers drawn at random plus those the prefix
-    #: index names for its prompt, read alone, not the whole fleet; the whole fleet when none
-    #: of them has room (gateway/admission/scripts.py, "Large fleets"). 0: always the whole
-    #: fleet. Admission's cost in Redis then stops growing with the fleet (loadtest/admission_cost.py).
+    #: A model with more than 4x this many registered workers: a plain request is routed
+    #: (least, cache) among this many workers drawn at random plus those the prefix index
+    #: names for its prompt, read alone, not the whole fleet (the whole fleet when none of
+    #: them has room and nobody waits); with requests waiting, the queue's pump looks at such
+    #: a sample too (gateway/admission/scripts.py, "Large fleets"). 0: always the whole fleet.
+    #: Admission's cost in Redis then stops growing with the fleet (loadtest/admission_cost.py).
     route_sample: int = Field(default=8, ge=0, le=1024)
     #: Cache routing's index (``SLUICE_PREFIX_INDEX``, shared with the workers): ``approx``
     #: names blocks of 64 words and learns from routing and ``cached_tokens``; ``precise``

@@ -573,7 +573,7 @@ class Admission:
         ``usage``: its generation's real usage, which corrects what its grant charged to the
         tenant's fair share, before the slot goes to the next request."""
         self._active.pop(lease.lease_id, None)
-        args = self._args(lease.lease_id)
+        args = self._args(lease.lease_id, self._s.route_sample)
         if usage is not None and lease.charge is not None:
             args += [lease.charge.tenant, 1 if lease.charge.urgent else 2, lease.charge.correction(usage)]
         try:

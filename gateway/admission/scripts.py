@@ -115,9 +115,14 @@ as embedding workers, are left out of the sample). This is the "power of d choic
 least loaded of a few random workers keeps the fleet's load nearly as even as the least loaded
 of all, and cache routing still sees every holder of the prompt's prefix. What changes: least
 and cache compare the sample, not the fleet (the hot-spot guard's coolest worker and the mean
-capacity are the sample's). A sample with no room, anything that waits, ``rr`` (a turn over
-every worker) and everything else read the whole fleet as before, as does a Redis without
-``HRANDFIELD`` (before 6.2).
+capacity are the sample's). A sample with no room, ``rr`` (a turn over every worker) and
+everything else read the whole fleet as before, as does a Redis without ``HRANDFIELD``
+(before 6.2). A full fleet is sampled too: such a request that finds others waiting joins
+them and the pump looks at a sample, and a release hands its slot on through a sample with
+its worker in it (a saturated 1,024-worker model cost Redis 9 ms a request there). A pump
+that sees part of the fleet (``partial``) grants from what it sees, but never decides that no
+worker can serve an entry (REAP's pump, which reads the whole fleet once a second, does) and
+never lets a request into the urgent reserve by the fleet's room, which it cannot know.
 
 Sessions (:mod:`gateway.admission.affinity`): a request naming a session goes to the first
 worker of the session's rendezvous rank within a load bound (``bounded``), or cache routing
@@ -143,6 +148,9 @@ local lease_ttl, gw_ttl = tonumber(ARGV[2]), tonumber(ARGV[3])
 local reserve, urgent_max, step = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+-- The pump sees part of the fleet (a large fleet's queue paths, see "Large fleets"): it may
+-- grant from what it sees, never decide from it that no worker can serve an entry.
+local partial = false
 
 -- The calling gateway is alive (it is running this script) -- recorded only where the model
 -- has workers or waiters: a client naming a model nobody serves creates no key. Only a
@@ -243,24 +251,8 @@ local function live_workers()
   return out
 end
 
--- A sample of the live workers that generate, for a large fleet (see "Large fleets" above):
--- `d` drawn at random, and the workers `matched` names (those the prefix index says hold the prompt's
--- first blocks), read with one call per hash for just those ids. Nil if this Redis has no
--- HRANDFIELD (before 6.2): the caller reads the whole fleet.
-local function sampled_workers(d, matched)
-  local drawn = redis.pcall('HRANDFIELD', K_ALIVE, d)
-  if type(drawn) ~= 'table' or drawn.err then return nil end
-  local ids, seen = {}, {}
-  for _, id in ipairs(drawn) do
-    seen[id] = true
-    ids[#ids + 1] = id
-  end
-  for id in pairs(matched) do
-    if not seen[id] then
-      seen[id] = true
-      ids[#ids + 1] = id
-    end
-  end
+-- The entries of the live workers among `ids` that generate, each hash read for those ids alone.
+local function entries_of(ids)
   if #ids == 0 then return {} end
   local beats = redis.call('HMGET', K_ALIVE, unpack(ids))
   local facts = redis.call('HMGET', K_ROUTING, unpack(ids))
@@ -275,6 +267,27 @@ local function sampled_workers(d, matched)
     end
   end
   return out
+end
+
+-- A sample of the live workers that generate, for a large fleet (see "Large fleets" above):
+-- `d` drawn at random, the workers `also` names (the prefix index's holders of the prompt's
+-- first blocks, a release's freed worker) and their entries. Nil if this Redis has no
+-- HRANDFIELD (before 6.2): the caller reads the whole fleet.
+local function sampled_workers(d, also)
+  local drawn = redis.pcall('HRANDFIELD', K_ALIVE, d)
+  if type(drawn) ~= 'table' or drawn.err then return nil end
+  local ids, seen = {}, {}
+  for _, id in ipairs(drawn) do
+    seen[id] = true
+    ids[#ids + 1] = id
+  end
+  for id in pairs(also) do
+    if not seen[id] then
+      seen[id] = true
+      ids[#ids + 1] = id
+    end
+  end
+  return entries_of(ids)
 end
 
 -- The workers a request may not use: those that already failed it (`exclude`), those
@@ -322,6 +335,7 @@ end
 -- make ungrantable for as long as urgent traffic lasts.
 local function may_fill(ws, excluded, priority, need)
   if is_urgent(priority) or not urgent_seen() then return true end
+  if partial then return false end  -- the fleet's room is unknown: the reserve holds
   local room = 0
   for _, w in ipairs(ws) do
     if not excluded[w.id] then room = room + unreserved(w) end
@@ -603,7 +617,10 @@ end
 local function verdict(ws, meta, held)
   local excluded = adapter_unfit(ws, exclusions(ws, meta.exclude, meta.task, meta.role), meta.adapter)
   if (tonumber(meta.deadline) or 0) < now or not gateway_alive(meta.gw or '') then return 'drop', excluded end
-  if not serviceable(ws, excluded, tonumber(meta.need) or 1) then return 'none', excluded end
+  if not serviceable(ws, excluded, tonumber(meta.need) or 1) then
+    if partial then return nil, excluded end  -- another worker may serve it: REAP's full pump decides
+    return 'none', excluded
+  end
   local closed = excluded
   if held and next(held) ~= nil then
     closed = {}
@@ -709,7 +726,7 @@ local function prefill_done(lease, w)
 end
 
 -- Give a lease's slot (and what is left of its pending prefill) back.
--- Returns 1 if the lease existed.
+-- Returns 1 and its worker if the lease existed, else 0.
 local function free_lease(lease)
   redis.call('ZREM', K_LEASES, lease)
   local w = redis.call('HGET', K_OWNER, lease)
@@ -718,7 +735,7 @@ local function free_lease(lease)
   redis.call('HDEL', K_OWNER, lease)
   -- never below 0 (a count the reaper's recount set lower meanwhile)
   if redis.call('HINCRBY', K_INFLIGHT, w, -1) < 0 then redis.call('HSET', K_INFLIGHT, w, 0) end
-  return 1
+  return 1, w
 end
 
 local function queue_length()
@@ -779,55 +796,68 @@ end
 -- for a request granted at once).
 local direct_blocks = ARGV[17] == 'cache' and cjson.decode(ARGV[16]) or nil
 
--- A large fleet (more than 4 x ARGV[29] registered workers), nobody waiting, one slot of plain
--- generation by least load or by cache: chosen among a sample (see "Large fleets" above),
--- granted and charged as below. A sample with no room leaves the choice to the whole fleet.
+-- A large fleet (more than 4 x ARGV[29] registered workers), one slot of plain generation by
+-- least load or by cache (see "Large fleets" above): with nobody waiting, chosen among a
+-- sample and granted and charged as below (a sample with no room leaves the choice to the
+-- whole fleet); with requests waiting, it joins them, and the pump looks at the sample alone.
 local d = tonumber(ARGV[29]) or 0
+local ws = nil
 if d > 0 and need == 1 and #exclude == 0 and task == 'generate' and not adapter and not role
-    and not meta.session and ARGV[17] ~= 'rr' and redis.call('HLEN', K_ALIVE) > 4 * d
-    and redis.call('EXISTS', K_QURGENT, K_QNORMAL) == 0 then
+    and not meta.session and ARGV[17] ~= 'rr' and redis.call('HLEN', K_ALIVE) > 4 * d then
+  local waits = redis.call('EXISTS', K_QURGENT, K_QNORMAL) > 0
   local route = route_of(meta)
   route.blocks = direct_blocks
   route.matched = direct_blocks and prefix_matches(K_PREFIX, direct_blocks) or {}
   local sample = sampled_workers(d, route.matched)
-  local picks = sample and #sample > 0 and choose(sample, {}, priority, 1, route) or nil
-  if picks then
+  if sample and #sample > 0 then
+    if waits then
+      ws, partial = sample, true
+    else
+      local picks = choose(sample, {}, priority, 1, route)
+      if picks then
+        meta.blocks = direct_blocks
+        charge_direct(boost, priority, tenant, cost)
+        return {'granted', lease_all(picks, req, lease_ttl, meta)}
+      end
+    end
+  end
+end
+
+if partial then
+  local length = queue_length()
+  if not boost and length >= tonumber(ARGV[11]) then return {'full', length} end
+else
+  ws = live_workers()
+  if #ws == 0 then return {'none'} end
+  local excluded = adapter_unfit(ws, exclusions(ws, exclude, task, role), adapter)
+  local serving = false
+  for _, w in ipairs(ws) do serving = serving or w.serves[task] == true end
+  if not serving then return {'untasked'} end
+  -- Capacity alone decides whether `need` is valid: never the urgent reserve, which other
+  -- traffic switches on and off (the same n flipped between 400 and 200).
+  local room = 0
+  for _, w in ipairs(ws) do
+    if not excluded[w.id] then room = room + w.cap end
+  end
+  if room == 0 then return {'none'} end
+  if room < need then return {'too_big', room} end
+  local length = 0
+  if redis.call('EXISTS', K_QURGENT, K_QNORMAL) > 0 then length = queue_length() end  -- one call while none waits
+  -- Retries and migrations are never refused for length: they hold a client mid-request.
+  if not boost and length >= tonumber(ARGV[11]) then return {'full', length} end
+
+  -- Nobody waits: the queue's pump would take this request first and alone. Grant it here,
+  -- with the same fair-queuing charge as a grant from the queue, and skip the queue's
+  -- writes and reads (about half of this script's work for a request granted at once).
+  if length == 0 then
     meta.blocks = direct_blocks
-    charge_direct(boost, priority, tenant, cost)
-    return {'granted', lease_all(picks, req, lease_ttl, meta)}
+    local picks = choose(ws, excluded, priority, need, route_of(meta))
+    if picks ~= nil then
+      charge_direct(boost, priority, tenant, cost)
+      return {'granted', lease_all(picks, req, lease_ttl, meta)}
+    end
+    meta.blocks = nil
   end
-end
-
-local ws = live_workers()
-if #ws == 0 then return {'none'} end
-local excluded = adapter_unfit(ws, exclusions(ws, exclude, task, role), adapter)
-local serving = false
-for _, w in ipairs(ws) do serving = serving or w.serves[task] == true end
-if not serving then return {'untasked'} end
--- Capacity alone decides whether `need` is valid: never the urgent reserve, which other
--- traffic switches on and off (the same n flipped between 400 and 200).
-local room = 0
-for _, w in ipairs(ws) do
-  if not excluded[w.id] then room = room + w.cap end
-end
-if room == 0 then return {'none'} end
-if room < need then return {'too_big', room} end
-local length = 0
-if redis.call('EXISTS', K_QURGENT, K_QNORMAL) > 0 then length = queue_length() end  -- one call while none waits
--- Retries and migrations are never refused for length: they hold a client mid-request.
-if not boost and length >= tonumber(ARGV[11]) then return {'full', length} end
-
--- Nobody waits: the queue's pump would take this request first and alone. Grant it here,
--- with the same fair-queuing charge as a grant from the queue, and skip the queue's
--- writes and reads (about half of this script's work for a request granted at once).
-if length == 0 then
-  meta.blocks = direct_blocks
-  local picks = choose(ws, excluded, priority, need, route_of(meta))
-  if picks ~= nil then
-    charge_direct(boost, priority, tenant, cost)
-    return {'granted', lease_all(picks, req, lease_ttl, meta)}
-  end
-  meta.blocks = nil
 end
 """, r"""
 mark_alive()  -- it waits: the pump drops the entries of a gateway that stopped beating
@@ -863,11 +893,12 @@ local newest = redis.call('XREVRANGE', K_GRANTS, '+', '-', 'COUNT', 1)
 return {'queued', queue_length() - 1, newest[1] and newest[1][1] or '0-0'}
 """)
 
-#: ARGV 7 lease id; optionally 8 tenant, 9 the class its grant charged (1 urgent, 2 normal),
-#: 10 tokens its generation really used minus what its grant charged. Corrects the charge,
-#: frees the slot and hands it on to the queue. Returns 1 if the lease existed.
+#: ARGV 7 lease id, 8 the sample a large fleet's freed slot is handed on through (0: the whole
+#: fleet); optionally 9 tenant, 10 the class its grant charged (1 urgent, 2 normal), 11 tokens
+#: its generation really used minus what its grant charged. Corrects the charge, frees the
+#: slot and hands it on to the queue. Returns 1 if the lease existed.
 RELEASE = PRELUDE.script(r"""
-local freed = free_lease(ARGV[7])
+local freed, freed_on = free_lease(ARGV[7])
 -- The last 256 completions are what RETRY_AFTER reads; trimmed in steps of 32, not each time.
 if freed == 1 and redis.call('LPUSH', K_DONE, now) > 288 then redis.call('LTRIM', K_DONE, 0, 255) end
 -- Grants charge an estimate (gateway/admission/caps.py: queue_cost); the real usage replaces it
@@ -876,17 +907,25 @@ if freed == 1 and redis.call('LPUSH', K_DONE, now) > 288 then redis.call('LTRIM'
 -- With nobody waiting there is no head to re-score and no slot to hand on: the queue's keys
 -- and the workers need not be read (nor the queue's functions defined, below).
 local busy = waiting()
-if ARGV[8] then
-  local fkey = 'F:' .. ARGV[9] .. ':' .. ARGV[8]
-  local vf = redis.call('HMGET', K_FAIR, 'V:' .. ARGV[9], fkey)
+if ARGV[9] then
+  local fkey = 'F:' .. ARGV[10] .. ':' .. ARGV[9]
+  local vf = redis.call('HMGET', K_FAIR, 'V:' .. ARGV[10], fkey)
   local v, f = tonumber(vf[1] or '0'), tonumber(vf[2] or '0')
-  redis.call('HSET', K_FAIR, fkey, math.max(v, f + tonumber(ARGV[10])))
+  redis.call('HSET', K_FAIR, fkey, math.max(v, f + tonumber(ARGV[11])))
 end
 if not busy then return freed end
 """, r"""
-if ARGV[8] and ARGV[9] == '2' then refresh_head(ARGV[8]) end
+if ARGV[9] and ARGV[10] == '2' then refresh_head(ARGV[9]) end
 mark_alive()  -- as before every script did: a beat that runs late keeps a margin under load
-pump(live_workers(), nil)
+-- A large fleet's freed slot goes to the queue through a sample with its worker in it (see
+-- "Large fleets"); REAP's pump, once a second, still sees the whole fleet.
+local d = tonumber(ARGV[8]) or 0
+local ws = nil
+if freed_on and d > 0 and redis.call('HLEN', K_ALIVE) > 4 * d then
+  ws = sampled_workers(d, {[freed_on] = true})
+  partial = ws ~= nil and #ws > 0
+end
+pump(partial and ws or live_workers(), nil)
 return freed
 """)
 

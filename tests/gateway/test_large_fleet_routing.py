@@ -5,6 +5,7 @@ room. On a real Redis (single server and a three-master cluster)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 
 from sluice import keys
@@ -113,4 +114,48 @@ async def test_the_sample_leaves_out_workers_whose_heartbeat_stopped(fleet: Flee
         assert getattr(exc, "code", "") == "queue_timeout", exc
     assert not {k.decode() for k in await fleet.redis.hkeys(alive_key)} & set(dead)  # type: ignore[attr-defined]
     for lease in leases:
+        await gw.release(lease)
+
+
+async def _held_fleet(fleet: Fleet) -> tuple[object, list]:
+    """A large fleet of one slot per worker, every slot held."""
+    await _workers(fleet, capacity=1)
+    gw = await fleet.gateway(routing="least", queue_timeout_s=30, reap_interval_s=60)
+    return gw, [lease for _ in range(WORKERS) for lease in await gw.acquire(fleet.ask())]
+
+
+async def test_a_full_large_fleet_hands_each_freed_slot_to_the_queue_in_order(fleet: Fleet) -> None:
+    """Every slot held, ten requests waiting: each release hands its slot to the next one in
+    line, through a sample with the freed worker in it (the whole fleet is not read)."""
+    gw, held = await _held_fleet(fleet)
+    waiting = []
+    for k in range(10):
+        waiting.append(asyncio.create_task(gw.acquire(fleet.ask())))
+        await queue_tests._queued(fleet, k + 1)
+    for k in range(10):
+        freed = held.pop()
+        await gw.release(freed)
+        (lease,) = await asyncio.wait_for(waiting[k], 5)
+        assert lease.worker_id == freed.worker_id  # the only free slot
+        assert not any(w.done() for w in waiting[k + 1:])  # and only the next in line got it
+        held.append(lease)
+    for lease in held:
+        await gw.release(lease)
+
+
+async def test_a_partial_view_never_refuses_a_waiting_request(fleet: Fleet) -> None:
+    """A waiting request for twelve slots, on a full large fleet of one slot per worker: a
+    release's sample (9 workers) holds fewer slots than it needs, and from a part of the fleet
+    the pump cannot tell that no worker can serve it, so it waits (never 503 "none") until a
+    pump that sees the whole fleet grants it."""
+    gw, held = await _held_fleet(fleet)
+    many = asyncio.create_task(gw.acquire(fleet.ask(need=12)))
+    await queue_tests._queued(fleet, 1)
+    for _ in range(12):
+        await gw.release(held.pop())
+    await asyncio.sleep(0.1)
+    assert not many.done()  # no sample holds twelve free slots: it waits
+    await gw.reap_once()  # REAP's pump sees the whole fleet
+    assert len(await asyncio.wait_for(many, 5)) == 12
+    for lease in held + many.result():
         await gw.release(lease)

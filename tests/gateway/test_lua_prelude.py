@@ -67,7 +67,7 @@ def test_a_release_with_nobody_waiting_defines_three_functions_and_the_queue_pat
     common, busy = scripts.RELEASE.split("if not busy then return freed end")
     assert defined(common) == ["prefill_done", "free_lease", "waiting"]
     assert "pump" in defined(busy) and "live_workers" in defined(busy)
-    granted, queued = scripts.ACQUIRE.split("  meta.blocks = nil\nend\n")
+    granted, queued = scripts.ACQUIRE.split("    meta.blocks = nil\n  end\nend\n")
     assert "pump" not in defined(granted) and "pump" in defined(queued)
 
 
