@@ -120,9 +120,12 @@ everything else read the whole fleet as before, as does a Redis without ``HRANDF
 (before 6.2). A full fleet is sampled too: such a request that finds others waiting joins
 them and the pump looks at a sample, and a release hands its slot on through a sample with
 its worker in it (a saturated 1,024-worker model cost Redis 9 ms a request there). A pump
-that sees part of the fleet (``partial``) grants from what it sees, but never decides that no
-worker can serve an entry (REAP's pump, which reads the whole fleet once a second, does) and
-never lets a request into the urgent reserve by the fleet's room, which it cannot know.
+that sees part of the fleet (``partial``) grants a plain entry from what it sees; an entry it
+cannot serve, or one that is not plain (several slots, exclusions, a session, an adapter, a
+role, a task), is judged on the whole fleet, read then, so the queue stops, and entries keep
+their session's home and their adapter's holders, as with the whole fleet. A partial view
+never decides that no worker can serve an entry, nor lets one into the urgent reserve by the
+fleet's room, which it cannot know.
 
 Sessions (:mod:`gateway.admission.affinity`): a request naming a session goes to the first
 worker of the session's rendezvous rank within a load bound (``bounded``), or cache routing
@@ -653,11 +656,30 @@ local function pump(ws, direct, direct_blocks)
   local result = nil
   local free = 0
   for _, w in ipairs(ws) do free = free + math.max(0, w.cap - w.used) end
+  -- A sample (`partial`) judges a plain entry it can serve. An entry it cannot serve, or one
+  -- that is not plain (several slots, exclusions, a session, an adapter, a role, a task), is
+  -- judged on the whole fleet, read once, from then on: the queue stops or goes on as it would
+  -- have, the entry keeps its session's home and its adapter's holders, and the slots it
+  -- could use elsewhere are not left idle.
+  local function judged(meta, held)
+    local plain = (tonumber(meta.need) or 1) == 1 and #(meta.exclude or {}) == 0 and not meta.session
+                  and not meta.adapter and not meta.role and not meta.task
+    if partial and plain then
+      local v, excluded = verdict(ws, meta, held)
+      if v ~= nil or restricted(ws, excluded) then return v, excluded end
+    end
+    if partial then
+      ws, partial = live_workers(), false
+      free = 0
+      for _, w in ipairs(ws) do free = free + math.max(0, w.cap - w.used) end
+    end
+    return verdict(ws, meta, held)
+  end
   for _, req in ipairs(redis.call('ZRANGE', K_QURGENT, 0, 63)) do
     if free <= 0 then return result end
     local meta = cjson.decode(redis.call('HGET', K_META, req) or '{}')
     if req == direct then meta.blocks = direct_blocks end
-    local v, excluded = verdict(ws, meta)
+    local v, excluded = judged(meta)
     if v == nil then
       if not restricted(ws, excluded) then return result end
     else
@@ -691,7 +713,7 @@ local function pump(ws, direct, direct_blocks)
       meta = cjson.decode(redis.call('HGET', K_META, req) or '{}')
       meta.member = member
       if req == direct then meta.blocks = direct_blocks end
-      v, excluded = verdict(ws, meta, held)
+      v, excluded = judged(meta, held)
       if v == nil then
         if not restricted(ws, excluded) then return result end
         for _, w in ipairs(ws) do
@@ -923,7 +945,7 @@ local d = tonumber(ARGV[8]) or 0
 local ws = nil
 if freed_on and d > 0 and redis.call('HLEN', K_ALIVE) > 4 * d then
   ws = sampled_workers(d, {[freed_on] = true})
-  partial = ws ~= nil and #ws > 0
+  for _, w in ipairs(ws or {}) do partial = partial or w.id == freed_on end  -- (not an embedding worker's)
 end
 pump(partial and ws or live_workers(), nil)
 return freed
