@@ -126,7 +126,9 @@ def test_a_deadline_that_ends_the_queue_wait_is_a_504_not_a_queue_timeout(start_
     # second's grace) may answer first, while the queue lets go of its entry (a CI run, Cluster).
     message = resp.json()["error"]["message"]
     assert "waited for a slot of 'qdeadline'" in message or "deadline passed before it could be answered" in message
-    assert 0.7 < time.monotonic() - started < 3
+    # Well before the queue's 30 s, whatever the load (3.2 s in a CI run whose four shards,
+    # vLLM starting in one, held both cores: Cluster).
+    assert 0.7 < time.monotonic() - started < 6
     blocker.join(10)
 
 
