@@ -222,15 +222,20 @@ class EngineServer:
         if not self.token_ids:
             raise InvalidRequest(f"model {request.model!r} is served by a server that cannot count tokens "
                                  "(it has no /tokenize)", code="count_unsupported")
+        return len(await self._prompt_ids(request))
+
+    async def _prompt_ids(self, request: GenerateRequest) -> list[int]:
+        """The prompt's token ids as this server makes them: its ``/tokenize`` with its chat
+        template, which sees the tools too (with "none" as well), or the ids given."""
         if request.messages is not None:
             body: dict[str, Any] = {"model": self.model, "messages": request.messages, "add_generation_prompt": True}
             if request.tools:
                 body["tools"] = request.tools
         elif request.prompt_token_ids is not None:
-            return len(request.prompt_token_ids)
+            return list(request.prompt_token_ids)
         else:
             body = {"model": self.model, "prompt": request.prompt or ""}
-        return len((await self._post_json("/tokenize", body))["tokens"])
+        return [int(i) for i in (await self._post_json("/tokenize", body))["tokens"]]
 
     async def _resume_body(self, request: GenerateRequest) -> tuple[str, dict[str, Any], str]:
         """A migrated stream: the server's own prompt ids + the ids already sent, as a token
@@ -242,18 +247,8 @@ class EngineServer:
             # It goes on as a token prompt to /v1/completions, where the server parses no tool calls.
             raise Conflict("a stream that may call tools cannot continue exactly on an OpenAI-compatible "
                            "server", code="resume_unsupported")
-        if request.messages is not None:
-            # The prompt the first server had: its chat template saw the tools (with "none" too).
-            asked: dict[str, Any] = {"model": self.model, "messages": request.messages, "add_generation_prompt": True}
-            if request.tools:
-                asked["tools"] = request.tools
-            prompt_ids = (await self._post_json("/tokenize", asked))["tokens"]
-        elif request.prompt_token_ids is not None:
-            prompt_ids = request.prompt_token_ids
-        else:
-            prompt_ids = (await self._post_json("/tokenize", {"model": self.model, "prompt": request.prompt or ""}))["tokens"]
         body = self._sampling(request, chat=False)
-        body["prompt"] = [int(i) for i in prompt_ids] + list(request.resume_token_ids)
+        body["prompt"] = await self._prompt_ids(request) + list(request.resume_token_ids)
         held = ""
         if request.resume_token_ids and request.resume_text_chars is not None:
             text = await self._post_json("/detokenize", {"model": self.model, "tokens": request.resume_token_ids})
