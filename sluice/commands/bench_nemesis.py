@@ -26,7 +26,7 @@ def main(args: argparse.Namespace) -> int:
     config = NemesisConfig(
         seed=args.seed, streams=args.requests or 5000, faults=args.nemesis_faults, duration_s=args.nemesis_duration_s,
         shape=SystemShape(topology=args.topology, gateways=args.nemesis_gateways, workers=args.nemesis_workers,
-                          slots=args.nemesis_slots),
+                          slots=args.nemesis_slots, gateway_env=_route_sample_env(args.nemesis_route_sample)),
         kinds=kinds, huge=args.nemesis_huge, json_path=Path(args.nemesis_json), plot_path=Path(args.nemesis_plot),
     )
     print(f"sluice bench --scenario nemesis: seed {config.seed}, {config.streams} requests and {config.faults} "
@@ -35,6 +35,13 @@ def main(args: argparse.Namespace) -> int:
     print(result.text(), flush=True)
     print(f"\nsummary: {config.json_path}; timeline: {config.plot_path}", flush=True)
     return 0 if result.ok else 1
+
+
+def _route_sample_env(sample: int | None) -> dict[str, str]:
+    """The gateways' ``route_sample``: a fleet of more than four times it is routed by a sample
+    (gateway/admission/scripts.py, "Large fleets"), so a small one puts the nemesis's few
+    workers on the paths a large fleet takes."""
+    return {} if sample is None else {"SLUICE_GATEWAY_ROUTE_SAMPLE": str(sample)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nemesis-workers", type=int, default=3, help="nemesis: sim workers")
     g.add_argument("--nemesis-slots", type=int, default=24,
                    help="nemesis: slots per sim worker (fewer: requests queue under the faults)")
+    g.add_argument("--nemesis-route-sample", type=int, default=None, metavar="N",
+                   help="nemesis: the gateways' SLUICE_GATEWAY_ROUTE_SAMPLE (default: the gateway's, 8). A fleet "
+                   "of more than 4*N workers is routed by a sample of N: with --nemesis-workers 5 or more, 1 runs "
+                   "the large-fleet admission paths under the faults")
     g.add_argument("--nemesis-huge", type=int, default=2,
                    help="nemesis: huge resumable streams (n=16, past the journal's event cap)")
     g.add_argument("--nemesis-json", default="loadtest/nemesis.json", help="nemesis: JSON summary path")
