@@ -71,6 +71,11 @@ HINT_S = 1.0
 
 #: The code of a 503 for a model the registry does not know while it is being rebuilt.
 REGISTRY_REBUILDING = "registry_rebuilding"
+#: Seconds the most slots a model's live workers held stay its capacity when fewer are live:
+#: a request too big for the live workers but not for that is a 503 to retry, not a 400
+#: (a worker restarting, stopped, or not yet beaten since Redis came back). A fleet scaled
+#: down for good answers 400 again after this.
+CAPACITY_KEPT_S = 300.0
 
 #: Models this process was granted slots of lately, remembered (bounded) so that a model whose
 #: workers Redis forgot is a 503 to retry rather than a 404.
@@ -297,10 +302,24 @@ class Admission:
             if status == "none":
                 raise await self._no_worker(model, bool(ask.exclude), ask.role, live)
             if status == "untasked":
+                if await self._rebuilding():
+                    raise Unavailable(
+                        f"no live worker of model '{model}' serves {ROUTES.get(ask.task, ask.task)} yet: Redis lost "
+                        "its data moments ago and workers are registering again", retry_after_s=2,
+                        code=REGISTRY_REBUILDING)
                 raise InvalidRequest(
                     f"no live worker of model '{model}' serves {ROUTES.get(ask.task, ask.task)}: task '{ask.task}' "
                     "is not served", param="model", code="task_not_served")
+            if status == "short":
+                raise Unavailable(
+                    f"this request needs {ask.need} generations at once; the live workers of '{model}' hold "
+                    f"{int(result[1])} now, {int(result[2])} lately (workers are missing)", retry_after_s=2)
             if status == "too_big":
+                if await self._rebuilding():
+                    raise Unavailable(
+                        f"this request needs {ask.need} generations at once; the live workers of '{model}' hold "
+                        f"{int(result[1])} now: Redis lost its data moments ago and workers are registering "
+                        "again", retry_after_s=2, code=REGISTRY_REBUILDING)
                 raise InvalidRequest(
                     f"this request needs {ask.need} generations at once; the live workers of '{model}' "
                     f"hold {int(result[1])}: lower n or send fewer prompts", param="n")
@@ -568,6 +587,13 @@ class Admission:
                                "workers are registering again", retry_after_s=2, code=REGISTRY_REBUILDING)
         return ModelNotFound(f"The model '{model}' does not exist", param="model")
 
+    async def _rebuilding(self) -> bool:
+        """Whether Redis lost its data moments ago (sluice/directory.py), so the registry may
+        lack workers that have not beaten since. Unlike :meth:`missing_model`, a young registry
+        nobody marked as following a loss counts as whole: what it lacks is 400 at once."""
+        epoch = await self._watch_epoch()
+        return (epoch.after_loss and epoch.rebuilding) or self._since_loss_s() < keys.REGISTRY_REBUILD_S
+
     async def release(self, lease: Lease, usage: Mapping[str, Any] | None = None) -> None:
         """Give the slot back; with Redis unreachable the lease simply expires and is reaped.
         ``usage``: its generation's real usage, which corrects what its grant charged to the
@@ -670,7 +696,8 @@ class Admission:
                                 len(lost), ", ".join(x.decode() for x in lost[:5]))
 
     async def _reap_model(self, model: str, reconcile: bool) -> tuple[int, int]:
-        expired, corrections = await self._reap(keys=keys.admission(model), args=self._args(int(reconcile)))
+        expired, corrections = await self._reap(keys=keys.admission(model),
+                                                args=self._args(int(reconcile), int(CAPACITY_KEPT_S * 1000)))
         return int(expired), int(corrections)
 
     async def reap_once(self, reconcile: bool | None = None) -> int:

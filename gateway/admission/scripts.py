@@ -228,6 +228,13 @@ local function entry_of(id, f, used, pending)
   return record_entry(id, f, used, pending)
 end
 
+-- The slots of workers `ws` together, whatever their task.
+local function live_room(ws)
+  local room = 0
+  for _, w in ipairs(ws) do room = room + w.cap end
+  return room
+end
+
 local function live_workers()
   local alive = redis.call('HGETALL', K_ALIVE)
   local prefill, inflight, facts = counts(K_PREFILL), counts(K_INFLIGHT), fields(K_ROUTING)
@@ -789,6 +796,7 @@ PRELUDE = Prelude(_PRELUDE)
 #: Returns {'granted', leases JSON [[lease, worker, url, matched blocks, prefill blocks], ...]}
 #: | {'queued', position, the grant stream's last id (its grant can only come after it)}
 #: | {'full', length} | {'none'} | {'too_big', slots of the live workers it may use}
+#: | {'short', the same, the most slots the live workers held lately (REAP's; more than now)}
 #: | {'untasked'} (live workers, none of which serves the task).
 ACQUIRE = PRELUDE.script(r"""
 local req, priority, need = ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9])
@@ -862,7 +870,13 @@ else
     if not excluded[w.id] then room = room + w.cap end
   end
   if room == 0 then return {'none'} end
-  if room < need then return {'too_big', room} end
+  if room < need then
+    -- Too big for the fleet, or for the part of it that is live this moment (a worker
+    -- stopped, restarting, or not beaten since Redis came back): the second is a 503 to retry.
+    local lately = tonumber(redis.call('HGET', K_FAIR, 'cap') or '0')
+    if need <= lately and live_room(ws) < lately then return {'short', room, lately} end
+    return {'too_big', room}
+  end
   local length = 0
   if redis.call('EXISTS', K_QURGENT, K_QNORMAL) > 0 then length = queue_length() end  -- one call while none waits
   -- Retries and migrations are never refused for length: they hold a client mid-request.
@@ -984,9 +998,10 @@ if #out == 0 then return {'gone'} end
 return {'granted', cjson.encode(out)}
 """)
 
-#: ARGV 7 1 to recount ``inflight`` and the pending prefill from the leases. Reclaims
-#: leases whose holder stopped renewing them (a dead gateway), forgets long-dead gateways,
-#: then pumps. Returns {leases reclaimed, counter corrections}.
+#: ARGV 7 1 to recount ``inflight`` and the pending prefill from the leases, 8 how long (ms)
+#: the most slots the live workers held is kept once fewer are live. Reclaims leases whose
+#: holder stopped renewing them (a dead gateway), forgets long-dead gateways, notes the live
+#: workers' slots, then pumps. Returns {leases reclaimed, counter corrections}.
 REAP = PRELUDE.script(r"""
 local expired = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, 256)
 for _, lease in ipairs(expired) do free_lease(lease) end
@@ -1054,7 +1069,14 @@ end
 for id in pairs(facts) do
   if not alive[id] then redis.call('HDEL', K_ROUTING, id) end
 end
-pump(live_workers(), nil)
+local ws = live_workers()
+-- The most slots the live workers held lately (ACQUIRE's 'short'): the current room where it
+-- is at least that, or where that is older than ARGV[8] ms (a fleet scaled down for good).
+local room, lately = live_room(ws), redis.call('HMGET', K_FAIR, 'cap', 'cap:at')
+if room >= tonumber(lately[1] or '0') or tonumber(lately[2] or '0') < now - tonumber(ARGV[8]) then
+  redis.call('HSET', K_FAIR, 'cap', room, 'cap:at', now)
+end
+pump(ws, nil)
 return {#expired, corrections}
 """)
 

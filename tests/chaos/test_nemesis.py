@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from sluice.nemesis.run import NemesisConfig, run_nemesis
+from sluice.nemesis.run import NemesisConfig, NemesisResult, run_nemesis
+from sluice.nemesis.system import SystemShape
 
 pytestmark = pytest.mark.chaos
 
@@ -26,12 +27,30 @@ SEED = 7
 
 @pytest.mark.timeout(420)
 async def test_nemesis_short_run_has_no_forbidden_outcome(tmp_path: Path) -> None:
-    config = NemesisConfig(seed=SEED, streams=320, faults=32, duration_s=60.0, huge=1,
+    _check(await _run(tmp_path, SystemShape()))
+
+
+@pytest.mark.timeout(420)
+async def test_nemesis_on_a_large_fleets_sampled_admission_has_no_forbidden_outcome(tmp_path: Path) -> None:
+    """The same run with the admission paths of a large fleet: five workers and a route
+    sample of one (a fleet of more than four samples' worth is sampled), few slots so that
+    requests queue and the sampled pump hands them on (gateway/admission/scripts.py, "Large
+    fleets"). A worker killed leaves four, the whole-fleet paths, until REAP or its restart."""
+    shape = SystemShape(workers=5, slots=8, gateway_env={"SLUICE_GATEWAY_ROUTE_SAMPLE": "1"})
+    _check(await _run(tmp_path, shape))
+
+
+async def _run(tmp_path: Path, shape: SystemShape) -> NemesisResult:
+    config = NemesisConfig(seed=SEED, streams=320, faults=32, duration_s=60.0, huge=1, shape=shape,
                            json_path=tmp_path / "nemesis.json", plot_path=tmp_path / "nemesis.png",
                            logs=tmp_path / "logs")
     config.logs.mkdir()  # type: ignore[union-attr]
     result = await run_nemesis(config)
     print("\n" + result.text() + f"\nsummary: {config.json_path}")
+    return result
+
+
+def _check(result: NemesisResult) -> None:
     applied = result.summary["faults"]
     assert result.summary["requests"] >= 300
     assert applied["applied"] >= 30 and len(applied["kinds"]) >= 6, applied

@@ -528,6 +528,57 @@ async def test_whether_n_fits_does_not_depend_on_urgent_traffic(fleet: Fleet) ->
         await gw.acquire(fleet.ask(need=9))
 
 
+async def test_a_request_too_big_only_for_the_workers_live_now_is_a_503_to_retry(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression (the nemesis, 6 workers of 8 slots): a resumable stream's n=16 was told 400
+    "the live workers hold 8: lower n" while Redis came back from a restart and the other
+    workers had not beaten since; a client does not retry a 400. The most slots the live
+    workers held lately (REAP's) tell a fleet missing workers from one too small: 503 with
+    Retry-After, until that is older than CAPACITY_KEPT_S (a fleet scaled down for good)."""
+    from gateway.admission import queue
+
+    await fleet.worker(capacity=8)
+    await fleet.worker(capacity=8)
+    gw = await fleet.gateway(queue_timeout_s=5)
+    await gw.reap_once()
+    gone = fleet._workers[-1]
+    gone._registered = True  # as start() leaves it (these beat by hand)
+    await gone.deregister()  # one of the two is gone for now
+    with pytest.raises(Unavailable) as short:
+        await gw.acquire(fleet.ask(need=16))
+    assert short.value.retry_after_s and "16 lately" in short.value.message, short.value.message
+    with pytest.raises(InvalidRequest):
+        await gw.acquire(fleet.ask(need=17))  # more than the fleet ever held
+    monkeypatch.setattr(queue, "CAPACITY_KEPT_S", 0.0)
+    await asyncio.sleep(0.01)
+    await gw.reap_once()  # the fleet of one worker is the fleet now
+    with pytest.raises(InvalidRequest):
+        await gw.acquire(fleet.ask(need=16))
+
+
+async def test_a_request_too_big_for_a_registry_rebuilding_after_a_loss_is_a_503(private: Fleet) -> None:
+    """Regression: right after Redis lost its data, the first worker to beat again was the
+    whole fleet in the registry, and a request needing more than its slots got 400 (so did a
+    task whose workers had not beaten yet); now 503 registry_rebuilding, as an unknown model.
+    (A Redis of its own: the loss marks the registry rebuilding for every test on it.)"""
+    fleet = private
+    await fleet.worker(capacity=8)
+    await fleet.worker(capacity=8)
+    gw = await fleet.gateway(queue_timeout_s=5)
+    leases = await gw.acquire(fleet.ask(need=16))
+    for lease in leases:
+        await gw.release(lease)
+    await fleet.redis.flushall()  # type: ignore[attr-defined]
+    await fleet._workers[0].beat()  # one of the two has beaten since
+    with pytest.raises(Unavailable) as rebuilding:
+        await gw.acquire(fleet.ask(need=16))
+    assert rebuilding.value.code == "registry_rebuilding", rebuilding.value.message
+    with pytest.raises(Unavailable) as untasked:
+        await gw.acquire(fleet.ask(task="embed"))
+    assert untasked.value.code == "registry_rebuilding", untasked.value.message
+
+
 async def test_fair_share_is_corrected_with_real_usage(fleet: Fleet) -> None:
     """Regression: fair queuing charged each request its estimate and never corrected it:
     for equal real work (20 tokens each), the tenant whose estimate was 250 got 1 of the
