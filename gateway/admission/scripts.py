@@ -1071,10 +1071,13 @@ for id in pairs(facts) do
 end
 local ws = live_workers()
 -- The most slots the live workers held lately (ACQUIRE's 'short'): the current room where it
--- is at least that, or where that is older than ARGV[8] ms (a fleet scaled down for good).
-local room, lately = live_room(ws), redis.call('HMGET', K_FAIR, 'cap', 'cap:at')
-if room >= tonumber(lately[1] or '0') or tonumber(lately[2] or '0') < now - tonumber(ARGV[8]) then
-  redis.call('HSET', K_FAIR, 'cap', room, 'cap:at', now)
+-- is more, or as much and noted over a minute ago, or where the note is older than ARGV[8] ms
+-- (a fleet scaled down for good). A write a minute in a steady fleet; and a pcall: a Redis at
+-- its maxmemory refuses it, and what REAP frees and pumps must not wait for it.
+local room, noted = live_room(ws), redis.call('HMGET', K_FAIR, 'cap', 'cap:at')
+local lately, at = tonumber(noted[1] or '0'), tonumber(noted[2] or '0')
+if room > lately or (room == lately and at < now - 60000) or (room < lately and at < now - tonumber(ARGV[8])) then
+  redis.pcall('HSET', K_FAIR, 'cap', room, 'cap:at', now)
 end
 pump(ws, nil)
 return {#expired, corrections}
