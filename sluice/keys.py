@@ -29,7 +29,10 @@ carry their own hash tag for the same reason.
     sl:{m}:fair                    hash V:<class> -> virtual time, F:<class>:<tenant> -> finish tag;
                                    seq, rr -> counters (arrivals, round robin's turn); least:last ->
                                    the worker least routing took last (its turn; `least`, a counter
-                                   until 2026-12-05, is left to gateways of earlier versions)
+                                   until 2026-12-05, is left to gateways of earlier versions); cap,
+                                   cap:at -> the most slots the live generating workers held lately
+                                   and when REAP noted it (a request for more at once than live now
+                                   but not than that is a 503, not a 400)
     sl:{m}:done                    list of recent completion times (ms), for Retry-After
     sl:{m}:urgent_seen             exists for a minute after an urgent request: slot headroom is on
     sl:{m}:prefix                  hash prefix block hash -> ids of workers holding it (space-separated)

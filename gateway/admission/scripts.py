@@ -228,10 +228,12 @@ local function entry_of(id, f, used, pending)
   return record_entry(id, f, used, pending)
 end
 
--- The slots of workers `ws` together, whatever their task.
-local function live_room(ws)
+-- The slots of the workers among `ws` that generate (embedding workers' are not for `n`).
+local function generating_room(ws)
   local room = 0
-  for _, w in ipairs(ws) do room = room + w.cap end
+  for _, w in ipairs(ws) do
+    if w.serves.generate then room = room + w.cap end
+  end
   return room
 end
 
@@ -796,7 +798,8 @@ PRELUDE = Prelude(_PRELUDE)
 #: Returns {'granted', leases JSON [[lease, worker, url, matched blocks, prefill blocks], ...]}
 #: | {'queued', position, the grant stream's last id (its grant can only come after it)}
 #: | {'full', length} | {'none'} | {'too_big', slots of the live workers it may use}
-#: | {'short', the same, the most slots the live workers held lately (REAP's; more than now)}
+#: | {'short', the same, the most slots the live generating workers held lately (REAP's; the
+#: missing could hold the request)}
 #: | {'untasked'} (live workers, none of which serves the task).
 ACQUIRE = PRELUDE.script(r"""
 local req, priority, need = ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9])
@@ -872,9 +875,13 @@ else
   if room == 0 then return {'none'} end
   if room < need then
     -- Too big for the fleet, or for the part of it that is live this moment (a worker
-    -- stopped, restarting, or not beaten since Redis came back): the second is a 503 to retry.
-    local lately = tonumber(redis.call('HGET', K_FAIR, 'cap') or '0')
-    if need <= lately and live_room(ws) < lately then return {'short', room, lately} end
+    -- stopped, restarting, or not beaten since Redis came back): the second is a 503 to retry,
+    -- when the slots missing could make up the shortfall. A generation on any worker only:
+    -- an adapter's or a role's workers are not what REAP notes.
+    if task == 'generate' and not adapter and not role then
+      local lately = tonumber(redis.call('HGET', K_FAIR, 'cap') or '0') or 0
+      if need <= lately and need - room <= lately - generating_room(ws) then return {'short', room, lately} end
+    end
     return {'too_big', room}
   end
   local length = 0
@@ -1070,13 +1077,15 @@ for id in pairs(facts) do
   if not alive[id] then redis.call('HDEL', K_ROUTING, id) end
 end
 local ws = live_workers()
--- The most slots the live workers held lately (ACQUIRE's 'short'): the current room where it
--- is more, or as much and noted over a minute ago, or where the note is older than ARGV[8] ms
--- (a fleet scaled down for good). A write a minute in a steady fleet; and a pcall: a Redis at
--- its maxmemory refuses it, and what REAP frees and pumps must not wait for it.
-local room, noted = live_room(ws), redis.call('HMGET', K_FAIR, 'cap', 'cap:at')
-local lately, at = tonumber(noted[1] or '0'), tonumber(noted[2] or '0')
-if room > lately or (room == lately and at < now - 60000) or (room < lately and at < now - tonumber(ARGV[8])) then
+-- The most slots the live generating workers held lately (ACQUIRE's 'short'): the current
+-- room where it is more, or as much and noted over a minute ago, or where the note is older
+-- than ARGV[8] ms (a fleet scaled down for good). A write a minute in a steady fleet, none for
+-- a model nobody serves (whose keys are being forgotten); and a pcall: a Redis at its
+-- maxmemory refuses it, and what REAP frees and pumps must not wait for it.
+local room, noted = generating_room(ws), redis.call('HMGET', K_FAIR, 'cap', 'cap:at')
+local lately, at = tonumber(noted[1] or '0') or 0, tonumber(noted[2] or '0') or 0
+if room > 0 and (room > lately or (room == lately and at < now - 60000)
+                 or (room < lately and at < now - tonumber(ARGV[8]))) then
   redis.pcall('HSET', K_FAIR, 'cap', room, 'cap:at', now)
 end
 pump(ws, nil)

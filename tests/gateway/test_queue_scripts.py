@@ -557,6 +557,24 @@ async def test_a_request_too_big_only_for_the_workers_live_now_is_a_503_to_retry
         await gw.acquire(fleet.ask(need=16))
 
 
+async def test_a_request_no_generating_fleet_could_hold_stays_400_while_an_embedding_worker_is_missing(
+    fleet: Fleet,
+) -> None:
+    """The note is of the generating workers' slots: with an embedding worker gone, n=17 on two
+    8-slot generating workers is still a 400 (counting every worker's slots, it was a 503
+    whenever any worker was missing)."""
+    await fleet.worker(capacity=8)
+    await fleet.worker(capacity=8)
+    await fleet.worker(capacity=8, tasks=("embed",))
+    gw = await fleet.gateway(queue_timeout_s=5)
+    await gw.reap_once()
+    embedder = fleet._workers[-1]
+    embedder._registered = True  # as start() leaves it (these beat by hand)
+    await embedder.deregister()
+    with pytest.raises(InvalidRequest):
+        await gw.acquire(fleet.ask(need=17))
+
+
 async def test_a_request_too_big_for_a_registry_rebuilding_after_a_loss_is_a_503(private: Fleet) -> None:
     """Regression: right after Redis lost its data, the first worker to beat again was the
     whole fleet in the registry, and a request needing more than its slots got 400 (so did a
