@@ -71,6 +71,8 @@ HINT_S = 1.0
 
 #: The code of a 503 for a model the registry does not know while it is being rebuilt.
 REGISTRY_REBUILDING = "registry_rebuilding"
+#: Why a request is a 503 ``registry_rebuilding``, ending its message.
+_REBUILDING_WHY = "Redis lost its data moments ago and workers are registering again"
 #: Seconds the most slots a model's live workers held stay its capacity when fewer are live:
 #: a request too big for the live workers but not for that is a 503 to retry, not a 400
 #: (a worker restarting, stopped, or not yet beaten since Redis came back). A fleet scaled
@@ -304,9 +306,8 @@ class Admission:
             if status == "untasked":
                 if await self._rebuilding():
                     raise Unavailable(
-                        f"no live worker of model '{model}' serves {ROUTES.get(ask.task, ask.task)} yet: Redis lost "
-                        "its data moments ago and workers are registering again", retry_after_s=2,
-                        code=REGISTRY_REBUILDING)
+                        f"no live worker of model '{model}' serves {ROUTES.get(ask.task, ask.task)} yet: "
+                        f"{_REBUILDING_WHY}", retry_after_s=2, code=REGISTRY_REBUILDING)
                 raise InvalidRequest(
                     f"no live worker of model '{model}' serves {ROUTES.get(ask.task, ask.task)}: task '{ask.task}' "
                     "is not served", param="model", code="task_not_served")
@@ -318,8 +319,7 @@ class Admission:
                 if await self._rebuilding():
                     raise Unavailable(
                         f"this request needs {ask.need} generations at once; the live workers of '{model}' hold "
-                        f"{int(result[1])} now: Redis lost its data moments ago and workers are registering "
-                        "again", retry_after_s=2, code=REGISTRY_REBUILDING)
+                        f"{int(result[1])} now: {_REBUILDING_WHY}", retry_after_s=2, code=REGISTRY_REBUILDING)
                 raise InvalidRequest(
                     f"this request needs {ask.need} generations at once; the live workers of '{model}' "
                     f"hold {int(result[1])}: lower n or send fewer prompts", param="n")
@@ -583,8 +583,8 @@ class Admission:
         # kept it (CI, test_key_data_loss: the model 404 right after its node restarted empty).
         if (await self._watch_epoch()).rebuilding or self._since_loss_s() < keys.REGISTRY_REBUILD_S:
             # Maybe a model, maybe a typo: the code says so (no metrics series for the name).
-            return Unavailable(f"model '{model}' is not registered (yet): Redis lost its data moments ago and "
-                               "workers are registering again", retry_after_s=2, code=REGISTRY_REBUILDING)
+            return Unavailable(f"model '{model}' is not registered (yet): {_REBUILDING_WHY}", retry_after_s=2,
+                               code=REGISTRY_REBUILDING)
         return ModelNotFound(f"The model '{model}' does not exist", param="model")
 
     async def _rebuilding(self) -> bool:

@@ -663,8 +663,12 @@ end
 -- (`direct_blocks`: its prompt blocks, which its stored meta leaves out).
 local function pump(ws, direct, direct_blocks)
   local result = nil
-  local free = 0
-  for _, w in ipairs(ws) do free = free + math.max(0, w.cap - w.used) end
+  local function free_of(workers)
+    local n = 0
+    for _, w in ipairs(workers) do n = n + math.max(0, w.cap - w.used) end
+    return n
+  end
+  local free = free_of(ws)
   -- A sample (`partial`) judges a plain entry it can serve. An entry it cannot serve, or one
   -- that is not plain (several slots, exclusions, a session, an adapter, a role, a task), is
   -- judged on the whole fleet, read once, from then on: the queue stops or goes on as it would
@@ -679,8 +683,7 @@ local function pump(ws, direct, direct_blocks)
     end
     if partial then
       ws, partial = live_workers(), false
-      free = 0
-      for _, w in ipairs(ws) do free = free + math.max(0, w.cap - w.used) end
+      free = free_of(ws)
     end
     return verdict(ws, meta, held)
   end
