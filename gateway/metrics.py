@@ -1,7 +1,7 @@
 """Prometheus metrics of one gateway process (its own registry, no global state).
 
 Per-request figures are recorded once, when the request ends (from its Tally);
-the only per-chunk work is one inter-token histogram observation.
+per chunk, a stream counts its inter-token gap in its own :class:`Gaps`.
 
 ``sluice gateway --procs N`` runs N processes behind one port, and a scrape lands on
 any one of them. So that every scrape sees the whole gateway (not one process's
@@ -14,6 +14,7 @@ counters stay counted; its live gauges (``in_flight``) are dropped by the superv
 from __future__ import annotations
 
 import os
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,49 @@ MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class Gaps:
+    """One stream's inter-token gaps, counted by bucket here and added to its model's
+    histogram series a bucket at a time: when the stream ends (:meth:`flush`) and every
+    :data:`FLUSH_EVERY` gaps, so a long stream's gaps reach a scrape as it goes.
+
+    Why not ``observe`` per chunk: it takes two locks (the sum's and the bucket's) and walks
+    the bounds, per relayed chunk: about 5 % of a relaying gateway's CPU per chunk (py-spy,
+    128-token streams; loadtest/peers/README.md). prometheus_client has no call that adds
+    several observations at once, so this adds to the series' own values (``_buckets``,
+    ``_sum``: per bucket its own count, summed up to ``le`` when collected, as ``observe``
+    keeps them); tests/gateway/test_metrics.py checks the exposition matches ``observe``'s."""
+
+    __slots__ = ("_bounds", "_counts", "_n", "_sum", "label", "series")
+
+    #: Gaps a stream holds before adding them to the series.
+    FLUSH_EVERY = 256
+
+    def __init__(self, series: Any, label: str) -> None:
+        self.series, self.label = series, label
+        self._bounds = series._upper_bounds  # the buckets' bounds, +Inf last
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+        self._n = 0
+
+    def add(self, gap: float) -> None:
+        self._counts[bisect_left(self._bounds, gap)] += 1  # the first bound >= gap, as observe's
+        self._sum += gap
+        self._n += 1
+        if self._n >= self.FLUSH_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._n:
+            return
+        buckets = self.series._buckets
+        for i, count in enumerate(self._counts):
+            if count:
+                buckets[i].inc(count)
+                self._counts[i] = 0
+        self.series._sum.inc(self._sum)
+        self._sum, self._n = 0.0, 0
 
 
 def priority_class(priority: int) -> str:

@@ -39,7 +39,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from gateway.metrics import GatewayMetrics, priority_class
+from gateway.metrics import Gaps, GatewayMetrics, priority_class
 from gateway.surfaces.openai import usage_dict
 from sluice.errors import SluiceError
 from sluice.roles import DECODE, PREFILL
@@ -89,8 +89,8 @@ class RequestRecord:
     #: Whether any line carried token ids; a server that gives none (an ``openai``
     #: worker fronting a generic server) is counted from its usage lines instead.
     _ids_seen: bool = False
-    _itl: Any = None
-    _itl_label: str = ""
+    #: The stream's inter-token gaps, for its model's histogram (made at the second line).
+    _gaps: Gaps | None = None
 
     @classmethod
     def begin(cls, request_id: str, metrics: GatewayMetrics, parent: Context, route: str) -> RequestRecord:
@@ -141,10 +141,15 @@ class RequestRecord:
             self.first_token_s = now - self.started
             self.span.add_event("first_token")
         else:
-            if self._itl is None or self._itl_label != self.model_label:
+            gaps = self._gaps
+            if gaps is None or gaps.label != self.model_label:
+                if gaps is not None:
+                    gaps.flush()
                 # One labels() lookup per request, not per chunk.
-                self._itl, self._itl_label = self.metrics.itl.labels(self.model_label), self.model_label
-            self._itl.observe(now - self._last_line)
+                gaps = self._gaps = Gaps(self.metrics.itl.labels(self.model_label), self.model_label)
+            gaps.add(now - self._last_line)
+            if self._done:
+                gaps.flush()  # a line after the record's end (its gaps were added then)
         self._last_line = now
         ids = line.get("ids")
         if ids:
@@ -183,6 +188,8 @@ class RequestRecord:
         else:
             error = None
         m.in_flight.dec()
+        if self._gaps is not None:
+            self._gaps.flush()
         series = m.series(model)  # its series exist from the model's first request on, at 0 (a priority class's queue wait: from its first)
         (series.ok if status == "ok" else m.requests.labels(model, status)).inc()
         if error is not None:

@@ -209,6 +209,7 @@ class Upstream:
         """
         line = self.first
         watch = _StallWatch(stall_timeout_s, deadline)
+        next_line = self._lines.__anext__  # not anext(lines, None): no wrapper awaitable per line
         try:
             while True:
                 if line is None:
@@ -224,7 +225,9 @@ class Upstream:
                     return
                 watch.reading()
                 try:
-                    line = await anext(self._lines, None)
+                    line = await next_line()
+                except StopAsyncIteration:
+                    line = None
                 except asyncio.CancelledError:
                     if not watch.expired():
                         raise
