@@ -94,7 +94,7 @@ def _serve(settings: GatewaySettings) -> None:
     setup_tracing("sluice-gateway")
     config = uvicorn_config(
         create_app(settings), settings.host, settings.port,
-        graceful_s=settings.shutdown_grace_s, lifespan=True,
+        graceful_s=settings.shutdown_grace_s, lifespan=True, proxy_headers=False,  # Front applies them
     )
     settle_gc()
     sockets = [listen_socket(settings.host, settings.port)] if settings.reuse_port else None

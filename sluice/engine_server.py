@@ -100,19 +100,23 @@ def _text_logprobs(logprobs: Any) -> list[list[Any]] | None:
 
 
 def _delta(choice: dict[str, Any], chat: bool) -> Delta:
-    tool_calls = None
+    # Once per streamed chunk: the logprobs and the stop string are looked at only where a
+    # chunk has them (most have neither).
+    tool_calls = logprobs = None
+    given = choice.get("logprobs")
     if chat:
         delta = choice.get("delta") or {}
         text = delta.get("content") or ""
         tool_calls = delta.get("tool_calls") or None
-        logprobs = _chat_logprobs(choice.get("logprobs"))
+        if given is not None:
+            logprobs = _chat_logprobs(given)
     else:
         text = choice.get("text") or ""
-        logprobs = _text_logprobs(choice.get("logprobs"))
-    ids = choice.get("token_ids") or []
+        if given is not None:
+            logprobs = _text_logprobs(given)
     finish = choice.get("finish_reason")
-    return Delta(ids, text, finish, None, logprobs, tool_calls,
-                 stop_sequence=stop_string(finish, choice.get("stop_reason")))
+    return Delta(choice.get("token_ids") or [], text, finish, None, logprobs, tool_calls,
+                 stop_sequence=None if finish is None else stop_string(finish, choice.get("stop_reason")))
 
 
 def _tool_choice(mode: str | dict[str, str] | None) -> str | dict[str, Any] | None:

@@ -74,10 +74,13 @@ class Server(uvicorn.Server):
 
 
 def uvicorn_config(
-    app: ASGIApp, host: str, port: int, *, graceful_s: float, lifespan: bool = False
+    app: ASGIApp, host: str, port: int, *, graceful_s: float, lifespan: bool = False, proxy_headers: bool = True,
 ) -> uvicorn.Config:
+    """``proxy_headers=False``: the app applies X-Forwarded-* itself where it reads them
+    (the gateway's :class:`gateway.lean_routes.Front`)."""
     return uvicorn.Config(
         app,
+        proxy_headers=proxy_headers,
         host=host,
         port=port,
         loop="none",

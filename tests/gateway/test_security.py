@@ -136,3 +136,16 @@ def test_unknown_fields_are_logged_once_per_request_and_capped(stack) -> None:
     time.sleep(0.2)
     lines = [ln for ln in stack.log_path.read_text().splitlines() if "unknown request field" in ln]
     assert len(lines) - before == 1 and len(lines[-1]) < 600
+
+
+def test_metrics_know_a_client_behind_a_local_proxy_by_its_own_address(stack) -> None:
+    """A local reverse proxy's ``X-Forwarded-For`` names the client, and /metrics (loopback
+    clients only, on a gateway without keys) refuses a remote one. uvicorn's proxy-headers
+    middleware runs in front of FastAPI's routes only (gateway/lean_routes.py); a completion
+    with the header is served as ever."""
+    assert httpx.get(stack.url + "/metrics").status_code == 200
+    remote = httpx.get(stack.url + "/metrics", headers={"x-forwarded-for": "203.0.113.7"})
+    assert remote.status_code == 401 and "loopback" in remote.json()["error"]["message"]
+    answer = httpx.post(stack.url + "/v1/completions", headers={"x-forwarded-for": "203.0.113.7"}, timeout=30,
+                        json={"model": "sim", "prompt": "x", "max_tokens": 2})
+    assert answer.status_code == 200, answer.text
