@@ -100,6 +100,24 @@ def _bulk(value: Any) -> bytes:
     return b"$%d\r\n%b\r\n" % (len(data), data)
 
 
+class Packed:
+    """Arguments packed once and sent as they are with every call: a process's constants
+    that lead every admission script's arguments (the gateway's id, the lease TTL, ...),
+    packed at each call before. Only a :class:`ScriptChannel`'s scripts take one (redis-py's
+    are given the values)."""
+
+    __slots__ = ("data", "values")
+
+    def __init__(self, values: Sequence[Any]) -> None:
+        self.values = tuple(values)
+        self.data = _bulks(self.values)
+
+
+def _count(values: Sequence[Any]) -> int:
+    """How many arguments ``values`` are, each :class:`Packed` run counted by its own."""
+    return sum(len(v.values) if type(v) is Packed else 1 for v in values)
+
+
 def _bulks(values: Sequence[Any]) -> bytes:
     """:func:`_bulk` of each value, joined. The common types (``str``, ``int``, ``bytes``, ``float``)
     by their exact type first: a script call packs 20-30 arguments, and the ``isinstance``
@@ -107,6 +125,9 @@ def _bulks(values: Sequence[Any]) -> bytes:
     out = []
     for value in values:
         kind = type(value)
+        if kind is Packed:
+            out.append(value.data)
+            continue
         if kind is str:
             data = value.encode()
         elif kind is int:
@@ -123,7 +144,7 @@ def _bulks(values: Sequence[Any]) -> bytes:
 
 
 def _command(*words: Any) -> bytes:
-    return b"*%d\r\n" % len(words) + _bulks(words)
+    return b"*%d\r\n" % _count(words) + _bulks(words)
 
 
 #: Packed key sets one script keeps (a few hundred models' worth).
@@ -156,7 +177,10 @@ class ChannelScript:
                 self._head_bytes = 0
             self._heads[key_set] = head
             self._head_bytes += len(head)
-        packed = b"*%d\r\n%b%b" % (3 + len(key_set) + len(args), head, _bulks(args))
+        count = len(args)
+        if count and type(args[0]) is Packed:  # (where admission puts its constants)
+            count += len(args[0].values) - 1
+        packed = b"*%d\r\n%b%b" % (3 + len(key_set) + count, head, _bulks(args))
         call = _Call(self, key_set, args)
         if self._channel.connected():
             return self._channel.submit(packed, call)

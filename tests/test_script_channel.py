@@ -16,7 +16,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from sluice.embedded_redis import EmbeddedRedis, free_port
 from sluice.redis_pool import create_pool
-from sluice.script_channel import ScriptChannel, script_runner
+from sluice.script_channel import Packed, ScriptChannel, script_runner
 
 ECHO = "redis.call('INCR', KEYS[1]) return {ARGV[1], ARGV[2], redis.call('GET', KEYS[1])}"
 
@@ -49,6 +49,26 @@ async def test_a_flushed_script_is_sent_again_and_errors_are_redis_errors(redis_
         with pytest.raises(ResponseError):
             await broken()
         assert (await echo(keys=["chan:flush"], args=["c", "d"]))[:2] == [b"c", b"d"]  # still in step
+    finally:
+        await channel.aclose()
+        await client.aclose()
+
+
+async def test_packed_arguments_reach_the_script_as_the_values_would(redis_url: str) -> None:
+    """Admission's constants lead its scripts' arguments packed once (:class:`Packed`): the
+    script sees them, and what follows, as if each had been passed, also when the script is
+    sent again whole (EVAL, after Redis lost it)."""
+    client = await create_pool(redis_url)
+    channel = script_runner(client)
+    assert isinstance(channel, ScriptChannel)
+    argv = channel.register_script("return ARGV")
+    common = Packed(["gw-1", 30000, 0.5, "least"])
+    try:
+        want = [b"gw-1", b"30000", b"0.5", b"least", b"req-7", b"3", b"[]"]
+        assert await argv(keys=["chan:packed"], args=[common, "req-7", 3, b"[]"]) == want
+        assert await argv(keys=["chan:packed"], args=[common]) == want[:4]
+        await channel.request(b"*2\r\n$6\r\nSCRIPT\r\n$5\r\nFLUSH\r\n")
+        assert await argv(keys=["chan:packed"], args=[common, "req-7", 3, b"[]"]) == want
     finally:
         await channel.aclose()
         await client.aclose()

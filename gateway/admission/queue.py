@@ -48,7 +48,7 @@ from sluice.errors import (
     SluiceError,
     Unavailable,
 )
-from sluice.script_channel import ScriptChannel, script_runner
+from sluice.script_channel import Packed, ScriptChannel, script_runner
 from sluice.tasks import GENERATE, ROUTES, Task
 
 log = logging.getLogger("sluice.admission")
@@ -223,6 +223,11 @@ class Admission:
         # Two of these scripts run per request: one pipelined connection where Redis is one
         # plain server (sluice/script_channel.py), redis-py's scripts otherwise.
         self._runner = script_runner(redis)
+        # What leads every script's arguments (ARGV[1..6], the prelude's): packed once for a
+        # channel, as every call packed them before.
+        common = (self.gateway_id, int(settings.lease_ttl_s * 1000), int(GATEWAY_TTL_S * 1000),
+                  settings.reserved_slots, settings.urgent_priority_max, settings.priority_step_tokens)
+        self._common: object = Packed(common) if isinstance(self._runner, ScriptChannel) else common
         self._acquire = self._runner.register_script(scripts.ACQUIRE)
         self._release = self._runner.register_script(scripts.RELEASE)
         self._cancel = self._runner.register_script(scripts.CANCEL)
@@ -263,9 +268,8 @@ class Admission:
             await self._runner.aclose()
 
     def _args(self, *extra: object) -> list[object]:
-        s = self._s
-        return [self.gateway_id, int(s.lease_ttl_s * 1000), int(GATEWAY_TTL_S * 1000), s.reserved_slots,
-                s.urgent_priority_max, s.priority_step_tokens, *extra]
+        common = self._common
+        return [common, *extra] if type(common) is Packed else [*common, *extra]  # type: ignore[misc]
 
     async def acquire(self, ask: Ask, disconnected: Callable[[], Awaitable[bool]] | None = None) -> list[Lease]:
         """``ask.need`` slots now, or after waiting in the queue up to ``ask.timeout_s``.
@@ -347,9 +351,9 @@ class Admission:
         call = asyncio.ensure_future(self._acquire(
             keys=keys.admission(ask.model),
             args=self._args(ask.request_id, ask.priority, ask.need, max(1, int(timeout_s * 1000)),
-                            self._s.max_queue, orjson.dumps(list(ask.exclude)).decode(),
+                            self._s.max_queue, orjson.dumps(ask.exclude),
                             int(ask.boost), _tenant_name(ask.tenant), ask.cost,
-                            orjson.dumps(ask.blocks).decode(), self._s.routing, self._s.route_load_blocks,
+                            orjson.dumps(ask.blocks), self._s.routing, self._s.route_load_blocks,
                             self._s.route_hot_share,
                             self._s.route_least_pending_weight if self._s.routing == "least"
                             else self._s.route_prefill_weight, ask.task,

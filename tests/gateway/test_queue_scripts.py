@@ -19,6 +19,7 @@ from sluice.errors import InvalidRequest, RateLimited, Unavailable
 from sluice.embedded_redis import EmbeddedRedis
 from sluice.redis_pool import create_pool
 from sluice.roles import Role
+from sluice.script_channel import Packed
 
 
 @pytest.fixture(params=["single", "cluster"])
@@ -192,8 +193,9 @@ async def test_a_dead_gateways_waiters_get_no_slots(fleet: Fleet) -> None:
 async def _queue_as_ghost(gw: Admission, ask: Ask) -> None:
     """Queue ``ask`` as a gateway process that dies right after (it never beats, never
     claims its grant, never cancels)."""
-    args = gw._args(ask.request_id, ask.priority, ask.need, 30_000, 1000, "[]", 0, ask.tenant, ask.cost)
-    args[0] = "ghost-" + uuid.uuid4().hex[:6]
+    common = gw._common.values if isinstance(gw._common, Packed) else gw._common
+    args = ["ghost-" + uuid.uuid4().hex[:6], *common[1:],  # its own gateway id, then the other constants
+            ask.request_id, ask.priority, ask.need, 30_000, 1000, "[]", 0, ask.tenant, ask.cost]
     assert (await gw._acquire(keys=keys.admission(ask.model), args=args))[0] == b"queued"
 
 
