@@ -1,11 +1,17 @@
 """A lean HTTP/1.1 client for long streamed responses over plain HTTP: one POST, a body
-read chunk by chunk straight from an asyncio stream, keep-alive connections per host.
+read chunk by chunk straight from the connection's buffer, keep-alive connections per host.
 
 Used where every streamed token crosses it: the gateway's NDJSON hop to workers, and an
 ``openai`` worker's stream from the server it fronts. Why not httpx there: profiling a
 saturated gateway (64 streams, one process) put a third of its CPU in httpx/httpcore/h11
 and their anyio and context-manager wrappers, once per streamed line; the same held for
 an ``openai`` worker. Everything else (small JSON calls, ``https://``) stays on httpx.
+
+Each connection is its own asyncio protocol (:class:`_Conn`): the event loop's read
+callback appends to one buffer, and the reader parses the chunk framing in place, waiting
+on a future only when the buffer holds nothing whole. Through an ``asyncio.StreamReader``
+(as before) each streamed chunk also paid the reader's wake-up, a ``read()`` coroutine that
+copied the buffer out and an async generator step to hand it on.
 
 Failures are raised as httpx's exception types (``ConnectError``, ``ReadError``,
 ``RemoteProtocolError``), so callers keep one vocabulary for "the server is gone".
@@ -46,14 +52,91 @@ async def drain(response: Http1Response | httpx.Response, raw: AsyncIterator[byt
                 pass
 
 
-class _Conn:
-    __slots__ = ("key", "reader", "writer")
+#: A response head longer than this is no server's.
+_MAX_HEAD = 2**20
+#: Bytes read ahead of the reader before the connection stops reading (until it reads).
+_READ_AHEAD = 2**20
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: tuple[str, int]) -> None:
-        self.reader, self.writer, self.key = reader, writer, key
+
+class _Conn(asyncio.Protocol):
+    """One connection: what the server sent, in :attr:`buffer` until the reader takes it."""
+
+    __slots__ = ("_loop", "_paused", "_waiter", "buffer", "eof", "error", "key", "transport")
+
+    def __init__(self, key: tuple[str, int]) -> None:
+        self.key = key
+        self._loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        #: The server closed its side (or the connection broke: :attr:`error`).
+        self.eof = False
+        self.error: Exception | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if len(self.buffer) > _READ_AHEAD and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        self._wake()
+        return False  # the transport closes
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.eof = True
+        self.error = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def fill(self) -> bool:
+        """Wait for more bytes than :attr:`buffer` holds: False at the connection's end (the
+        error it broke with is raised)."""
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        size = len(self.buffer)
+        while len(self.buffer) == size:
+            if self.eof:
+                if self.error is not None:
+                    raise self.error
+                return False
+            self._waiter = self._loop.create_future()
+            await self._waiter
+        return True
+
+    def reusable(self) -> bool:
+        return not self.eof and not self.buffer and self.transport is not None and not self.transport.is_closing()
 
     def close(self) -> None:
-        self.writer.close()
+        if self.transport is not None:
+            self.transport.close()
+
+
+async def _read_head(conn: _Conn) -> bytes:
+    """The response head, taken out of the buffer (without its blank line)."""
+    start = 0
+    while True:
+        end = conn.buffer.find(b"\r\n\r\n", start)
+        if end >= 0:
+            head = bytes(conn.buffer[:end])
+            del conn.buffer[:end + 4]
+            return head
+        if len(conn.buffer) > _MAX_HEAD:
+            raise ValueError("response head too long")
+        start = max(0, len(conn.buffer) - 3)
+        if not await conn.fill():
+            raise asyncio.IncompleteReadError(bytes(conn.buffer), None)
 
 
 class Http1Response:
@@ -77,38 +160,43 @@ class Http1Response:
         conn = self._conn
         if conn is None:
             return
-        reader = conn.reader
+        buffer = conn.buffer
         try:
             if self._length is None:
-                while data := await reader.read(65536):
-                    yield data
+                while True:
+                    if buffer:
+                        data = bytes(buffer)
+                        buffer.clear()
+                        yield data
+                    elif not await conn.fill():
+                        break
             elif not self._chunked:
                 left = self._length
                 while left > 0:
-                    data = await reader.read(min(left, 65536))
-                    if not data:
+                    if not buffer and not await conn.fill():
                         raise httpx.RemoteProtocolError("the server closed the connection mid-body")
+                    data = bytes(buffer[:left])
+                    del buffer[:left]
                     left -= len(data)
                     yield data
             else:
-                # The chunk framing is parsed from what each read brings (mostly one whole
-                # chunk, a streamed token): one read per chunk, not a readuntil and a
-                # readexactly, each a coroutine and a scan of the reader's buffer.
-                buffer = bytearray()
+                # The chunk framing is parsed in the connection's buffer as bytes arrive
+                # (mostly one whole chunk per read, a streamed token).
                 while True:
-                    data = await reader.read(65536)
-                    if not data:
+                    if buffer:
+                        payloads, ended = _unchunk(buffer)
+                        self.ended = ended
+                        for payload in payloads:
+                            yield payload  # (more may arrive meanwhile: looked at before waiting)
+                        if ended:
+                            self._keep = self._keep and not buffer  # bytes after the end: not reusable
+                            break
+                        if payloads:
+                            continue
+                    if not await conn.fill():
                         raise asyncio.IncompleteReadError(bytes(buffer), None)
-                    buffer += data
-                    payloads, ended = _unchunk(buffer)
-                    self.ended = ended
-                    for payload in payloads:
-                        yield payload
-                    if ended:
-                        self._keep = self._keep and not buffer  # bytes after the end: not reusable
-                        break
             self._done = True
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+        except (asyncio.IncompleteReadError, ValueError) as exc:
             raise httpx.RemoteProtocolError(f"the response broke off: {type(exc).__name__}") from None
         except OSError as exc:
             raise httpx.ReadError(f"reading the response failed: {exc}") from None
@@ -175,7 +263,7 @@ class Http1Pool:
 
     def give_back(self, conn: _Conn) -> None:
         idle = self._idle.setdefault(conn.key, [])
-        if len(idle) < MAX_IDLE and not conn.writer.is_closing() and not conn.reader.at_eof():
+        if len(idle) < MAX_IDLE and conn.reusable():
             idle.append(conn)
         else:
             conn.close()
@@ -183,10 +271,10 @@ class Http1Pool:
     async def _connect(self, key: tuple[str, int]) -> _Conn:
         try:
             async with asyncio.timeout(self._connect_timeout_s):
-                reader, writer = await asyncio.open_connection(key[0], key[1], limit=2**20)
+                _, conn = await asyncio.get_running_loop().create_connection(lambda: _Conn(key), key[0], key[1])
         except (OSError, TimeoutError) as exc:
             raise httpx.ConnectError(f"cannot connect: {exc or type(exc).__name__}") from None
-        return _Conn(reader, writer, key)
+        return conn
 
     async def post(self, url: str, path: str, body: bytes, headers: dict[str, str]) -> Http1Response:
         """Send the request and read the response head; the body is read by the caller."""
@@ -205,7 +293,7 @@ class Http1Pool:
         broke: httpx.HTTPError | None = None
         while idle:
             conn = idle.pop()
-            if conn.reader.at_eof() or conn.writer.is_closing():
+            if not conn.reusable():
                 conn.close()  # closed by its server while idle (its keep-alive timeout, or it went down)
                 continue
             # A reused connection the server closed just now fails before any byte of a
@@ -236,16 +324,17 @@ class Http1Pool:
 
     async def _exchange(self, conn: _Conn, head: bytes, body: bytes) -> Http1Response:
         try:
-            conn.writer.write(head + body)
-            await conn.writer.drain()
-            # The whole head in one read of the buffer, not one per header line.
-            status_line, *lines = (await conn.reader.readuntil(b"\r\n\r\n"))[:-4].split(b"\r\n")
+            if conn.transport is None or conn.transport.is_closing():
+                raise ConnectionResetError("the connection is closed")
+            conn.transport.write(head + body)  # buffered by the loop as the socket takes it
+            # The whole head in one search of the buffer, not one read per header line.
+            status_line, *lines = (await _read_head(conn)).split(b"\r\n")
             headers: dict[bytes, bytes] = {}
             for line in lines:
                 name, _, value = line.partition(b":")
                 headers[name.strip().lower()] = value.strip()
             status = int(status_line.split(b" ", 2)[1])
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, IndexError) as exc:
+        except (asyncio.IncompleteReadError, ValueError, IndexError) as exc:
             raise httpx.RemoteProtocolError(f"bad response head: {type(exc).__name__}") from None
         except OSError as exc:
             raise httpx.ReadError(f"the connection failed: {exc}") from None

@@ -257,3 +257,71 @@ def test_chunk_framing_across_reads() -> None:
         assert (payloads, ended, bytes(buffer)) == ([b"hello", b" world"], True, b"")
     with pytest.raises(ValueError):
         _unchunk(bytearray(b"zz\r\n"))
+
+
+async def test_chunks_that_arrive_while_the_reader_is_away_are_read_without_waiting() -> None:
+    """The connection's buffer fills while its reader is busy elsewhere (a slow client): the
+    chunks and the body's end already there are read at once, not after more bytes that the
+    server never sends (it keeps the connection open)."""
+    more, handled = asyncio.Event(), asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        await more.wait()
+        writer.write(b"6\r\nsecond\r\n5\r\nthird\r\n0\r\n\r\n")  # then nothing, connection kept
+        await writer.drain()
+        await reader.read()
+        writer.close()
+        await writer.wait_closed()
+        handled.set()
+
+    url, srv = await _serve(handle)
+    pool = Http1Pool(connect_timeout_s=1)
+    response = await pool.post(url, "/x", b"", {})
+    chunks = response.aiter_raw()
+    assert await anext(chunks) == b"first"
+    more.set()
+    await asyncio.sleep(0.2)  # the rest arrives while nobody reads
+    async def rest() -> list[bytes]:
+        return [chunk async for chunk in chunks]  # the same reader, where it left off
+
+    assert await asyncio.wait_for(rest(), 1) == [b"second", b"third"]
+    assert response.ended
+    await response.aclose()
+    await pool.aclose()
+    await asyncio.wait_for(handled.wait(), 2)  # the server saw the pool close it
+    srv.close()
+    await srv.wait_closed()
+
+
+async def test_a_body_larger_than_the_read_ahead_arrives_whole_to_a_slow_reader() -> None:
+    """A server sends more than the connection reads ahead (the connection stops reading,
+    and reads again as its reader takes the bytes): every byte arrives, in order."""
+    size = 3 * http1._READ_AHEAD + 12345
+    body = bytes(i % 251 for i in range(size))
+    handled = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size + body)
+        await writer.drain()
+        await reader.read()
+        writer.close()
+        await writer.wait_closed()
+        handled.set()
+
+    url, srv = await _serve(handle)
+    pool = Http1Pool(connect_timeout_s=1)
+    response = await pool.post(url, "/x", b"", {})
+    got = bytearray()
+    async for data in response.aiter_raw():
+        got += data
+        await asyncio.sleep(0.01)
+    assert bytes(got) == body
+    await response.aclose()
+    await pool.aclose()
+    await asyncio.wait_for(handled.wait(), 2)  # the server saw the pool close it
+    srv.close()
+    await srv.wait_closed()
