@@ -259,6 +259,22 @@ def test_chunk_framing_across_reads() -> None:
         _unchunk(bytearray(b"zz\r\n"))
 
 
+async def _kept_until_the_client_closes(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                                       handled: asyncio.Event) -> None:
+    """A server's end of a connection it keeps after its answer, until the client closes it."""
+    await reader.read()
+    writer.close()
+    await writer.wait_closed()
+    handled.set()
+
+
+async def _close_all(pool: Http1Pool, handled: asyncio.Event, srv: asyncio.AbstractServer) -> None:
+    await pool.aclose()
+    await asyncio.wait_for(handled.wait(), 2)  # the server saw the pool close its connection
+    srv.close()
+    await srv.wait_closed()
+
+
 async def test_chunks_that_arrive_while_the_reader_is_away_are_read_without_waiting() -> None:
     """The connection's buffer fills while its reader is busy elsewhere (a slow client): the
     chunks and the body's end already there are read at once, not after more bytes that the
@@ -272,10 +288,7 @@ async def test_chunks_that_arrive_while_the_reader_is_away_are_read_without_wait
         await more.wait()
         writer.write(b"6\r\nsecond\r\n5\r\nthird\r\n0\r\n\r\n")  # then nothing, connection kept
         await writer.drain()
-        await reader.read()
-        writer.close()
-        await writer.wait_closed()
-        handled.set()
+        await _kept_until_the_client_closes(reader, writer, handled)
 
     url, srv = await _serve(handle)
     pool = Http1Pool(connect_timeout_s=1)
@@ -284,16 +297,14 @@ async def test_chunks_that_arrive_while_the_reader_is_away_are_read_without_wait
     assert await anext(chunks) == b"first"
     more.set()
     await asyncio.sleep(0.2)  # the rest arrives while nobody reads
+
     async def rest() -> list[bytes]:
         return [chunk async for chunk in chunks]  # the same reader, where it left off
 
     assert await asyncio.wait_for(rest(), 1) == [b"second", b"third"]
     assert response.ended
     await response.aclose()
-    await pool.aclose()
-    await asyncio.wait_for(handled.wait(), 2)  # the server saw the pool close it
-    srv.close()
-    await srv.wait_closed()
+    await _close_all(pool, handled, srv)
 
 
 async def test_a_body_larger_than_the_read_ahead_arrives_whole_to_a_slow_reader() -> None:
@@ -307,10 +318,7 @@ async def test_a_body_larger_than_the_read_ahead_arrives_whole_to_a_slow_reader(
         await _read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size + body)
         await writer.drain()
-        await reader.read()
-        writer.close()
-        await writer.wait_closed()
-        handled.set()
+        await _kept_until_the_client_closes(reader, writer, handled)
 
     url, srv = await _serve(handle)
     pool = Http1Pool(connect_timeout_s=1)
@@ -321,7 +329,4 @@ async def test_a_body_larger_than_the_read_ahead_arrives_whole_to_a_slow_reader(
         await asyncio.sleep(0.01)
     assert bytes(got) == body
     await response.aclose()
-    await pool.aclose()
-    await asyncio.wait_for(handled.wait(), 2)  # the server saw the pool close it
-    srv.close()
-    await srv.wait_closed()
+    await _close_all(pool, handled, srv)
