@@ -100,12 +100,16 @@ class _Conn(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def fill(self) -> bool:
-        """Wait for more bytes than :attr:`buffer` holds: False at the connection's end (the
-        error it broke with is raised)."""
+    def resume(self) -> None:
+        """Read again if reading stopped (the read ahead was full)."""
         if self._paused and self.transport is not None:
             self._paused = False
             self.transport.resume_reading()
+
+    async def fill(self) -> bool:
+        """Wait for more bytes than :attr:`buffer` holds: False at the connection's end (the
+        error it broke with is raised)."""
+        self.resume()
         size = len(self.buffer)
         while len(self.buffer) == size:
             if self.eof:
@@ -263,6 +267,9 @@ class Http1Pool:
         self._targets: dict[str, tuple[tuple[str, int], str, str]] = {}
 
     def give_back(self, conn: _Conn) -> None:
+        # A body that ended in what was read ahead left the connection not reading: an idle
+        # one must read, or its server's close (or death) goes unseen until it is used.
+        conn.resume()
         idle = self._idle.setdefault(conn.key, [])
         if len(idle) < MAX_IDLE and conn.reusable():
             idle.append(conn)

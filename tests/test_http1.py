@@ -330,3 +330,34 @@ async def test_a_body_larger_than_the_read_ahead_arrives_whole_to_a_slow_reader(
     assert bytes(got) == body
     await response.aclose()
     await _close_all(pool, handled, srv)
+
+
+async def test_a_connection_back_from_a_body_read_ahead_still_sees_its_server_go() -> None:
+    """A body that filled the read ahead (the connection stopped reading) and ended in it:
+    the connection goes back to the pool reading again, so its server's end is seen while it
+    is idle, and a request after the server went down is told it cannot connect, not that a
+    kept connection broke (a lost worker, where none was lost)."""
+    size = http1._READ_AHEAD + 1000  # the read that passes the read ahead brings the end
+    writers: list[asyncio.StreamWriter] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size + bytes(size))
+        await writer.drain()
+        await reader.read()
+
+    url, srv = await _serve(handle)
+    pool = Http1Pool(connect_timeout_s=1)
+    response = await pool.post(url, "/x", b"", {})
+    await asyncio.sleep(0.3)  # all of it sent; the connection has stopped reading
+    assert len(await response.aread()) == size
+    await response.aclose()  # back to the pool
+    srv.close()
+    for writer in writers:
+        writer.close()
+    await srv.wait_closed()
+    await asyncio.sleep(0.2)
+    with pytest.raises(httpx.ConnectError):
+        await pool.post(url, "/x", b"", {})
+    await pool.aclose()
