@@ -103,8 +103,8 @@ def _bulk(value: Any) -> bytes:
 class Packed:
     """Arguments packed once and sent as they are with every call: a process's constants
     that lead every admission script's arguments (the gateway's id, the lease TTL, ...),
-    packed at each call before. Only a :class:`ScriptChannel`'s scripts take one (redis-py's
-    are given the values)."""
+    packed at each call before. Only a :class:`ScriptChannel`'s scripts take one, as their
+    first argument (redis-py's are given the values)."""
 
     __slots__ = ("data", "values")
 
