@@ -45,9 +45,9 @@ from typing import Any
 
 from fastapi import FastAPI
 from starlette.requests import Request
-from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 Handler = Callable[[Request, Exception], Awaitable[Response]]
