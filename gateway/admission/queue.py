@@ -227,7 +227,7 @@ class Admission:
         # channel, as every call packed them before.
         common = (self.gateway_id, int(settings.lease_ttl_s * 1000), int(GATEWAY_TTL_S * 1000),
                   settings.reserved_slots, settings.urgent_priority_max, settings.priority_step_tokens)
-        self._common: object = Packed(common) if isinstance(self._runner, ScriptChannel) else common
+        self._common: list[object] = [Packed(common)] if isinstance(self._runner, ScriptChannel) else list(common)
         self._acquire = self._runner.register_script(scripts.ACQUIRE)
         self._release = self._runner.register_script(scripts.RELEASE)
         self._cancel = self._runner.register_script(scripts.CANCEL)
@@ -268,8 +268,7 @@ class Admission:
             await self._runner.aclose()
 
     def _args(self, *extra: object) -> list[object]:
-        common = self._common
-        return [common, *extra] if type(common) is Packed else [*common, *extra]  # type: ignore[misc]
+        return [*self._common, *extra]
 
     async def acquire(self, ask: Ask, disconnected: Callable[[], Awaitable[bool]] | None = None) -> list[Lease]:
         """``ask.need`` slots now, or after waiting in the queue up to ``ask.timeout_s``.

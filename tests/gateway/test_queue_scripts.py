@@ -193,7 +193,7 @@ async def test_a_dead_gateways_waiters_get_no_slots(fleet: Fleet) -> None:
 async def _queue_as_ghost(gw: Admission, ask: Ask) -> None:
     """Queue ``ask`` as a gateway process that dies right after (it never beats, never
     claims its grant, never cancels)."""
-    common = gw._common.values if isinstance(gw._common, Packed) else gw._common
+    common = [v for lead in gw._common for v in (lead.values if isinstance(lead, Packed) else (lead,))]
     args = ["ghost-" + uuid.uuid4().hex[:6], *common[1:],  # its own gateway id, then the other constants
             ask.request_id, ask.priority, ask.need, 30_000, 1000, "[]", 0, ask.tenant, ask.cost]
     assert (await gw._acquire(keys=keys.admission(ask.model), args=args))[0] == b"queued"
