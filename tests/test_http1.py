@@ -361,3 +361,32 @@ async def test_a_connection_back_from_a_body_read_ahead_still_sees_its_server_go
     with pytest.raises(httpx.ConnectError):
         await pool.post(url, "/x", b"", {})
     await pool.aclose()
+
+
+async def test_a_reader_that_does_not_read_holds_at_most_the_read_ahead() -> None:
+    """What one response can make the process hold: a server sending far more than its reader
+    takes fills the connection's buffer to the read ahead (and one read past it), no more."""
+    size = 8 * http1._READ_AHEAD
+    handled = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size)
+        try:
+            for _ in range(8):  # until the client closes the connection (a reset)
+                writer.write(bytes(http1._READ_AHEAD))
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+            handled.set()
+
+    url, srv = await _serve(handle)
+    pool = Http1Pool(connect_timeout_s=1)
+    response = await pool.post(url, "/x", b"", {})
+    await asyncio.sleep(0.5)  # the server writes all it can; nobody reads
+    conn = response._conn
+    assert conn is not None and http1._READ_AHEAD < len(conn.buffer) <= http1._READ_AHEAD + 256 * 1024
+    await response.aclose()  # closed before its end: not kept
+    await _close_all(pool, handled, srv)
