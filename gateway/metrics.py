@@ -31,6 +31,7 @@ MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_LAG = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class Gaps:
@@ -127,6 +128,9 @@ class GatewayMetrics:
                              ["model"], buckets=_ITL, registry=r)
         self.queue_wait = Histogram("sluice_gateway_queue_wait_seconds", "Time waiting for a worker slot",
                                     ["model", "priority_class"], buckets=_LATENCY, registry=r)
+        self.loop_lag = Histogram("sluice_gateway_event_loop_lag_seconds",
+                                  "How long ready work waits on this process's event loop (gateway/loop_lag.py)",
+                                  buckets=_LAG, registry=r)
         self.e2e = Histogram("sluice_gateway_request_duration_seconds", "Arrival to last byte",
                              ["model"], buckets=_LATENCY, registry=r)
         self.prompt_tokens = Counter("sluice_gateway_prompt_tokens", "Prompt tokens", ["model"], registry=r)

@@ -84,6 +84,7 @@ def test_metrics_on_both_processes(traced) -> None:
                   if s.name == "sluice_gateway_completion_tokens_total" and s.labels["model"] == "traced"]
     assert completion and completion[0].value >= 12
     assert [s.value for s in g["sluice_gateway_live_workers"].samples if s.labels["model"] == "traced"] == [1]
+    assert _count(g, "sluice_gateway_event_loop_lag_seconds") > 0  # sampled from the start, requests or not
     w = _families(worker.url)
     assert w["sluice_worker_requests"].samples[0].value >= 3
 
