@@ -1,7 +1,8 @@
 """Where a relaying gateway spends its time: the mock, a direct-relay worker registration and
 one gateway process, a closed-loop load at each concurrency first straight at the mock and
 then through the gateway, with the gateway's CPU per chunk and per request, py-spy's
-profile of the gateway (optional), and Redis's time per admission script.
+profile of the gateway (optional), its event loop's lag (gateway/loop_lag.py, read from its
+/metrics), and Redis's time per admission script.
 
     flock /tmp/sluice-heavy.lock .venv/bin/python loadtest/peers/profile_gateway.py --levels 16,64
     ... --max-tokens 1             # request-bound: what one request costs
@@ -104,6 +105,35 @@ def access_split(log: Path, offset: int, since: float, client_p50: float | None,
             f"outside {c50 - t50:+.1f}")
 
 
+def lag_buckets(gateway: str) -> dict[float, float]:
+    """The gateway's event-loop lag histogram (gateway/loop_lag.py): cumulative count by bound."""
+    import urllib.request
+
+    with urllib.request.urlopen(gateway + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("sluice_gateway_event_loop_lag_seconds_bucket{"):
+            bound = line.split('le="', 1)[1].split('"', 1)[0]
+            out[float(bound)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def lag_summary(before: dict[float, float], after: dict[float, float]) -> str:
+    """The window's samples of the loop's lag: its median and p99, each as the bucket's bound."""
+    counts = sorted((bound, after[bound] - before.get(bound, 0.0)) for bound in after)
+    total = counts[-1][1] if counts else 0
+    if not total:
+        return "event loop lag: no samples"
+
+    def at(q: float) -> str:
+        bound = next(b for b, c in counts if c >= q * total)
+        return "> 10 s" if bound == float("inf") else f"<= {1000 * bound:g} ms"
+
+    return (f"event loop lag during the load, warm-up included (the gateway's /metrics, {total:.0f} samples): "
+            f"p50 {at(0.5)}, p99 {at(0.99)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", default="16", help="concurrent streams, comma-separated")
@@ -173,6 +203,7 @@ def main() -> None:
                                                         bp.window_cpu({"gateway": pid}, 2.0, args.measure_s))
                         return win, cpu["gateway"]
 
+                    lag_before = lag_buckets(url) if name == "gateway" else {}
                     win, cpu = asyncio.run(measure())
                     p50, p99 = load.percentile(win.ttfts, 0.5), load.percentile(win.ttfts, 0.99)
                     served = max(1, win.chunks)
@@ -184,6 +215,8 @@ def main() -> None:
                           flush=True)
                     print(f"  redis connections opened meanwhile: "
                           f"{client.info('stats')['total_connections_received'] - opened - 1}", flush=True)
+                    if name == "gateway":
+                        print("  " + lag_summary(lag_before, lag_buckets(url)), flush=True)
                     if args.access and name == "gateway":
                         print("  " + access_split(gateway_log, logged_from, window_from, p50, direct_p50), flush=True)
                     if name == "direct":
