@@ -91,6 +91,6 @@ class LoopLag:
             return
         others = self._stalls - 1
         log.warning("this gateway process's event loop was blocked for %.2f s (a synchronous call, or the process "
-                    "stopped or starved of CPU); every request it served waited as long%s", late_s,
+                    "stopped or starved of CPU); every request in flight there waited as long%s", late_s,
                     f" ({others} more such stalls since the last line)" if others else "")
         self._logged, self._stalls = now, 0
