@@ -31,7 +31,7 @@ log = logging.getLogger("sluice.gateway")
 
 #: Seconds between samples.
 SAMPLE_S = 0.1
-#: A sample's timer this late means the loop was blocked, not merely busy.
+#: A sample run this long after it was due means the loop was blocked, not merely busy.
 STALL_S = 0.5
 #: At most one log line per this many seconds about stalls.
 LOG_EVERY_S = 10.0
