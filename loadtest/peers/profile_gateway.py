@@ -36,8 +36,10 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent.parent), str(HERE)]
 
 import bench_peers as bp
+import httpx
 import load
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.admission import scripts
 from sluice.embedded_redis import EmbeddedRedis
@@ -107,16 +109,10 @@ def access_split(log: Path, offset: int, since: float, client_p50: float | None,
 
 def lag_buckets(gateway: str) -> dict[float, float]:
     """The gateway's event-loop lag histogram (gateway/loop_lag.py): cumulative count by bound."""
-    import urllib.request
-
-    with urllib.request.urlopen(gateway + "/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("sluice_gateway_event_loop_lag_seconds_bucket{"):
-            bound = line.split('le="', 1)[1].split('"', 1)[0]
-            out[float(bound)] = float(line.rsplit(" ", 1)[1])
-    return out
+    text = httpx.get(gateway + "/metrics", timeout=5).text
+    return {float(s.labels["le"]): s.value for family in text_string_to_metric_families(text)
+            if family.name == "sluice_gateway_event_loop_lag_seconds"
+            for s in family.samples if s.name.endswith("_bucket")}
 
 
 def lag_summary(before: dict[float, float], after: dict[float, float]) -> str:
