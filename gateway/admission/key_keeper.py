@@ -75,6 +75,7 @@ from sluice.apikeys import ApiKey, KeyStore, digest, load_records, matches, pars
 from sluice.directory import Directory
 from sluice.errors import AuthenticationFailed, Unavailable
 from sluice.ids import random_hex
+from sluice.script_channel import ScriptRunner
 
 log = logging.getLogger("sluice.tenancy")
 
@@ -90,6 +91,13 @@ _BATCH = 1_000
 
 #: The lease of the process writing a keys file back; renewed after each batch.
 FILING_TTL_MS = 30_000
+
+#: A key's stored record, read at every request that sends one: a script, so that it runs on
+#: the connection the per-request scripts share (sluice/script_channel.py). Through redis-py's
+#: ``HGETALL`` (a pooled connection checked out and in, its own parser and timeout) it was
+#: about half of what a key added to a request's CPU in the gateway, and the pool opened a
+#: connection for each request waiting at once (loadtest/peers/README.md).
+RECORD = "return redis.call('HGETALL', KEYS[1])"
 
 #: Give the keys file's lease up, if still this process's. KEYS: the lease. ARGV: the owner.
 UNLEASE = r"""
@@ -154,13 +162,17 @@ class KeyKeeper:
     """The kept key records of one gateway process (see the module)."""
 
     def __init__(self, redis: Any, store: KeyStore, *, keep_s: float = KEEP_S, kept: int = KEPT,
-                 watch: LossWatch | None = None, keys_file: str | None = None, batch: int = _BATCH) -> None:
+                 watch: LossWatch | None = None, keys_file: str | None = None, batch: int = _BATCH,
+                 runner: ScriptRunner | None = None) -> None:
+        """``runner``: what runs the per-request scripts (the tenancy's :func:`script_runner`),
+        which reads each request's key record; redis-py's scripts without one."""
         self._redis = redis
         self._cluster = isinstance(redis, RedisCluster)
         self._store = store
         self._directory = Directory(redis)
         self._write_back_script = redis.register_script(WRITE_BACK)
         self._unlease = redis.register_script(UNLEASE)
+        self._record = (runner or redis).register_script(RECORD)
         self._owner = random_hex()
         self._keep_s, self._cap, self._batch = keep_s, kept, batch
         self._kept: OrderedDict[str, _Kept] = OrderedDict()  # least recently verified first
@@ -247,7 +259,8 @@ class KeyKeeper:
         prefix = parse_prefix(key)
         if prefix is None:
             raise AuthenticationFailed("invalid or revoked API key")
-        fields = await self._store.fields(prefix)
+        raw = await self._record(keys=[keys.api_key(prefix)])
+        fields = {raw[i].decode(): raw[i + 1].decode() for i in range(0, len(raw), 2)} if raw else None
         missing = fields is None
         key_digest = digest(key)
         kept = self._copy(prefix)

@@ -143,10 +143,11 @@ class Tenancy:
         self._redis = redis
         self._s = settings
         self.keys = KeyStore(redis)
-        self.keeper = KeyKeeper(redis, self.keys, watch=watch, keys_file=settings.keys_file)
-        self.keeper.enforcing = settings.auth == "keys" or self.keeper.filed
-        # Two of these run per request with keys on: see Admission's runner.
+        # Three of these run per request with keys on (the key's record, its charge and its
+        # settlement): see Admission's runner.
         self._runner = script_runner(redis)
+        self.keeper = KeyKeeper(redis, self.keys, watch=watch, keys_file=settings.keys_file, runner=self._runner)
+        self.keeper.enforcing = settings.auth == "keys" or self.keeper.filed
         self._admit = self._runner.register_script(_ADMIT)
         self._settle = self._runner.register_script(_SETTLE)
         self._renew = self._runner.register_script(_RENEW)

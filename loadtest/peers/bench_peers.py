@@ -48,6 +48,7 @@ class Path_:
     name: str
     url: str
     model: str
+    api_key: str | None = None
 
 
 class Procs:
@@ -93,6 +94,7 @@ def group_cpu_s(pgid: int) -> float:
 
 #: The Sluice processes whose CPU per streamed chunk is reported, by the name they were started under.
 CPU_GROUPS = {"gateway": "sluice-gateway", "gateway x2": "sluice-gateway-2", "gateway baseline": "sluice-gateway-baseline",
+              "gateway keyed": "sluice-gateway-keyed",
               "openai worker": "sluice-worker-openai", "vllm-router": "vllm-router",
               "floor": "python-floor", "floor-raw": "python-floor-raw", "floor+redis": "python-floor-redis"}
 #: Not a process group: the whole machine's busy CPU (``group_cpu_s``).
@@ -106,14 +108,16 @@ FLOORS = {"python floor (uvicorn)": "floor", "python floor (raw asyncio)": "floo
           "python floor (uvicorn) + 2 Redis calls": "floor+redis"}
 
 
-def wait_ready(url: str, timeout_s: float = 120, json_body: dict[str, object] | None = None) -> None:
+def wait_ready(url: str, timeout_s: float = 120, json_body: dict[str, object] | None = None,
+               api_key: str | None = None) -> None:
     deadline = time.monotonic() + timeout_s
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     while time.monotonic() < deadline:
         try:
             if json_body is None:
                 if httpx.get(url, timeout=2).status_code == 200:
                     return
-            elif httpx.post(url, json=json_body, timeout=10).status_code == 200:
+            elif httpx.post(url, json=json_body, headers=headers, timeout=10).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -121,7 +125,8 @@ def wait_ready(url: str, timeout_s: float = 120, json_body: dict[str, object] | 
     raise RuntimeError(f"{url} not ready after {timeout_s}s")
 
 
-def start_vllm(procs: Procs, base: int, redis_url: str, baseline: Path | None = None) -> list[Path_]:
+def start_vllm(procs: Procs, base: int, redis_url: str, baseline: Path | None = None,
+               only: set[str] | None = None) -> list[Path_]:
     """vLLM's own server (CPU, the default model) read directly and through Sluice (and
     through ``baseline``'s gateway, when given)."""
     from sluice.models import default_model_dir
@@ -137,7 +142,7 @@ def start_vllm(procs: Procs, base: int, redis_url: str, baseline: Path | None = 
     server = f"http://127.0.0.1:{base}"
     wait_ready(server + "/health", 600)
     return [Path_("direct", server, name)] + start_sluice(procs, base, redis_url, server, name, sim=None,
-                                                          baseline=baseline)
+                                                          baseline=baseline, only=only)
 
 
 def _commit(root: Path) -> str:
@@ -145,12 +150,20 @@ def _commit(root: Path) -> str:
                           text=True).stdout.strip() or root.name
 
 
+#: The direct relay through a gateway that enforces an API key (limits far above the bench's
+#: rate): what a key's rate limits add to a request (its charge and settlement in Redis).
+KEYED = "sluice (direct relay) with an API key"
+
+
 def start_sluice(procs: Procs, base: int, redis_url: str, upstream: str, model: str,
-                 sim: tuple[float, float] | None, baseline: Path | None = None) -> list[Path_]:
+                 sim: tuple[float, float] | None, baseline: Path | None = None,
+                 only: set[str] | None = None) -> list[Path_]:
     """A gateway, an openai worker fronting ``upstream``, and a sim worker when ``sim``
-    gives its (ttft_ms, token_ms)."""
+    gives its (ttft_ms, token_ms). Every gateway runs open (no key asked), but the keyed
+    path's (:data:`KEYED`), started when ``only`` names it or is None."""
     py = sys.executable
-    env = {"PYTHONPATH": str(ROOT), "SLUICE_LOG_FORMAT": "json"}
+    # Open, whatever keys the registry holds: the keyed path's key must not make them ask.
+    env = {"PYTHONPATH": str(ROOT), "SLUICE_LOG_FORMAT": "json", "SLUICE_GATEWAY_AUTH": "open"}
     procs.start("sluice-worker-openai", [py, "-m", "sluice", "--log-level", "WARNING", "worker", "--engine", "openai",
                                          "--upstream-url", upstream, "--served-model-name", model, "--port",
                                          str(base + 3), "--redis-url", redis_url, "--upstream-capacity", "256"],
@@ -183,10 +196,29 @@ def start_sluice(procs: Procs, base: int, redis_url: str, upstream: str, model: 
                               f"{model}-direct"))
     if sim is not None:
         paths.append(Path_("sluice (sim worker)", gateway, "sim"))
+    if only is None or KEYED in only:
+        paths.append(_start_keyed(procs, base, redis_url, f"{model}-direct", env))
     probe = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
     for p in paths:
-        wait_ready(p.url + "/v1/chat/completions", 180, {**probe, "model": p.model})
+        wait_ready(p.url + "/v1/chat/completions", 180, {**probe, "model": p.model}, p.api_key)
     return paths
+
+
+def create_key(redis_url: str) -> str:
+    """An API key whose limits no bench reaches (``sluice keys create``)."""
+    made = subprocess.run([sys.executable, "-m", "sluice", "keys", "create", "--name", "bench-peers", "--rpm",
+                           str(10**9), "--tpm", str(10**12), "--max-concurrent", "100000", "--redis-url", redis_url],
+                          capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return made.stdout.split()[0]
+
+
+def _start_keyed(procs: Procs, base: int, redis_url: str, model: str, env: dict[str, str]) -> Path_:
+    """A gateway that asks for a key, and the key."""
+    key = create_key(redis_url)
+    procs.start("sluice-gateway-keyed", [sys.executable, "-m", "sluice", "--log-level", "WARNING", "gateway",
+                                         "--port", str(base + 13), "--redis-url", redis_url, "--procs", "1"],
+                env={**env, "SLUICE_GATEWAY_AUTH": "keys"})
+    return Path_(KEYED, f"http://127.0.0.1:{base + 13}", model, api_key=key)
 
 
 def start_all(procs: Procs, base: int, ttft_ms: float, token_ms: float, redis_url: str,
@@ -205,7 +237,7 @@ def start_all(procs: Procs, base: int, ttft_ms: float, token_ms: float, redis_ur
     if only is None or "litellm" in only:
         _start_litellm(procs, base, mock, paths)
     _start_floors(procs, base, mock, redis_url, paths, only)
-    paths += start_sluice(procs, base, redis_url, mock, "mock", sim=(ttft_ms, token_ms), baseline=baseline)
+    paths += start_sluice(procs, base, redis_url, mock, "mock", sim=(ttft_ms, token_ms), baseline=baseline, only=only)
     probe = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
     for p in paths:
         if not p.name.startswith("sluice"):
@@ -297,7 +329,8 @@ def table(results: dict[str, dict[str, dict[str, object]]], levels: list[int]) -
             fmt = lambda v: "-" if v is None else f"{v:,.1f}"
             cpu = r.get("cpu_us_per_chunk") or {}
             per_request = r.get("cpu_us_per_request") or {}
-            group = "gateway x2" if "2 gateway procs" in name else "gateway baseline" if " at " in name else "gateway"
+            group = ("gateway x2" if "2 gateway procs" in name else "gateway baseline" if " at " in name
+                     else "gateway keyed" if name == KEYED else "gateway")
             if name == "vllm-router":  # the router's own process: its CPU beside the gateway's
                 group = "vllm-router"
             group = FLOORS.get(name, group)
@@ -377,7 +410,8 @@ async def measure(paths: list[Path_], levels: list[int], warmup_s: float, measur
         for _ in range(repeat):
             for p in paths:
                 win, cpu = await asyncio.gather(run(p.url, p.model, level, warmup_s, measure_s, max_tokens,
-                                                    stream=stream, keep_alive=keep_alive, think_ms=think_ms),
+                                                    api_key=p.api_key, stream=stream, keep_alive=keep_alive,
+                                                    think_ms=think_ms),
                                                 window_cpu(groups, warmup_s, measure_s))
                 r = summarize(win, measure_s, cpu)
                 runs[p.name].append(r)
@@ -426,11 +460,11 @@ def main() -> None:
     procs = Procs(logs)
     try:
         with EmbeddedRedis() as redis:
+            only = set(args.only.split(",")) if args.only else None
             if args.server == "vllm":
-                paths = start_vllm(procs, args.base_port, redis.url, args.baseline)
+                paths = start_vllm(procs, args.base_port, redis.url, args.baseline, only)
             else:
-                paths = start_all(procs, args.base_port, args.ttft_ms, args.token_ms, redis.url, args.baseline,
-                                  set(args.only.split(",")) if args.only else None)
+                paths = start_all(procs, args.base_port, args.ttft_ms, args.token_ms, redis.url, args.baseline, only)
             if args.only:
                 keep = set(args.only.split(","))
                 paths = [p for p in paths if p.name in keep or p.name == "direct"]

@@ -11,6 +11,7 @@ profile of the gateway (optional), its event loop's lag (gateway/loop_lag.py, re
     ... --strace                   # the gateway's system calls per request, by call (strace -c; slows it)
     ... --keep-alive --think-ms 4  # as bench_peers.py's issue-22 runs: kept-alive loops out of step
     ... --access                   # the gateway's access lines: where its added TTFT is spent (logging costs it)
+    ... --api-key                  # every request with an API key (the gateway enforces keys)
 
 Timing model of the mock as in bench_peers.py (first token 20 ms, one token per 5 ms).
 The figures are for finding the next hot spot, not for comparing with peers: py-spy
@@ -107,9 +108,13 @@ def access_split(log: Path, offset: int, since: float, client_p50: float | None,
             f"outside {c50 - t50:+.1f}")
 
 
+#: /metrics's key, for a gateway that enforces API keys (``--api-key``).
+ADMIN_KEY = "profile-gateway-admin"
+
+
 def lag_buckets(gateway: str) -> dict[float, float]:
     """The gateway's event-loop lag histogram (gateway/loop_lag.py): cumulative count by bound."""
-    text = httpx.get(gateway + "/metrics", timeout=5).text
+    text = httpx.get(gateway + "/metrics", headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=5).text
     return {float(s.labels["le"]): s.value for family in text_string_to_metric_families(text)
             if family.name == "sluice_gateway_event_loop_lag_seconds"
             for s in family.samples if s.name.endswith("_bucket")}
@@ -142,6 +147,9 @@ def main() -> None:
                              "backlog); logging each request costs the gateway some CPU")
     parser.add_argument("--think-ms", type=float, default=0.0,
                         help="each loop pauses a random 0..N ms between requests (as bench_peers.py's)")
+    parser.add_argument("--api-key", action="store_true",
+                        help="the gateway enforces API keys and every request sends one (limits no load reaches): "
+                             "what a key's verification and rate limits cost")
     parser.add_argument("--base-port", type=int, default=18620)
     parser.add_argument("--py-spy", help="output prefix for py-spy's collapsed stacks of the gateway")
     parser.add_argument("--cprofile", help="run the gateway under cProfile, its stats to this file (calls per "
@@ -157,7 +165,9 @@ def main() -> None:
             procs.start("mock", [py, str(HERE / "mock_openai.py"), "--port", str(base), "--vllm", "--no-eos"])
             mock = f"http://127.0.0.1:{base}"
             bp.wait_ready(mock + "/health")
-            env = {"PYTHONPATH": str(bp.ROOT), "SLUICE_LOG_FORMAT": "json"}
+            env = {"PYTHONPATH": str(bp.ROOT), "SLUICE_LOG_FORMAT": "json",
+                   "SLUICE_GATEWAY_AUTH": "keys" if args.api_key else "open", "SLUICE_GATEWAY_ADMIN_KEY": ADMIN_KEY}
+            api_key = bp.create_key(embedded.url) if args.api_key else None
             common = ["--log-level", "WARNING"]
             procs.start("worker", [py, "-m", "sluice", *common, "worker", "--engine", "openai", "--upstream-url", mock,
                                    "--served-model-name", "m", "--port", str(base + 1), "--redis-url", embedded.url,
@@ -169,14 +179,14 @@ def main() -> None:
             gateway_log = procs.logs / "gateway.log"
             gateway = f"http://127.0.0.1:{base + 2}"
             probe = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
-            bp.wait_ready(gateway + "/v1/chat/completions", 120, probe)
+            bp.wait_ready(gateway + "/v1/chat/completions", 120, probe, api_key)
             client = redis.Redis.from_url(embedded.url)
             client.config_set("slowlog-log-slower-than", 0)
             client.config_set("slowlog-max-len", 100_000)
             pid = procs.groups["gateway"]
             direct_p50: float | None = None
             for level in [int(x) for x in args.levels.split(",")]:
-                for name, url, model in (("direct", mock, "mock"), ("gateway", gateway, "m")):
+                for name, url, model, key in (("direct", mock, "mock", None), ("gateway", gateway, "m", api_key)):
                     spy = None
                     if args.py_spy and name == "gateway":
                         spy = subprocess.Popen([shutil.which("py-spy") or str(Path(py).parent / "py-spy"), "record", "-r", "200", "-d", str(int(args.measure_s)), "-f",
@@ -193,9 +203,11 @@ def main() -> None:
                     opened = client.info("stats")["total_connections_received"]
                     logged_from, window_from = gateway_log.stat().st_size, time.time() + 2.0  # past the warm-up
 
-                    async def measure(url: str = url, model: str = model, level: int = level) -> tuple[load.Window, float]:
+                    async def measure(url: str = url, model: str = model, level: int = level,
+                                      key: str | None = key) -> tuple[load.Window, float]:
                         win, cpu = await asyncio.gather(load.run(url, model, level, 2.0, args.measure_s, args.max_tokens,
-                                                                    keep_alive=args.keep_alive, think_ms=args.think_ms),
+                                                                    api_key=key, keep_alive=args.keep_alive,
+                                                                    think_ms=args.think_ms),
                                                         bp.window_cpu({"gateway": pid}, 2.0, args.measure_s))
                         return win, cpu["gateway"]
 

@@ -149,6 +149,28 @@ async def test_concurrency_cap(tenant, tenant_redis, start_worker) -> None:
     assert codes.count(429) >= 1 and codes.count(200) >= 2
 
 
+async def test_keyed_requests_at_once_share_the_gateways_redis_connections(tenant, tenant_redis, start_gateway) -> None:
+    """Each keyed request reads its key's record. Through redis-py's pool every request
+    waiting for it at once checked out a connection of its own, and the pool opened one for
+    each (61 for 64 concurrent streams in loadtest/peers/profile_gateway.py --api-key): one
+    client could make every gateway open connections to Redis by the hundred. The record
+    is now read on the connection the per-request scripts share."""
+    gateway = start_gateway(redis_at=tenant_redis)  # its own pool, grown by nothing before
+    key = _create(tenant_redis, "--rpm", "100000", "--tpm", "10000000", "--max-concurrent", "1000")
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    client = redis.Redis.from_url(tenant_redis)
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30, headers={"Authorization": f"Bearer {key}"},
+                                 limits=httpx.Limits(max_connections=200)) as http:
+        assert (await http.post("/v1/completions", json=body)).status_code == 200  # warm: its channels open
+        opened = client.info("stats")["total_connections_received"]
+        for _ in range(3):
+            answers = await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(48)))
+            assert [a.status_code for a in answers] == [200] * 48
+        more = client.info("stats")["total_connections_received"] - opened
+    client.close()
+    assert more < 8, f"{more} Redis connections opened for 144 keyed requests, 48 at a time"
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
