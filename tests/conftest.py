@@ -49,7 +49,7 @@ def access_line(gateway, request_id: str) -> dict:
 
     def logged() -> bool:
         found[:] = [orjson.loads(line) for line in gateway.log_tail(3000).splitlines()
-                    if f'"msg": "access request_id={request_id} ' in line]
+                    if f'"msg":"access request_id={request_id} ' in line]
         return bool(found)
 
     wait_for(logged, 5, f"the access line of {request_id}")

@@ -94,7 +94,7 @@ def group_cpu_s(pgid: int) -> float:
 
 #: The Sluice processes whose CPU per streamed chunk is reported, by the name they were started under.
 CPU_GROUPS = {"gateway": "sluice-gateway", "gateway x2": "sluice-gateway-2", "gateway baseline": "sluice-gateway-baseline",
-              "gateway keyed": "sluice-gateway-keyed",
+              "gateway keyed": "sluice-gateway-keyed", "gateway logged": "sluice-gateway-logged",
               "openai worker": "sluice-worker-openai", "vllm-router": "vllm-router",
               "floor": "python-floor", "floor-raw": "python-floor-raw", "floor+redis": "python-floor-redis"}
 #: Not a process group: the whole machine's busy CPU (``group_cpu_s``).
@@ -150,9 +150,13 @@ def _commit(root: Path) -> str:
                           text=True).stdout.strip() or root.name
 
 
-#: The direct relay through a gateway that enforces an API key (limits far above the bench's
-#: rate): what a key's rate limits add to a request (its charge and settlement in Redis).
+#: The direct relay through a gateway of its own with one setting changed, each started when
+#: ``--only`` names it (or runs every path): one that enforces an API key (limits far above
+#: the bench's rate), what a key adds to a request (its record read, its charge and settlement
+#: in Redis); one that logs at INFO, the product's default (every other gateway here logs at
+#: WARNING), what a request's access line costs.
 KEYED = "sluice (direct relay) with an API key"
+LOGGED = "sluice (direct relay) with access lines"
 
 
 def start_sluice(procs: Procs, base: int, redis_url: str, upstream: str, model: str,
@@ -160,7 +164,7 @@ def start_sluice(procs: Procs, base: int, redis_url: str, upstream: str, model: 
                  only: set[str] | None = None) -> list[Path_]:
     """A gateway, an openai worker fronting ``upstream``, and a sim worker when ``sim``
     gives its (ttft_ms, token_ms). Every gateway runs open (no key asked), but the keyed
-    path's (:data:`KEYED`), started when ``only`` names it or is None."""
+    path's (:data:`KEYED`); the variants started when ``only`` names them or is None."""
     py = sys.executable
     # Open, whatever keys the registry holds: the keyed path's key must not make them ask.
     env = {"PYTHONPATH": str(ROOT), "SLUICE_LOG_FORMAT": "json", "SLUICE_GATEWAY_AUTH": "open"}
@@ -197,7 +201,11 @@ def start_sluice(procs: Procs, base: int, redis_url: str, upstream: str, model: 
     if sim is not None:
         paths.append(Path_("sluice (sim worker)", gateway, "sim"))
     if only is None or KEYED in only:
-        paths.append(_start_keyed(procs, base, redis_url, f"{model}-direct", env))
+        paths.append(_start_variant(procs, KEYED, "sluice-gateway-keyed", base + 13, redis_url, f"{model}-direct",
+                                    {**env, "SLUICE_GATEWAY_AUTH": "keys"}, api_key=create_key(redis_url)))
+    if only is None or LOGGED in only:
+        paths.append(_start_variant(procs, LOGGED, "sluice-gateway-logged", base + 14, redis_url, f"{model}-direct",
+                                    env, log_level="INFO"))
     probe = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
     for p in paths:
         wait_ready(p.url + "/v1/chat/completions", 180, {**probe, "model": p.model}, p.api_key)
@@ -212,13 +220,12 @@ def create_key(redis_url: str) -> str:
     return made.stdout.split()[0]
 
 
-def _start_keyed(procs: Procs, base: int, redis_url: str, model: str, env: dict[str, str]) -> Path_:
-    """A gateway that asks for a key, and the key."""
-    key = create_key(redis_url)
-    procs.start("sluice-gateway-keyed", [sys.executable, "-m", "sluice", "--log-level", "WARNING", "gateway",
-                                         "--port", str(base + 13), "--redis-url", redis_url, "--procs", "1"],
-                env={**env, "SLUICE_GATEWAY_AUTH": "keys"})
-    return Path_(KEYED, f"http://127.0.0.1:{base + 13}", model, api_key=key)
+def _start_variant(procs: Procs, name: str, group: str, port: int, redis_url: str, model: str, env: dict[str, str],
+                   *, log_level: str = "WARNING", api_key: str | None = None) -> Path_:
+    """One gateway process for the path ``name`` (its CPU counted as ``group``)."""
+    procs.start(group, [sys.executable, "-m", "sluice", "--log-level", log_level, "gateway", "--port", str(port),
+                        "--redis-url", redis_url, "--procs", "1"], env=env)
+    return Path_(name, f"http://127.0.0.1:{port}", model, api_key=api_key)
 
 
 def start_all(procs: Procs, base: int, ttft_ms: float, token_ms: float, redis_url: str,
@@ -330,7 +337,7 @@ def table(results: dict[str, dict[str, dict[str, object]]], levels: list[int]) -
             cpu = r.get("cpu_us_per_chunk") or {}
             per_request = r.get("cpu_us_per_request") or {}
             group = ("gateway x2" if "2 gateway procs" in name else "gateway baseline" if " at " in name
-                     else "gateway keyed" if name == KEYED else "gateway")
+                     else "gateway keyed" if name == KEYED else "gateway logged" if name == LOGGED else "gateway")
             if name == "vllm-router":  # the router's own process: its CPU beside the gateway's
                 group = "vllm-router"
             group = FLOORS.get(name, group)

@@ -123,7 +123,7 @@ def _gateway_errors(system: System) -> dict[str, int]:
     found: dict[str, int] = {}
     for gateway in system.gateways:
         for line in gateway.log_path.read_text(errors="replace").splitlines():
-            if '"level": "error"' not in line:
+            if '"level":"error"' not in line:
                 continue
             try:
                 entry = orjson.loads(line)

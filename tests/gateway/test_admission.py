@@ -335,7 +335,7 @@ async def test_600_queued_streams_cost_a_bounded_number_of_connections(start_wor
     await watcher
     # What the gateway said other than access lines: why an attempt failed (a flake on a
     # Cluster, where some requests got "every live worker failed": the cause is not known yet).
-    said = [line for line in gateway.log_tail(4000).splitlines() if '"msg": "access ' not in line][-12:]
+    said = [line for line in gateway.log_tail(4000).splitlines() if '"msg":"access ' not in line][-12:]
     assert statuses.count(200) == 600, "\n".join([str(sorted(set(statuses))), *refusals[:2], *said])  # a str: shown whole
     assert 0 < peak <= 16, peak
     wait_for(lambda: _inflight(backend.client, model) == 0, 5, "every slot back")

@@ -43,7 +43,7 @@ def test_n_choices_client_disconnect_logs_no_error_and_frees_every_slot(
                       timeout=30)
     assert done.status_code == 200
     log = gateway.log_path.read_text()
-    assert '"level": "error"' not in log and "Traceback" not in log, log[-3000:]
+    assert '"level":"error"' not in log and "Traceback" not in log, log[-3000:]
 
 
 def test_one_worker_dying_under_two_choices_is_not_a_query_of_death(start_worker, start_gateway) -> None:
