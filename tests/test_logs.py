@@ -16,7 +16,7 @@ from sluice.logs import JsonFormatter, configure_logging
 
 @pytest.fixture
 def logged(monkeypatch: pytest.MonkeyPatch):
-    """configure_logging's handler, writing to a buffer; the root logger as it was after."""
+    """configure_logging's handler, writing to a buffer; the root logger and logging's switches restored after."""
     monkeypatch.setenv("SLUICE_LOG_FORMAT", "json")
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
