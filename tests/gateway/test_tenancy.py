@@ -152,9 +152,10 @@ async def test_concurrency_cap(tenant, tenant_redis, start_worker) -> None:
 async def test_keyed_requests_at_once_share_the_gateways_redis_connections(tenant, tenant_redis, start_gateway) -> None:
     """Each keyed request reads its key's record. Through redis-py's pool every request
     waiting for it at once checked out a connection of its own, and the pool opened one for
-    each (61 for 64 concurrent streams in loadtest/peers/profile_gateway.py --api-key): one
-    client could make every gateway open connections to Redis by the hundred. The record
-    is now read on the connection the per-request scripts share."""
+    each (61 for 64 concurrent streams in loadtest/peers/profile_gateway.py --api-key), up to
+    its bound (SLUICE_REDIS_MAX_CONNECTIONS, 64 per process), which every other Redis user of
+    the process shares. The record is now read on the connection the per-request scripts
+    share."""
     gateway = start_gateway(redis_at=tenant_redis)  # its own pool, grown by nothing before
     key = _create(tenant_redis, "--rpm", "100000", "--tpm", "10000000", "--max-concurrent", "1000")
     body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
