@@ -7,9 +7,10 @@ A gateway logs at INFO by default, so every request writes its access line (it b
 request: written before the answer's end, one write each, never held in a buffer). What a
 line costs is part of every request's: the JSON is written by orjson (compact, as the
 rest of Sluice writes JSON; the standard library's encoder took about a third of a line's
-CPU), the timestamp's text is made once a second, and the logging module gathers no
-facts about the calling frame, thread or process, which no format here prints (the
-optimisations the Logging HOWTO names). loadtest/peers/README.md has the measurements.
+CPU) and the timestamp's text is made once a second (loadtest/peers/README.md). The
+logging module's process-wide switches (no caller, thread or process facts per record, as
+the Logging HOWTO suggests) are left alone: a worker process hosts vLLM, whose own
+formatter prints the process id and the line, and broke on records without them.
 """
 
 from __future__ import annotations
@@ -61,9 +62,6 @@ def configure_logging(level: str = "INFO", process: str = "sluice") -> None:
         handler.setFormatter(
             logging.Formatter(f"%(asctime)s %(levelname)s {process} %(name)s: %(message)s")
         )
-    # Neither format prints the caller's file and line, the thread or the process id.
-    logging._srcfile = None  # type: ignore[attr-defined]  # (the HOWTO's way: no frame walk per record)
-    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

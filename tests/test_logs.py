@@ -7,6 +7,7 @@ import calendar
 import io
 import json
 import logging
+import os
 import time
 
 import pytest
@@ -16,12 +17,10 @@ from sluice.logs import JsonFormatter, configure_logging
 
 @pytest.fixture
 def logged(monkeypatch: pytest.MonkeyPatch):
-    """configure_logging's handler, writing to a buffer; the root logger and logging's switches restored after."""
+    """configure_logging's handler, writing to a buffer; the root logger restored after."""
     monkeypatch.setenv("SLUICE_LOG_FORMAT", "json")
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
-    for name in ("_srcfile", "logThreads", "logProcesses", "logMultiprocessing"):  # (process-wide switches)
-        monkeypatch.setattr(logging, name, getattr(logging, name))
     configure_logging("INFO", "gateway")
     buffer = io.StringIO()
     root.handlers[0].setStream(buffer)  # type: ignore[attr-defined]
@@ -64,3 +63,28 @@ def test_what_orjson_refuses_is_still_written(logged) -> None:
     odd, failed = logged()
     assert odd["big"] == 2**70 and odd["3"] == "three"
     assert failed["level"] == "error" and "ValueError: boom" in failed["exc"]
+
+
+def test_other_formatters_in_the_process_still_get_every_fact(logged) -> None:
+    """Regression (make run, 2026-12-06): configure_logging turned off the logging module's
+    process, thread and caller facts to save a line 2 µs, and vLLM's formatter in the worker
+    process, which prints the process id and the line, failed on every record ("%d format:
+    a real number is required, not NoneType")."""
+    theirs = io.StringIO()
+    handler = logging.StreamHandler(theirs)
+    handler.setFormatter(logging.Formatter("%(process)d %(threadName)s %(filename)s:%(lineno)d %(message)s"))
+    other = logging.getLogger("vllm.like")
+    other.addHandler(handler)
+    other.propagate = False
+    try:
+        other.info("theirs")
+    finally:
+        other.removeHandler(handler)
+        other.propagate = True
+    assert theirs.getvalue() == f"{os.getpid()} MainThread test_logs.py:{_line_of('other.info(')} theirs\n"
+
+
+def _line_of(text: str) -> int:
+    """The line of this file that holds ``text`` first."""
+    with open(__file__) as source:
+        return next(i for i, line in enumerate(source, 1) if text in line and "_line_of" not in line)
