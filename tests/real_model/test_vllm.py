@@ -37,6 +37,15 @@ def test_greedy_answer_mentions_paris(client) -> None:
     assert resp.choices[0].finish_reason == "stop"
 
 
+def test_the_worker_writes_every_vllm_log_record(client, vllm_worker) -> None:
+    """Regression (make run, 2026-12-06): Sluice's logging set-up turned off the logging
+    module's process facts, and vLLM's own formatter in the worker process, which prints the
+    process id, wrote "--- Logging error ---" for every record instead of the record."""
+    client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)
+    log = vllm_worker.log_path.read_text(errors="replace")
+    assert "--- Logging error ---" not in log, log[log.find("--- Logging error ---"):][:2000]
+
+
 def test_streamed_deltas_equal_non_streamed_text(client) -> None:
     args = {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 40}
     full = client.chat.completions.create(**args).choices[0].message.content
