@@ -1,5 +1,6 @@
-"""The per-request Lua scripts (admission's, rate limits') over one pipelined connection
-per process for each of the two.
+"""The per-request Lua scripts (admission's, rate limits', resumable streams') over one
+pipelined connection per process for each of the three; the resumable streams' pipelines
+(a claim with the loss watch's look after it, a journal round) on theirs.
 
 Every request runs two scripts (ACQUIRE, RELEASE). Through redis-py each call checks a
 connection out of the pool, packs its 26-40 arguments one by one, runs retry and
@@ -38,7 +39,7 @@ from typing import Any, Protocol
 import hiredis
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from sluice.redis_pool import (
@@ -160,8 +161,9 @@ class ChannelScript:
 
     def __init__(self, channel: ScriptChannel, source: str) -> None:
         self._channel = channel
-        self.source = source
-        self._sha = hashlib.sha1(source.encode()).hexdigest()
+        #: As redis-py's scripts name them (a pipeline's ``evalsha`` takes the sha).
+        self.script = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
         #: The packed "EVALSHA sha numkeys key..." part, per key set (keys name what clients
         #: name: bounded by bytes, emptied when full).
         self._heads: dict[tuple[str, ...], bytes] = {}
@@ -171,7 +173,7 @@ class ChannelScript:
         key_set = tuple(keys)
         head = self._heads.get(key_set)
         if head is None:
-            head = b"".join(_bulk(w) for w in ("EVALSHA", self._sha, len(key_set), *key_set))
+            head = b"".join(_bulk(w) for w in ("EVALSHA", self.sha, len(key_set), *key_set))
             if self._head_bytes + len(head) > _HEADS_BYTES:
                 self._heads.clear()
                 self._head_bytes = 0
@@ -188,7 +190,7 @@ class ChannelScript:
 
     def evaluate(self, keys: Sequence[str], args: Sequence[Any]) -> bytes:
         """EVAL with the source: runs it, and leaves it cached for the next EVALSHA."""
-        return _command("EVAL", self.source, len(keys), *keys, *args)
+        return _command("EVAL", self.script, len(keys), *keys, *args)
 
 
 class _Call:
@@ -205,17 +207,65 @@ class _Call:
         if not isinstance(reply, hiredis.ReplyError):
             future.set_result(reply)
             return
-        text = str(reply)
-        if text.startswith("NOSCRIPT") and not self.retried:
+        if str(reply).startswith("NOSCRIPT") and not self.retried:
             channel.resubmit(future, self.script.evaluate(self.keys, self.args),
                              _Call(self.script, self.keys, self.args, retried=True))
             return
-        if is_demotion(text):
-            # The server is a replica now (a failover demoted it): nothing more on this
-            # connection can succeed; the next call finds the master again.
-            future.set_exception(channel.demoted())
-            return
-        future.set_exception(ResponseError(text))
+        future.set_exception(channel.error(reply))
+
+
+class ChannelPipeline:
+    """The part of redis-py's pipeline that the resumable streams' hot path uses (an
+    Idempotency-Key's claim with the loss watch's look after it, a journal round's scripts),
+    on a :class:`ScriptChannel`: queued commands leave in one write, in order. Replies are
+    redis-py's: raw, ``INFO`` as a dict of its fields (text), an error reply raised, or
+    returned in its place with ``raise_on_error=False`` (``NoScriptError`` for ``NOSCRIPT``:
+    the script is not sent again here, as redis-py's pipeline does not)."""
+
+    __slots__ = ("_channel", "_queued")
+
+    def __init__(self, channel: ScriptChannel) -> None:
+        self._channel = channel
+        #: Each command packed, and what its reply becomes (None: itself).
+        self._queued: list[tuple[bytes, Callable[[Any], Any] | None]] = []
+
+    def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> ChannelPipeline:
+        self._queued.append((_command("EVALSHA", sha, numkeys, *keys_and_args), None))
+        return self
+
+    def hget(self, name: str, key: str) -> ChannelPipeline:
+        self._queued.append((_command("HGET", name, key), None))
+        return self
+
+    def info(self, section: str) -> ChannelPipeline:
+        self._queued.append((_command("INFO", section), _info_fields))
+        return self
+
+    async def execute(self, raise_on_error: bool = True) -> list[Any]:
+        channel = self._channel
+        queued, self._queued = self._queued, []
+        await channel.connect()
+        replies = await asyncio.gather(*(channel.submit(packed) for packed, _ in queued))
+        results: list[Any] = []
+        for (_, convert), reply in zip(queued, replies, strict=True):
+            if isinstance(reply, hiredis.ReplyError):
+                error = channel.error(reply)
+                if raise_on_error:
+                    raise error
+                results.append(error)
+            else:
+                results.append(reply if convert is None else convert(reply))
+        return results
+
+
+def _info_fields(reply: bytes) -> dict[str, str]:
+    """``INFO``'s text as its fields (every value text: what is read of it is ``run_id``)."""
+    fields = {}
+    for line in reply.decode().splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.partition(":")
+            fields[name] = value
+    return fields
 
 
 class _Replies(asyncio.Protocol):
@@ -303,11 +353,32 @@ class ScriptChannel:
     async def request(self, packed: bytes, call: _Call | None = None) -> Any:
         """Send one packed command; its reply (a ``hiredis.ReplyError`` for an error reply,
         unless ``call`` says what the reply becomes)."""
+        await self.connect()
+        return await self.submit(packed, call)
+
+    async def connect(self) -> None:
+        """Open the connection unless it is open."""
         if not self.connected():
             if self._protocol is not None and self._ready:  # closed under us: fail what it owed first
                 self._drop(RedisConnectionError("connection to Redis lost"))
             await self._connect()
-        return await self.submit(packed, call)
+
+    def pipeline(self, transaction: bool = False) -> ChannelPipeline:
+        """Commands sent together and answered in order, as redis-py's pipeline (not a
+        transaction): on this connection, so in order with every call on it."""
+        assert not transaction, "a channel's pipeline is no transaction"
+        return ChannelPipeline(self)
+
+    def error(self, reply: hiredis.ReplyError) -> RedisError:
+        """The error an error reply is, as redis-py raises it. A ``READONLY`` reply (a
+        failover demoted the server) closes the connection: nothing more on it can
+        succeed, and the next call finds the master again."""
+        text = str(reply)
+        if text.startswith("NOSCRIPT"):
+            return NoScriptError(text)
+        if is_demotion(text):
+            return self.demoted()
+        return ResponseError(text)
 
     def submit(self, packed: bytes, call: _Call | None = None) -> asyncio.Future[Any]:
         """Queue one packed command on the open connection; its reply's future. A caller

@@ -4,6 +4,7 @@ Redis no longer has, a password and a database, a Redis that restarts or stops a
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import signal
 
@@ -11,7 +12,7 @@ import pytest
 import redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from sluice.embedded_redis import EmbeddedRedis, free_port
@@ -69,6 +70,51 @@ async def test_packed_arguments_reach_the_script_as_the_values_would(redis_url: 
         assert await argv(keys=["chan:packed"], args=[common]) == want[:4]
         await channel.request(b"*2\r\n$6\r\nSCRIPT\r\n$5\r\nFLUSH\r\n")
         assert await argv(keys=["chan:packed"], args=[common, "req-7", 3, b"[]"]) == want
+    finally:
+        await channel.aclose()
+        await client.aclose()
+
+
+async def test_a_pipeline_answers_as_redis_pys_in_order_with_the_channels_calls(redis_url: str) -> None:
+    """The resumable streams' pipelines (an Idempotency-Key's claim and the loss watch's look
+    after it, a journal round's scripts) on the channel: one reply per command, in order,
+    as redis-py's pipeline gives them; a script Redis lost comes back as ``NoScriptError``
+    (not sent again: the caller knows what it queued after it), another error reply as
+    ``ResponseError``, raised unless asked for in its place."""
+    client = await create_pool(redis_url)
+    channel = script_runner(client)
+    assert isinstance(channel, ScriptChannel)
+    echo = channel.register_script(ECHO)
+    try:
+        await client.hset("chan:pipe:h", "id", "e-1")
+        await echo(keys=["chan:pipe"], args=["a", "b"])  # Redis knows the script now
+        pipe = channel.pipeline(transaction=False)
+        pipe.evalsha(echo.sha, 1, "chan:pipe", "c", "d")
+        pipe.hget("chan:pipe:h", "id")
+        pipe.hget("chan:pipe:h", "missing")
+        pipe.info("server")
+        counted, found, missing, info = await pipe.execute()
+        assert counted == [b"c", b"d", b"2"] and found == b"e-1" and missing is None
+        assert info["run_id"] == (await client.info("server"))["run_id"]
+
+        await client.script_flush()
+        pipe = channel.pipeline()
+        pipe.evalsha(echo.sha, 1, "chan:pipe", "e", "f")
+        pipe.evalsha(hashlib.sha1(b"return 1").hexdigest(), 0)
+        pipe.hget("chan:pipe:h", "id")
+        lost, unknown, after = await pipe.execute(raise_on_error=False)
+        assert isinstance(lost, NoScriptError) and isinstance(unknown, NoScriptError) and after == b"e-1"
+        assert await client.get("chan:pipe") == b"2"  # nothing ran twice
+        pipe = channel.pipeline()
+        pipe.evalsha(echo.sha, 1, "chan:pipe", "e", "f")
+        with pytest.raises(NoScriptError):
+            await pipe.execute()
+        pipe = channel.pipeline()
+        pipe.hget("chan:pipe:h", "id")
+        pipe.evalsha("not-a-sha", 0)
+        found, wrong = await pipe.execute(raise_on_error=False)
+        assert found == b"e-1" and isinstance(wrong, ResponseError)
+        assert (await echo(keys=["chan:pipe"], args=["g", "h"]))[:2] == [b"g", b"h"]  # the channel in step
     finally:
         await channel.aclose()
         await client.aclose()

@@ -73,8 +73,8 @@ class Serving:
     ) -> None:
         self._metrics = metrics
         # Writes every journal this process produces, its events tagged with the process's name.
-        self._committer = JournalCommitter(redis, watch, idempotency.producers.instance)
-        self._quota = JournalQuota(redis, settings)  # bounds their memory per API key and in total
+        self._committer = JournalCommitter(redis, watch, idempotency.producers.instance, runner=idempotency.runner)
+        self._quota = JournalQuota(idempotency.runner, settings)  # bounds their memory per API key and in total
         self._settings = settings
         self._tenancy = tenancy
         self._readers = readers
@@ -91,8 +91,8 @@ class Serving:
 
     async def close(self) -> None:
         await self._keepalive.close()
-        await self._idempotency.close()
         await self._committer.close()
+        await self._idempotency.close()  # (the connection the committer wrote on, last)
 
     async def serve(
         self, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext, shape: Shape | None = None,

@@ -67,7 +67,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -79,6 +79,7 @@ from gateway.streams.journal import DONE, LIVE_TTL_MS, RECLAIM_GRACE_S, now_ms
 from gateway.streams.producers import PRODUCER_STALL_S, ProducerBeat
 from sluice import keys
 from sluice.errors import Conflict, DeadlineExceeded, InvalidRequest, SluiceError, Unavailable, UpstreamFailed
+from sluice.script_channel import ScriptChannel, script_runner
 
 log = logging.getLogger("sluice.gateway")
 
@@ -258,11 +259,17 @@ class Idempotency:
         #: not seen yet (LossWatch.confirm).
         self._watch = watch
         self._ttl_ms = int(ttl_s * 1000)
-        self._claim = redis.register_script(CLAIM)
-        self._settle = redis.register_script(SETTLE)
-        self._take = redis.register_script(TAKE)
-        self._abandon = redis.register_script(ABANDON)
-        self._start = redis.register_script(START)
+        #: What a resumable stream's scripts run on, the claim's look and the journal's
+        #: writes included (gateway/streams/journal.py): one connection of its own on a
+        #: plain server (sluice/script_channel.py), not one of the pool's per call (a
+        #: resumable request made five of those round trips, and a request waiting for one
+        #: at once opened a connection of its own: loadtest/peers/README.md).
+        self.runner: Any = script_runner(redis)
+        self._claim = self.runner.register_script(CLAIM)
+        self._settle = self.runner.register_script(SETTLE)
+        self._take = self.runner.register_script(TAKE)
+        self._abandon = self.runner.register_script(ABANDON)
+        self._start = self.runner.register_script(START)
         #: Pending claims of this process, (key, owner) -> when their ``:live`` was last set or
         #: renewed, at the latest (unix ms, as it was sent).
         self._held: dict[tuple[str, str], int] = {}
@@ -405,7 +412,7 @@ class Idempotency:
         assert self._watch is not None
         if isinstance(self._redis, RedisCluster):
             return await self._claim(keys=names, args=args), None
-        pipe = self._redis.pipeline(transaction=False)
+        pipe = self.runner.pipeline(transaction=False)
         pipe.evalsha(self._claim.sha, len(names), *names, *args)
         read = self._watch.confirm_with(pipe)
         found, *look = await pipe.execute(raise_on_error=False)
@@ -498,6 +505,8 @@ class Idempotency:
             self._renewing.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._renewing
+        if isinstance(self.runner, ScriptChannel):
+            await self.runner.aclose()
 
     def _hold(self, key: str, owner: str, set_ms: int) -> None:
         self._held[key, owner] = set_ms

@@ -829,12 +829,16 @@ class JournalCommitter:
     >>> await committer.close()
     """
 
-    def __init__(self, redis: Redis, watch: LossWatch | None = None, instance: bytes = b"") -> None:
+    def __init__(self, redis: Redis, watch: LossWatch | None = None, instance: bytes = b"",
+                 runner: Any = None) -> None:
+        """``runner``: what the rounds and releases run on (the Idempotency-Keys' script
+        channel, gateway/streams/idempotency.py; ``redis`` when None)."""
         self.redis = redis
+        self._runner = runner if runner is not None else redis
         #: This process's name in its producers' tags (gateway/streams/producers.py).
         self.instance = instance
-        self._script = redis.register_script(APPEND)
-        self._release = redis.register_script(RELEASE)
+        self._script = self._runner.register_script(APPEND)
+        self._release = self._runner.register_script(RELEASE)
         self._followed: set[JournalWriter] = set()
         self._due: dict[JournalWriter, None] = {}  # insertion-ordered set
         self._wake = asyncio.Event()
@@ -1005,7 +1009,7 @@ class JournalCommitter:
             return await asyncio.gather(
                 *(script(keys=keys_, args=args) for script, keys_, args in calls), return_exceptions=True
             )
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self._runner.pipeline(transaction=False)
         for script, keys_, args in calls:
             pipe.evalsha(script.sha, len(keys_), *keys_, *args)
         return list(await pipe.execute(raise_on_error=False))

@@ -52,6 +52,7 @@ from gateway.config import GatewaySettings
 from gateway.surfaces.openai import ChatCompletionRequest, CompletionRequest
 from sluice import keys
 from sluice.errors import InvalidRequest, RateLimited, SluiceError
+from sluice.script_channel import ScriptRunner
 
 log = logging.getLogger("sluice.journal")
 
@@ -200,7 +201,9 @@ def journal_events(req: ChatCompletionRequest | CompletionRequest, settings: Gat
 class JournalQuota:
     """The journal memory reservations of every stream (one per gateway process)."""
 
-    def __init__(self, redis: Redis, settings: GatewaySettings) -> None:
+    def __init__(self, redis: Redis | ScriptRunner, settings: GatewaySettings) -> None:
+        """``redis``: what the scripts run on (the gateway gives the Idempotency-Keys' script
+        channel, gateway/streams/idempotency.py)."""
         self._reserve = redis.register_script(RESERVE)
         self._settle = redis.register_script(SETTLE)
         self._unreserve = redis.register_script(UNRESERVE)

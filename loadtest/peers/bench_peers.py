@@ -49,6 +49,8 @@ class Path_:
     url: str
     model: str
     api_key: str | None = None
+    #: Each request with an Idempotency-Key of its own (a resumable stream).
+    resumable: bool = False
 
 
 class Procs:
@@ -157,6 +159,9 @@ def _commit(root: Path) -> str:
 #: WARNING), what a request's access line costs.
 KEYED = "sluice (direct relay) with an API key"
 LOGGED = "sluice (direct relay) with access lines"
+#: The direct relay's gateway, each request with an Idempotency-Key of its own: what a
+#: resumable stream adds (the key's claim and settlement, the journal's writes).
+RESUMABLE = "sluice (direct relay) with Idempotency-Key"
 
 
 def start_sluice(procs: Procs, base: int, redis_url: str, upstream: str, model: str,
@@ -189,6 +194,7 @@ def start_sluice(procs: Procs, base: int, redis_url: str, upstream: str, model: 
     procs.start("sluice-gateway-2", [py, "-m", "sluice", "--log-level", "WARNING", "gateway", "--port",
                                      str(base + 7), "--redis-url", redis_url, "--procs", "2"], env=env)
     paths = [Path_("sluice (openai worker)", gateway, model), Path_("sluice (direct relay)", gateway, f"{model}-direct"),
+             Path_(RESUMABLE, gateway, f"{model}-direct", resumable=True),
              Path_("sluice (direct relay) on 2 gateway procs", f"http://127.0.0.1:{base + 7}", f"{model}-direct")]
     if baseline is not None:
         # Another checkout's gateway (an older commit) on the same registry: before and after
@@ -418,7 +424,7 @@ async def measure(paths: list[Path_], levels: list[int], warmup_s: float, measur
             for p in paths:
                 win, cpu = await asyncio.gather(run(p.url, p.model, level, warmup_s, measure_s, max_tokens,
                                                     api_key=p.api_key, stream=stream, keep_alive=keep_alive,
-                                                    think_ms=think_ms),
+                                                    think_ms=think_ms, resumable=p.resumable),
                                                 window_cpu(groups, warmup_s, measure_s))
                 r = summarize(win, measure_s, cpu)
                 runs[p.name].append(r)

@@ -20,6 +20,7 @@ gateway in bursts (loadtest/peers/README.md, 2026-12-04 evening); ``think_ms`` b
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -131,8 +132,11 @@ async def _one(host: str, port: int, path: str, body: bytes, headers: bytes, win
             now = time.monotonic()
             for event in events:
                 event = event.strip()
-                if not event.startswith(b"data:"):
-                    continue
+                if not event.startswith(b"data:"):  # a resumable stream's events lead with their id
+                    at = event.find(b"\ndata:")
+                    if at < 0:
+                        continue
+                    event = event[at + 1:]
                 payload = event[5:].strip()
                 if payload == b"[DONE]":
                     done = True
@@ -167,10 +171,11 @@ async def _one(host: str, port: int, path: str, body: bytes, headers: bytes, win
 
 async def run(url: str, model: str, streams: int, warmup_s: float, measure_s: float, max_tokens: int,
               api_key: str | None = None, stream: bool = True, keep_alive: bool = False,
-              think_ms: float = 0.0) -> Window:
+              think_ms: float = 0.0, resumable: bool = False) -> Window:
     """``streams`` closed loops against ``url`` for warmup + measure seconds (``stream``: SSE,
     else one JSON answer per request; ``keep_alive``: each loop keeps its connection;
-    ``think_ms``: each loop pauses a random 0..think_ms between its requests)."""
+    ``think_ms``: each loop pauses a random 0..think_ms between its requests; ``resumable``:
+    each request has an ``Idempotency-Key`` of its own, which makes a stream resumable)."""
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     path = (parts.path.rstrip("/") or "") + "/v1/chat/completions"
@@ -183,7 +188,8 @@ async def run(url: str, model: str, streams: int, warmup_s: float, measure_s: fl
     async def loop() -> None:
         conn: Conn | None = None
         while time.monotonic() < win.end:
-            conn = await _one(host, port, path, body, headers, win, stream, keep_alive, conn)
+            sent = headers + b"Idempotency-Key: " + os.urandom(12).hex().encode() + b"\r\n" if resumable else headers
+            conn = await _one(host, port, path, body, sent, win, stream, keep_alive, conn)
             if think_ms:
                 await asyncio.sleep(random.uniform(0, think_ms) / 1000)
         if conn is not None:

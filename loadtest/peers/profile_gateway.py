@@ -147,6 +147,8 @@ def main() -> None:
                              "backlog); logging each request costs the gateway some CPU")
     parser.add_argument("--think-ms", type=float, default=0.0,
                         help="each loop pauses a random 0..N ms between requests (as bench_peers.py's)")
+    parser.add_argument("--resumable", action="store_true",
+                        help="each request to the gateway has an Idempotency-Key of its own (a resumable stream)")
     parser.add_argument("--api-key", action="store_true",
                         help="the gateway enforces API keys and every request sends one (limits no load reaches): "
                              "what a key's verification and rate limits cost")
@@ -207,7 +209,8 @@ def main() -> None:
                                       key: str | None = key) -> tuple[load.Window, float]:
                         win, cpu = await asyncio.gather(load.run(url, model, level, 2.0, args.measure_s, args.max_tokens,
                                                                     api_key=key, keep_alive=args.keep_alive,
-                                                                    think_ms=args.think_ms),
+                                                                    think_ms=args.think_ms,
+                                                                    resumable=args.resumable and name == "gateway"),
                                                         bp.window_cpu({"gateway": pid}, 2.0, args.measure_s))
                         return win, cpu["gateway"]
 

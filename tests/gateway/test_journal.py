@@ -35,6 +35,7 @@ from gateway.streams.journal_readers import JournalReaders
 from sluice import keys
 from sluice.errors import DeadlineExceeded, RateLimited
 from sluice.redis_pool import RedisClient, create_pool
+from sluice.script_channel import ScriptChannel, script_runner
 
 
 @pytest.fixture(params=["redis_url", "redis_cluster_url"])
@@ -47,9 +48,14 @@ async def redis(request: pytest.FixtureRequest) -> AsyncIterator[RedisClient]:
 
 @pytest.fixture
 async def committer(redis: RedisClient) -> AsyncIterator[JournalCommitter]:
-    writes = JournalCommitter(redis)
+    """Its rounds on a script channel of their own, as the gateway's (gateway/relay/serving.py;
+    on a Cluster, redis-py's scripts)."""
+    runner = script_runner(redis)
+    writes = JournalCommitter(redis, runner=runner)
     yield writes
     await writes.close()
+    if isinstance(runner, ScriptChannel):
+        await runner.aclose()
 
 
 @pytest.fixture

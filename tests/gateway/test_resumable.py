@@ -229,6 +229,36 @@ async def test_reattached_readers_do_not_hold_a_redis_connection_each(
     assert all(stream == whole for stream in streams)
 
 
+async def test_resumable_requests_at_once_share_the_gateways_redis_connections(
+    start_worker, start_gateway, redis_client
+) -> None:
+    """A resumable request claims its key, writes its journal and settles both: five round
+    trips through redis-py's pool each, and a request waiting for one at once opened a
+    connection of its own (22 in 15 s of 16 one-token streams, loadtest/peers/profile_gateway.py
+    --resumable), up to the pool's bound, which every Redis user of the process shares. They
+    run on one connection of their own now (gateway/streams/idempotency.py ``runner``)."""
+    start_worker("resume-burst", sim_token_ms=5, sim_ttft_ms=0)
+    gateway = start_gateway()
+    body = {**BODY, "model": "resume-burst", "max_tokens": 3}
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60,
+                                 limits=httpx.Limits(max_connections=200)) as client:
+
+        async def one() -> str:
+            async with client.stream("POST", "/v1/completions", json=body,
+                                     headers={"Idempotency-Key": uuid.uuid4().hex}) as r:
+                assert r.status_code == 200
+                events = await _aevents(r, lambda n: None)
+            assert [i for i, _ in events if i is not None] == [1, 2, 3] and events[-1][1] == "[DONE]"
+            return _text(events)
+
+        await one()  # warm: its channels open
+        held = await asyncio.to_thread(_redis_connections, redis_client, gateway)
+        for _ in range(3):
+            assert len(await asyncio.gather(*(one() for _ in range(48)))) == 48
+        more = await asyncio.to_thread(_redis_connections, redis_client, gateway) - held
+    assert more < 8, f"{more} more Redis connections held after 144 resumable requests, 48 at a time"
+
+
 def test_first_reader_gets_each_event_as_it_is_produced(start_worker, resumable) -> None:
     """Regression: the first client of a resumable stream read the batched journal too,
     so it got its events in bursts ~200 ms apart (168 ms gaps at 5 ms per token)."""
