@@ -148,6 +148,9 @@ def _command(*words: Any) -> bytes:
     return b"*%d\r\n" % _count(words) + _bulks(words)
 
 
+_INFO_SERVER = _command("INFO", "server")
+
+
 #: Packed key sets one script keeps (a few hundred models' worth).
 _HEADS_BYTES = 1 << 20
 
@@ -230,7 +233,8 @@ class ChannelPipeline:
         self._queued: list[tuple[bytes, Callable[[Any], Any] | None]] = []
 
     def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> ChannelPipeline:
-        self._queued.append((_command("EVALSHA", sha, numkeys, *keys_and_args), None))
+        self._queued.append((b"*%d\r\n%b" % (3 + len(keys_and_args), _bulks(("EVALSHA", sha, numkeys, *keys_and_args))),
+                             None))
         return self
 
     def hget(self, name: str, key: str) -> ChannelPipeline:
@@ -238,16 +242,30 @@ class ChannelPipeline:
         return self
 
     def info(self, section: str) -> ChannelPipeline:
-        self._queued.append((_command("INFO", section), _info_fields))
+        """``INFO server`` is answered without a command: its ``run_id`` alone, which the
+        connection read when it opened (a connection talks to one server process for its
+        life: a restart or a failover is a new connection). The loss watch's look at every
+        fresh claim asked Redis for the whole section, about 1 KB made and parsed per
+        resumable request."""
+        if section == "server":
+            self._queued.append((b"", None))
+        else:
+            self._queued.append((_command("INFO", section), _info_fields))
         return self
 
     async def execute(self, raise_on_error: bool = True) -> list[Any]:
         channel = self._channel
         queued, self._queued = self._queued, []
         await channel.connect()
-        replies = await asyncio.gather(*(channel.submit(packed) for packed, _ in queued))
+        server = {"run_id": channel.server_id}  # (submitted at once: on the connection it names)
+        replies = await asyncio.gather(*(channel.submit(packed) for packed, _ in queued if packed))
         results: list[Any] = []
-        for (_, convert), reply in zip(queued, replies, strict=True):
+        answered = iter(replies)
+        for packed, convert in queued:
+            if not packed:
+                results.append(server)
+                continue
+            reply = next(answered)
             if isinstance(reply, hiredis.ReplyError):
                 error = channel.error(reply)
                 if raise_on_error:
@@ -319,6 +337,8 @@ class ScriptChannel:
         self._outbox: list[bytes] = []
         self._watch: asyncio.TimerHandle | None = None
         self._connecting: asyncio.Lock | None = None
+        #: The ``run_id`` of the server process the open connection talks to.
+        self.server_id = ""
 
     @classmethod
     def following(cls, locate: Callable[[], Awaitable[Address]], **login: Any) -> ScriptChannel:
@@ -465,13 +485,14 @@ class ScriptChannel:
                     _, protocol = await asyncio.get_running_loop().create_connection(
                         lambda: _Replies(self), *self._address)
                     self._protocol, self._ready = protocol, False
-                    for command in self._hello:  # AUTH, SELECT, ROLE
+                    for command in (*self._hello, _INFO_SERVER):  # AUTH, SELECT, ROLE; which server
                         reply = await self.submit(command)
                         if isinstance(reply, hiredis.ReplyError):
                             raise RedisConnectionError(f"Redis refused the connection: {reply}")
                         if isinstance(reply, list) and reply and reply[0] != b"master":
                             raise RedisConnectionError(f"{self._address[0]}:{self._address[1]} is a "
                                                        f"{reply[0].decode()}, not the master (mid-failover)")
+                    self.server_id = _info_fields(reply).get("run_id", "")
             except BaseException as exc:
                 if protocol is not None:
                     if protocol is self._protocol:

@@ -144,12 +144,17 @@ async def test_a_restarted_redis_is_reached_again_and_a_silent_one_times_out() -
     channel = ScriptChannel("127.0.0.1", port, timeout_s=0.5)
     one = channel.register_script("return 1")
     try:
-        with EmbeddedRedis(port):
+        with EmbeddedRedis(port) as server:
             assert await one() == 1
+            first = await _server_seen(channel)
+            assert first == redis.Redis(port=port).info("server")["run_id"]
         with pytest.raises(RedisConnectionError):
             await one()  # gone: a Redis error, not a hang
         with EmbeddedRedis(port) as server:
             assert await one() == 1
+            # The loss watch's look at a claim reads which server answers from the connection:
+            # the new one's, never the one the last connection talked to.
+            assert await _server_seen(channel) == redis.Redis(port=port).info("server")["run_id"] != first
             os.kill(server.process.pid, signal.SIGSTOP)  # connected, silent
             try:
                 with pytest.raises(RedisTimeoutError):
@@ -159,6 +164,13 @@ async def test_a_restarted_redis_is_reached_again_and_a_silent_one_times_out() -
             assert await one() == 1  # a new connection
     finally:
         await channel.aclose()
+
+
+async def _server_seen(channel: ScriptChannel) -> str:
+    pipe = channel.pipeline()
+    pipe.info("server")
+    (info,) = await pipe.execute()
+    return info["run_id"]
 
 
 async def test_a_cluster_keeps_redis_pys_scripts(redis_cluster_url: str) -> None:

@@ -27,6 +27,7 @@ tenant's or the total bound is kept no longer (it expires with its TTL).
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from dataclasses import dataclass, field
@@ -134,6 +135,10 @@ class JournalKeeper:
         self._restore = redis.register_script(RESTORE)
         self._keep_s = keep_s
         self._kept: dict[str, Finished] = {}
+        #: The same, oldest first: what has expired is found at the front. (Walking every
+        #: kept journal at each look, twice a second, was 2 % of a gateway's CPU at 1,000
+        #: one-token resumable streams a second: 60,000 kept.)
+        self._ended: collections.deque[Finished] = collections.deque()
         #: The process's loss watcher (its own, looking every ``check_s``, when none is given).
         self._watch = watch if watch is not None else LossWatch(redis, check_s=check_s)
         self._owns_watch = watch is None
@@ -147,6 +152,7 @@ class JournalKeeper:
         if min(self._keep_s * 1000, finished.ttl_ms()) <= 0:
             return
         self._kept[finished.scope] = finished
+        self._ended.append(finished)
         self.watch()
 
     def watch(self) -> None:
@@ -156,6 +162,7 @@ class JournalKeeper:
 
     async def close(self) -> None:
         self._kept.clear()
+        self._ended.clear()
         if self._owns_watch:
             await self._watch.close()
 
@@ -166,10 +173,15 @@ class JournalKeeper:
         return await self.restore_all() if lost and self._kept else True
 
     def _expire(self) -> None:
+        """Drop the copies kept past ``keep_s`` or their TTL. Copies end in the order they
+        are kept; one whose TTL ran out before an older one's (a shorter TTL) waits for that
+        one, and is written back no more meanwhile (:meth:`_restore_one` skips it)."""
         now = time.monotonic()
-        for scope, finished in list(self._kept.items()):
-            if now - finished.ended_at > self._keep_s or finished.ttl_ms() <= 0:
-                del self._kept[scope]
+        ended, kept = self._ended, self._kept
+        while ended and (now - ended[0].ended_at > self._keep_s or ended[0].ttl_ms() <= 0):
+            finished = ended.popleft()
+            if kept.get(finished.scope) is finished:  # (not kept again since)
+                del kept[finished.scope]
 
     async def restore_all(self) -> bool:
         """Redis lost its data: write every kept journal back (those that still fit their

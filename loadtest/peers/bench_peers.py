@@ -204,6 +204,8 @@ def start_sluice(procs: Procs, base: int, redis_url: str, upstream: str, model: 
                     env={**env, "PYTHONPATH": str(baseline)}, cwd=baseline)
         paths.insert(2, Path_(f"sluice (direct relay) at {_commit(baseline)}", f"http://127.0.0.1:{base + 8}",
                               f"{model}-direct"))
+        paths.insert(4, Path_(f"{RESUMABLE} at {_commit(baseline)}", f"http://127.0.0.1:{base + 8}",
+                              f"{model}-direct", resumable=True))
     if sim is not None:
         paths.append(Path_("sluice (sim worker)", gateway, "sim"))
     if only is None or KEYED in only:

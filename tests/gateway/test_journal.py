@@ -30,6 +30,7 @@ from gateway.streams.journal import (
 )
 from gateway.config import GatewaySettings
 from gateway.streams.journal_history import JournalHistory
+from gateway.streams.journal_keeper import Finished, JournalKeeper
 from gateway.streams.journal_quota import CHUNK_BYTES, RESERVE, JournalQuota, StreamBudget
 from gateway.streams.journal_readers import JournalReaders
 from sluice import keys
@@ -799,3 +800,33 @@ def test_a_stream_of_several_choices_accounts_for_each_in_its_ids() -> None:
     hasher = event_ids.ids_hasher()
     hasher.update(b"5,7,")
     assert single.ids_hash() == hasher.hexdigest().encode()
+
+
+async def test_a_keeper_drops_its_copies_past_their_time_oldest_first(redis_url: str) -> None:
+    """Finished journals are kept ``keep_s`` after their end (or their TTL), then dropped at
+    the next look, found at the front: walking all of them at each look was 2 % of a gateway's
+    CPU at 1,000 resumable streams a second. A stream kept again is kept from its new end."""
+    client = await create_pool(redis_url)
+    keeper = JournalKeeper(client, keep_s=10.0)
+    now = time.monotonic()
+
+    def ended(scope: str, age_s: float, ttl_s: float = 600.0) -> Finished:
+        return Finished(scope, "owner", "fp", b"", JournalHistory(), int(ttl_s * 1000), None, 0,
+                        ended_at=now - age_s)
+
+    try:
+        for finished in (ended("a", 30), ended("b", 20), ended("c", 5), ended("b", 1), ended("d", 0.5, ttl_s=0.6)):
+            keeper.keep(finished)
+        await asyncio.sleep(0.2)  # d's TTL runs out
+        assert await keeper._after_look(False)
+        assert set(keeper._kept) == {"b", "c", "d"}  # a and the first b past keep_s; c, older than d, is not
+        assert keeper._kept["b"].ended_at == now - 1
+        keeper._keep_s = 3.0
+        assert await keeper._after_look(False)
+        assert set(keeper._kept) == {"b", "d"}  # c past keep_s; the second b is not, and d is behind it
+        keeper._keep_s = 1.0
+        assert await keeper._after_look(False)
+        assert not keeper._kept  # b past keep_s, then d past its TTL
+    finally:
+        await keeper.close()
+        await client.aclose()
