@@ -223,7 +223,8 @@ class ChannelPipeline:
     on a :class:`ScriptChannel`: queued commands leave in one write, in order. Replies are
     redis-py's: raw, ``INFO`` as a dict of its fields (text), an error reply raised, or
     returned in its place with ``raise_on_error=False`` (``NoScriptError`` for ``NOSCRIPT``:
-    the script is not sent again here, as redis-py's pipeline does not)."""
+    the script is not sent again here, as redis-py's pipeline does not); a lost connection
+    raised. Arguments are plain values (no :class:`Packed`)."""
 
     __slots__ = ("_channel", "_queued")
 
@@ -233,8 +234,8 @@ class ChannelPipeline:
         self._queued: list[tuple[bytes, Callable[[Any], Any] | None]] = []
 
     def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> ChannelPipeline:
-        self._queued.append((b"*%d\r\n%b" % (3 + len(keys_and_args), _bulks(("EVALSHA", sha, numkeys, *keys_and_args))),
-                             None))
+        packed = _bulks(("EVALSHA", sha, numkeys, *keys_and_args))
+        self._queued.append((b"*%d\r\n%b" % (3 + len(keys_and_args), packed), None))
         return self
 
     def hget(self, name: str, key: str) -> ChannelPipeline:
@@ -258,7 +259,12 @@ class ChannelPipeline:
         queued, self._queued = self._queued, []
         await channel.connect()
         server = {"run_id": channel.server_id}  # (submitted at once: on the connection it names)
-        replies = await asyncio.gather(*(channel.submit(packed) for packed, _ in queued if packed))
+        replies = await asyncio.gather(*(channel.submit(packed) for packed, _ in queued if packed),
+                                       return_exceptions=True)
+        lost = next((r for r in replies if isinstance(r, BaseException) and not isinstance(r, hiredis.ReplyError)),
+                    None)
+        if lost is not None:  # the connection's (error replies are replies; every one after it failed alike)
+            raise lost
         results: list[Any] = []
         answered = iter(replies)
         for packed, convert in queued:

@@ -150,6 +150,8 @@ async def test_a_restarted_redis_is_reached_again_and_a_silent_one_times_out() -
             assert first == redis.Redis(port=port).info("server")["run_id"]
         with pytest.raises(RedisConnectionError):
             await one()  # gone: a Redis error, not a hang
+        with pytest.raises(RedisConnectionError):
+            await _server_seen(channel)  # a pipeline too
         with EmbeddedRedis(port) as server:
             assert await one() == 1
             # The loss watch's look at a claim reads which server answers from the connection:
