@@ -109,9 +109,9 @@ def _bulks(values: Sequence[Any]) -> bytes:
     """The values (``str``, ``int``, ``float``, ``bytes``; a :class:`Packed` run only first, as
     it was packed) as Redis bulk strings, joined: by hiredis's packer, in C. A journal round
     packs hundreds of values (each event and its state), and the same work in Python, a type
-    test and a format per value, was 10 % of a gateway's CPU at 64 resumable 128-token streams
-    (loadtest/peers/README.md). Anything else (a ``bool``, an enum of ``int``) is a
-    ``TypeError``, as before."""
+    test and a format per value, was 10 % of a gateway's samples at 64 resumable 128-token
+    streams (loadtest/peers/README.md). Anything else is a ``TypeError``: a ``bool`` as before,
+    an ``int`` enum too (it was packed as its repr)."""
     if not values:
         return b""
     if type(values[0]) is Packed:
