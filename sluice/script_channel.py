@@ -198,7 +198,7 @@ class ChannelPipeline:
     """The part of redis-py's pipeline that the resumable streams' hot path uses (an
     Idempotency-Key's claim with the loss watch's look after it, a journal round's scripts),
     on a :class:`ScriptChannel`: queued commands leave in one write, in order. Replies are
-    redis-py's: raw, ``INFO`` as a dict of its fields (text), an error reply raised, or
+    redis-py's: raw, ``INFO server`` as a dict (its ``run_id``), an error reply raised, or
     returned in its place with ``raise_on_error=False`` (``NoScriptError`` for ``NOSCRIPT``:
     the script is not sent again here, as redis-py's pipeline does not); a lost connection
     raised. Arguments are plain values (no :class:`Packed`)."""
@@ -207,27 +207,25 @@ class ChannelPipeline:
 
     def __init__(self, channel: ScriptChannel) -> None:
         self._channel = channel
-        #: Each command packed, and what its reply becomes (None: itself).
-        self._queued: list[tuple[bytes, Callable[[Any], Any] | None]] = []
+        #: Each command packed (empty: ``INFO server``, answered by the connection).
+        self._queued: list[bytes] = []
 
     def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> ChannelPipeline:
-        self._queued.append((_command("EVALSHA", sha, numkeys, *keys_and_args), None))
+        self._queued.append(_command("EVALSHA", sha, numkeys, *keys_and_args))
         return self
 
     def hget(self, name: str, key: str) -> ChannelPipeline:
-        self._queued.append((_command("HGET", name, key), None))
+        self._queued.append(_command("HGET", name, key))
         return self
 
     def info(self, section: str) -> ChannelPipeline:
-        """``INFO server`` is answered without a command: its ``run_id`` alone, which the
+        """``INFO server``, answered without a command: its ``run_id`` alone, which the
         connection read when it opened (a connection talks to one server process for its
         life: a restart or a failover is a new connection). The loss watch's look at every
         fresh claim asked Redis for the whole section, about 1 KB made and parsed per
-        resumable request."""
-        if section == "server":
-            self._queued.append((b"", None))
-        else:
-            self._queued.append((_command("INFO", section), _info_fields))
+        resumable request. (No other section is asked for here.)"""
+        assert section == "server", f"a channel's pipeline answers INFO server only, not {section}"
+        self._queued.append(b"")
         return self
 
     async def execute(self, raise_on_error: bool = True) -> list[Any]:
@@ -235,7 +233,7 @@ class ChannelPipeline:
         queued, self._queued = self._queued, []
         await channel.connect()
         server = {"run_id": channel.server_id}  # (submitted at once: on the connection it names)
-        replies = await asyncio.gather(*(channel.submit(packed) for packed, _ in queued if packed),
+        replies = await asyncio.gather(*(channel.submit(packed) for packed in queued if packed),
                                        return_exceptions=True)
         lost = next((r for r in replies if isinstance(r, BaseException) and not isinstance(r, hiredis.ReplyError)),
                     None)
@@ -243,7 +241,7 @@ class ChannelPipeline:
             raise lost
         results: list[Any] = []
         answered = iter(replies)
-        for packed, convert in queued:
+        for packed in queued:
             if not packed:
                 results.append(server)
                 continue
@@ -254,12 +252,13 @@ class ChannelPipeline:
                     raise error
                 results.append(error)
             else:
-                results.append(reply if convert is None else convert(reply))
+                results.append(reply)
         return results
 
 
 def _info_fields(reply: bytes) -> dict[str, str]:
-    """``INFO``'s text as its fields (every value text: what is read of it is ``run_id``)."""
+    """``INFO``'s text as its fields (every value text: what is read of it is ``run_id``, when a
+    connection opens)."""
     fields = {}
     for line in reply.decode().splitlines():
         if line and not line.startswith("#"):
