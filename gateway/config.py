@@ -172,6 +172,10 @@ class GatewaySettings(RedisSettings):
     journal_tenant_max_bytes: int = Field(default=512 * 1024 * 1024, ge=1024 * 1024)
     #: Journal bytes in Redis all resumable streams together may hold (429 past it).
     journal_max_bytes: int = Field(default=2 * 1024 * 1024 * 1024, ge=1024 * 1024)
+    #: Copies of finished journals one gateway process keeps in memory to write them back
+    #: should Redis lose them (for 60 s after each stream's end; the oldest dropped first past
+    #: this; 0 keeps none: gateway/streams/journal_keeper.py).
+    journal_keep_max_bytes: int = Field(default=256 * 1024 * 1024, ge=0)
     #: "auto": API keys required as soon as one exists in Redis; "keys": always; "open": never.
     auth: Literal["auto", "keys", "open"] = "auto"
     #: Serve without API keys on a non-loopback address (refused by default).

@@ -73,7 +73,8 @@ class Serving:
     ) -> None:
         self._metrics = metrics
         # Writes every journal this process produces, its events tagged with the process's name.
-        self._committer = JournalCommitter(redis, watch, idempotency.producers.instance, runner=idempotency.runner)
+        self._committer = JournalCommitter(redis, watch, idempotency.producers.instance, runner=idempotency.runner,
+                                           keep_bytes=settings.journal_keep_max_bytes)
         self._quota = JournalQuota(idempotency.runner, settings)  # bounds their memory per API key and in total
         self._settings = settings
         self._tenancy = tenancy

@@ -86,7 +86,7 @@ from redis.exceptions import NoScriptError, RedisError
 from gateway.loss_watch import LossWatch
 from gateway.streams.event_ids import DONE, frame, id_tail, mark, tag_of
 from gateway.streams.journal_history import JournalHistory
-from gateway.streams.journal_keeper import Finished, JournalKeeper
+from gateway.streams.journal_keeper import KEEP_BYTES, Finished, JournalKeeper
 from gateway.surfaces.openai import CHOICE_START, PLAIN_END
 from sluice import keys, redis_faults
 from sluice.errors import InvalidRequest, SluiceError, UpstreamFailed, error_event
@@ -830,9 +830,10 @@ class JournalCommitter:
     """
 
     def __init__(self, redis: Redis, watch: LossWatch | None = None, instance: bytes = b"",
-                 runner: Any = None) -> None:
+                 runner: Any = None, keep_bytes: int = KEEP_BYTES) -> None:
         """``runner``: what the rounds and releases run on (the Idempotency-Keys' script
-        channel, gateway/streams/idempotency.py; ``redis`` when None)."""
+        channel, gateway/streams/idempotency.py; ``redis`` when None). ``keep_bytes``: the
+        finished journals' copies this process keeps, at most (journal_keeper.py)."""
         self.redis = redis
         self._runner = runner if runner is not None else redis
         #: This process's name in its producers' tags (gateway/streams/producers.py).
@@ -848,7 +849,7 @@ class JournalCommitter:
         self._stall_ended_ms = 0  # when the last stall the ticker saw ended (unix ms)
         self.rounds = 0
         #: Finished journals' events, written back should Redis lose them.
-        self.keeper = JournalKeeper(redis, watch=watch)
+        self.keeper = JournalKeeper(redis, watch=watch, keep_bytes=keep_bytes)
 
     def __repr__(self) -> str:
         return f"<JournalCommitter streams={len(self._followed)} rounds={self.rounds}>"

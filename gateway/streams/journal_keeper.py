@@ -17,7 +17,12 @@ again meanwhile.
 Memory: a kept journal is the bytes its stream reserved in the journal quota, which holds
 them for ``journal_done_ttl_s`` (longer than ``KEEP_S``). Redis losing its data loses those
 reservations too: a journal written back is reserved again; one that no longer fits its
-tenant's or the total bound is kept no longer (it expires with its TTL).
+tenant's or the total bound is kept no longer (it expires with its TTL). The quota bounds
+the fleet's journals, not what one process keeps: up to ``journal_max_bytes`` (2 GiB) could
+end on one gateway within ``KEEP_S``. So each process keeps at most ``keep_bytes``
+(``journal_keep_max_bytes``) of copies, dropping the oldest first (the streams whose clients
+are least likely to come back); a copy dropped early only means its journal is not written
+back should Redis lose it, as after ``KEEP_S``.
 
 >>> keeper = JournalKeeper(redis)
 >>> keeper.keep(Finished(scope, owner, fp, head, history, done_ttl_ms, budget))
@@ -45,6 +50,11 @@ log = logging.getLogger("sluice.journal")
 
 #: How long after its end a stream's events stay in its gateway's memory.
 KEEP_S = 60.0
+#: What the copies of one process may hold together (the events' bytes, as the journal
+#: quota counts them; ``journal_keep_max_bytes``).
+KEEP_BYTES = 256 * 1024 * 1024
+#: A process dropping copies early says so at most this often.
+DROP_LOG_S = 60.0
 #: A kept journal is back this long after a loss its keeper can see (the loss noticed
 #: within the watcher's ``CHECK_S``, well within the two idle checks, ``JournalReaders``'
 #: ``idle_s``, after which a reader takes over a stream whose journal lost its end; the
@@ -129,11 +139,19 @@ class Finished:
 class JournalKeeper:
     """The finished journals of one gateway process (see the module)."""
 
-    def __init__(self, redis: Redis, *, keep_s: float = KEEP_S, watch: LossWatch | None = None,
-                 check_s: float = CHECK_S) -> None:
+    def __init__(self, redis: Redis, *, keep_s: float = KEEP_S, keep_bytes: int = KEEP_BYTES,
+                 watch: LossWatch | None = None, check_s: float = CHECK_S) -> None:
         self._redis = redis
         self._restore = redis.register_script(RESTORE)
         self._keep_s = keep_s
+        self._keep_bytes = keep_bytes
+        #: What the copies in ``_ended`` hold (a copy replaced in ``_kept`` is held until it
+        #: leaves the deque, so it counts until then).
+        self.bytes = 0
+        #: Copies dropped before their time, to stay within ``keep_bytes``.
+        self.dropped = 0
+        self._dropped_logged = 0
+        self._drop_logged_at = -DROP_LOG_S
         self._kept: dict[str, Finished] = {}
         #: The same, oldest first: what has expired is found at the front. (Walking every
         #: kept journal at each look, twice a second, was 2 % of a gateway's CPU at 1,000
@@ -146,14 +164,43 @@ class JournalKeeper:
         self.restored = 0
 
     def __repr__(self) -> str:
-        return f"<JournalKeeper kept={len(self._kept)} restored={self.restored}>"
+        return f"<JournalKeeper kept={len(self._kept)} bytes={self.bytes} restored={self.restored}>"
 
     def keep(self, finished: Finished) -> None:
         if min(self._keep_s * 1000, finished.ttl_ms()) <= 0:
             return
+        if finished.history.nbytes > self._keep_bytes:  # alone over the bound: not kept, the others stay
+            self._kept.pop(finished.scope, None)  # (an older copy of the same key is not the stream's end)
+            self._dropped(1)
+            return
         self._kept[finished.scope] = finished
         self._ended.append(finished)
+        self.bytes += finished.history.nbytes
+        dropped = 0
+        while self.bytes > self._keep_bytes:  # the oldest go first
+            dropped += self._forget(self._ended.popleft())
+        if dropped:
+            self._dropped(dropped)
         self.watch()
+
+    def _dropped(self, count: int) -> None:
+        self.dropped += count
+        now = time.monotonic()
+        if now - self._drop_logged_at >= DROP_LOG_S:
+            log.warning("finished journals kept for write-back reached %d bytes in this process "
+                        "(journal_keep_max_bytes): %d dropped early since the last report, oldest first; "
+                        "should Redis lose its data, those streams are not written back",
+                        self._keep_bytes, self.dropped - self._dropped_logged)
+            self._drop_logged_at, self._dropped_logged = now, self.dropped
+
+    def _forget(self, finished: Finished) -> bool:
+        """``finished``, just taken from the front of ``_ended``, is kept no more. False if
+        it was not anymore (kept again since, or over its quota)."""
+        self.bytes -= finished.history.nbytes
+        if self._kept.get(finished.scope) is not finished:
+            return False
+        del self._kept[finished.scope]
+        return True
 
     def watch(self) -> None:
         """Make sure Redis is watched (a loss right after a stream ended must find the epoch it
@@ -163,6 +210,7 @@ class JournalKeeper:
     async def close(self) -> None:
         self._kept.clear()
         self._ended.clear()
+        self.bytes = 0
         if self._owns_watch:
             await self._watch.close()
 
@@ -177,11 +225,9 @@ class JournalKeeper:
         are kept; one whose TTL ran out before an older one's (a shorter TTL) waits for that
         one, and is written back no more meanwhile (:meth:`_restore_one` skips it)."""
         now = time.monotonic()
-        ended, kept = self._ended, self._kept
+        ended = self._ended
         while ended and (now - ended[0].ended_at > self._keep_s or ended[0].ttl_ms() <= 0):
-            finished = ended.popleft()
-            if kept.get(finished.scope) is finished:  # (not kept again since)
-                del kept[finished.scope]
+            self._forget(ended.popleft())
 
     async def restore_all(self) -> bool:
         """Redis lost its data: write every kept journal back (those that still fit their

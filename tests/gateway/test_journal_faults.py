@@ -897,3 +897,42 @@ async def test_a_reader_whose_redis_connection_was_closed_reads_on(private_redis
     got = await _read_one_journal(server, close_every_connection_then_end, 10)
     assert not any(b"re-attach" in data for data in got), got
     assert got[0] == b"id: 1\ndata: 1\n\n" and got[-1].endswith(DONE), got
+
+
+async def test_a_keeper_holds_at_most_its_bytes_dropping_the_oldest_copies_first(private_redis, caplog) -> None:
+    """What one process keeps of finished journals is bounded by ``keep_bytes`` (the quota
+    bounds the fleet's journals, so up to 2 GiB of them could end on one gateway within a
+    minute): past it the oldest copies go first, a copy larger than the bound alone is not
+    kept, and a loss of Redis's data afterwards writes back exactly what is still kept."""
+    client = await create_pool(private_redis["server"].url)
+
+    def finished(scope: str, events: int) -> Finished:
+        history = JournalHistory()
+        for number in range(1, events):
+            history.add(b"data: %d\n\n" % number, b"0|%d|1" % number)
+        history.add(DONE, b"")
+        return Finished(scope, "p", "fp", b"", history, 60_000, None, 0)
+
+    one = finished("x", 3).history.nbytes
+    keeper = JournalKeeper(client, check_s=60, keep_bytes=2 * one + one // 2)
+    try:
+        await client.hset(keys.EPOCH, "id", "epoch-1")  # the keeper's first look finds nothing lost
+        a, b, c, big = uuid.uuid4().hex, uuid.uuid4().hex, uuid.uuid4().hex, uuid.uuid4().hex
+        with caplog.at_level("WARNING", logger="sluice.journal"):
+            for scope in (a, b):
+                keeper.keep(finished(scope, 3))
+            assert (keeper.bytes, keeper.dropped) == (2 * one, 0)
+            keeper.keep(finished(c, 3))  # a, the oldest, goes
+            assert (keeper.bytes, keeper.dropped) == (2 * one, 1)
+            keeper.keep(finished(big, 400))  # alone over the bound: b and c stay
+            assert (keeper.bytes, keeper.dropped) == (2 * one, 2)
+        reports = [r.getMessage() for r in caplog.records if "journal_keep_max_bytes" in r.getMessage()]
+        assert len(reports) == 1 and "1 dropped early" in reports[0], reports  # once a minute at most
+        await asyncio.sleep(0.2)
+        await client.flushall()  # Redis lost its data
+        await keeper.restore_all()
+        assert [await client.xlen(keys.journal(scope)) for scope in (a, b, c, big)] == [0, 3, 3, 0]
+        assert keeper.restored == 2
+    finally:
+        await keeper.close()
+        await client.aclose()
