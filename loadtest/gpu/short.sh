@@ -9,6 +9,7 @@
 #
 # The kit (../shared/gpu/README.md: .gpu/kit, and its wheels in parts, the last in .gpu/cur)
 # must be laid out as for go.sh; results go to $OUT/results.jsonl, a line per load.
+# CLIENT=lean: loads through loadtest/peers/load.py's client instead (short_load.py).
 # Figures and how they were read: loadtest/gpu/h100-2026-12-06-short/README.md.
 cd "$(dirname "$0")/../.." || exit 1
 source .gpu/kit/common.sh
@@ -21,6 +22,14 @@ loads() {   # loads PREFIX MODE URL: the same loads on any path
   LEN=1 N=${N1:-2048} clients "$1_len1_4x64" "$2" 4 "$3"
   LEN=128 N=256 clients "$1_len128_4x64" "$2" 4 "$3"
 }
+lean() {   # lean PREFIX URL: one-token and 16-token chat streams through load.py's client (short_load.py)
+  for len in 1 16; do
+    python3 loadtest/gpu/short_load.py "$2" "$MODEL" --tag "$1_len$len" --levels 64,256 --procs 4 \
+      --max-tokens $len --out "$RES"
+  done
+}
+# CLIENT=lean: the loads of lean() instead (the kit's lg.py may bound itself at these rates)
+measure() { if [ "${CLIENT:-lg}" = lean ]; then lean "$1" "$3"; else loads "$@"; fi; }
 case $1 in
 direct)
   export LABEL="vllm api_server $(settings)"
@@ -32,7 +41,7 @@ direct)
   if wait_http http://127.0.0.1:8090/health $dpid 450; then
     echo "vLLM server ready after $(el "$t0") s"
     warm openai http://127.0.0.1:8090
-    loads direct openai http://127.0.0.1:8090
+    measure direct openai http://127.0.0.1:8090
   else tail -30 "$OUT/direct_serve.log"; fi
   stop_group $dpid 60; gpu_free ;;
 sluice)
@@ -50,8 +59,8 @@ sluice)
     wurl=$(python3 -c 'import sys; from sluice.commands.bench import _worker_url; print(_worker_url(*sys.argv[1:]))' "$rurl" "$MODEL")
     echo "gateway processes: $(grep -o 'starting [0-9]* gateway processes[^"]*' "$OUT/sluice_up.log" | head -1); cores $(nproc)"
     warm openai http://127.0.0.1:8000
-    loads gw openai http://127.0.0.1:8000
-    LEN=1 N=${N1:-2048} clients "worker_len1_4x64" worker 4 "$wurl"
+    measure gw openai http://127.0.0.1:8000
+    [ "${CLIENT:-lg}" = lean ] || LEN=1 N=${N1:-2048} clients "worker_len1_4x64" worker 4 "$wurl"
     curl -s http://127.0.0.1:8000/metrics | grep -E "^sluice_gateway_(errors|rejections|retries|migrations)_total" | head
     grep -E '"level": ?"(warning|error)"|Traceback' "$OUT/sluice_up.log" | cut -c1-300 | sort | uniq -c | sort -rn | head -15
   else tail -40 "$OUT/sluice_up.log"; fi
