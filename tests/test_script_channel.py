@@ -55,6 +55,38 @@ async def test_a_flushed_script_is_sent_again_and_errors_are_redis_errors(redis_
         await client.aclose()
 
 
+async def test_a_reply_whose_handling_fails_fails_its_own_call_and_no_other(redis_url: str) -> None:
+    """A reply is handled in the connection's read callback; an exception there (here: the
+    resend of a script Redis lost cannot be made) fails the call whose reply it was, and the
+    calls around it, queued in the same write, get their own replies on the same connection.
+    (Raised out of the callback, it hung its caller for the test's whole timeout: 120 s.)"""
+    client = await create_pool(redis_url)
+    channel = script_runner(client)
+    assert isinstance(channel, ScriptChannel)
+    echo = channel.register_script(ECHO)
+    other = channel.register_script("return ARGV[1]")
+    try:
+        await echo(keys=["chan:guard"], args=["a", "b"])
+        await other(args=["x"])
+        await channel.request(b"*2\r\n$6\r\nSCRIPT\r\n$5\r\nFLUSH\r\n")
+        source = other.script.encode()  # loaded again: only echo is missing now
+        await channel.request(b"*3\r\n$6\r\nSCRIPT\r\n$4\r\nLOAD\r\n$%d\r\n%b\r\n" % (len(source), source))
+
+        def cannot(keys: object, args: object) -> bytes:
+            raise RuntimeError("the resend cannot be packed")
+
+        echo.evaluate = cannot  # type: ignore[method-assign]
+        before, failing, after = other(args=["before"]), echo(keys=["chan:guard"], args=["c", "d"]), other(args=["after"])
+        results = await asyncio.wait_for(asyncio.gather(before, failing, after, return_exceptions=True), 5)
+        assert results[0] == b"before" and results[2] == b"after", results
+        assert isinstance(results[1], RuntimeError), results
+        assert channel.connected()
+        assert await other(args=["later"]) == b"later"  # still in step
+    finally:
+        await channel.aclose()
+        await client.aclose()
+
+
 async def test_packed_arguments_reach_the_script_as_the_values_would(redis_url: str) -> None:
     """Admission's constants lead its scripts' arguments packed once (:class:`Packed`): the
     script sees them, and what follows, as if each had been passed, also when the script is
