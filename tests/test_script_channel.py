@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import os
 import signal
+from collections.abc import AsyncIterator
 
 import pytest
 import redis
@@ -22,89 +23,72 @@ from sluice.script_channel import Packed, ScriptChannel, script_runner
 ECHO = "redis.call('INCR', KEYS[1]) return {ARGV[1], ARGV[2], redis.call('GET', KEYS[1])}"
 
 
-async def test_concurrent_calls_get_their_own_replies(redis_url: str) -> None:
+@pytest.fixture
+async def channel(redis_url: str) -> AsyncIterator[ScriptChannel]:
+    """The channel a process opens on one Redis server (``script_runner`` of its pool)."""
     client = await create_pool(redis_url)
-    channel = script_runner(client)
-    assert isinstance(channel, ScriptChannel)
+    runner = script_runner(client)
+    assert isinstance(runner, ScriptChannel)
+    yield runner
+    await runner.aclose()
+    await client.aclose()
+
+
+async def test_concurrent_calls_get_their_own_replies(channel: ScriptChannel) -> None:
     echo = channel.register_script(ECHO)
-    try:
-        replies = await asyncio.gather(*(echo(keys=["chan:count"], args=[f"call-{i}", i * 0.5]) for i in range(500)))
-        assert [r[:2] for r in replies] == [[f"call-{i}".encode(), repr(i * 0.5).encode()] for i in range(500)]
-        # Each ran once: the counter saw every call.
-        assert sorted(int(r[2]) for r in replies) == list(range(1, 501))
-    finally:
-        await channel.aclose()
-        await client.aclose()
+    replies = await asyncio.gather(*(echo(keys=["chan:count"], args=[f"call-{i}", i * 0.5]) for i in range(500)))
+    assert [r[:2] for r in replies] == [[f"call-{i}".encode(), repr(i * 0.5).encode()] for i in range(500)]
+    # Each ran once: the counter saw every call.
+    assert sorted(int(r[2]) for r in replies) == list(range(1, 501))
 
 
-async def test_a_flushed_script_is_sent_again_and_errors_are_redis_errors(redis_url: str) -> None:
-    client = await create_pool(redis_url)
-    channel = script_runner(client)
-    assert isinstance(channel, ScriptChannel)
+async def test_a_flushed_script_is_sent_again_and_errors_are_redis_errors(channel: ScriptChannel) -> None:
     echo = channel.register_script(ECHO)
     broken = channel.register_script("return redis.call('NOSUCHCOMMAND')")
-    try:
-        await echo(keys=["chan:flush"], args=["a", "b"])
-        await channel.request(b"*2\r\n$6\r\nSCRIPT\r\n$5\r\nFLUSH\r\n")
-        assert (await echo(keys=["chan:flush"], args=["a", "b"]))[2] == b"2"
-        with pytest.raises(ResponseError):
-            await broken()
-        assert (await echo(keys=["chan:flush"], args=["c", "d"]))[:2] == [b"c", b"d"]  # still in step
-    finally:
-        await channel.aclose()
-        await client.aclose()
+    await echo(keys=["chan:flush"], args=["a", "b"])
+    await channel.request(b"*2\r\n$6\r\nSCRIPT\r\n$5\r\nFLUSH\r\n")
+    assert (await echo(keys=["chan:flush"], args=["a", "b"]))[2] == b"2"
+    with pytest.raises(ResponseError):
+        await broken()
+    assert (await echo(keys=["chan:flush"], args=["c", "d"]))[:2] == [b"c", b"d"]  # still in step
 
 
-async def test_a_reply_whose_handling_fails_fails_its_own_call_and_no_other(redis_url: str) -> None:
+async def test_a_reply_whose_handling_fails_fails_its_own_call_and_no_other(channel: ScriptChannel) -> None:
     """A reply is handled in the connection's read callback; an exception there (here: the
     resend of a script Redis lost cannot be made) fails the call whose reply it was, and the
     calls around it, queued in the same write, get their own replies on the same connection.
     (Raised out of the callback, it hung its caller for the test's whole timeout: 120 s.)"""
-    client = await create_pool(redis_url)
-    channel = script_runner(client)
-    assert isinstance(channel, ScriptChannel)
     echo = channel.register_script(ECHO)
     other = channel.register_script("return ARGV[1]")
-    try:
-        await echo(keys=["chan:guard"], args=["a", "b"])
-        await other(args=["x"])
-        await channel.request(b"*2\r\n$6\r\nSCRIPT\r\n$5\r\nFLUSH\r\n")
-        source = other.script.encode()  # loaded again: only echo is missing now
-        await channel.request(b"*3\r\n$6\r\nSCRIPT\r\n$4\r\nLOAD\r\n$%d\r\n%b\r\n" % (len(source), source))
+    await echo(keys=["chan:guard"], args=["a", "b"])
+    await other(args=["x"])
+    await channel.request(b"*2\r\n$6\r\nSCRIPT\r\n$5\r\nFLUSH\r\n")
+    source = other.script.encode()  # loaded again: only echo is missing now
+    await channel.request(b"*3\r\n$6\r\nSCRIPT\r\n$4\r\nLOAD\r\n$%d\r\n%b\r\n" % (len(source), source))
 
-        def cannot(keys: object, args: object) -> bytes:
-            raise RuntimeError("the resend cannot be packed")
+    def cannot(keys: object, args: object) -> bytes:
+        raise RuntimeError("the resend cannot be packed")
 
-        echo.evaluate = cannot  # type: ignore[method-assign]
-        before, failing, after = other(args=["before"]), echo(keys=["chan:guard"], args=["c", "d"]), other(args=["after"])
-        results = await asyncio.wait_for(asyncio.gather(before, failing, after, return_exceptions=True), 5)
-        assert results[0] == b"before" and results[2] == b"after", results
-        assert isinstance(results[1], RuntimeError), results
-        assert channel.connected()
-        assert await other(args=["later"]) == b"later"  # still in step
-    finally:
-        await channel.aclose()
-        await client.aclose()
+    echo.evaluate = cannot  # type: ignore[method-assign]
+    before, failing, after = other(args=["before"]), echo(keys=["chan:guard"], args=["c", "d"]), other(args=["after"])
+    results = await asyncio.wait_for(asyncio.gather(before, failing, after, return_exceptions=True), 5)
+    assert results[0] == b"before" and results[2] == b"after", results
+    assert isinstance(results[1], RuntimeError), results
+    assert channel.connected()
+    assert await other(args=["later"]) == b"later"  # still in step
 
 
-async def test_packed_arguments_reach_the_script_as_the_values_would(redis_url: str) -> None:
+async def test_packed_arguments_reach_the_script_as_the_values_would(channel: ScriptChannel) -> None:
     """Admission's constants lead its scripts' arguments packed once (:class:`Packed`): the
     script sees them, and what follows, as if each had been passed, also when the script is
     sent again whole (EVAL, after Redis lost it)."""
-    client = await create_pool(redis_url)
-    channel = script_runner(client)
-    assert isinstance(channel, ScriptChannel)
     argv = channel.register_script("return ARGV")
     common = Packed(["gw-1", 30000, 0.5, "least"])
-    try:
-        want = [b"gw-1", b"30000", b"0.5", b"least", b"req-7", b"3", b"[]"]
-        assert await argv(keys=["chan:packed"], args=[common, "req-7", 3, b"[]"]) == want
-        assert await argv(keys=["chan:packed"], args=[common]) == want[:4]
-        await channel.request(b"*2\r\n$6\r\nSCRIPT\r\n$5\r\nFLUSH\r\n")
-        assert await argv(keys=["chan:packed"], args=[common, "req-7", 3, b"[]"]) == want
-    finally:
-        await channel.aclose()
-        await client.aclose()
+    want = [b"gw-1", b"30000", b"0.5", b"least", b"req-7", b"3", b"[]"]
+    assert await argv(keys=["chan:packed"], args=[common, "req-7", 3, b"[]"]) == want
+    assert await argv(keys=["chan:packed"], args=[common]) == want[:4]
+    await channel.request(b"*2\r\n$6\r\nSCRIPT\r\n$5\r\nFLUSH\r\n")
+    assert await argv(keys=["chan:packed"], args=[common, "req-7", 3, b"[]"]) == want
 
 
 async def test_a_pipeline_answers_as_redis_pys_in_order_with_the_channels_calls(redis_url: str) -> None:
