@@ -12,8 +12,9 @@ len(state) + 16`` bytes per event, which is what the journal's byte quota
 (gateway/streams/journal_quota.py) already counts for the entry (``ENTRY_OVERHEAD``). So a
 gateway process holds at most what its running streams have reserved in Redis: at most
 ``journal_tenant_max_bytes`` for one API key's streams, ``journal_max_bytes`` for all
-(plus the bytearray's slack, under an eighth). It goes with the producer: a finished
-stream keeps no copy in the gateway.
+(plus the bytearray's slack, under an eighth). It goes with the producer, but for a
+finished stream's, which the process's keeper holds a minute more to write it back should
+Redis lose it (journal_keeper.py: at most ``journal_keep_max_bytes`` of them a process).
 
 >>> history = JournalHistory()
 >>> history.add(b",{...}", b"0|17|5")
