@@ -21,7 +21,7 @@ from sluice import keys
 from sluice.models import ModelError, resolve
 from sluice.prefix_index import PrefixIndex
 from sluice.redis_pool import create_pool
-from sluice.serve import Server, run_async, uvicorn_config
+from sluice.serve import Server, run_async, settle_gc, uvicorn_config
 from sluice.tasks import GENERATE, SERVED
 from sluice.telemetry import setup_tracing
 
@@ -279,7 +279,9 @@ class Worker:
                 self.model = checked_name(str(getattr(self.engine, "model", "") or "model"))
             self.adapters.model = self.model
             await self.adapters.start()
-            server = Server(uvicorn_config(create_app(self), s.host, s.port, graceful_s=1), self.drain)
+            app = create_app(self)
+            settle_gc()  # the engine's frontend lives in this process: its start-up heap too
+            server = Server(uvicorn_config(app, s.host, s.port, graceful_s=1), self.drain)
             serving = asyncio.create_task(server.serve())
             while not server.started:
                 if serving.done():

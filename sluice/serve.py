@@ -95,16 +95,22 @@ def uvicorn_config(
 
 
 def settle_gc() -> None:
-    """Call once the app is built, before serving. Python's cyclic collector otherwise
-    walks every object the imports and the app's construction made (about 100k: modules,
-    pydantic schemas, routes), none of them ever garbage, in each full collection: 50-70 ms
-    of CPU in one stall every few seconds under load, and with the young collections about
-    a tenth of a short request's CPU in all (loadtest/peers/README.md). ``gc.freeze()``
-    leaves those objects out of every collection; a larger first threshold runs the young
-    collection a tenth as often (the objects of requests in flight are what it walks, each
-    time). Cyclic garbage is still collected, later."""
+    """Call once the app is built, before serving (the gateway, and the worker once its
+    engine has started). Python's cyclic collector otherwise walks every object the imports
+    and the start made, none of them ever garbage, in each full collection: in a gateway
+    about 100k (modules, pydantic schemas, routes), 50-70 ms of CPU in one stall every few
+    seconds under load, and with the young collections about a tenth of a short request's
+    CPU in all (loadtest/peers/README.md); in a vLLM worker, whose process holds vLLM's
+    frontend, 630k after the imports alone, 255 ms a full collection on the CPU machine, a
+    stall of every stream of the worker each time (vLLM's own server freezes its heap the
+    same way). What is garbage now is collected first, so that none is frozen;
+    ``gc.freeze()`` leaves the rest out of every collection; a larger first threshold runs
+    the young collection a tenth as often (the objects of requests in flight are what it
+    walks, each time). Cyclic garbage is still collected, later."""
+    gc.collect()
     gc.freeze()
     gc.set_threshold(7000, 10, 10)
+    log.info("%d objects of the start left out of the garbage collector's walks", gc.get_freeze_count())
 
 
 def run_async(main: Awaitable[None]) -> None:
