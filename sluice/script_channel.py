@@ -101,8 +101,12 @@ class Packed:
 
 
 def _count(values: Sequence[Any]) -> int:
-    """How many arguments ``values`` are, each :class:`Packed` run counted by its own."""
-    return sum(len(v.values) if type(v) is Packed else 1 for v in values)
+    """How many arguments ``values`` are, a leading :class:`Packed` run counted by its own
+    (the only place :func:`_bulks` takes one)."""
+    count = len(values)
+    if count and type(values[0]) is Packed:  # (where admission puts its constants)
+        count += len(values[0].values) - 1
+    return count
 
 
 def _bulks(values: Sequence[Any]) -> bytes:
@@ -158,10 +162,7 @@ class ChannelScript:
                 self._head_bytes = 0
             self._heads[key_set] = head
             self._head_bytes += len(head)
-        count = len(args)
-        if count and type(args[0]) is Packed:  # (where admission puts its constants)
-            count += len(args[0].values) - 1
-        packed = b"*%d\r\n%b%b" % (3 + len(key_set) + count, head, _bulks(args))
+        packed = b"*%d\r\n%b%b" % (3 + len(key_set) + _count(args), head, _bulks(args))
         call = _Call(self, key_set, args)
         if self._channel.connected():
             return self._channel.submit(packed, call)
