@@ -13,7 +13,7 @@ from opentelemetry.trace import SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
-from engine_worker.metrics import metrics_text
+from engine_worker.metrics import WorkerMetrics
 from engine_worker.pooling import TASK_OF, PoolRequest, encode_line
 from engine_worker.protocol import GenerateRequest
 from engine_worker.stream import NDJSONStream
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from engine_worker.worker import Worker
 
 
-def create_app(worker: Worker) -> FastAPI:
+def create_app(worker: Worker, metrics: WorkerMetrics) -> FastAPI:
     app = FastAPI(title="Sluice engine worker", docs_url=None, redoc_url=None)
 
     @app.exception_handler(SluiceError)
@@ -116,8 +116,8 @@ def create_app(worker: Worker) -> FastAPI:
         return Response(orjson.dumps(body), status_code=status, media_type="application/json")
 
     @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
+    async def scrape(request: Request) -> Response:
         check_caller(request)
-        return Response(metrics_text(worker), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     return app

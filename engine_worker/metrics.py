@@ -1,13 +1,16 @@
-"""Prometheus metrics for a worker, read from the engine at scrape time."""
+"""Prometheus metrics for a worker: the engine's, read at scrape time, and the process's stalls
+(its event loop's lag, the garbage collector's pauses: sluice/stalls.py), counted as they come."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from sluice.stalls import BUCKETS, Stalls
 
 if TYPE_CHECKING:
     from engine_worker.worker import Worker
@@ -47,7 +50,20 @@ class WorkerCollector(Collector):
         yield counter("sluice_worker_requests", "Streams finished on this worker", w.served)
 
 
-def metrics_text(worker: Worker) -> bytes:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(WorkerCollector(worker))
-    return generate_latest(registry)
+class WorkerMetrics:
+    """A worker process's registry: the engine's figures and the process's stalls."""
+
+    def __init__(self, worker: Worker) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=False)
+        r.register(WorkerCollector(worker))
+        self.stalls = Stalls(
+            Histogram("sluice_worker_event_loop_lag_seconds",
+                      "How long ready work waits on this worker's event loop (sluice/stalls.py)", buckets=BUCKETS,
+                      registry=r),
+            Histogram("sluice_worker_gc_pause_seconds",
+                      "Collections of Python's garbage collector, each a stall of every stream of this worker "
+                      "(sluice/stalls.py)", ["generation"], buckets=BUCKETS, registry=r),
+            "worker")
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

@@ -266,6 +266,7 @@ class Worker:
 
     async def async_run(self) -> None:
         from engine_worker.app import create_app
+        from engine_worker.metrics import WorkerMetrics
 
         s = self.settings
         # Waits for Redis however long it is away (a worker that exits instead is restarted
@@ -279,7 +280,8 @@ class Worker:
                 self.model = checked_name(str(getattr(self.engine, "model", "") or "model"))
             self.adapters.model = self.model
             await self.adapters.start()
-            app = create_app(self)
+            metrics = WorkerMetrics(self)
+            app = create_app(self, metrics)
             settle_gc()  # the engine's frontend lives in this process: its start-up heap too
             server = Server(uvicorn_config(app, s.host, s.port, graceful_s=1), self.drain)
             serving = asyncio.create_task(server.serve())
@@ -308,10 +310,12 @@ class Worker:
             reporting = asyncio.create_task(self._report_kv_events(PrefixIndex(redis)), name="kv-events")
             log.info("worker %s serving %r at %s (gateways call %s)", s.worker_id, self.model, s.url(),
                      self._registry_url())
+            metrics.stalls.start()  # its loop's backlog and the collector's pauses, while it serves
             try:
                 await serving
             finally:
                 reporting.cancel()
+                metrics.stalls.close()
         finally:
             if self._registration is not None:
                 await self._registration.deregister()

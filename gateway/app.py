@@ -40,7 +40,6 @@ from gateway.config import GatewaySettings
 from gateway.context import RequestContext, headers_of, resolve_deadline, resolve_priority
 from gateway.lean_routes import Front, LeanRoutes
 from gateway.loss_watch import LossWatch
-from gateway.loop_lag import LoopLag
 from gateway.metrics import GatewayMetrics
 from gateway.record import RequestRecord
 from gateway.relay.counting import PromptCounter
@@ -87,6 +86,7 @@ from sluice.ids import random_hex
 from sluice.prefix_index import PrefixIndex
 from sluice.redis_pool import create_pool, redact_url
 from sluice.settings import is_loopback
+from sluice.stalls import Stalls
 from sluice.telemetry import extract
 
 log = logging.getLogger("sluice.gateway")
@@ -113,14 +113,14 @@ class Services:
     adapters: AdapterDirectory
     counter: PromptCounter
     watch: LossWatch
-    lag: LoopLag
+    stalls: Stalls
 
     async def aclose(self) -> None:
         """Close every part, each given at most ``CLOSE_STEP_S``: a gateway always exits. (One
         whose port was taken at start, shut down at once, hung in this close about one run in
         five, tests/test_taken_ports.py: a cancellation redis-py swallowed, see
         gateway/admission/queue.py's stop_tasks; the log names a part that does not end.)"""
-        self.lag.close()
+        self.stalls.close()
         steps = (("admission", self.admission.close), ("tenancy", self.tenancy.close),
                  ("serving", self.serving.close), ("journal readers", self.readers.close),
                  ("loss watch", self.watch.close),
@@ -161,12 +161,12 @@ async def open_services(settings: GatewaySettings) -> Services:
     serving = Serving(settings, dispatcher, idempotency, redis, tenancy, readers, metrics, watch)
     readers.adopt = serving.take_over  # a re-attached reader whose producer died: continue it here
     readers.producing = serving.produces  # ... never one whose producer runs here
-    lag = LoopLag(metrics.loop_lag)  # this process's backlog, sampled ten times a second
-    lag.start()
+    stalls = Stalls(metrics.loop_lag, metrics.gc_pauses, "gateway")  # its loop's backlog, the collector's pauses
+    stalls.start()
     return Services(redis=redis, http=http, workers=workers, admission=admission, serving=serving,
                     pooling=PoolingServing(settings, dispatcher, tenancy), tenancy=tenancy, metrics=metrics,
                     readers=readers, adapters=adapters, watch=watch,
-                    counter=PromptCounter(settings, dispatcher, http, workers), lag=lag)
+                    counter=PromptCounter(settings, dispatcher, http, workers), stalls=stalls)
 
 
 def create_app(settings: GatewaySettings) -> Front:

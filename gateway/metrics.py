@@ -27,11 +27,12 @@ from prometheus_client import (
     multiprocess,
 )
 
+from sluice.stalls import BUCKETS
+
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
-_LAG = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class Gaps:
@@ -129,8 +130,11 @@ class GatewayMetrics:
         self.queue_wait = Histogram("sluice_gateway_queue_wait_seconds", "Time waiting for a worker slot",
                                     ["model", "priority_class"], buckets=_LATENCY, registry=r)
         self.loop_lag = Histogram("sluice_gateway_event_loop_lag_seconds",
-                                  "How long ready work waits on this process's event loop (gateway/loop_lag.py)",
-                                  buckets=_LAG, registry=r)
+                                  "How long ready work waits on this process's event loop (sluice/stalls.py)",
+                                  buckets=BUCKETS, registry=r)
+        self.gc_pauses = Histogram("sluice_gateway_gc_pause_seconds",
+                                   "Collections of Python's garbage collector, each a stall of the process (sluice/stalls.py)",
+                                   ["generation"], buckets=BUCKETS, registry=r)
         self.e2e = Histogram("sluice_gateway_request_duration_seconds", "Arrival to last byte",
                              ["model"], buckets=_LATENCY, registry=r)
         self.prompt_tokens = Counter("sluice_gateway_prompt_tokens", "Prompt tokens", ["model"], registry=r)

@@ -1,7 +1,7 @@
 """Where a relaying gateway spends its time: the mock, a direct-relay worker registration and
 one gateway process, a closed-loop load at each concurrency first straight at the mock and
 then through the gateway, with the gateway's CPU per chunk and per request, py-spy's
-profile of the gateway (optional), its event loop's lag (gateway/loop_lag.py, read from its
+profile of the gateway (optional), its event loop's lag (sluice/stalls.py, read from its
 /metrics), and Redis's time per admission script.
 
     flock /tmp/sluice-heavy.lock .venv/bin/python loadtest/peers/profile_gateway.py --levels 16,64
@@ -113,7 +113,7 @@ ADMIN_KEY = "profile-gateway-admin"
 
 
 def lag_buckets(gateway: str) -> dict[float, float]:
-    """The gateway's event-loop lag histogram (gateway/loop_lag.py): cumulative count by bound."""
+    """The gateway's event-loop lag histogram (sluice/stalls.py): cumulative count by bound."""
     text = httpx.get(gateway + "/metrics", headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=5).text
     return {float(s.labels["le"]): s.value for family in text_string_to_metric_families(text)
             if family.name == "sluice_gateway_event_loop_lag_seconds"

@@ -87,6 +87,10 @@ def test_metrics_on_both_processes(traced) -> None:
     assert _count(g, "sluice_gateway_event_loop_lag_seconds") > 0  # sampled from the start, requests or not
     w = _families(worker.url)
     assert w["sluice_worker_requests"].samples[0].value >= 3
+    assert _count(w, "sluice_worker_event_loop_lag_seconds") > 0  # the worker's loop too, as it serves
+    for families, name in ((g, "sluice_gateway_gc_pause_seconds"), (w, "sluice_worker_gc_pause_seconds")):
+        # timed as they come (tests/test_stalls.py); a young one may not have run yet
+        assert {s.labels["generation"] for s in families[name].samples} == {"0", "1", "2"}, name
 
 
 def test_rejection_is_counted_and_logged(traced, start_worker) -> None:
