@@ -1,7 +1,9 @@
 """Process-wide logging: JSON lines (default when stderr is not a terminal) or text.
 
 ``SLUICE_LOG_FORMAT=json|text`` overrides the choice. A record's ``fields`` extra
-(the access line's request id, status, timings, tokens...) becomes top-level keys.
+(the access line's request id, status, timings, tokens...) becomes top-level keys. Each line
+names its process's role and id (``process``, ``pid``): a gateway's ``--procs`` share one
+log, and one process short of CPU shows in its own lines.
 
 A gateway logs at INFO by default, so every request writes its access line (it bills the
 request: written before the answer's end, one write each, never held in a buffer). What a
@@ -39,6 +41,7 @@ class JsonFormatter(logging.Formatter):
             "ts": f"{self._stamp}.{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "process": self._process,
+            "pid": record.process,  # which of a --procs gateway's processes (or a worker's)
             "logger": record.name,
             "msg": record.getMessage(),
         }

@@ -34,7 +34,8 @@ def test_a_line_carries_its_fields_and_time(logged) -> None:
     logging.getLogger("sluice.access").info("access request_id=r1", extra={"fields": fields})
     logging.getLogger("sluice.gateway").warning("plain %s", "words")
     access, plain = logged()
-    assert access == {"ts": access["ts"], "level": "info", "process": "gateway", "logger": "sluice.access",
+    assert access == {"ts": access["ts"], "level": "info", "process": "gateway", "pid": os.getpid(),
+                      "logger": "sluice.access",
                       "msg": "access request_id=r1", **fields}
     assert plain["msg"] == "plain words" and plain["level"] == "warning" and "request_id" not in plain
     stamp, millis = access["ts"].removesuffix("Z").split(".")

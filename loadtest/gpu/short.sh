@@ -9,7 +9,8 @@
 #
 # The kit (../shared/gpu/README.md: .gpu/kit, and its wheels in parts, the last in .gpu/cur)
 # must be laid out as for go.sh; results go to $OUT/results.jsonl, a line per load.
-# CLIENT=lean: loads through loadtest/peers/load.py's client instead (short_load.py).
+# CLIENT=lean: loads through loadtest/peers/load.py's client instead (short_load.py), with
+# Sluice's stall series after each load ($OUT/stalls-*.txt) and its log kept ($OUT/sluice_up.log.xz).
 # Figures and how they were read: loadtest/gpu/h100-2026-12-06-short/README.md.
 cd "$(dirname "$0")/../.." || exit 1
 source .gpu/kit/common.sh
@@ -24,9 +25,21 @@ loads() {   # loads PREFIX MODE URL: the same loads on any path
 }
 lean() {   # lean PREFIX URL: one-token and 16-token chat streams through load.py's client (short_load.py)
   for len in 1 16; do
-    python3 loadtest/gpu/short_load.py "$2" "$MODEL" --tag "$1_len$len" --levels 64,256 --procs 4 \
-      --max-tokens $len --out "$RES"
+    for streams in 64 256; do
+      python3 loadtest/gpu/short_load.py "$2" "$MODEL" --tag "$1_len$len" --levels $streams --procs 4 \
+        --max-tokens $len --out "$RES"
+      stalls "$1_len${len}_$streams"
+    done
   done
+}
+# stalls NAME: Sluice's processes' stall series so far (sluice/stalls.py: event-loop lag, GC
+# pauses; the gateway's queue wait) into $OUT/stalls-NAME.txt, cumulative; nothing for vLLM's server
+stalls() {
+  [ -n "$wurl" ] || return 0
+  { curl -s http://127.0.0.1:8000/metrics
+    curl -s -H "authorization: Bearer $SLUICE_INTERNAL_TOKEN" "$wurl/metrics"
+  } | grep -E "^sluice_(gateway|worker)_(event_loop_lag|gc_pause|queue_wait)_seconds_(bucket|count|sum)" \
+    > "$OUT/stalls-$1.txt"
 }
 # CLIENT=lean: the loads of lean() instead (the kit's lg.py may bound itself at these rates)
 measure() { if [ "${CLIENT:-lg}" = lean ]; then lean "$1" "$3"; else loads "$@"; fi; }
@@ -64,6 +77,7 @@ sluice)
     curl -s http://127.0.0.1:8000/metrics | grep -E "^sluice_gateway_(errors|rejections|retries|migrations)_total" | head
     grep -E '"level": ?"(warning|error)"|Traceback' "$OUT/sluice_up.log" | cut -c1-300 | sort | uniq -c | sort -rn | head -15
   else tail -40 "$OUT/sluice_up.log"; fi
-  stop_group $upid 120; gpu_free ;;
+  stop_group $upid 120; gpu_free
+  xz -T0 -6 "$OUT/sluice_up.log" ;;  # every request's access line (ttft, queue wait, pid): read afterwards
 esac
 echo "== short.sh $1 done"
