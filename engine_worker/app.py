@@ -16,7 +16,6 @@ from starlette.responses import Response
 from engine_worker.metrics import WorkerMetrics
 from engine_worker.pooling import TASK_OF, PoolRequest, encode_line
 from engine_worker.protocol import GenerateRequest
-from engine_worker.stream import NDJSONStream
 from sluice.errors import (
     AuthenticationFailed,
     ModelNotFound,
@@ -25,6 +24,7 @@ from sluice.errors import (
     Unavailable,
     error_response,
 )
+from sluice.lean_routes import Front, LeanRoutes
 from sluice.telemetry import extract, inject
 
 tracer = trace.get_tracer("sluice.worker")
@@ -33,8 +33,10 @@ if TYPE_CHECKING:
     from engine_worker.worker import Worker
 
 
-def create_app(worker: Worker, metrics: WorkerMetrics) -> FastAPI:
+def create_app(worker: Worker, metrics: WorkerMetrics) -> Front:
+    """The worker's ASGI app: ``/internal/generate`` lean (sluice/lean_routes.py), the rest FastAPI's."""
     app = FastAPI(title="Sluice engine worker", docs_url=None, redoc_url=None)
+    lean = LeanRoutes()
 
     @app.exception_handler(SluiceError)
     async def _sluice_error(request: Request, exc: SluiceError) -> Response:
@@ -61,7 +63,7 @@ def create_app(worker: Worker, metrics: WorkerMetrics) -> FastAPI:
             raise RouteNotFound(f"this worker does not serve task {task!r} (its tasks: {', '.join(worker.tasks)})")
 
     @app.post("/internal/generate", response_model=None)
-    async def generate(request: Request) -> NDJSONStream:
+    async def generate(request: Request) -> Response:
         check_request(request, "generate")
         body = GenerateRequest.parse(await request.body())
         if body.model != worker.model:  # a LoRA adapter of the model, or a mistake (404)
@@ -73,6 +75,8 @@ def create_app(worker: Worker, metrics: WorkerMetrics) -> FastAPI:
                                              "sluice.resumed_tokens": len(body.resume_token_ids)})
         body.trace_headers = inject(trace.set_span_in_context(span)) or None
         return worker.open_stream(body, span)
+
+    lean.add("/internal/generate", generate)  # every stream: served from the scope
 
     @app.post("/internal/prompt_tokens")
     async def prompt_tokens(request: Request) -> Response:
@@ -120,4 +124,4 @@ def create_app(worker: Worker, metrics: WorkerMetrics) -> FastAPI:
         check_caller(request)
         return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    return Front(app, lean)

@@ -283,7 +283,7 @@ class Worker:
             metrics = WorkerMetrics(self)
             app = create_app(self, metrics)
             settle_gc()  # the engine's frontend lives in this process: its start-up heap too
-            server = Server(uvicorn_config(app, s.host, s.port, graceful_s=1), self.drain)
+            server = Server(uvicorn_config(app, s.host, s.port, graceful_s=1, proxy_headers=False), self.drain)
             serving = asyncio.create_task(server.serve())
             while not server.started:
                 if serving.done():

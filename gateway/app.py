@@ -38,7 +38,7 @@ from gateway.admission.routing import IndexCorrections
 from gateway.admission.tenancy import Tenancy
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext, headers_of, resolve_deadline, resolve_priority
-from gateway.lean_routes import Front, LeanRoutes
+from sluice.lean_routes import Front, LeanRoutes
 from gateway.loss_watch import LossWatch
 from gateway.metrics import GatewayMetrics
 from gateway.record import RequestRecord
@@ -170,7 +170,7 @@ async def open_services(settings: GatewaySettings) -> Services:
 
 
 def create_app(settings: GatewaySettings) -> Front:
-    """The gateway's ASGI app: its completion routes lean (gateway/lean_routes.py), the rest FastAPI's."""
+    """The gateway's ASGI app: its completion routes lean (sluice/lean_routes.py), the rest FastAPI's."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Services]]:
         services = await open_services(settings)
@@ -537,7 +537,7 @@ def _new_request_id(given: str) -> str:
 
 class RequestIdMiddleware:
     """Every response carries ``x-request-id``: the client's when valid, else a fresh one
-    (FastAPI's routes; :class:`gateway.lean_routes.Front` does the same for the lean ones)."""
+    (FastAPI's routes; :class:`sluice.lean_routes.Front` does the same for the lean ones)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

@@ -77,7 +77,7 @@ def uvicorn_config(
     app: ASGIApp, host: str, port: int, *, graceful_s: float, lifespan: bool = False, proxy_headers: bool = True,
 ) -> uvicorn.Config:
     """``proxy_headers=False``: the app applies X-Forwarded-* itself where it reads them
-    (the gateway's :class:`gateway.lean_routes.Front`)."""
+    (the gateway's :class:`sluice.lean_routes.Front`)."""
     return uvicorn.Config(
         app,
         proxy_headers=proxy_headers,

@@ -1,4 +1,4 @@
-"""gateway/lean_routes.py's Front: a lean route gets what FastAPI's layers gave it (the
+"""sluice/lean_routes.py's Front: a lean route gets what FastAPI's layers gave it (the
 request id on every answer, the app's handlers, an unexpected error as a logged 500 that
 is raised on), and everything else is FastAPI's."""
 
@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.lean_routes import Front, LeanRoutes
+from sluice.lean_routes import Front, LeanRoutes
 from sluice.errors import InvalidRequest, SluiceError
 
 

@@ -10,7 +10,7 @@ completion routes save? Only what these layers cost. Requests are counted as uvi
 ``on_headers_complete`` calls (cProfile counts every resumption of a coroutine as a call).
 A layer's own cost is its inclusive time less that of what it calls into: uvicorn's
 ``run_asgi`` less the front's (uvicorn's proxy-headers middleware between them), the lean
-front (gateway/lean_routes.py) less the endpoint and the response it runs. uvicorn's ``send`` includes the
+front (sluice/lean_routes.py) less the endpoint and the response it runs. uvicorn's ``send`` includes the
 socket writes (uvloop's C code is not profiled apart), which any server makes.
 """
 
@@ -25,8 +25,8 @@ POINTS = {
     "headers": ("on_headers_complete", "uvicorn/protocols/http/httptools_impl"),
     "run_asgi": ("run_asgi", "uvicorn/protocols/http/httptools_impl"),
     "send": ("send", "uvicorn/protocols/http/httptools_impl"),
-    "send_with_id": ("send_with_id", "gateway/lean_routes"),
-    "lean": ("__call__", "gateway/lean_routes"),
+    "send_with_id": ("send_with_id", "sluice/lean_routes"),
+    "lean": ("__call__", "sluice/lean_routes"),
     "route": ("route", "gateway/app.py"),
     "sse": ("__call__", "gateway/relay/sse"),
 }

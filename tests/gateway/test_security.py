@@ -141,7 +141,7 @@ def test_unknown_fields_are_logged_once_per_request_and_capped(stack) -> None:
 def test_metrics_know_a_client_behind_a_local_proxy_by_its_own_address(stack) -> None:
     """A local reverse proxy's ``X-Forwarded-For`` names the client, and /metrics (loopback
     clients only, on a gateway without keys) refuses a remote one. uvicorn's proxy-headers
-    middleware runs in front of FastAPI's routes only (gateway/lean_routes.py); a completion
+    middleware runs in front of FastAPI's routes only (sluice/lean_routes.py); a completion
     with the header is served as ever."""
     assert httpx.get(stack.url + "/metrics").status_code == 200
     remote = httpx.get(stack.url + "/metrics", headers={"x-forwarded-for": "203.0.113.7"})

@@ -1,5 +1,6 @@
-"""The completion routes served straight from the ASGI scope; FastAPI serves every other
-route, holds the exception handlers and documents every route (the OpenAPI document).
+"""The hot routes served straight from the ASGI scope (the gateway's completion routes, the
+worker's ``/internal/generate``); FastAPI serves every other route, holds the exception
+handlers and documents every route (the OpenAPI document).
 
 Why: with one token per request, FastAPI's path to an endpoint (ExceptionMiddleware and
 its send wrapper, the AsyncExitStack middleware, the router's matching of every route,
@@ -14,10 +15,16 @@ send went through two wrappers (one to know whether the response had started, on
 the request id): :class:`Front`, what uvicorn runs, does what they did for these routes in
 one frame and one wrapper.
 
+The worker's generate route went through the same layers for every stream: about a quarter
+of a worker's HTTP side's CPU per one-token request with the simulator (py-spy, 64 streams
+through ``sluice up --engine sim``), where the worker process, which also runs vLLM's
+frontend, is what bounds short requests on a GPU (loadtest/gpu/h100-2026-12-06-short/).
+
 What a lean route gets, as the layers gave it:
-- ``x-request-id`` on every answer: the client's when valid, else a fresh one (also in the
-  scope as ``sluice.request_id``; gateway/app.py's ``RequestIdMiddleware`` does the same for
-  FastAPI's routes);
+- ``x-request-id`` on every answer, when the front is given a ``request_id`` function (the
+  gateway's): the client's when valid, else a fresh one (also in the scope as
+  ``sluice.request_id``; gateway/app.py's ``RequestIdMiddleware`` does the same for FastAPI's
+  routes);
 - an exception before the response starts answers through the app's handler for its type
   (as Starlette's ExceptionMiddleware); one no handler takes (an unexpected error) goes to
   the app's ``Exception`` handler (it logs it), whose 500 in the client's shape is sent if the
@@ -66,7 +73,7 @@ class LeanRoutes:
 class Front:
     """The ASGI app uvicorn runs: a lean route straight from the scope, the rest FastAPI's."""
 
-    def __init__(self, app: FastAPI, lean: LeanRoutes, request_id: Callable[[str], str]) -> None:
+    def __init__(self, app: FastAPI, lean: LeanRoutes, request_id: Callable[[str], str] | None = None) -> None:
         self.app = app
         #: FastAPI's routes, as uvicorn would have run them (uvicorn's default trusted proxies).
         self._rest = ProxyHeadersMiddleware(app, trusted_hosts=os.environ.get("FORWARDED_ALLOW_IPS", "127.0.0.1,::1"))
@@ -82,8 +89,11 @@ class Front:
             await self._rest(scope, receive, send)
             return
         scope["app"] = self.app  # as Starlette's entry point sets it
-        given = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), "")
-        rid = scope["sluice.request_id"] = self._request_id(given)
+        rid = b""
+        if self._request_id is not None:
+            given = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), "")
+            scope["sluice.request_id"] = self._request_id(given)
+            rid = scope["sluice.request_id"].encode()
         started = False
 
         def send_with_id(message: Message) -> Awaitable[None]:
@@ -93,8 +103,8 @@ class Front:
             if not started and message["type"] == "http.response.start":
                 started = True
                 headers = message.get("headers", ())
-                if not any(k == b"x-request-id" for k, _ in headers):  # raw header names are lower case
-                    message = {**message, "headers": [*headers, (b"x-request-id", rid.encode())]}
+                if rid and not any(k == b"x-request-id" for k, _ in headers):  # raw header names are lower case
+                    message = {**message, "headers": [*headers, (b"x-request-id", rid)]}
             return send(message)
 
         request = Request(scope, receive)
