@@ -22,8 +22,9 @@ class NDJSONStream(Response):
     Closing the engine's iterator is what aborts the request inside the engine,
     so a gateway that hangs up frees the sequence at once, not at the next token.
     The disconnect is watched by one asyncio task that cancels the sending one (an anyio
-    task group did it before: its cancel scopes and task spawning were about a tenth of a
-    worker's HTTP side's CPU per one-token stream, py-spy with the simulator).
+    task group did it before: its cancel scopes, task spawn and ``current_task`` lookups
+    were a sixth of a simulator worker's samples under 64 one-token streams, py-spy;
+    loadtest/peers/README.md).
     """
 
     media_type = "application/x-ndjson"

@@ -15,10 +15,11 @@ send went through two wrappers (one to know whether the response had started, on
 the request id): :class:`Front`, what uvicorn runs, does what they did for these routes in
 one frame and one wrapper.
 
-The worker's generate route went through the same layers for every stream: about a quarter
-of a worker's HTTP side's CPU per one-token request with the simulator (py-spy, 64 streams
-through ``sluice up --engine sim``), where the worker process, which also runs vLLM's
-frontend, is what bounds short requests on a GPU (loadtest/gpu/h100-2026-12-06-short/).
+The worker's generate route went through the same layers for every stream; served lean,
+with its hang-up watched by a plain task (engine_worker/stream.py), a simulator worker's CPU
+fell from 269 to 132 µs a one-token request (64 streams through ``sluice up --engine sim``,
+loadtest/peers/README.md). The worker process, which also runs vLLM's frontend, is what
+bounds short requests on a GPU (loadtest/gpu/h100-2026-12-06-short/).
 
 What a lean route gets, as the layers gave it:
 - ``x-request-id`` on every answer, when the front is given a ``request_id`` function (the
