@@ -10,7 +10,8 @@
 # The kit (../shared/gpu/README.md: .gpu/kit, and its wheels in parts, the last in .gpu/cur)
 # must be laid out as for go.sh; results go to $OUT/results.jsonl, a line per load.
 # CLIENT=lean: loads through loadtest/peers/load.py's client instead (short_load.py), with
-# Sluice's stall series after each load ($OUT/stalls-*.txt) and its log kept ($OUT/sluice_up.log.xz).
+# Sluice's stall series after each load ($OUT/stalls-*.txt) and its log kept ($OUT/sluice_up.log.xz);
+# LENS="1" STREAMS="64" for fewer loads (defaults "1 16" and "64 256").
 # Figures and how they were read: loadtest/gpu/h100-2026-12-06-short/README.md.
 cd "$(dirname "$0")/../.." || exit 1
 source .gpu/kit/common.sh
@@ -24,8 +25,8 @@ loads() {   # loads PREFIX MODE URL: the same loads on any path
   LEN=128 N=256 clients "$1_len128_4x64" "$2" 4 "$3"
 }
 lean() {   # lean PREFIX URL: one-token and 16-token chat streams through load.py's client (short_load.py)
-  for len in 1 16; do
-    for streams in 64 256; do
+  for len in ${LENS:-1 16}; do
+    for streams in ${STREAMS:-64 256}; do
       python3 loadtest/gpu/short_load.py "$2" "$MODEL" --tag "$1_len$len" --levels $streams --procs 4 \
         --max-tokens $len --out "$RES"
       stalls "$1_len${len}_$streams"
