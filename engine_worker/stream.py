@@ -59,9 +59,8 @@ class NDJSONStream(Response):
         try:
             await self._respond(scope, receive, send)
         except asyncio.CancelledError:
-            if not gone:
-                raise  # cancelled from outside (the server stopping): not ours to swallow
-            sending.uncancel()
+            if not gone or sending.uncancel() > 0:
+                raise  # cancelled from outside (the server stopping), too: not ours to swallow
         except OSError:
             pass  # the gateway went away between two sends
         finally:
