@@ -300,9 +300,9 @@ class Dispatcher:
         self._disagg = disagg
         self._adapters = adapters
         self._corrections = corrections
-        self._tokenizer = (PromptTokenizer(settings.tokenizer)
-                           if settings.routing == "cache" and settings.prefix_index == "precise" and settings.tokenizer
-                           else None)
+        #: A tokenizer folder: this gateway tokenizes prompts (for the precise index, and for
+        #: the workers, which then need not: ``send_prompt_ids``).
+        self._tokenizer = PromptTokenizer(settings.tokenizer) if settings.tokenizer else None
         self._admission = admission
         self._http = http
         self._workers = workers
@@ -316,18 +316,21 @@ class Dispatcher:
     def prefix_of(self, payload: dict[str, Any]) -> PromptPrefix:
         """The prompt's blocks when routing by cache (hashing costs nothing otherwise).
 
-        With the precise index the prompt's token ids go into ``payload`` as well, with the
+        With a tokenizer the prompt's token ids go into ``payload`` as well, with the
         tokenizer's digest, for the worker to take instead of tokenizing again (unless
-        ``send_prompt_ids`` is off)."""
-        if self._settings.routing != "cache":
+        ``send_prompt_ids`` is off), whatever the routing; the precise index routes by them."""
+        s = self._settings
+        ids = None
+        if self._tokenizer is not None:
+            ids = payload.get("gateway_prompt_ids") or self._tokenizer.ids(payload)
+            if ids is not None and s.send_prompt_ids:
+                payload["gateway_prompt_ids"], payload["gateway_tokenizer"] = ids, self._tokenizer.digest
+        if s.routing != "cache":
             return PromptPrefix((), 0)
-        if self._tokenizer is None:
+        if self._tokenizer is None or s.prefix_index != "precise":
             return PromptPrefix.of(payload)
-        ids = payload.get("gateway_prompt_ids") or self._tokenizer.ids(payload)
         if ids is None:
             return PromptPrefix((), 0, precise=True)
-        if self._settings.send_prompt_ids:
-            payload["gateway_prompt_ids"], payload["gateway_tokenizer"] = ids, self._tokenizer.digest
         return PromptPrefix.of_tokens(ids)
 
     async def admit(

@@ -139,3 +139,18 @@ def test_the_worker_takes_the_gateways_prompt_ids_when_their_tokenizer_is_its_ow
     # Through a precise-index gateway: its ids travel with the prompt and are taken.
     chat(http, gateway, messages)
     assert taken() == before + 2
+
+
+def test_a_gateway_with_a_tokenizer_sends_its_ids_whatever_its_index(
+        worker: Proc, start_gateway: StartGateway, http: httpx.Client) -> None:
+    """The approximate index (the default) and a tokenizer folder: the gateway's processes
+    tokenize, the worker's one process need not (its frontend bounds short requests on a GPU)."""
+    approx = start_gateway(env={"SLUICE_GATEWAY_TOKENIZER": str(default_model_dir())})
+
+    def taken() -> float:
+        return metric(http.get(worker.url + "/metrics").text, "sluice_worker_gateway_prompt_ids_total")
+
+    before = taken()
+    answer = chat(http, approx, [{"role": "user", "content": "Which gate closes last?"}])
+    assert answer["prompt_tokens"] > 0
+    assert taken() == before + 1
