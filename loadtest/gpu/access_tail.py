@@ -1,6 +1,7 @@
 """Where a TTFT tail comes from, read from a `sluice up` log's access lines (JSON, one per
-request): TTFT and queue wait by gateway process (``pid``), and whether the slow requests
-came together (a stall: many slow ones ending within the same instant) or one by one.
+request): TTFT and queue wait by gateway process (``pid``), and the stalls: moments when no
+one-token request got its first token and none arrived (a pause between two loads reads as
+one too).
 
     python3 loadtest/gpu/access_tail.py sluice_up.log.xz [--slow-ms 300] [--tokens 1]
 
@@ -42,11 +43,37 @@ def _rows(path: Path, tokens: int | None) -> list[dict]:
     return rows
 
 
+def _stalls(rows: list[dict], window_s: float) -> None:
+    """Runs of three or more windows in which no request got its first token and none arrived,
+    between windows that had some: in a closed loop a stall anywhere (a gateway process, the
+    worker, the engine, Redis, the client) stops both. Requests of one token only: a long
+    stream's first token comes once, so quiet windows are no stall there."""
+    firsts, arrivals = set(), set()
+    for row in rows:
+        first = row["t"] - (row["total_ms"] - row["ttft_ms"]) / 1000
+        firsts.add(int(first / window_s))
+        arrivals.add(int((first - row["ttft_ms"] / 1000) / window_s))
+    busy = sorted(firsts | arrivals)
+    t0 = busy[0]
+    stalls = [(a, b) for a, b in zip(busy, busy[1:]) if b - a - 1 >= 3]
+    if not stalls:
+        print(f"\nno stall of {3 * window_s * 1000:.0f} ms or more")
+        return
+    print(f"\n{len(stalls)} stalls (no first token and no arrival for {3 * window_s * 1000:.0f} ms or more):")
+    for a, b in stalls:
+        print(f"  at {(a + 1 - t0) * window_s:8.2f} s for {(b - a - 1) * window_s * 1000:5.0f} ms")
+    starts = [a for a, _ in stalls]
+    gaps = [(b - a) * window_s for a, b in zip(starts, starts[1:])]
+    if gaps:
+        print(f"  one every {sorted(gaps)[len(gaps) // 2]:.2f} s (median)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("log", type=Path)
     parser.add_argument("--slow-ms", type=float, default=300.0, help="a request this slow to its first token is slow")
-    parser.add_argument("--tokens", type=int, default=None, help="only requests of this many completion tokens")
+    parser.add_argument("--tokens", type=int, default=1, help="only requests of this many completion tokens")
+    parser.add_argument("--window-ms", type=float, default=50.0, help="the stall finder's window")
     args = parser.parse_args()
     rows = _rows(args.log, args.tokens)
     if not rows:
@@ -62,27 +89,7 @@ def main() -> None:
         slow = sum(t >= args.slow_ms for t in ttft)
         print(f"{pid!s:9} {len(group):8}  {_pct(ttft, .5):7.1f} / {_pct(ttft, .99):7.1f} / {max(ttft):7.1f}"
               f"   {_pct(wait, .5):7.1f} / {_pct(wait, .99):7.1f} / {max(wait):7.1f}   {slow}")
-    slow_rows = sorted((r for r in rows if r["ttft_ms"] >= args.slow_ms), key=lambda r: r["t"])
-    if not slow_rows:
-        return
-    t0 = rows[0]["t"] if rows[0]["t"] < slow_rows[0]["t"] else slow_rows[0]["t"]
-    # A slow request's first token came at t - (total - ttft); group slow ones whose first
-    # tokens came within 50 ms of each other: a burst is one stall that held them all.
-    bursts: list[list[dict]] = []
-    for row in slow_rows:
-        first = row["t"] - (row["total_ms"] - row["ttft_ms"]) / 1000
-        row["first"] = first
-        if bursts and first - bursts[-1][-1]["first"] <= 0.05:
-            bursts[-1].append(row)
-        else:
-            bursts.append([row])
-    print(f"\n{len(slow_rows)} requests at {args.slow_ms:.0f} ms or more to the first token, in {len(bursts)} "
-          "groups (first tokens within 50 ms of each other):")
-    for burst in sorted(bursts, key=len, reverse=True)[:15]:
-        ttft = [r["ttft_ms"] for r in burst]
-        pids = sorted({str(r.get("pid", "-")) for r in burst})
-        print(f"  at {burst[0]['first'] - t0:8.2f} s: {len(burst):4} requests, TTFT {min(ttft):.0f}-{max(ttft):.0f} ms,"
-              f" queue wait max {max(r['queue_wait_ms'] for r in burst):.1f} ms, gateway pids {','.join(pids)}")
+    _stalls([r for r in rows], args.window_ms / 1000)
 
 
 if __name__ == "__main__":
