@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
 
 def create_app(worker: Worker, metrics: WorkerMetrics) -> Front:
-    """The worker's ASGI app: ``/internal/generate`` lean (sluice/lean_routes.py), the rest FastAPI's."""
+    """The worker's ASGI app: ``/internal/generate`` and ``/internal/pool`` lean
+    (sluice/lean_routes.py), the rest FastAPI's."""
     app = FastAPI(title="Sluice engine worker", docs_url=None, redoc_url=None)
     lean = LeanRoutes()
 
@@ -103,6 +104,8 @@ def create_app(worker: Worker, metrics: WorkerMetrics) -> Front:
                                                       "gen_ai.operation.name": body.op}):
             line = await worker.pool(body)
         return Response(encode_line(line), media_type="application/x-ndjson")
+
+    lean.add("/internal/pool", pool)  # embeddings and scores are short requests too
 
     @app.delete("/internal/adapters/{name}")
     async def unload_adapter(name: str, request: Request) -> Response:
