@@ -131,7 +131,8 @@ class GatewaySettings(RedisSettings):
     #: precise index, it moves the tokenizer's work from a vLLM worker's one process (its
     #: frontend, what bounds short requests on a GPU) to the gateway's: on the CPU machine
     #: -435 µs of worker CPU and +207 µs of gateway CPU a one-token chat request
-    #: (loadtest/peers/README.md, "The worker's side of a short request").
+    #: (loadtest/peers/README.md, "The worker's side of a short request"). One folder for
+    #: every model this gateway serves: workers of another tokenizer ignore the ids (and say so once).
     tokenizer: str | None = None
     #: With a tokenizer: send each prompt's token ids to the worker with the tokenizer's
     #: digest; a vLLM worker with the same tokenizer takes them and does not tokenize again

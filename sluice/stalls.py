@@ -26,9 +26,9 @@ objects, and a full collection walks every object not frozen (``sluice.serve.set
 process whose heap grows (a worker holding vLLM's frontend: 650,962 objects once started) can
 stall every stream it serves for a quarter of a second at a time, which the loop's samples
 catch only when one falls inside. Each collection's duration is counted, by generation
-(``sluice_gateway_gc_pause_seconds``, ``sluice_worker_gc_pause_seconds``). Cost: two calls
-to ``time.perf_counter`` and one observation a collection (young ones run every 7,000 net
-allocations).
+(``sluice_gateway_gc_pause_seconds``, ``sluice_worker_gc_pause_seconds``), into the
+histogram at the loop-lag probe's next sample. Cost: two calls to ``time.perf_counter`` and
+one observation a collection (young ones run every 7,000 net allocations).
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ import asyncio
 import gc
 import logging
 import time
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("sluice.stalls")
@@ -54,8 +56,10 @@ BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 class LoopLag:
     """Samples the running loop's lag into ``histogram`` (a prometheus_client series)."""
 
-    def __init__(self, histogram: Any, process: str, sample_s: float = SAMPLE_S, stall_s: float = STALL_S) -> None:
+    def __init__(self, histogram: Any, process: str, sample_s: float = SAMPLE_S, stall_s: float = STALL_S,
+                 each_sample: Callable[[], None] | None = None) -> None:
         self._histogram = histogram
+        self._each_sample = each_sample  # more work on the loop at each sample (GcPauses.drain)
         self._process = process  # "gateway" or "worker", for the log line
         self._sample_s = sample_s
         self._stall_s = stall_s
@@ -97,6 +101,8 @@ class LoopLag:
             lag = blocked
             self._stalled(blocked)
         self._histogram.observe(lag)
+        if self._each_sample is not None:
+            self._each_sample()
         self._schedule()
 
     def _stalled(self, late_s: float) -> None:
@@ -112,32 +118,48 @@ class LoopLag:
 
 
 class GcPauses:
-    """Times each collection of the garbage collector into ``histogram`` (a prometheus_client
-    series labelled by ``generation``), from :meth:`start` until :meth:`close`."""
+    """Times each collection of the garbage collector, from :meth:`start` until :meth:`close`;
+    :meth:`drain` puts the pauses timed so far into ``histogram`` (a prometheus_client series
+    labelled by ``generation``).
+
+    The collector's callback only appends to a deque: a collection starts wherever an
+    allocation happens, and prometheus_client's multiprocess mode (a ``--procs`` gateway)
+    guards every value with one process-wide lock that is not reentrant, held while a new
+    series is made, which allocates; an observation from the callback there would wait on
+    its own thread forever. The drain runs on the event loop (with the loop-lag samples)."""
 
     def __init__(self, histogram: Any) -> None:
         self._by_generation = [histogram.labels(str(g)) for g in range(3)]
         self._began = 0.0
+        self._timed: deque[tuple[int, float]] = deque(maxlen=4096)  # between two drains
 
     def start(self) -> None:
-        gc.callbacks.append(self._timed)
+        gc.callbacks.append(self._callback)
 
     def close(self) -> None:
-        if self._timed in gc.callbacks:
-            gc.callbacks.remove(self._timed)
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+        self.drain()
 
-    def _timed(self, phase: str, info: dict[str, int]) -> None:
+    def drain(self) -> None:
+        while self._timed:
+            generation, seconds = self._timed.popleft()
+            self._by_generation[generation].observe(seconds)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._began = time.perf_counter()
-        else:
-            self._by_generation[info["generation"]].observe(time.perf_counter() - self._began)
+        elif self._began:  # (a callback added during a collection sees its stop alone)
+            self._timed.append((info["generation"], time.perf_counter() - self._began))
+            self._began = 0.0
 
 
 class Stalls:
     """Both probes of one serving process, started and closed together."""
 
     def __init__(self, loop_lag: Any, gc_pauses: Any, process: str) -> None:
-        self._probes = (LoopLag(loop_lag, process), GcPauses(gc_pauses))
+        pauses = GcPauses(gc_pauses)
+        self._probes = (LoopLag(loop_lag, process, each_sample=pauses.drain), pauses)
 
     def start(self) -> None:
         for probe in self._probes:

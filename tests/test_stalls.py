@@ -6,12 +6,18 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
 from sluice.stalls import GcPauses, LoopLag
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _histogram() -> tuple[Histogram, CollectorRegistry]:
@@ -98,3 +104,27 @@ def test_each_collection_is_timed_by_its_generation_until_closed() -> None:
     del heap
     gc.collect()
     assert registry.get_sample_value("gc_seconds_count", {"generation": "2"}) == 1  # closed: no more
+
+
+def test_a_collection_inside_a_metrics_lock_does_not_hang_the_process(tmp_path) -> None:
+    """prometheus_client's multiprocess mode (a --procs gateway) holds one process-wide lock,
+    not reentrant, while it makes a new series, which allocates: a collection can start there.
+    Observing from the collector's callback then waited on its own thread for ever."""
+    script = (
+        "import gc, os\n"
+        "from gateway.metrics import GatewayMetrics\n"
+        "from sluice.stalls import GcPauses\n"
+        "m = GatewayMetrics()\n"
+        "pauses = GcPauses(m.gc_pauses)\n"
+        "pauses.start()\n"
+        "gc.set_threshold(3)\n"
+        "for i in range(2000):\n"
+        "    m.requests.labels(f'model-{i}', 'ok').inc()\n"
+        "gc.set_threshold(700)\n"
+        "pauses.close()\n"
+        "print('done')\n"
+    )
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr[-2000:]

@@ -320,14 +320,15 @@ class Dispatcher:
         tokenizer's digest, for the worker to take instead of tokenizing again (unless
         ``send_prompt_ids`` is off), whatever the routing; the precise index routes by them."""
         s = self._settings
+        precise = s.routing == "cache" and s.prefix_index == "precise" and self._tokenizer is not None
         ids = None
-        if self._tokenizer is not None:
+        if self._tokenizer is not None and (precise or s.send_prompt_ids):
             ids = payload.get("gateway_prompt_ids") or self._tokenizer.ids(payload)
             if ids is not None and s.send_prompt_ids:
                 payload["gateway_prompt_ids"], payload["gateway_tokenizer"] = ids, self._tokenizer.digest
         if s.routing != "cache":
             return PromptPrefix((), 0)
-        if self._tokenizer is None or s.prefix_index != "precise":
+        if not precise:
             return PromptPrefix.of(payload)
         if ids is None:
             return PromptPrefix((), 0, precise=True)
