@@ -9,6 +9,7 @@ last test kills one mid-stream, so it stays last. Run heavy: under
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -18,9 +19,8 @@ import openai
 import pytest
 
 from engine_worker.engines.openai_upstream import parse_metrics
-from sluice.embedded_redis import free_port
 from sluice.models import default_model_dir, is_prepared
-from tests.conftest import Proc
+from tests.conftest import Proc, start_on_free_ports
 
 pytestmark = [
     pytest.mark.real_model,
@@ -35,7 +35,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 STORY = [{"role": "user", "content": "Write a long story about a canal lock keeper and his boat."}]
 
 
-def vllm_server(procs: list[Proc], logs, port: int) -> Proc:
+def vllm_server(logs, port: int) -> Proc:
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(default_model_dir()),
         "--served-model-name", MODEL, "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
@@ -47,17 +47,15 @@ def vllm_server(procs: list[Proc], logs, port: int) -> Proc:
     env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1")
     proc = Proc(f"vllm-serve-{port}", argv, logs / f"vllm-serve-{port}.log", env)
     proc.url = f"http://127.0.0.1:{port}"
-    procs.append(proc)
     return proc
 
 
 @pytest.fixture(scope="module")
 def servers(procs, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm-serve-logs")
-    started = [vllm_server(procs, logs, free_port()) for _ in range(2)]
-    for proc in started:
-        proc.wait_http("/health", timeout_s=600)
-    return started
+    # On free ports, each tried again on another if something took it first (the suite's
+    # other processes start on random ports beside these).
+    return start_on_free_ports(procs, [functools.partial(vllm_server, logs) for _ in range(2)], timeout_s=600)
 
 
 @pytest.fixture(scope="module")
