@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from typing import Any, cast
@@ -322,3 +323,4 @@ class Worker:
             await self.engine.shutdown()
             await redis.aclose()
             log.info("worker stopped: %r", self)
+            gc.unfreeze()  # the start-up heap frozen by settle_gc: freed at exit like the rest
