@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from sluice.stalls import BUCKETS, Stalls
+from sluice.stalls import Stalls, stall_series
 
 if TYPE_CHECKING:
     from engine_worker.worker import Worker
@@ -56,14 +56,7 @@ class WorkerMetrics:
     def __init__(self, worker: Worker) -> None:
         r = self.registry = CollectorRegistry(auto_describe=False)
         r.register(WorkerCollector(worker))
-        self.stalls = Stalls(
-            Histogram("sluice_worker_event_loop_lag_seconds",
-                      "How long ready work waits on this worker's event loop (sluice/stalls.py)", buckets=BUCKETS,
-                      registry=r),
-            Histogram("sluice_worker_gc_pause_seconds",
-                      "Collections of Python's garbage collector, each a stall of every stream of this worker "
-                      "(sluice/stalls.py)", ["generation"], buckets=BUCKETS, registry=r),
-            "worker")
+        self.stalls = Stalls(*stall_series("worker", r), "worker")
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -39,18 +39,17 @@ class NDJSONStream(Response):
         self._deltas = deltas
         self._on_start = on_start
         self._on_done = on_done
+        self._gone = False  # the gateway hung up
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._on_start()
         sending = asyncio.current_task()
         assert sending is not None
-        gone = False
 
         async def watch_disconnect() -> None:
-            nonlocal gone
             while (await receive())["type"] != "http.disconnect":
                 pass
-            gone = True
+            self._gone = True
             sending.cancel()
 
         # The body was read by the route: what ``receive`` gives now is the disconnect (or
@@ -58,8 +57,10 @@ class NDJSONStream(Response):
         watcher = asyncio.get_running_loop().create_task(watch_disconnect())
         try:
             await self._respond(scope, receive, send)
+            if self._gone:  # an engine swallowed the hang-up's cancellation; the loop saw it
+                sending.uncancel()
         except asyncio.CancelledError:
-            if not gone or sending.uncancel() > 0:
+            if not self._gone or sending.uncancel() > 0:
                 raise  # cancelled from outside (the server stopping), too: not ours to swallow
         except OSError:
             pass  # the gateway went away between two sends
@@ -94,6 +95,8 @@ class NDJSONStream(Response):
             if first is not None:
                 await send({"type": "http.response.body", "body": first.encode(), "more_body": True})
                 async for delta in self._deltas:
+                    if self._gone:  # (an engine generator that swallowed the cancellation goes on)
+                        return
                     await send({"type": "http.response.body", "body": delta.encode(), "more_body": True})
         except SluiceError as exc:
             await send({"type": "http.response.body", "body": _line(exc.body()), "more_body": True})

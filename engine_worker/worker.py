@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from typing import Any, cast
@@ -22,7 +21,7 @@ from sluice import keys
 from sluice.models import ModelError, resolve
 from sluice.prefix_index import PrefixIndex
 from sluice.redis_pool import create_pool
-from sluice.serve import Server, run_async, settle_gc, uvicorn_config
+from sluice.serve import Server, run_async, settle_gc, unsettle_gc, uvicorn_config
 from sluice.tasks import GENERATE, SERVED
 from sluice.telemetry import setup_tracing
 
@@ -323,4 +322,4 @@ class Worker:
             await self.engine.shutdown()
             await redis.aclose()
             log.info("worker stopped: %r", self)
-            gc.unfreeze()  # the start-up heap frozen by settle_gc: freed at exit like the rest
+            unsettle_gc()  # the start-up heap frozen by settle_gc: freed at exit like the rest

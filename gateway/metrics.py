@@ -27,7 +27,7 @@ from prometheus_client import (
     multiprocess,
 )
 
-from sluice.stalls import BUCKETS
+from sluice.stalls import stall_series
 
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -129,12 +129,7 @@ class GatewayMetrics:
                              ["model"], buckets=_ITL, registry=r)
         self.queue_wait = Histogram("sluice_gateway_queue_wait_seconds", "Time waiting for a worker slot",
                                     ["model", "priority_class"], buckets=_LATENCY, registry=r)
-        self.loop_lag = Histogram("sluice_gateway_event_loop_lag_seconds",
-                                  "How long ready work waits on this process's event loop (sluice/stalls.py)",
-                                  buckets=BUCKETS, registry=r)
-        self.gc_pauses = Histogram("sluice_gateway_gc_pause_seconds",
-                                   "Collections of Python's garbage collector, each a stall of the process (sluice/stalls.py)",
-                                   ["generation"], buckets=BUCKETS, registry=r)
+        self.loop_lag, self.gc_pauses = stall_series("gateway", r)
         self.e2e = Histogram("sluice_gateway_request_duration_seconds", "Arrival to last byte",
                              ["model"], buckets=_LATENCY, registry=r)
         self.prompt_tokens = Counter("sluice_gateway_prompt_tokens", "Prompt tokens", ["model"], registry=r)

@@ -113,6 +113,13 @@ def settle_gc() -> None:
     log.info("%d objects of the start left out of the garbage collector's walks", gc.get_freeze_count())
 
 
+def unsettle_gc() -> None:
+    """Undo :func:`settle_gc` as the process stops, once its engine is shut down: frozen
+    objects are never freed, so extension modules' objects among them (Triton's, in a vLLM
+    worker) were reported as leaked at every exit ("nanobind: leaked ... instances")."""
+    gc.unfreeze()
+
+
 def run_async(main: Awaitable[None]) -> None:
     """Run a coroutine on uvloop when available."""
     try:

@@ -41,6 +41,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Histogram
+
 log = logging.getLogger("sluice.stalls")
 
 #: Seconds between samples.
@@ -51,6 +53,18 @@ STALL_S = 0.5
 LOG_EVERY_S = 10.0
 #: Histogram bounds (seconds) of both probes' series.
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+def stall_series(process: str, registry: CollectorRegistry) -> tuple[Histogram, Histogram]:
+    """The loop-lag and GC-pause series of a ``process`` ("gateway" or "worker") in ``registry``,
+    for :class:`Stalls`."""
+    lag = Histogram(f"sluice_{process}_event_loop_lag_seconds",
+                    f"How long ready work waits on this {process} process's event loop (sluice/stalls.py)",
+                    buckets=BUCKETS, registry=registry)
+    pauses = Histogram(f"sluice_{process}_gc_pause_seconds",
+                       f"Collections of Python's garbage collector, each a stall of every request this {process} "
+                       "process serves (sluice/stalls.py)", ["generation"], buckets=BUCKETS, registry=registry)
+    return lag, pauses
 
 
 class LoopLag:

@@ -98,3 +98,33 @@ async def test_a_cancellation_from_elsewhere_during_a_hang_up_is_not_swallowed()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert engine.closed and ends == ["start", "done"]
+
+
+async def test_a_hang_up_ends_the_stream_even_when_the_engine_swallows_the_cancellation() -> None:
+    """An engine generator that catches the cancellation and goes on yielding is closed at its
+    next token instead of streaming to a gateway that left."""
+    closed: list[bool] = []
+
+    async def deaf() -> AsyncIterator[Delta]:
+        try:
+            yield Delta(token_ids=[0], text="t0")
+            for i in range(1, 1000):
+                try:
+                    await asyncio.sleep(0.01)
+                except asyncio.CancelledError:
+                    pass  # swallowed: the engine goes on
+                yield Delta(token_ids=[i], text=f"t{i}")
+        finally:
+            closed.append(True)
+
+    gateway, ends = Gateway(), []
+    stream = NDJSONStream(deaf(), lambda: ends.append("start"), lambda: ends.append("done"))
+    task = asyncio.create_task(stream({"type": "http"}, gateway.receive, gateway.send))
+    await asyncio.sleep(0.05)
+    sent = len(gateway.sent)
+    gateway.gone.set()
+    await asyncio.wait({task}, timeout=1)
+    assert task.done(), "the stream went on after the hang-up"
+    assert task.result() is None and task.cancelling() == 0
+    assert closed == [True] and ends == ["start", "done"]
+    assert len(gateway.sent) <= sent + 1  # (a token of the same loop turn as the hang-up), not the rest
