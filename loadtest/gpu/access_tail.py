@@ -89,7 +89,7 @@ def main() -> None:
         slow = sum(t >= args.slow_ms for t in ttft)
         print(f"{pid!s:9} {len(group):8}  {_pct(ttft, .5):7.1f} / {_pct(ttft, .99):7.1f} / {max(ttft):7.1f}"
               f"   {_pct(wait, .5):7.1f} / {_pct(wait, .99):7.1f} / {max(wait):7.1f}   {slow}")
-    _stalls([r for r in rows], args.window_ms / 1000)
+    _stalls(rows, args.window_ms / 1000)
 
 
 if __name__ == "__main__":
