@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from sluice.stalls import Stalls, stall_series
+from sluice.stalls import Stalls
 
 if TYPE_CHECKING:
     from engine_worker.worker import Worker
@@ -56,7 +56,7 @@ class WorkerMetrics:
     def __init__(self, worker: Worker) -> None:
         r = self.registry = CollectorRegistry(auto_describe=False)
         r.register(WorkerCollector(worker))
-        self.stalls = Stalls(*stall_series("worker", r), "worker")
+        self.stalls = Stalls("worker", r)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -161,12 +161,11 @@ async def open_services(settings: GatewaySettings) -> Services:
     serving = Serving(settings, dispatcher, idempotency, redis, tenancy, readers, metrics, watch)
     readers.adopt = serving.take_over  # a re-attached reader whose producer died: continue it here
     readers.producing = serving.produces  # ... never one whose producer runs here
-    stalls = Stalls(metrics.loop_lag, metrics.gc_pauses, "gateway")  # its loop's backlog, the collector's pauses
-    stalls.start()
+    metrics.stalls.start()
     return Services(redis=redis, http=http, workers=workers, admission=admission, serving=serving,
                     pooling=PoolingServing(settings, dispatcher, tenancy), tenancy=tenancy, metrics=metrics,
                     readers=readers, adapters=adapters, watch=watch,
-                    counter=PromptCounter(settings, dispatcher, http, workers), stalls=stalls)
+                    counter=PromptCounter(settings, dispatcher, http, workers), stalls=metrics.stalls)
 
 
 def create_app(settings: GatewaySettings) -> Front:

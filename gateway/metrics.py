@@ -27,7 +27,7 @@ from prometheus_client import (
     multiprocess,
 )
 
-from sluice.stalls import stall_series
+from sluice.stalls import Stalls
 
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -129,7 +129,7 @@ class GatewayMetrics:
                              ["model"], buckets=_ITL, registry=r)
         self.queue_wait = Histogram("sluice_gateway_queue_wait_seconds", "Time waiting for a worker slot",
                                     ["model", "priority_class"], buckets=_LATENCY, registry=r)
-        self.loop_lag, self.gc_pauses = stall_series("gateway", r)
+        self.stalls = Stalls("gateway", r)  # its loop's backlog, the collector's pauses (started by the app)
         self.e2e = Histogram("sluice_gateway_request_duration_seconds", "Arrival to last byte",
                              ["model"], buckets=_LATENCY, registry=r)
         self.prompt_tokens = Counter("sluice_gateway_prompt_tokens", "Prompt tokens", ["model"], registry=r)

@@ -55,18 +55,6 @@ LOG_EVERY_S = 10.0
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
-def stall_series(process: str, registry: CollectorRegistry) -> tuple[Histogram, Histogram]:
-    """The loop-lag and GC-pause series of a ``process`` ("gateway" or "worker") in ``registry``,
-    for :class:`Stalls`."""
-    lag = Histogram(f"sluice_{process}_event_loop_lag_seconds",
-                    f"How long ready work waits on this {process} process's event loop (sluice/stalls.py)",
-                    buckets=BUCKETS, registry=registry)
-    pauses = Histogram(f"sluice_{process}_gc_pause_seconds",
-                       f"Collections of Python's garbage collector, each a stall of every request this {process} "
-                       "process serves (sluice/stalls.py)", ["generation"], buckets=BUCKETS, registry=registry)
-    return lag, pauses
-
-
 class LoopLag:
     """Samples the running loop's lag into ``histogram`` (a prometheus_client series)."""
 
@@ -169,11 +157,20 @@ class GcPauses:
 
 
 class Stalls:
-    """Both probes of one serving process, started and closed together."""
+    """Both probes of one serving process (``process``: "gateway" or "worker"), their two series
+    declared in ``registry``, the probes started and closed together."""
 
-    def __init__(self, loop_lag: Any, gc_pauses: Any, process: str) -> None:
-        pauses = GcPauses(gc_pauses)
-        self._probes = (LoopLag(loop_lag, process, each_sample=pauses.drain), pauses)
+    def __init__(self, process: str, registry: CollectorRegistry) -> None:
+        self.loop_lag = Histogram(
+            f"sluice_{process}_event_loop_lag_seconds",
+            f"How long ready work waits on this {process} process's event loop (sluice/stalls.py)",
+            buckets=BUCKETS, registry=registry)
+        self.gc_pauses = Histogram(
+            f"sluice_{process}_gc_pause_seconds",
+            f"Collections of Python's garbage collector, each a stall of every request this {process} "
+            "process serves (sluice/stalls.py)", ["generation"], buckets=BUCKETS, registry=registry)
+        pauses = GcPauses(self.gc_pauses)
+        self._probes = (LoopLag(self.loop_lag, process, each_sample=pauses.drain), pauses)
 
     def start(self) -> None:
         for probe in self._probes:

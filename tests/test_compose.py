@@ -32,7 +32,7 @@ from engine_worker.config import WorkerSettings
 from gateway.config import GatewaySettings
 from sluice.embedded_redis import free_port
 from sluice.settings import RedisSettings
-from sluice.stalls import stall_series
+from sluice.stalls import Stalls
 from tests.compose_stack import Project, build, poll, remove_abandoned_projects, run, start_engine
 from tests.test_k8s import worker_demand_query
 
@@ -261,12 +261,12 @@ def _code_metrics() -> set[str]:
 
 
 def _stall_metrics() -> set[str]:
-    """The stall series both kinds of process declare through one helper (sluice/stalls.py),
+    """The stall series both kinds of process declare through one class (sluice/stalls.Stalls),
     by name of process: made in a registry of their own, not read from the source."""
     found = set()
     for process in ("gateway", "worker"):
         registry = CollectorRegistry()
-        stall_series(process, registry)
+        Stalls(process, registry)
         for family in registry.collect():
             assert family.type == "histogram", family
             found |= {f"{family.name}_bucket", f"{family.name}_sum", f"{family.name}_count"}

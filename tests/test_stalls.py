@@ -115,7 +115,7 @@ def test_a_collection_inside_a_metrics_lock_does_not_hang_the_process(tmp_path) 
         "from gateway.metrics import GatewayMetrics\n"
         "from sluice.stalls import GcPauses\n"
         "m = GatewayMetrics()\n"
-        "pauses = GcPauses(m.gc_pauses)\n"
+        "pauses = GcPauses(m.stalls.gc_pauses)\n"
         "pauses.start()\n"
         "gc.set_threshold(3)\n"
         "for i in range(2000):\n"
