@@ -9,6 +9,7 @@ profile of the gateway (optional), its event loop's lag (sluice/stalls.py, read 
     ... --py-spy /tmp/gw           # also /tmp/gw-<level>.txt, py-spy's collapsed stacks (needs py-spy)
     ... --cprofile /tmp/gw.prof    # the gateway under cProfile (its stats written when it stops)
     ... --strace                   # the gateway's system calls per request, by call (strace -c; slows it)
+    ... --perf                     # the gateway's CPU by shared object and symbol (perf record; needs perf)
     ... --keep-alive --think-ms 4  # as bench_peers.py's issue-22 runs: kept-alive loops out of step
     ... --access                   # the gateway's access lines: where its added TTFT is spent (logging costs it)
     ... --api-key                  # every request with an API key (the gateway enforces keys)
@@ -50,6 +51,24 @@ def script_names() -> dict[bytes, str]:
     """Admission script SHA1 prefixes by their names in gateway/admission/scripts.py."""
     return {hashlib.sha1(value.encode()).hexdigest()[:8].encode(): name
             for name, value in vars(scripts).items() if isinstance(value, str) and "redis.call" in value}
+
+
+def perf_split(data: str, cpu_s: float, requests: int, top: int = 12) -> str:
+    """perf's samples of the gateway by shared object, then its top symbols, each as a share
+    and as µs of CPU a request (the window's CPU, read from /proc, split by the shares)."""
+    lines = []
+    for sort, limit in (("dso", 0), ("dso,sym", top)):
+        report = subprocess.run(["perf", "report", "-i", data, "--sort", sort, "--stdio", "--no-children", "-g",
+                                 "none"], capture_output=True, text=True).stdout
+        rows = [line.split(None, 1) for line in report.splitlines()
+                if line.split(None, 1)[:1] and line.split(None, 1)[0][:-1].replace(".", "").isdigit()
+                and line.split(None, 1)[0].endswith("%") and len(line.split(None, 1)) == 2]
+        rows = rows[:limit] if limit else rows
+        lines.append(f"  perf, by {'shared object' if sort == 'dso' else 'symbol'}:")
+        for share, what in rows:
+            pct = float(share.rstrip("%"))
+            lines.append(f"    {pct:5.1f} %  {1e6 * cpu_s * pct / 100 / requests:6.1f} µs/request  {' '.join(what.split())}")
+    return "\n".join(lines)
 
 
 def script_times(client: redis.Redis) -> dict[str, list[int]]:
@@ -159,6 +178,11 @@ def main() -> None:
     parser.add_argument("--strace", action="store_true",
                         help="count the gateway's system calls per request with strace -c (exact counts; strace slows "
                              "the gateway, so its other figures are not comparable)")
+    parser.add_argument("--perf", action="store_true",
+                        help="sample the gateway's CPU with perf (cpu-clock, 2 kHz) over the measured window and print "
+                             "its split by shared object (the interpreter, the kernel, uvloop, pydantic, ...) and its "
+                             "top symbols: CPU time, where py-spy and cProfile count wall time (a write that wakes "
+                             "another process, a preemption)")
     args = parser.parse_args()
     base, py = args.base_port, sys.executable
     procs = bp.Procs(Path(tempfile.mkdtemp(prefix="sluice-profile-")))
@@ -201,6 +225,12 @@ def main() -> None:
                         spy = subprocess.Popen(["bash", "-c", f"sleep 2; exec timeout -s INT {args.measure_s} strace -c "
                                                 f"-f -o {traced} -p {pid}"],
                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    perf_data = None
+                    if args.perf and name == "gateway":
+                        perf_data = tempfile.NamedTemporaryFile(prefix="sluice-perf-", suffix=".data", delete=False).name
+                        spy = subprocess.Popen(["bash", "-c", f"sleep 2; exec perf record -q -e cpu-clock -F 2000 -p {pid} "
+                                                f"-o {perf_data} -- sleep {args.measure_s}"],
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                     client.slowlog_reset()
                     opened = client.info("stats")["total_connections_received"]
                     logged_from, window_from = gateway_log.stat().st_size, time.time() + 2.0  # past the warm-up
@@ -236,6 +266,8 @@ def main() -> None:
                         spy.wait()
                     if traced is not None:
                         print("  " + syscalls_per_request(Path(traced).read_text(), max(1, win.requests)), flush=True)
+                    if perf_data is not None:
+                        print(perf_split(perf_data, cpu, max(1, win.requests)), flush=True)
                 for script, times in sorted(script_times(client).items()):
                     times.sort()
                     print(f"  redis {script:10s} {len(times):6d} calls  p50 {times[len(times) // 2]} µs  "
