@@ -525,6 +525,14 @@ def _is_messages(request: Request) -> bool:
 MESSAGES_PATH = "/v1/messages"
 
 
+def head_refusal(exc: SluiceError, path: bytes) -> bytes:
+    """The body of a refused request head (sluice/head_bounds.py), in the shape of the API
+    its path so far names."""
+    if path.startswith(MESSAGES_PATH.encode()):
+        return messages.error_body(messages.error_type(exc.status, exc.type, exc.code), exc.message)
+    return orjson.dumps(exc.body())
+
+
 def _request_id(request: Request) -> str:
     rid = request.scope.get("sluice.request_id")
     return rid if isinstance(rid, str) else _new_request_id(headers_of(request).get("x-request-id", ""))

@@ -25,10 +25,11 @@ from types import FrameType
 from redis.exceptions import RedisError
 
 from gateway.admission.tenancy import StartupRefused, Tenancy
-from gateway.app import create_app
+from gateway.app import create_app, head_refusal
 from gateway.config import GatewaySettings
 from gateway.metrics import MULTIPROC_DIR_ENV, forget_process
 from sluice.apikeys import load_records
+from sluice.head_bounds import HeadBounds
 from sluice.processes import Child, default_procs
 from sluice.redis_pool import create_pool
 from sluice.serve import Server, run_async, settle_gc, uvicorn_config
@@ -95,6 +96,7 @@ def _serve(settings: GatewaySettings) -> None:
     config = uvicorn_config(
         create_app(settings), settings.host, settings.port,
         graceful_s=settings.shutdown_grace_s, lifespan=True, proxy_headers=False,  # Front applies them
+        head=HeadBounds(settings.max_head_bytes, settings.head_timeout_s, head_refusal),
     )
     settle_gc()
     sockets = [listen_socket(settings.host, settings.port)] if settings.reuse_port else None

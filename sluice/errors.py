@@ -75,6 +75,18 @@ class BodyTooLarge(InvalidRequest):
     code = "request_too_large"
 
 
+class HeadTooLarge(InvalidRequest):
+    """A request's head past the server's bound (sluice/head_bounds.py)."""
+    status = 431
+    code = "request_head_too_large"
+
+
+class HeadTimedOut(InvalidRequest):
+    """A request's head that did not arrive in time (sluice/head_bounds.py)."""
+    status = 408
+    code = "request_head_timeout"
+
+
 class AuthenticationFailed(SluiceError):
     status = 401
     type = "authentication_error"

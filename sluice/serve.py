@@ -14,6 +14,9 @@ from types import FrameType
 import uvicorn
 from starlette.types import ASGIApp
 
+from sluice.head_bounds import HeadBounds
+from sluice.head_bounds import protocol as head_protocol
+
 log = logging.getLogger("sluice.serve")
 
 
@@ -75,16 +78,18 @@ class Server(uvicorn.Server):
 
 def uvicorn_config(
     app: ASGIApp, host: str, port: int, *, graceful_s: float, lifespan: bool = False, proxy_headers: bool = True,
+    head: HeadBounds = HeadBounds(),
 ) -> uvicorn.Config:
     """``proxy_headers=False``: the app applies X-Forwarded-* itself where it reads them
-    (the gateway's :class:`sluice.lean_routes.Front`)."""
+    (the gateway's :class:`sluice.lean_routes.Front`). ``head``: each request's head is
+    bounded in size and time (uvicorn's httptools protocol, sluice/head_bounds.py)."""
     return uvicorn.Config(
         app,
         proxy_headers=proxy_headers,
         host=host,
         port=port,
         loop="none",
-        http="httptools",
+        http=head_protocol(head),
         lifespan="on" if lifespan else "off",
         access_log=False,
         log_config=None,

@@ -1,0 +1,176 @@
+"""A request's head is bounded in size and in time (sluice/head_bounds.py): one client cannot
+hold a gateway's event loop with a header without end, nor a connection for ever with a head
+that never comes."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import orjson
+import pytest
+
+from sluice.embedded_redis import EmbeddedRedis
+from tests.conftest import Proc
+
+HEAD_TIMEOUT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def private_redis() -> Iterator[EmbeddedRedis]:
+    server = EmbeddedRedis().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def worker(private_redis: EmbeddedRedis, start_worker) -> Proc:
+    return start_worker("sim", redis_at=private_redis.url, sim_token_ms=1, sim_ttft_ms=0)
+
+
+@pytest.fixture(scope="module")
+def gateway(private_redis: EmbeddedRedis, worker: Proc, start_gateway) -> Proc:
+    return start_gateway(redis_at=private_redis.url, env={"SLUICE_GATEWAY_HEAD_TIMEOUT_S": str(HEAD_TIMEOUT_S)})
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    return sock
+
+
+def _reply(sock: socket.socket) -> tuple[int, dict, bytes]:
+    """The status, headers and body of one response on ``sock`` (read to the connection's end)."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers, body
+
+
+def _endless_header(url: str, path: bytes, limit_bytes: int) -> tuple[int, int, dict, bytes]:
+    """Send one header without end until the server stops taking it (or ``limit_bytes``
+    went); what was sent, and the reply."""
+    sock = _connect(url)
+    sent = 0
+    try:
+        sock.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nX-Endless: ")
+        chunk = b"a" * 65536
+        while sent < limit_bytes:
+            sock.sendall(chunk)
+            sent += len(chunk)
+    except OSError:  # the server closed it: what it answered before is still to be read
+        pass
+    try:
+        status, headers, body = _reply(sock)
+    except ConnectionResetError:
+        pytest.fail(f"the gateway reset the connection after {sent} bytes without an answer")
+    finally:
+        sock.close()
+    return sent, status, headers, body
+
+
+def test_an_endless_header_is_a_431_and_holds_no_other_request_up(gateway: Proc) -> None:
+    """Regression: uvicorn's parser joined the pieces of one endless header as they came, its
+    cost growing with the header: 400 MiB took 201 s to send and ``GET /v1/models`` took
+    38-50 s meanwhile or answered 503. Now the head is refused past 64 KiB: one client sending
+    such heads for 3 s, connection after connection, gets a 431 each time, and the others
+    are served meanwhile."""
+    latencies: list[float] = []
+    stop = threading.Event()
+
+    def others() -> None:
+        with httpx.Client(base_url=gateway.url, timeout=30) as client:
+            while not stop.is_set():
+                began = time.monotonic()
+                assert client.get("/v1/models").status_code == 200
+                latencies.append(time.monotonic() - began)
+                time.sleep(0.05)
+
+    meanwhile = threading.Thread(target=others)
+    meanwhile.start()
+    refused = 0
+    try:
+        until = time.monotonic() + 3
+        while time.monotonic() < until:
+            began = time.monotonic()
+            sent, status, headers, body = _endless_header(gateway.url, b"/v1/chat/completions", 64 * 2**20)
+            took = time.monotonic() - began
+            assert status == 431, (status, body[:200])
+            assert headers["connection"] == "close" and headers["content-type"] == "application/json"
+            error = orjson.loads(body)["error"]
+            assert error["code"] == "request_head_too_large" and "65536" in error["message"]
+            # What the kernel's buffers took before the refusal, not 64 MiB read and joined.
+            assert sent < 16 * 2**20 and took < 5, (sent, took)
+            refused += 1
+    finally:
+        stop.set()
+        meanwhile.join()
+    assert refused >= 3
+    assert len(latencies) >= 10 and max(latencies) < 1, latencies
+    assert "431 to 127.0.0.1" in gateway.log_tail()
+
+
+def test_a_head_in_the_anthropic_path_is_refused_in_anthropics_shape(gateway: Proc) -> None:
+    _, status, _, body = _endless_header(gateway.url, b"/v1/messages", 256 * 2**20)
+    assert status == 431
+    reply = orjson.loads(body)
+    assert reply["type"] == "error" and reply["error"]["type"] == "invalid_request_error", reply
+
+
+def test_a_head_that_does_not_arrive_in_time_is_a_408(gateway: Proc) -> None:
+    """A head sent a header a second (slowloris) got nothing from uvicorn, for ever."""
+    for path, anthropic in ((b"/v1/chat/completions", False), (b"/v1/messages", True)):
+        sock = _connect(gateway.url)
+        began = time.monotonic()
+        sock.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\n")
+        try:
+            for _ in range(10):
+                time.sleep(0.4)
+                sock.sendall(b"X-Slow: a\r\n")
+        except OSError:
+            pass
+        status, _, body = _reply(sock)
+        sock.close()
+        assert status == 408, (status, body)
+        assert HEAD_TIMEOUT_S <= time.monotonic() - began < HEAD_TIMEOUT_S + 3
+        reply = orjson.loads(body)
+        if anthropic:
+            assert reply["type"] == "error" and "did not arrive" in reply["error"]["message"], reply
+        else:
+            assert reply["error"]["code"] == "request_head_timeout", reply
+
+
+def test_a_silent_connection_is_closed_and_an_idle_one_between_requests_is_kept(gateway: Proc) -> None:
+    silent = _connect(gateway.url)
+    began = time.monotonic()
+    assert silent.recv(1) == b""  # closed, nothing said: nobody asked anything
+    assert HEAD_TIMEOUT_S <= time.monotonic() - began < HEAD_TIMEOUT_S + 3
+    silent.close()
+    # Between requests the keep-alive timeout (30 s) applies, not the head's.
+    with httpx.Client(base_url=gateway.url, timeout=10) as client:
+        assert client.get("/v1/models").status_code == 200
+        time.sleep(HEAD_TIMEOUT_S + 1.5)
+        assert client.get("/v1/models").status_code == 200
+        assert client.get("/v1/models").extensions["network_stream"] is not None
+
+
+def test_a_large_body_is_not_counted_as_head(gateway: Proc) -> None:
+    """The bound is the head's: a body of 900 kB sent with its head in one write is served."""
+    body = orjson.dumps({"model": "sim", "prompt": "x" * 900_000, "max_tokens": 1})
+    sock = _connect(gateway.url)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
+    status, _, reply = _reply(sock)
+    sock.close()
+    assert status == 200, (status, reply[:300])
+
+
+def test_a_workers_server_bounds_heads_too(worker: Proc) -> None:
+    _, status, _, body = _endless_header(worker.url, b"/internal/generate", 256 * 2**20)
+    assert status == 431 and orjson.loads(body)["error"]["code"] == "request_head_too_large"
