@@ -33,6 +33,7 @@ from gateway import task_dump
 from gateway.admission.adapters import AdapterDirectory
 from gateway.admission.affinity import session_header, session_of
 from gateway.admission.caps import check_caps, generations, queue_cost, token_estimate
+from gateway.admission.prompt_tokens import PromptTokenizer
 from gateway.admission.queue import Admission, ClientGone, as_sluice_error
 from gateway.admission.routing import IndexCorrections
 from gateway.admission.tenancy import Tenancy
@@ -137,6 +138,10 @@ class Services:
 
 
 async def open_services(settings: GatewaySettings) -> Services:
+    # First, while nothing else runs on the loop: loading a tokenizer (transformers' import
+    # and the folder's files) blocks it for seconds, and on a GPU host starting 4 gateway
+    # processes beside vLLM, the loss watch's first Redis check timed out behind it.
+    tokenizer = PromptTokenizer(settings.tokenizer) if settings.tokenizer else None
     redis = await create_pool(settings.redis_url, max_connections=settings.redis_max_connections,
                               client_name=f"sluice-gateway-{os.getpid()}")
     http = httpx.AsyncClient(
@@ -155,7 +160,7 @@ async def open_services(settings: GatewaySettings) -> Services:
     metrics = GatewayMetrics()
     adapters = AdapterDirectory(redis)
     dispatcher = Dispatcher(settings, admission, http, workers, IndexCorrections(PrefixIndex(redis)), adapters,
-                            Disaggregation(FleetRoles(redis), settings.stall_timeout_s))
+                            Disaggregation(FleetRoles(redis), settings.stall_timeout_s), tokenizer)
     idempotency = Idempotency(redis, settings.idempotency_ttl_s, watch.unsure_s, watch)
     idempotency.producers.start()  # this process's beat: its streams' clients need not wait for it when it dies
     serving = Serving(settings, dispatcher, idempotency, redis, tenancy, readers, metrics, watch)

@@ -230,3 +230,19 @@ def test_each_vllm_worker_gets_its_own_nixl_side_channel_port(monkeypatch) -> No
     assert env is not None and env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "7016"
     assert _worker_env("trtllm", 0, ["3"])["CUDA_VISIBLE_DEVICES"] == "3"  # type: ignore[index]
     assert _worker_env("sim", 0, None) is None
+
+
+def test_the_gateway_tokenizes_for_vllm_workers_unless_told_otherwise(monkeypatch) -> None:
+    """`sluice up` with vLLM workers gives its gateway the model's folder
+    (SLUICE_GATEWAY_TOKENIZER): the gateway's processes tokenize, and a vLLM worker's one
+    frontend process no longer bounds one-token requests (H100: 771-911 -> 1,415 req/s at 256
+    streams). Other engines have no such folder; a setting of the operator's wins."""
+    from sluice.commands.up import _gateway_env
+
+    monkeypatch.delenv("SLUICE_GATEWAY_TOKENIZER", raising=False)
+    env = _gateway_env("vllm", "/models/m")
+    assert env is not None and env["SLUICE_GATEWAY_TOKENIZER"] == "/models/m"
+    assert env["PATH"] == os.environ["PATH"]  # the rest of the environment goes along
+    assert _gateway_env("sim", None) is None and _gateway_env("trtllm", "/models/m") is None
+    monkeypatch.setenv("SLUICE_GATEWAY_TOKENIZER", "")  # off, as the operator said
+    assert _gateway_env("vllm", "/models/m") is None

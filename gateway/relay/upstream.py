@@ -294,15 +294,16 @@ class Dispatcher:
     def __init__(
         self, settings: GatewaySettings, admission: Admission, http: httpx.AsyncClient, workers: Http1Pool,
         corrections: IndexCorrections, adapters: AdapterDirectory, disagg: Disaggregation,
+        tokenizer: PromptTokenizer | None = None,
     ) -> None:
         self._settings = settings
         #: Prefill/decode pairs, for models with workers of both roles (gateway/relay/disagg.py).
         self._disagg = disagg
         self._adapters = adapters
         self._corrections = corrections
-        #: A tokenizer folder: this gateway tokenizes prompts (for the precise index, and for
-        #: the workers, which then need not: ``send_prompt_ids``).
-        self._tokenizer = PromptTokenizer(settings.tokenizer) if settings.tokenizer else None
+        #: ``SLUICE_GATEWAY_TOKENIZER``'s: this gateway tokenizes prompts (for the precise index,
+        #: and for the workers, which then need not: ``send_prompt_ids``).
+        self._tokenizer = tokenizer
         self._admission = admission
         self._http = http
         self._workers = workers
