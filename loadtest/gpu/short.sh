@@ -34,12 +34,12 @@ lean() {   # lean PREFIX URL: one-token and 16-token chat streams through load.p
   done
 }
 # stalls NAME: Sluice's processes' stall series so far (sluice/stalls.py: event-loop lag, GC
-# pauses; the gateway's queue wait) into $OUT/stalls-NAME.txt, cumulative; nothing for vLLM's server
+# pauses; the gateway's queue wait; the worker's requests and those it took as the gateway's ids) into $OUT/stalls-NAME.txt, cumulative; nothing for vLLM's server
 stalls() {
   [ -n "$wurl" ] || return 0
   { curl -s http://127.0.0.1:8000/metrics
     curl -s -H "authorization: Bearer $SLUICE_INTERNAL_TOKEN" "$wurl/metrics"
-  } | grep -E "^sluice_(gateway|worker)_(event_loop_lag|gc_pause|queue_wait)_seconds_(bucket|count|sum)" \
+  } | grep -E "^sluice_(gateway|worker)_(event_loop_lag|gc_pause|queue_wait)_seconds_(bucket|count|sum)|^sluice_worker_(gateway_prompt_ids|requests)_total" \
     > "$OUT/stalls-$1.txt"
 }
 # CLIENT=lean: the loads of lean() instead (the kit's lg.py may bound itself at these rates)
