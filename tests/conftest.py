@@ -179,6 +179,14 @@ def redis_cluster_url() -> Iterator[str]:
         yield cluster.url
 
 
+@pytest.fixture(scope="module")
+def private_redis() -> Iterator[EmbeddedRedis]:
+    """A Redis of the module's own (its tests may fill, flush or read all of it)."""
+    server = EmbeddedRedis().start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def redis_client(redis_url: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_url)

@@ -53,6 +53,13 @@ def script_names() -> dict[bytes, str]:
             for name, value in vars(scripts).items() if isinstance(value, str) and "redis.call" in value}
 
 
+def measured_window(command: str) -> subprocess.Popen[bytes]:
+    """``command`` (a shell line) started once the load's 2 s of warm-up are over: it must
+    end with the measured window."""
+    return subprocess.Popen(["bash", "-c", f"sleep 2; exec {command}"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
 def perf_split(data: str, cpu_s: float, requests: int, top: int = 12) -> str:
     """perf's samples of the gateway by shared object, then its top symbols, each as a share
     and as µs of CPU a request (the window's CPU, read from /proc, split by the shares)."""
@@ -221,16 +228,12 @@ def main() -> None:
                     traced = None
                     if args.strace and name == "gateway":
                         traced = tempfile.NamedTemporaryFile(prefix="sluice-strace-", suffix=".txt", delete=False).name
-                        # Over the measured window only (the load warms up 2 s first).
-                        spy = subprocess.Popen(["bash", "-c", f"sleep 2; exec timeout -s INT {args.measure_s} strace -c "
-                                                f"-f -o {traced} -p {pid}"],
-                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        spy = measured_window(f"timeout -s INT {args.measure_s} strace -c -f -o {traced} -p {pid}")
                     perf_data = None
                     if args.perf and name == "gateway":
                         perf_data = tempfile.NamedTemporaryFile(prefix="sluice-perf-", suffix=".data", delete=False).name
-                        spy = subprocess.Popen(["bash", "-c", f"sleep 2; exec perf record -q -e cpu-clock -F 2000 -p {pid} "
-                                                f"-o {perf_data} -- sleep {args.measure_s}"],
-                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        spy = measured_window(f"perf record -q -e cpu-clock -F 2000 -p {pid} -o {perf_data} "
+                                              f"-- sleep {args.measure_s}")
                     client.slowlog_reset()
                     opened = client.info("stats")["total_connections_received"]
                     logged_from, window_from = gateway_log.stat().st_size, time.time() + 2.0  # past the warm-up

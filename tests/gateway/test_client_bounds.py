@@ -17,13 +17,6 @@ from tests.conftest import Proc
 
 
 @pytest.fixture(scope="module")
-def private_redis() -> Iterator[EmbeddedRedis]:
-    server = EmbeddedRedis().start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def client(private_redis: EmbeddedRedis) -> Iterator[redis.Redis]:
     c = redis.Redis.from_url(private_redis.url)
     yield c

@@ -7,7 +7,6 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
 
 import httpx
 import orjson
@@ -17,13 +16,6 @@ from sluice.embedded_redis import EmbeddedRedis
 from tests.conftest import Proc
 
 HEAD_TIMEOUT_S = 1.0
-
-
-@pytest.fixture(scope="module")
-def private_redis() -> Iterator[EmbeddedRedis]:
-    server = EmbeddedRedis().start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
