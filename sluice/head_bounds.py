@@ -66,29 +66,30 @@ def protocol(bounds: HeadBounds) -> Callable[..., HttpToolsProtocol]:
 
 class _Overdue:
     """The connections of one event loop whose head is awaited, by deadline; one timer
-    looks for the overdue every :data:`SWEEP_S` while any is awaited."""
+    looks for the overdue every :data:`SWEEP_S` while any is awaited. (It keeps no reference
+    to its loop, the key it is kept under.)"""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    def __init__(self) -> None:
         self._due: dict[BoundedHeadProtocol, float] = {}  # few: connections whose head is coming
         self._timer: asyncio.TimerHandle | None = None
 
     def add(self, conn: BoundedHeadProtocol, due: float) -> None:
         self._due.setdefault(conn, due)
         if self._timer is None:
-            self._timer = self._loop.call_later(SWEEP_S, self._sweep)
+            self._timer = conn.loop.call_later(SWEEP_S, self._sweep)
 
     def discard(self, conn: BoundedHeadProtocol) -> None:
         self._due.pop(conn, None)
 
     def _sweep(self) -> None:
         self._timer = None
-        now = self._loop.time()
+        loop = asyncio.get_running_loop()
+        now = loop.time()
         for conn in [conn for conn, due in self._due.items() if due <= now]:
             del self._due[conn]
             conn.head_overdue()
         if self._due:
-            self._timer = self._loop.call_later(SWEEP_S, self._sweep)
+            self._timer = loop.call_later(SWEEP_S, self._sweep)
 
 
 _OVERDUE: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Overdue] = weakref.WeakKeyDictionary()
@@ -105,7 +106,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._heard = False  # a byte of the awaited head came
         overdue = _OVERDUE.get(self.loop)
         if overdue is None:
-            overdue = _OVERDUE[self.loop] = _Overdue(self.loop)
+            overdue = _OVERDUE[self.loop] = _Overdue()
         self._overdue = overdue
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
