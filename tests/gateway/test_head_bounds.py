@@ -104,7 +104,7 @@ def test_an_endless_header_is_a_431_and_holds_no_other_request_up(gateway: Proc)
         stop.set()
         meanwhile.join()
     assert refused >= 3
-    assert len(latencies) >= 10 and max(latencies) < 1, latencies
+    assert len(latencies) >= 10 and max(latencies) < 2, latencies  # was 38-50 s
     assert "431 to 127.0.0.1" in gateway.log_tail()
 
 
@@ -144,12 +144,26 @@ def test_a_silent_connection_is_closed_and_an_idle_one_between_requests_is_kept(
     assert silent.recv(1) == b""  # closed, nothing said: nobody asked anything
     assert HEAD_TIMEOUT_S <= time.monotonic() - began < HEAD_TIMEOUT_S + 3
     silent.close()
-    # Between requests the keep-alive timeout (30 s) applies, not the head's.
-    with httpx.Client(base_url=gateway.url, timeout=10) as client:
-        assert client.get("/v1/models").status_code == 200
+    # Between requests the keep-alive timeout (30 s) applies, not the head's: the same
+    # connection serves a second request after an idle spell longer than the head's bound.
+    kept = _connect(gateway.url)
+    for _ in range(2):
+        kept.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _one_response(kept).startswith(b"HTTP/1.1 200 ")
         time.sleep(HEAD_TIMEOUT_S + 1.5)
-        assert client.get("/v1/models").status_code == 200
-        assert client.get("/v1/models").extensions["network_stream"] is not None
+    kept.close()
+
+
+def _one_response(sock: socket.socket) -> bytes:
+    """One response with a Content-Length on a kept-alive connection, whole."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536) or pytest.fail(f"the connection closed after {data!r}")
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536) or pytest.fail("the connection closed mid-body")
+    return head
 
 
 def test_a_large_body_is_not_counted_as_head(gateway: Proc) -> None:
