@@ -67,7 +67,7 @@ from gateway.surfaces.pooling import (
 )
 from gateway.surfaces.responses import ResponseShape, ResponsesRequest
 from gateway.surfaces.shape import Shape
-from sluice import keys, redis_faults, ticks
+from sluice import head_bounds, keys, redis_faults, ticks
 from sluice.aftercare import to_the_end
 from sluice.apikeys import ApiKey
 from sluice.errors import (
@@ -535,7 +535,7 @@ def head_refusal(exc: SluiceError, path: bytes) -> bytes:
     its path so far names."""
     if path.startswith(MESSAGES_PATH.encode()):
         return messages.error_body(messages.error_type(exc.status, exc.type, exc.code), exc.message)
-    return orjson.dumps(exc.body())
+    return head_bounds.openai_error(exc, path)
 
 
 def _request_id(request: Request) -> str:

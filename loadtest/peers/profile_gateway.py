@@ -26,6 +26,7 @@ import asyncio
 import calendar
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -60,6 +61,10 @@ def measured_window(command: str) -> subprocess.Popen[bytes]:
                             stderr=subprocess.DEVNULL)
 
 
+#: A row of ``perf report --stdio``: its share, then what it counts.
+_PERF_ROW = re.compile(r"^\s*([\d.]+)%\s+(\S.*)$", re.MULTILINE)
+
+
 def perf_split(data: str, cpu_s: float, requests: int, top: int = 12) -> str:
     """perf's samples of the gateway by shared object, then its top symbols, each as a share
     and as µs of CPU a request (the window's CPU, read from /proc, split by the shares)."""
@@ -67,13 +72,11 @@ def perf_split(data: str, cpu_s: float, requests: int, top: int = 12) -> str:
     for sort, limit in (("dso", 0), ("dso,sym", top)):
         report = subprocess.run(["perf", "report", "-i", data, "--sort", sort, "--stdio", "--no-children", "-g",
                                  "none"], capture_output=True, text=True).stdout
-        rows = [line.split(None, 1) for line in report.splitlines()
-                if line.split(None, 1)[:1] and line.split(None, 1)[0][:-1].replace(".", "").isdigit()
-                and line.split(None, 1)[0].endswith("%") and len(line.split(None, 1)) == 2]
+        rows = [(m[1], m[2]) for m in _PERF_ROW.finditer(report)]
         rows = rows[:limit] if limit else rows
         lines.append(f"  perf, by {'shared object' if sort == 'dso' else 'symbol'}:")
         for share, what in rows:
-            pct = float(share.rstrip("%"))
+            pct = float(share)
             lines.append(f"    {pct:5.1f} %  {1e6 * cpu_s * pct / 100 / requests:6.1f} µs/request  {' '.join(what.split())}")
     return "\n".join(lines)
 
