@@ -67,7 +67,7 @@ from gateway.surfaces.pooling import (
 )
 from gateway.surfaces.responses import ResponseShape, ResponsesRequest
 from gateway.surfaces.shape import Shape
-from sluice import head_bounds, keys, redis_faults, ticks
+from sluice import connection_bounds, keys, redis_faults, ticks
 from sluice.aftercare import to_the_end
 from sluice.apikeys import ApiKey
 from sluice.errors import (
@@ -531,11 +531,11 @@ MESSAGES_PATH = "/v1/messages"
 
 
 def head_refusal(exc: SluiceError, path: bytes) -> bytes:
-    """The body of a refused request head (sluice/head_bounds.py), in the shape of the API
-    its path so far names."""
+    """The body of a request refused before any route ran (its head, or a connection past the
+    process's most: sluice/connection_bounds.py), in the shape of the API its path so far names."""
     if path.startswith(MESSAGES_PATH.encode()):
         return messages.error_body(messages.error_type(exc.status, exc.type, exc.code), exc.message)
-    return head_bounds.openai_error(exc, path)
+    return connection_bounds.openai_error(exc, path)
 
 
 def _request_id(request: Request) -> str:

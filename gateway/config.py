@@ -8,7 +8,7 @@ from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from gateway.admission.name_limits import NameLimit
-from sluice import head_bounds, keys
+from sluice import connection_bounds, keys
 from sluice.settings import RedisSettings
 
 
@@ -24,11 +24,15 @@ class GatewaySettings(RedisSettings):
     #: Request bodies above this size get 413 before they are parsed.
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     #: A request's head (request line and headers) still incomplete past this many bytes gets
-    #: 431 and its connection closed (sluice/head_bounds.py).
-    max_head_bytes: int = Field(default=head_bounds.MAX_HEAD_BYTES, ge=4096)
+    #: 431 and its connection closed (sluice/connection_bounds.py).
+    max_head_bytes: int = Field(default=connection_bounds.MAX_HEAD_BYTES, ge=4096)
     #: Seconds a request's head may take, from the connection's opening (its first request)
     #: or the head's first byte (the later ones): past it, 408 and the connection closed.
-    head_timeout_s: float = Field(default=head_bounds.HEAD_TIMEOUT_S, gt=0)
+    head_timeout_s: float = Field(default=connection_bounds.HEAD_TIMEOUT_S, gt=0)
+    #: Client connections one gateway process keeps open; past it a newcomer closes the one
+    #: idle longest, or gets 503 too_many_connections if every one has a request in flight.
+    #: 0: half the process's descriptor limit (raised to its hard limit at start).
+    max_connections: int = Field(default=0, ge=0)
     #: Workers tried for one request before the first token (first try included).
     max_attempts: int = Field(default=3, ge=1, le=10)
     retry_backoff_ms: float = Field(default=50.0, ge=0)

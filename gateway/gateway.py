@@ -29,7 +29,7 @@ from gateway.app import create_app, head_refusal
 from gateway.config import GatewaySettings
 from gateway.metrics import MULTIPROC_DIR_ENV, forget_process
 from sluice.apikeys import load_records
-from sluice.head_bounds import HeadBounds
+from sluice.connection_bounds import ConnectionBounds
 from sluice.processes import Child, default_procs
 from sluice.redis_pool import create_pool
 from sluice.serve import Server, run_async, settle_gc, uvicorn_config
@@ -96,7 +96,8 @@ def _serve(settings: GatewaySettings) -> None:
     config = uvicorn_config(
         create_app(settings), settings.host, settings.port,
         graceful_s=settings.shutdown_grace_s, lifespan=True, proxy_headers=False,  # Front applies them
-        head=HeadBounds(settings.max_head_bytes, settings.head_timeout_s, head_refusal),
+        bounds=ConnectionBounds(settings.max_head_bytes, settings.head_timeout_s, head_refusal,
+                                settings.max_connections),
     )
     settle_gc()
     sockets = [listen_socket(settings.host, settings.port)] if settings.reuse_port else None

@@ -76,13 +76,13 @@ class BodyTooLarge(InvalidRequest):
 
 
 class HeadTooLarge(InvalidRequest):
-    """A request's head past the server's bound (sluice/head_bounds.py)."""
+    """A request's head past the server's bound (sluice/connection_bounds.py)."""
     status = 431
     code = "request_head_too_large"
 
 
 class HeadTimedOut(InvalidRequest):
-    """A request's head that did not arrive in time (sluice/head_bounds.py)."""
+    """A request's head that did not arrive in time (sluice/connection_bounds.py)."""
     status = 408
     code = "request_head_timeout"
 

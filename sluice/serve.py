@@ -14,8 +14,8 @@ from types import FrameType
 import uvicorn
 from starlette.types import ASGIApp
 
-from sluice.head_bounds import HeadBounds
-from sluice.head_bounds import protocol as head_protocol
+from sluice.connection_bounds import ConnectionBounds
+from sluice.connection_bounds import protocol as bounded_protocol
 
 log = logging.getLogger("sluice.serve")
 
@@ -78,18 +78,19 @@ class Server(uvicorn.Server):
 
 def uvicorn_config(
     app: ASGIApp, host: str, port: int, *, graceful_s: float, lifespan: bool = False, proxy_headers: bool = True,
-    head: HeadBounds = HeadBounds(),
+    bounds: ConnectionBounds = ConnectionBounds(),
 ) -> uvicorn.Config:
     """``proxy_headers=False``: the app applies X-Forwarded-* itself where it reads them
-    (the gateway's :class:`sluice.lean_routes.Front`). ``head``: each request's head is
-    bounded in size and time (uvicorn's httptools protocol, sluice/head_bounds.py)."""
+    (the gateway's :class:`sluice.lean_routes.Front`). ``bounds``: each request's head is
+    bounded in size and time, and the connections kept open in number (uvicorn's httptools
+    protocol, sluice/connection_bounds.py)."""
     return uvicorn.Config(
         app,
         proxy_headers=proxy_headers,
         host=host,
         port=port,
         loop="none",
-        http=head_protocol(head),
+        http=bounded_protocol(bounds),
         lifespan="on" if lifespan else "off",
         access_log=False,
         log_config=None,

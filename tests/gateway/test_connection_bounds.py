@@ -1,19 +1,22 @@
-"""A request's head is bounded in size and in time (sluice/head_bounds.py): one client cannot
+"""What a client's connections hold is bounded (sluice/connection_bounds.py): one client cannot
 hold a gateway's event loop with a header without end, nor a connection for ever with a head
-that never comes."""
+that never comes, nor every descriptor of the process with connections it leaves idle."""
 
 from __future__ import annotations
 
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
+import openai
 import orjson
 import pytest
 
 from sluice.embedded_redis import EmbeddedRedis
-from tests.conftest import Proc
+from sluice.connection_bounds import SPARE_DESCRIPTORS, default_max_connections
+from tests.conftest import Proc, wait_for
 
 HEAD_TIMEOUT_S = 1.0
 #: The server's loop clock (libuv's) counts whole milliseconds: a deadline may fire a hair early.
@@ -190,3 +193,83 @@ def test_a_large_body_is_not_counted_as_head(gateway: Proc) -> None:
 def test_a_workers_server_bounds_heads_too(worker: Proc) -> None:
     _, status, _, body = _endless_header(worker.url, b"/internal/generate", 256 * 2**20)
     assert status == 431 and orjson.loads(body)["error"]["code"] == "request_head_too_large"
+
+
+MAX_CONNECTIONS = 40
+
+
+@pytest.fixture(scope="module")
+def capped(private_redis: EmbeddedRedis, worker: Proc, start_gateway) -> Proc:
+    return start_gateway(redis_at=private_redis.url, env={"SLUICE_GATEWAY_MAX_CONNECTIONS": str(MAX_CONNECTIONS)})
+
+
+def _open_descriptors(proc: Proc) -> int:
+    return len(list(Path(f"/proc/{proc.process.pid}/fd").iterdir()))
+
+
+def test_idle_connections_past_the_bound_make_room_for_newcomers(capped: Proc) -> None:
+    """Regression: one client that opened ~20,000 idle connections took every descriptor of a
+    gateway process (196 MB): every other client's connection was reset, and a stream in
+    flight could open none to its worker. Now the idle ones are closed for newcomers, longest
+    idle first, and the process keeps at most its bound open."""
+    before = _open_descriptors(capped)
+    idle = [_connect(capped.url) for _ in range(5 * MAX_CONNECTIONS)]
+    try:
+        client = openai.OpenAI(base_url=capped.url + "/v1", api_key="none", max_retries=0, timeout=30)
+        stream = client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=5, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        client.close()
+        # The first ones opened were closed by the gateway (nothing said: nobody asked
+        # anything); the last ones are still open.
+        for sock in idle[:MAX_CONNECTIONS]:
+            sock.settimeout(5)
+            assert sock.recv(1) == b""
+        late = idle[-1]
+        late.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _one_response(late).startswith(b"HTTP/1.1 200 ")
+        assert _open_descriptors(capped) <= before + MAX_CONNECTIONS + 2
+    finally:
+        for sock in idle:
+            sock.close()
+    assert "holds its most connections (40)" in capped.log_tail()
+
+
+def test_past_the_bound_with_every_connection_busy_a_newcomer_gets_503(capped: Proc) -> None:
+    """Requests in flight are never given up for a newcomer: it is told to come back."""
+    streaming: list[int] = []
+    stop = threading.Event()
+
+    def stream() -> None:
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", capped.url + "/v1/completions", json={
+                    "model": "sim", "prompt": "long", "max_tokens": 20_000, "ignore_eos": True,
+                    "stream": True}) as response:
+                chunks = response.iter_bytes()  # kept: a generator dropped closes the response
+                next(chunks)
+                streaming.append(response.status_code)
+                stop.wait(60)  # the stream stays in flight until the newcomer was answered
+
+    busy = [threading.Thread(target=stream) for _ in range(MAX_CONNECTIONS)]
+    for thread in busy:
+        thread.start()
+    try:
+        wait_for(lambda: len(streaming) == MAX_CONNECTIONS, 30, "every connection streaming")
+        assert streaming == [200] * MAX_CONNECTIONS
+        sock = _connect(capped.url)
+        try:
+            status, headers, body = _reply(sock)
+        finally:
+            sock.close()
+        assert status == 503, (status, body)
+        assert headers["retry-after"] == "1"
+        assert orjson.loads(body)["error"]["code"] == "too_many_connections"
+    finally:
+        stop.set()
+        for thread in busy:
+            thread.join()
+
+
+def test_a_processs_default_bound_is_half_its_descriptors() -> None:
+    assert default_max_connections(20_000) == (20_000 - SPARE_DESCRIPTORS) // 2
+    assert default_max_connections(50) == 16  # a process with few descriptors still serves a few

@@ -1,0 +1,249 @@
+"""Bounds on what a client's connections hold, for every HTTP server of Sluice (the gateway's,
+the worker's): uvicorn's httptools protocol, with a largest head, a longest wait for one, and a
+most connections a process keeps open.
+
+**A request's head.** uvicorn bounds neither its size nor its time. Measured on a gateway
+(``sluice up --engine sim``, one process): one client that sent a single header without end held
+the process's event loop. Its parser joins a header's pieces as they come, and the cost grows
+with the header: 200 MiB took 42 s to send, 400 MiB 201 s, and meanwhile ``GET /v1/models`` took
+38-50 s or answered 503. Nor does uvicorn time a head out: its keep-alive timer runs only between
+requests, so a connection that sends nothing, or a byte now and then, is held for ever (a
+descriptor and a parser each). Here a head still incomplete after :attr:`ConnectionBounds.max_bytes`
+bytes is answered 431 and the connection closed; a head not complete
+:attr:`ConnectionBounds.timeout_s` after the connection opened (its first request) or after its
+first byte (the requests after) is answered 408 (or, if nothing of it came, the connection is just
+closed). A client that sent a head in time waits on nothing of this: the body and the response
+have bounds of their own (the gateway's body limit, the request's deadline).
+
+**Connections.** Each costs a process a descriptor and ~9 KB. Measured on a gateway (one
+process, descriptors limited to 20,000, as on this project's machines): one client opening
+idle connections took every descriptor at about 20,000 (196 MB); from then on every other
+client's connection was reset, and a stream in flight could open no connection to a worker,
+for as long as the client kept reopening them (each idle one lived 30 s). Now a process keeps
+at most :attr:`ConnectionBounds.max_connections` client connections (by default half its
+descriptors: a stream in flight holds one to its worker too). A connection past that closes the
+one idle longest (opened and silent, or between two requests of a kept-alive connection: HTTP
+lets a server close it, and the SDKs reconnect); only when every connection has a request in
+flight is the new one answered ``503 too_many_connections`` with ``Retry-After`` and closed.
+A request in flight is never given up for a newcomer.
+
+Cost: a counter a read while a head is coming, and two dict entries a request; one timer a
+second per process while heads are awaited sweeps the overdue ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import resource
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import orjson
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from sluice.errors import HeadTimedOut, HeadTooLarge, SluiceError, Unavailable
+
+log = logging.getLogger("sluice.http")
+
+#: Bytes of an incomplete head past which it is refused (the gateway's
+#: ``SLUICE_GATEWAY_MAX_HEAD_BYTES``). The SDKs' heads are 0.5-2 KiB.
+MAX_HEAD_BYTES = 64 * 1024
+#: Seconds a head may take (``SLUICE_GATEWAY_HEAD_TIMEOUT_S``).
+HEAD_TIMEOUT_S = 30.0
+#: How often overdue heads are looked for.
+SWEEP_S = 1.0
+#: Descriptors a process keeps for anything but connections (Redis, logs, its own files).
+SPARE_DESCRIPTORS = 64
+#: At most one log line in this many seconds about connections closed or refused at the bound.
+TELL_EVERY_S = 10.0
+
+
+def openai_error(exc: SluiceError, path: bytes) -> bytes:
+    """A refusal's body: OpenAI's error shape, whatever the path."""
+    return orjson.dumps(exc.body())
+
+
+def descriptors() -> int:
+    """This process's limit on open descriptors, raised first to the most it may have (a
+    soft limit below the hard one is a default of the shell, not a choice of the operator)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def default_max_connections(limit: int) -> int:
+    """Client connections a process with ``limit`` descriptors keeps: half of what the spare
+    leaves, since a stream in flight holds a connection to its worker as well."""
+    return max(16, (limit - SPARE_DESCRIPTORS) // 2)
+
+
+@dataclass(frozen=True)
+class ConnectionBounds:
+    max_bytes: int = MAX_HEAD_BYTES
+    timeout_s: float = HEAD_TIMEOUT_S
+    #: The refusal's JSON body from the error and the path read so far (the gateway answers
+    #: each API's routes in that API's shape).
+    render: Callable[[SluiceError, bytes], bytes] = openai_error
+    #: Client connections one process keeps open; 0: :func:`default_max_connections` of its
+    #: descriptors (the gateway's ``SLUICE_GATEWAY_MAX_CONNECTIONS``).
+    max_connections: int = 0
+
+
+def protocol(bounds: ConnectionBounds) -> Callable[..., HttpToolsProtocol]:
+    """What ``uvicorn.Config(http=...)`` takes: the bounded protocol with these bounds."""
+    if not bounds.max_connections:
+        bounds = replace(bounds, max_connections=default_max_connections(descriptors()))
+    return functools.partial(BoundedProtocol, bounds=bounds)
+
+
+class _Watch:
+    """One event loop's connections whose head is awaited, by deadline, and its idle ones,
+    idle longest first. One timer looks for overdue heads every :data:`SWEEP_S` while any is
+    awaited. (It keeps no reference to its loop, the key it is kept under.)"""
+
+    def __init__(self) -> None:
+        self._due: dict[BoundedProtocol, float] = {}  # few: connections whose head is coming
+        self.idle: dict[BoundedProtocol, None] = {}  # in the order they became idle
+        self._timer: asyncio.TimerHandle | None = None
+        self._shed = {"closed": 0, "refused": 0}
+        self._quiet_until = 0.0
+
+    def add(self, conn: BoundedProtocol, due: float) -> None:
+        self._due.setdefault(conn, due)
+        if self._timer is None:
+            self._timer = conn.loop.call_later(SWEEP_S, self._sweep)
+
+    def discard(self, conn: BoundedProtocol) -> None:
+        self._due.pop(conn, None)
+        self.idle.pop(conn, None)
+
+    def close_idlest(self) -> BoundedProtocol | None:
+        """Close the connection idle longest, if any is."""
+        while self.idle:
+            conn = next(iter(self.idle))
+            self.discard(conn)
+            if not conn.transport.is_closing():
+                conn.transport.close()
+                return conn
+        return None
+
+    def tell(self, what: str, conn: BoundedProtocol) -> None:
+        """Count a connection closed or refused at the bound; say so at most every
+        :data:`TELL_EVERY_S` (a client opening connections in a loop is not a line each)."""
+        self._shed[what] += 1
+        now = time.monotonic()
+        if now < self._quiet_until:
+            return
+        self._quiet_until = now + TELL_EVERY_S
+        log.warning("this process holds its most connections (%d): %d idle connections closed for newcomers "
+                    "and %d newcomers refused (503, every connection had a request in flight) since the last "
+                    "such line (one in %g s at most); the last from %s", conn.bounds.max_connections,
+                    self._shed["closed"], self._shed["refused"], TELL_EVERY_S,
+                    "%s:%d" % conn.client if conn.client else "a client")
+        self._shed = dict.fromkeys(self._shed, 0)
+
+    def _sweep(self) -> None:
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for conn in [conn for conn, due in self._due.items() if due <= now]:
+            del self._due[conn]
+            conn.head_overdue()
+        if self._due:
+            self._timer = loop.call_later(SWEEP_S, self._sweep)
+
+
+_WATCHES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Watch] = weakref.WeakKeyDictionary()
+
+
+class BoundedProtocol(HttpToolsProtocol):
+    """uvicorn's protocol; a request's head is counted and timed until it is complete, and
+    the connections kept open are bounded."""
+
+    def __init__(self, *args: Any, bounds: ConnectionBounds, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.bounds = bounds
+        self._in_head = True  # what comes next is a head (none has begun, or the last message ended)
+        self._head_bytes = 0
+        self._heard = False  # a byte of the awaited head came
+        watch = _WATCHES.get(self.loop)
+        if watch is None:
+            watch = _WATCHES[self.loop] = _Watch()
+        self._watch = watch
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.bounds.max_connections:
+            if self._watch.close_idlest() is None:
+                self._watch.tell("refused", self)
+                self._refuse(Unavailable(
+                    f"this server holds its most connections ({self.bounds.max_connections}), each with a "
+                    "request in flight; retry shortly", code="too_many_connections", retry_after_s=1), quiet=True)
+                return
+            self._watch.tell("closed", self)
+        self._watch.add(self, self.loop.time() + self.bounds.timeout_s)
+        self._watch.idle[self] = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._watch.discard(self)
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_head:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if self._in_head and self._head_bytes > self.bounds.max_bytes and not self.transport.is_closing():
+            self._refuse(HeadTooLarge(f"the request's head exceeds the {self.bounds.max_bytes}-byte limit"))
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._heard = True
+        self._watch.idle.pop(self, None)
+        # The first request's wait began with the connection; a later one's with its first byte.
+        self._watch.add(self, self.loop.time() + self.bounds.timeout_s)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._heard = False
+        self._watch.discard(self)
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._in_head = True
+        self._head_bytes = 0
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.timeout_keep_alive_task is not None and not self.transport.is_closing():
+            self._watch.idle[self] = None  # kept alive, no request pipelined behind this one
+
+    def head_overdue(self) -> None:
+        if self.transport.is_closing():
+            return
+        if not self._heard:
+            self.transport.close()  # nothing came: nobody to answer
+            return
+        self._refuse(HeadTimedOut(f"the request's head did not arrive within {self.bounds.timeout_s:g}s"))
+
+    def _refuse(self, exc: SluiceError, quiet: bool = False) -> None:
+        self._watch.discard(self)
+        if not quiet:
+            log.warning("%d to %s: %s", exc.status, "%s:%d" % self.client if self.client else "a client",
+                        exc.message)
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.transport.close()  # a response is under way (a pipelined head): no second one in its bytes
+            return
+        body = self.bounds.render(exc, getattr(self, "url", b""))
+        headers = b"".join(b"%s: %s\r\n" % (k.lower().encode(), v.encode()) for k, v in exc.headers().items())
+        self.transport.write(b"".join((
+            STATUS_LINE[exc.status], b"content-type: application/json\r\n", headers,
+            b"content-length: %d\r\n" % len(body), b"connection: close\r\n\r\n", body)))
+        self.transport.close()
