@@ -74,6 +74,10 @@ sluice)
     echo "gateway processes: $(grep -o 'starting [0-9]* gateway processes[^"]*' "$OUT/sluice_up.log" | head -1); cores $(nproc)"
     warm openai http://127.0.0.1:8000
     measure gw openai http://127.0.0.1:8000
+    # each gateway process's memory, and whether it mapped torch (it loads its tokenizer without)
+    for p in $(pgrep -f "sluice .*gateway --host"); do
+      echo "gateway process $p: $(grep VmRSS /proc/$p/status | tr -s ' '), libtorch mapped: $(grep -c libtorch /proc/$p/maps)"
+    done | tee "$OUT/gateway-memory.txt"
     [ "${CLIENT:-lg}" = lean ] || LEN=1 N=${N1:-2048} clients "worker_len1_4x64" worker 4 "$wurl"
     curl -s http://127.0.0.1:8000/metrics | grep -E "^sluice_gateway_(errors|rejections|retries|migrations)_total" | head
     grep -E '"level": ?"(warning|error)"|Traceback' "$OUT/sluice_up.log" | cut -c1-300 | sort | uniq -c | sort -rn | head -15
