@@ -75,7 +75,7 @@ sluice)
     warm openai http://127.0.0.1:8000
     measure gw openai http://127.0.0.1:8000
     # each gateway process's memory, and whether it mapped torch (it loads its tokenizer without)
-    for p in $(pgrep -f "sluice .*gateway --host"); do
+    for p in $(pgrep -f "sluice --log-level [A-Z]* gateway"); do
       echo "gateway process $p: $(grep VmRSS /proc/$p/status | tr -s ' '), libtorch mapped: $(grep -c libtorch /proc/$p/maps)"
     done | tee "$OUT/gateway-memory.txt"
     [ "${CLIENT:-lg}" = lean ] || LEN=1 N=${N1:-2048} clients "worker_len1_4x64" worker 4 "$wurl"
