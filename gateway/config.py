@@ -27,7 +27,8 @@ class GatewaySettings(RedisSettings):
     #: 431 and its connection closed (sluice/connection_bounds.py).
     max_head_bytes: int = Field(default=connection_bounds.MAX_HEAD_BYTES, ge=4096)
     #: Seconds a request's head may take, from the connection's opening (its first request)
-    #: or the head's first byte (the later ones): past it, 408 and the connection closed.
+    #: or the head's first byte (the later ones): past it, 408 and the connection closed. Also
+    #: a body's slack: after it, a body must average 16 KiB/s (else 408 request_body_timeout).
     head_timeout_s: float = Field(default=connection_bounds.HEAD_TIMEOUT_S, gt=0)
     #: Client connections one gateway process keeps open; past it a newcomer closes the one
     #: idle longest, or gets 503 too_many_connections if every one has a request in flight.

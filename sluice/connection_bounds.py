@@ -15,6 +15,13 @@ first byte (the requests after) is answered 408 (or, if nothing of it came, the 
 closed). A client that sent a head in time waits on nothing of this: the body and the response
 have bounds of their own (the gateway's body limit, the request's deadline).
 
+**A request's body.** Once its head is in, a body must come at
+:attr:`ConnectionBounds.min_body_bytes_per_s` on average after a first ``timeout_s`` of slack,
+else it is answered ``408 request_body_timeout`` and the connection closed (the route reading
+it finds its client gone). A request in flight is never closed for a newcomer (below), and the
+request's own deadline (up to an hour, as the client asks) bounded its body before: a client
+trickling bodies could hold every connection a process keeps.
+
 **Connections.** Each costs a process a descriptor and ~9 KB. Measured on a gateway (one
 process, descriptors limited to 20,000, as on this project's machines): one client opening
 idle connections took every descriptor at about 20,000 (196 MB); from then on every other
@@ -46,7 +53,7 @@ from typing import Any
 import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from sluice.errors import HeadTimedOut, HeadTooLarge, SluiceError, Unavailable
+from sluice.errors import BodyTimedOut, HeadTimedOut, HeadTooLarge, SluiceError, Unavailable
 
 log = logging.getLogger("sluice.http")
 
@@ -55,7 +62,11 @@ log = logging.getLogger("sluice.http")
 MAX_HEAD_BYTES = 64 * 1024
 #: Seconds a head may take (``SLUICE_GATEWAY_HEAD_TIMEOUT_S``).
 HEAD_TIMEOUT_S = 30.0
-#: How often overdue heads are looked for.
+#: Bytes a second a request's body must average once its head is in, after a first
+#: ``HEAD_TIMEOUT_S`` of slack: 16 KiB/s is a 128 kbit/s link. A client trickling a body holds
+#: its connection at most HEAD_TIMEOUT_S + body limit / this (the gateway's 4 MiB: 4.8 min).
+MIN_BODY_BYTES_PER_S = 16 * 1024
+#: How often overdue heads and bodies are looked for.
 SWEEP_S = 1.0
 #: Descriptors a process keeps for anything but connections (Redis, logs, its own files).
 SPARE_DESCRIPTORS = 64
@@ -94,6 +105,7 @@ class ConnectionBounds:
     #: Client connections one process keeps open; 0: :func:`default_max_connections` of its
     #: descriptors (the gateway's ``SLUICE_GATEWAY_MAX_CONNECTIONS``).
     max_connections: int = 0
+    min_body_bytes_per_s: int = MIN_BODY_BYTES_PER_S
 
 
 def protocol(bounds: ConnectionBounds) -> Callable[..., HttpToolsProtocol]:
@@ -104,21 +116,28 @@ def protocol(bounds: ConnectionBounds) -> Callable[..., HttpToolsProtocol]:
 
 
 class _Watch:
-    """One event loop's connections whose head is awaited, by deadline, and its idle ones,
-    idle longest first. One timer looks for overdue heads every :data:`SWEEP_S` while any is
-    awaited. (It keeps no reference to its loop, the key it is kept under.)"""
+    """One event loop's connections whose head or body is awaited, by deadline, and its idle
+    ones, idle longest first. One timer looks for the overdue every :data:`SWEEP_S` while any
+    is awaited. (It keeps no reference to its loop, the key it is kept under.)"""
 
     def __init__(self) -> None:
-        self._due: dict[BoundedProtocol, float] = {}  # few: connections whose head is coming
+        self._due: dict[BoundedProtocol, float] = {}  # few: connections whose head or body is coming
         self.idle: dict[BoundedProtocol, None] = {}  # in the order they became idle
         self._timer: asyncio.TimerHandle | None = None
         self._shed = {"closed": 0, "refused": 0}
         self._quiet_until = 0.0
 
     def add(self, conn: BoundedProtocol, due: float) -> None:
-        self._due.setdefault(conn, due)
+        """Await ``conn``'s head or body until ``due``, unless it is already awaited."""
+        self.move(conn, self._due.get(conn, due))
+
+    def move(self, conn: BoundedProtocol, due: float) -> None:
+        self._due[conn] = due
         if self._timer is None:
             self._timer = conn.loop.call_later(SWEEP_S, self._sweep)
+
+    def arrived(self, conn: BoundedProtocol) -> None:
+        self._due.pop(conn, None)
 
     def discard(self, conn: BoundedProtocol) -> None:
         self._due.pop(conn, None)
@@ -155,7 +174,7 @@ class _Watch:
         now = loop.time()
         for conn in [conn for conn, due in self._due.items() if due <= now]:
             del self._due[conn]
-            conn.head_overdue()
+            conn.overdue()
         if self._due:
             self._timer = loop.call_later(SWEEP_S, self._sweep)
 
@@ -164,8 +183,8 @@ _WATCHES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Watch] = weakref
 
 
 class BoundedProtocol(HttpToolsProtocol):
-    """uvicorn's protocol; a request's head is counted and timed until it is complete, and
-    the connections kept open are bounded."""
+    """uvicorn's protocol; a request's head is counted and timed until it is complete, its
+    body timed, and the connections kept open are bounded."""
 
     def __init__(self, *args: Any, bounds: ConnectionBounds, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -173,6 +192,9 @@ class BoundedProtocol(HttpToolsProtocol):
         self._in_head = True  # what comes next is a head (none has begun, or the last message ended)
         self._head_bytes = 0
         self._heard = False  # a byte of the awaited head came
+        self._in_body = False  # a head is in, its body (if any) not yet whole
+        self._body_from = 0.0  # when the body's wait began: its head's end
+        self._body_bytes = 0  # bytes read since
         watch = _WATCHES.get(self.loop)
         if watch is None:
             watch = _WATCHES[self.loop] = _Watch()
@@ -198,9 +220,14 @@ class BoundedProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._in_head:
             self._head_bytes += len(data)
+        elif self._in_body:
+            self._body_bytes += len(data)
         super().data_received(data)
         if self._in_head and self._head_bytes > self.bounds.max_bytes and not self.transport.is_closing():
             self._refuse(HeadTooLarge(f"the request's head exceeds the {self.bounds.max_bytes}-byte limit"))
+        elif self._in_body:  # its bytes buy it time, at the least rate taken
+            self._watch.move(self, self._body_from + self.bounds.timeout_s
+                             + self._body_bytes / self.bounds.min_body_bytes_per_s)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -212,11 +239,16 @@ class BoundedProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._heard = False
-        self._watch.discard(self)
+        self._in_body = True
+        self._body_from = self.loop.time()
+        self._body_bytes = 0
+        self._watch.move(self, self._body_from + self.bounds.timeout_s)
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
+        self._in_body = False
+        self._watch.arrived(self)
         self._in_head = True
         self._head_bytes = 0
 
@@ -225,22 +257,33 @@ class BoundedProtocol(HttpToolsProtocol):
         if self.timeout_keep_alive_task is not None and not self.transport.is_closing():
             self._watch.idle[self] = None  # kept alive, no request pipelined behind this one
 
-    def head_overdue(self) -> None:
+    def overdue(self) -> None:
         if self.transport.is_closing():
             return
-        if not self._heard:
+        if self._in_body:
+            self._refuse(BodyTimedOut(
+                f"the request's body came slower than {self.bounds.min_body_bytes_per_s} bytes a second "
+                f"after its first {self.bounds.timeout_s:g}s"), body=True)
+        elif not self._heard:
             self.transport.close()  # nothing came: nobody to answer
-            return
-        self._refuse(HeadTimedOut(f"the request's head did not arrive within {self.bounds.timeout_s:g}s"))
+        else:
+            self._refuse(HeadTimedOut(f"the request's head did not arrive within {self.bounds.timeout_s:g}s"))
 
-    def _refuse(self, exc: SluiceError, quiet: bool = False) -> None:
+    def _refuse(self, exc: SluiceError, quiet: bool = False, body: bool = False) -> None:
+        """Answer ``exc`` and close. ``body``: the refused request is the current one (its body
+        is late), which the app then finds its client gone; else a response under way (to the
+        request before a pipelined head) is only cut."""
         self._watch.discard(self)
         if not quiet:
             log.warning("%d to %s: %s", exc.status, "%s:%d" % self.client if self.client else "a client",
                         exc.message)
-        if self.cycle is not None and not self.cycle.response_complete:
-            self.transport.close()  # a response is under way (a pipelined head): no second one in its bytes
+        cycle = self.cycle
+        if cycle is not None and (cycle.response_started if body else not cycle.response_complete):
+            self.transport.close()  # a response is under way, or was sent: no second one in its bytes
             return
+        if body and cycle is not None:
+            cycle.disconnected = True  # the app's receive() says so; its send() writes nothing
+            cycle.message_event.set()
         body = self.bounds.render(exc, getattr(self, "url", b""))
         headers = b"".join(b"%s: %s\r\n" % (k.lower().encode(), v.encode()) for k, v in exc.headers().items())
         self.transport.write(b"".join((

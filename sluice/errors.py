@@ -87,6 +87,12 @@ class HeadTimedOut(InvalidRequest):
     code = "request_head_timeout"
 
 
+class BodyTimedOut(InvalidRequest):
+    """A request's body that came slower than the server takes (sluice/connection_bounds.py)."""
+    status = 408
+    code = "request_body_timeout"
+
+
 class AuthenticationFailed(SluiceError):
     status = 401
     type = "authentication_error"

@@ -190,6 +190,55 @@ def test_a_large_body_is_not_counted_as_head(gateway: Proc) -> None:
     assert status == 200, (status, reply[:300])
 
 
+def _post_head(path: bytes, length: int) -> bytes:
+    return (b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % length)
+
+
+def test_a_body_trickled_slower_than_the_least_rate_is_a_408(gateway: Proc) -> None:
+    """Regression: a body had only the request's deadline for bound (up to an hour, as the
+    client asks), so a client sending bodies a byte now and then held each connection for as
+    long: requests in flight are never closed for newcomers, so such connections could take
+    every one a process keeps. A body now averages 16 KiB/s after its head's slack (1 s here)."""
+    for path, anthropic in ((b"/v1/chat/completions", False), (b"/v1/messages", True)):
+        sock = _connect(gateway.url)
+        began = time.monotonic()
+        sock.sendall(_post_head(path, 100_000) + b'{"model": "sim", ')
+        try:
+            for _ in range(20):
+                time.sleep(0.3)
+                sock.sendall(b" ")
+        except OSError:
+            pass
+        try:
+            status, headers, body = _reply(sock)
+        finally:
+            sock.close()
+        assert status == 408, (status, body)
+        assert HEAD_TIMEOUT_S - CLOCK_SLACK_S <= time.monotonic() - began < HEAD_TIMEOUT_S + 3
+        reply = orjson.loads(body)
+        if anthropic:
+            assert reply["type"] == "error" and "16384 bytes a second" in reply["error"]["message"], reply
+        else:
+            assert reply["error"]["code"] == "request_body_timeout", reply
+    log = gateway.log_tail()
+    assert "408 to 127.0.0.1" in log and "Traceback" not in log
+
+
+def test_a_body_that_keeps_the_rate_is_served_however_long_it_takes(gateway: Proc) -> None:
+    """300 kB in 3 s (100 kB/s): three times the slack, each byte buying its time."""
+    body = orjson.dumps({"model": "sim", "prompt": "x" * 300_000, "max_tokens": 1})
+    sock = _connect(gateway.url)
+    try:
+        sock.sendall(_post_head(b"/v1/completions", len(body)))
+        for at in range(0, len(body), 10_000):
+            sock.sendall(body[at:at + 10_000])
+            time.sleep(0.1)
+        assert _one_response(sock).startswith(b"HTTP/1.1 200 ")
+    finally:
+        sock.close()
+
+
 def test_a_workers_server_bounds_heads_too(worker: Proc) -> None:
     _, status, _, body = _endless_header(worker.url, b"/internal/generate", 256 * 2**20)
     assert status == 431 and orjson.loads(body)["error"]["code"] == "request_head_too_large"
