@@ -34,6 +34,10 @@ class GatewaySettings(RedisSettings):
     #: idle longest, or gets 503 too_many_connections if every one has a request in flight.
     #: 0: half the process's descriptor limit (raised to its hard limit at start).
     max_connections: int = Field(default=0, ge=0)
+    #: Bytes of responses one gateway process holds for clients that take them slower than
+    #: they come (16 KiB/s after head_timeout_s of slack, else cut); past it, the connection
+    #: holding most is cut.
+    max_unsent_bytes: int = Field(default=connection_bounds.MAX_UNSENT_BYTES, ge=2**20)
     #: Workers tried for one request before the first token (first try included).
     max_attempts: int = Field(default=3, ge=1, le=10)
     retry_backoff_ms: float = Field(default=50.0, ge=0)

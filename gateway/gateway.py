@@ -96,8 +96,9 @@ def _serve(settings: GatewaySettings) -> None:
     config = uvicorn_config(
         create_app(settings), settings.host, settings.port,
         graceful_s=settings.shutdown_grace_s, lifespan=True, proxy_headers=False,  # Front applies them
-        bounds=ConnectionBounds(settings.max_head_bytes, settings.head_timeout_s, head_refusal,
-                                settings.max_connections),
+        bounds=ConnectionBounds(max_bytes=settings.max_head_bytes, timeout_s=settings.head_timeout_s,
+                                render=head_refusal, max_connections=settings.max_connections,
+                                max_unsent_bytes=settings.max_unsent_bytes),
     )
     settle_gc()
     sockets = [listen_socket(settings.host, settings.port)] if settings.reuse_port else None

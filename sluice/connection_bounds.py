@@ -16,11 +16,20 @@ closed). A client that sent a head in time waits on nothing of this: the body an
 have bounds of their own (the gateway's body limit, the request's deadline).
 
 **A request's body.** Once its head is in, a body must come at
-:attr:`ConnectionBounds.min_body_bytes_per_s` on average after a first ``timeout_s`` of slack,
+:attr:`ConnectionBounds.min_bytes_per_s` on average after a first ``timeout_s`` of slack,
 else it is answered ``408 request_body_timeout`` and the connection closed (the route reading
 it finds its client gone). A request in flight is never closed for a newcomer (below), and the
 request's own deadline (up to an hour, as the client asks) bounded its body before: a client
 trickling bodies could hold every connection a process keeps.
+
+**A response the client does not take.** A process held each answer its client was not
+reading in its memory for as long as the client kept the connection: 40 such clients of
+10.7 MB answers (``n=16``, 500 tokens, ``top_logprobs=20``) grew a gateway by 480 MB. Once a
+response's transport pauses (more than 64 KiB not taken), the client must take it at
+:attr:`ConnectionBounds.min_bytes_per_s` on average after ``timeout_s`` of slack, and the
+responses held for such clients stay under :attr:`ConnectionBounds.max_unsent_bytes` in all
+(the largest cut first); a cut connection is dropped with what it held (its request, if still
+in flight, finds its client gone, which frees its engine).
 
 **Connections.** Each costs a process a descriptor and ~9 KB. Measured on a gateway (one
 process, descriptors limited to 20,000, as on this project's machines): one client opening
@@ -34,8 +43,8 @@ lets a server close it, and the SDKs reconnect); only when every connection has 
 flight is the new one answered ``503 too_many_connections`` with ``Retry-After`` and closed.
 A request in flight is never given up for a newcomer.
 
-Cost: a counter a read while a head is coming, and two dict entries a request; one timer a
-second per process while heads are awaited sweeps the overdue ones.
+Cost: a counter a read while a head or body is coming, and a few dict entries a request; one
+timer a second per process while heads, bodies or slow clients are awaited sweeps the overdue.
 """
 
 from __future__ import annotations
@@ -62,11 +71,15 @@ log = logging.getLogger("sluice.http")
 MAX_HEAD_BYTES = 64 * 1024
 #: Seconds a head may take (``SLUICE_GATEWAY_HEAD_TIMEOUT_S``).
 HEAD_TIMEOUT_S = 30.0
-#: Bytes a second a request's body must average once its head is in, after a first
-#: ``HEAD_TIMEOUT_S`` of slack: 16 KiB/s is a 128 kbit/s link. A client trickling a body holds
-#: its connection at most HEAD_TIMEOUT_S + body limit / this (the gateway's 4 MiB: 4.8 min).
-MIN_BODY_BYTES_PER_S = 16 * 1024
-#: How often overdue heads and bodies are looked for.
+#: Bytes a second a request's body must average once its head is in, and a response once the
+#: client stopped taking it as fast as it comes, after a first ``HEAD_TIMEOUT_S`` of slack:
+#: 16 KiB/s is a 128 kbit/s link. A client trickling a body holds its connection at most
+#: HEAD_TIMEOUT_S + body limit / this (the gateway's 4 MiB: 4.8 min).
+MIN_BYTES_PER_S = 16 * 1024
+#: Bytes of responses a process holds for clients that do not take them, at most: past it
+#: the connection holding most is cut (the gateway's ``SLUICE_GATEWAY_MAX_UNSENT_BYTES``).
+MAX_UNSENT_BYTES = 256 * 2**20
+#: How often overdue heads, bodies and responses are looked for.
 SWEEP_S = 1.0
 #: Descriptors a process keeps for anything but connections (Redis, logs, its own files).
 SPARE_DESCRIPTORS = 64
@@ -105,7 +118,11 @@ class ConnectionBounds:
     #: Client connections one process keeps open; 0: :func:`default_max_connections` of its
     #: descriptors (the gateway's ``SLUICE_GATEWAY_MAX_CONNECTIONS``).
     max_connections: int = 0
-    min_body_bytes_per_s: int = MIN_BODY_BYTES_PER_S
+    #: Bytes a second a request's body, and a response a client is slow to take, must average
+    #: after ``timeout_s`` of slack.
+    min_bytes_per_s: int = MIN_BYTES_PER_S
+    #: Bytes of responses the process holds for clients that are not taking them, at most.
+    max_unsent_bytes: int = MAX_UNSENT_BYTES
 
 
 def protocol(bounds: ConnectionBounds) -> Callable[..., HttpToolsProtocol]:
@@ -123,9 +140,12 @@ class _Watch:
     def __init__(self) -> None:
         self._due: dict[BoundedProtocol, float] = {}  # few: connections whose head or body is coming
         self.idle: dict[BoundedProtocol, None] = {}  # in the order they became idle
+        #: Connections whose client takes their response slower than it comes (their transport
+        #: paused writing): when that began, and the bytes it held then.
+        self.paused: dict[BoundedProtocol, tuple[float, int]] = {}
         self._timer: asyncio.TimerHandle | None = None
-        self._shed = {"closed": 0, "refused": 0}
-        self._quiet_until = 0.0
+        self._shed = {"closed": 0, "refused": 0, "cut": 0}
+        self._quiet_until: dict[str, float] = {}
 
     def add(self, conn: BoundedProtocol, due: float) -> None:
         """Await ``conn``'s head or body until ``due``, unless it is already awaited."""
@@ -133,8 +153,15 @@ class _Watch:
 
     def move(self, conn: BoundedProtocol, due: float) -> None:
         self._due[conn] = due
+        self._arm(conn.loop)
+
+    def pause(self, conn: BoundedProtocol) -> None:
+        self.paused[conn] = (conn.loop.time(), conn.transport.get_write_buffer_size())
+        self._arm(conn.loop)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._timer is None:
-            self._timer = conn.loop.call_later(SWEEP_S, self._sweep)
+            self._timer = loop.call_later(SWEEP_S, self._sweep)
 
     def arrived(self, conn: BoundedProtocol) -> None:
         self._due.pop(conn, None)
@@ -142,6 +169,7 @@ class _Watch:
     def discard(self, conn: BoundedProtocol) -> None:
         self._due.pop(conn, None)
         self.idle.pop(conn, None)
+        self.paused.pop(conn, None)
 
     def close_idlest(self) -> BoundedProtocol | None:
         """Close the connection idle longest, if any is."""
@@ -154,19 +182,28 @@ class _Watch:
         return None
 
     def tell(self, what: str, conn: BoundedProtocol) -> None:
-        """Count a connection closed or refused at the bound; say so at most every
-        :data:`TELL_EVERY_S` (a client opening connections in a loop is not a line each)."""
+        """Count a connection closed, refused or cut at a bound; say so at most every
+        :data:`TELL_EVERY_S` for each kind of bound (a client opening connections in a loop
+        is not a line each; the next line has what the quiet time counted)."""
         self._shed[what] += 1
+        topic = "cut" if what == "cut" else "connections"
         now = time.monotonic()
-        if now < self._quiet_until:
+        if now < self._quiet_until.get(topic, 0.0):
             return
-        self._quiet_until = now + TELL_EVERY_S
+        self._quiet_until[topic] = now + TELL_EVERY_S
+        peer, bounds = "%s:%d" % conn.client if conn.client else "a client", conn.bounds
+        if topic == "cut":
+            log.warning("%d connections cut whose client took its response slower than %d bytes a second "
+                        "after %g s, or held the most of this process's %d bytes of responses not taken, since "
+                        "the last such line; the last to %s", self._shed["cut"], bounds.min_bytes_per_s,
+                        bounds.timeout_s, bounds.max_unsent_bytes, peer)
+            self._shed["cut"] = 0
+            return
         log.warning("this process holds its most connections (%d): %d idle connections closed for newcomers "
                     "and %d newcomers refused (503, every connection had a request in flight) since the last "
-                    "such line (one in %g s at most); the last from %s", conn.bounds.max_connections,
-                    self._shed["closed"], self._shed["refused"], TELL_EVERY_S,
-                    "%s:%d" % conn.client if conn.client else "a client")
-        self._shed = dict.fromkeys(self._shed, 0)
+                    "such line; the last from %s", bounds.max_connections, self._shed["closed"],
+                    self._shed["refused"], peer)
+        self._shed["closed"] = self._shed["refused"] = 0
 
     def _sweep(self) -> None:
         self._timer = None
@@ -175,8 +212,32 @@ class _Watch:
         for conn in [conn for conn, due in self._due.items() if due <= now]:
             del self._due[conn]
             conn.overdue()
-        if self._due:
+        if self.paused:
+            self._cut_slow_readers(now)
+        if self._due or self.paused:
             self._timer = loop.call_later(SWEEP_S, self._sweep)
+
+    def _cut_slow_readers(self, now: float) -> None:
+        """Cut the connections whose client takes its response slower than the least rate after
+        the slack, then, while the responses held for the others pass the process's bound,
+        the one holding most. (A client that reads nothing held its response in this process's
+        memory as long as it kept the connection: 40 such clients of 10.7 MB answers, 480 MB.)"""
+        held: list[tuple[int, BoundedProtocol]] = []
+        for conn, (since, at_pause) in list(self.paused.items()):
+            size = conn.transport.get_write_buffer_size()
+            bounds = conn.bounds
+            if now > since + bounds.timeout_s + max(0, at_pause - size) / bounds.min_bytes_per_s:
+                conn.cut()
+            else:
+                held.append((size, conn))
+        if not held:
+            return
+        total, bound = sum(size for size, _ in held), held[0][1].bounds.max_unsent_bytes
+        for size, conn in sorted(held, key=lambda pair: pair[0], reverse=True):
+            if total <= bound:
+                break
+            conn.cut()
+            total -= size
 
 
 _WATCHES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Watch] = weakref.WeakKeyDictionary()
@@ -227,7 +288,7 @@ class BoundedProtocol(HttpToolsProtocol):
             self._refuse(HeadTooLarge(f"the request's head exceeds the {self.bounds.max_bytes}-byte limit"))
         elif self._in_body:  # its bytes buy it time, at the least rate taken
             self._watch.move(self, self._body_from + self.bounds.timeout_s
-                             + self._body_bytes / self.bounds.min_body_bytes_per_s)
+                             + self._body_bytes / self.bounds.min_bytes_per_s)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -252,6 +313,21 @@ class BoundedProtocol(HttpToolsProtocol):
         self._in_head = True
         self._head_bytes = 0
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._watch.pause(self)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._watch.paused.pop(self, None)
+
+    def cut(self) -> None:
+        """Drop what the client did not take, and the connection (a request in flight finds
+        its client gone)."""
+        self._watch.discard(self)
+        self._watch.tell("cut", self)
+        self.transport.abort()
+
     def on_response_complete(self) -> None:
         super().on_response_complete()
         if self.timeout_keep_alive_task is not None and not self.transport.is_closing():
@@ -262,7 +338,7 @@ class BoundedProtocol(HttpToolsProtocol):
             return
         if self._in_body:
             self._refuse(BodyTimedOut(
-                f"the request's body came slower than {self.bounds.min_body_bytes_per_s} bytes a second "
+                f"the request's body came slower than {self.bounds.min_bytes_per_s} bytes a second "
                 f"after its first {self.bounds.timeout_s:g}s"), body=True)
         elif not self._heard:
             self.transport.close()  # nothing came: nobody to answer

@@ -4,6 +4,7 @@ that never comes, nor every descriptor of the process with connections it leaves
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -239,17 +240,68 @@ def test_a_body_that_keeps_the_rate_is_served_however_long_it_takes(gateway: Pro
         sock.close()
 
 
+#: A non-streaming answer of ~10.7 MB: 16 choices of 500 tokens, each with 20 alternatives
+#: (more than the kernel's send buffer takes, ~2.8 MB on loopback).
+BIG_ANSWER = orjson.dumps({"model": "sim", "messages": [{"role": "user", "content": "x"}], "n": 16,
+                           "max_tokens": 500, "ignore_eos": True, "logprobs": True, "top_logprobs": 20})
+
+
+def _unread(url: str) -> socket.socket:
+    """A client that asks for BIG_ANSWER and reads nothing (a small receive buffer)."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    sock.sendall(_post_head(b"/v1/chat/completions", len(BIG_ANSWER)) + BIG_ANSWER)
+    return sock
+
+
+def _was_cut(sock: socket.socket) -> bool:
+    """Whether the server dropped the connection before the whole answer came."""
+    sock.settimeout(10)
+    data, length = b"", None
+    try:
+        while length is None or len(data) < length:
+            chunk = sock.recv(1 << 20)
+            if not chunk:
+                return True
+            data += chunk
+            if length is None and b"\r\n\r\n" in data:
+                head, _, _ = data.partition(b"\r\n\r\n")
+                found = re.search(rb"content-length: (\d+)", head.lower())
+                assert found, head
+                length = len(head) + 4 + int(found.group(1))
+    except ConnectionResetError:
+        return True
+    return False
+
+
+def test_a_client_that_takes_no_byte_of_its_answer_is_cut_after_the_slack(gateway: Proc) -> None:
+    """Regression: a process held each answer its client did not read for as long as the
+    client kept the connection: 40 such clients of 10.7 MB answers grew a gateway by 480 MB.
+    Now the client must take it at 16 KiB/s on average after the slack (1 s here)."""
+    sock = _unread(gateway.url)
+    try:
+        wait_for(lambda: "connections cut whose client took its response slower" in gateway.log_tail(), 15,
+                 "the slow reader cut")
+        assert _was_cut(sock)
+    finally:
+        sock.close()
+
+
 def test_a_workers_server_bounds_heads_too(worker: Proc) -> None:
     _, status, _, body = _endless_header(worker.url, b"/internal/generate", 256 * 2**20)
     assert status == 431 and orjson.loads(body)["error"]["code"] == "request_head_too_large"
 
 
 MAX_CONNECTIONS = 40
+MAX_UNSENT_BYTES = 4 * 2**20
 
 
 @pytest.fixture(scope="module")
 def capped(private_redis: EmbeddedRedis, worker: Proc, start_gateway) -> Proc:
-    return start_gateway(redis_at=private_redis.url, env={"SLUICE_GATEWAY_MAX_CONNECTIONS": str(MAX_CONNECTIONS)})
+    return start_gateway(redis_at=private_redis.url, env={"SLUICE_GATEWAY_MAX_CONNECTIONS": str(MAX_CONNECTIONS),
+                                                          "SLUICE_GATEWAY_MAX_UNSENT_BYTES": str(MAX_UNSENT_BYTES)})
 
 
 def _open_descriptors(proc: Proc) -> int:
@@ -322,3 +374,17 @@ def test_past_the_bound_with_every_connection_busy_a_newcomer_gets_503(capped: P
 def test_a_processs_default_bound_is_half_its_descriptors() -> None:
     assert default_max_connections(20_000) == (20_000 - SPARE_DESCRIPTORS) // 2
     assert default_max_connections(50) == 16  # a process with few descriptors still serves a few
+
+
+def test_answers_held_for_slow_clients_stay_under_the_process_bound(capped: Proc) -> None:
+    """Past SLUICE_GATEWAY_MAX_UNSENT_BYTES (4 MiB here) of answers not taken, the connections
+    holding most are cut at once, long before their slack (30 s) would end."""
+    socks = [_unread(capped.url) for _ in range(3)]  # each holds more than 4 MiB past the kernel's part
+    try:
+        wait_for(lambda: "connections cut whose client took its response slower" in capped.log_tail(), 15,
+                 "slow readers cut at the process's bound")
+        time.sleep(3)  # three sweeps: every answer held is past the bound on its own
+        assert [_was_cut(sock) for sock in socks] == [True] * 3
+    finally:
+        for sock in socks:
+            sock.close()
