@@ -39,9 +39,11 @@ for as long as the client kept reopening them (each idle one lived 30 s). Now a 
 at most :attr:`ConnectionBounds.max_connections` client connections (by default half its
 descriptors: a stream in flight holds one to its worker too). A connection past that closes the
 one idle longest (opened and silent, or between two requests of a kept-alive connection: HTTP
-lets a server close it, and the SDKs reconnect); only when every connection has a request in
-flight is the new one answered ``503 too_many_connections`` with ``Retry-After`` and closed.
-A request in flight is never given up for a newcomer.
+lets a server close it, and the SDKs reconnect), else the one whose request has been coming
+longest (its head or body not yet whole: a client trickling requests on many connections,
+reopening each as it is cut, loses its own first); only when every connection has a request
+in flight is the new one answered ``503 too_many_connections`` with ``Retry-After`` and
+closed. A request in flight is never given up for a newcomer.
 
 Cost: a counter a read while a head or body is coming, and a few dict entries a request; one
 timer a second per process while heads, bodies or slow clients are awaited sweeps the overdue.
@@ -171,14 +173,17 @@ class _Watch:
         self.idle.pop(conn, None)
         self.paused.pop(conn, None)
 
-    def close_idlest(self) -> BoundedProtocol | None:
-        """Close the connection idle longest, if any is."""
-        while self.idle:
-            conn = next(iter(self.idle))
-            self.discard(conn)
-            if not conn.transport.is_closing():
-                conn.transport.close()
-                return conn
+    def make_room(self) -> BoundedProtocol | None:
+        """Close a connection for a newcomer: the one idle longest, else the one whose request
+        has been coming longest (its head or body not yet whole). Neither has a request in
+        flight; a client trickling requests on many connections loses its own first."""
+        for waiting in (self.idle, self._due):
+            while waiting:
+                conn = next(iter(waiting))
+                self.discard(conn)
+                if not conn.transport.is_closing():
+                    conn.transport.close()
+                    return conn
         return None
 
     def tell(self, what: str, conn: BoundedProtocol) -> None:
@@ -199,7 +204,8 @@ class _Watch:
                         bounds.timeout_s, bounds.max_unsent_bytes, peer)
             self._shed["cut"] = 0
             return
-        log.warning("this process holds its most connections (%d): %d idle connections closed for newcomers "
+        log.warning("this process holds its most connections (%d): %d connections idle or with a request "
+                    "still coming closed for newcomers "
                     "and %d newcomers refused (503, every connection had a request in flight) since the last "
                     "such line; the last from %s", bounds.max_connections, self._shed["closed"],
                     self._shed["refused"], peer)
@@ -264,7 +270,7 @@ class BoundedProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self.bounds.max_connections:
-            if self._watch.close_idlest() is None:
+            if self._watch.make_room() is None:
                 self._watch.tell("refused", self)
                 self._refuse(Unavailable(
                     f"this server holds its most connections ({self.bounds.max_connections}), each with a "

@@ -336,6 +336,29 @@ def test_idle_connections_past_the_bound_make_room_for_newcomers(capped: Proc) -
     assert "holds its most connections (40)" in capped.log_tail()
 
 
+def test_connections_whose_request_is_still_coming_make_room_too(capped: Proc) -> None:
+    """A client trickling heads and bodies on every connection a process keeps (each cut at
+    its bound, then reopened) would otherwise leave newcomers only 503s: such connections
+    have no request in flight, so they are closed for newcomers, the longest coming first."""
+    trickling = []
+    for i in range(MAX_CONNECTIONS):
+        sock = _connect(capped.url)
+        sock.sendall(_post_head(b"/v1/chat/completions", 1000) if i % 2 else b"POST /v1/chat/completions HTTP/1.1\r\n")
+        trickling.append(sock)
+    try:
+        time.sleep(0.5)  # every one of them accepted and read
+        client = openai.OpenAI(base_url=capped.url + "/v1", api_key="none", max_retries=0, timeout=30)
+        answer = client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=5)
+        assert answer.choices[0].message.content
+        client.close()
+        trickling[0].settimeout(5)
+        assert trickling[0].recv(1) == b""  # the one coming longest was closed
+    finally:
+        for sock in trickling:
+            sock.close()
+
+
 def test_past_the_bound_with_every_connection_busy_a_newcomer_gets_503(capped: Proc) -> None:
     """Requests in flight are never given up for a newcomer: it is told to come back."""
     streaming: list[int] = []
