@@ -38,12 +38,13 @@ client's connection was reset, and a stream in flight could open no connection t
 for as long as the client kept reopening them (each idle one lived 30 s). Now a process keeps
 at most :attr:`ConnectionBounds.max_connections` client connections (by default half its
 descriptors: a stream in flight holds one to its worker too). A connection past that closes the
-one idle longest (opened and silent, or between two requests of a kept-alive connection: HTTP
-lets a server close it, and the SDKs reconnect), else the one whose request has been coming
-longest (its head or body not yet whole: a client trickling requests on many connections,
-reopening each as it is cut, loses its own first); only when every connection has a request
-in flight is the new one answered ``503 too_many_connections`` with ``Retry-After`` and
-closed. A request in flight is never given up for a newcomer.
+one that has waited longest without a request in flight: opened and silent, kept alive between
+two requests (HTTP lets a server close it, and the SDKs reconnect), or with a request still
+coming (a head or body not yet whole). A client trickling requests on many connections,
+reopening each as it is cut, so loses its own, older than any other client's pause between two
+requests. Only when every connection has a request in flight is the new one answered
+``503 too_many_connections`` with ``Retry-After`` and closed. A request in flight is never
+given up for a newcomer.
 
 Cost: a counter a read while a head or body is coming, and a few dict entries a request; one
 timer a second per process while heads, bodies or slow clients are awaited sweeps the overdue.
@@ -135,13 +136,14 @@ def protocol(bounds: ConnectionBounds) -> Callable[..., HttpToolsProtocol]:
 
 
 class _Watch:
-    """One event loop's connections whose head or body is awaited, by deadline, and its idle
-    ones, idle longest first. One timer looks for the overdue every :data:`SWEEP_S` while any
-    is awaited. (It keeps no reference to its loop, the key it is kept under.)"""
+    """One event loop's connections whose head or body is awaited, by deadline, and those with
+    no request in flight, longest first. One timer looks for the overdue every :data:`SWEEP_S`
+    while any is awaited. (It keeps no reference to its loop, the key it is kept under.)"""
 
     def __init__(self) -> None:
         self._due: dict[BoundedProtocol, float] = {}  # few: connections whose head or body is coming
-        self.idle: dict[BoundedProtocol, None] = {}  # in the order they became idle
+        #: No request in flight (idle, or one still coming), in the order they became so.
+        self.waiting: dict[BoundedProtocol, None] = {}
         #: Connections whose client takes their response slower than it comes (their transport
         #: paused writing): when that began, and the bytes it held then.
         self.paused: dict[BoundedProtocol, tuple[float, int]] = {}
@@ -170,20 +172,18 @@ class _Watch:
 
     def discard(self, conn: BoundedProtocol) -> None:
         self._due.pop(conn, None)
-        self.idle.pop(conn, None)
+        self.waiting.pop(conn, None)
         self.paused.pop(conn, None)
 
     def make_room(self) -> BoundedProtocol | None:
-        """Close a connection for a newcomer: the one idle longest, else the one whose request
-        has been coming longest (its head or body not yet whole). Neither has a request in
-        flight; a client trickling requests on many connections loses its own first."""
-        for waiting in (self.idle, self._due):
-            while waiting:
-                conn = next(iter(waiting))
-                self.discard(conn)
-                if not conn.transport.is_closing():
-                    conn.transport.close()
-                    return conn
+        """Close the connection that has waited longest without a request in flight, if any,
+        for a newcomer."""
+        while self.waiting:
+            conn = next(iter(self.waiting))
+            self.discard(conn)
+            if not conn.transport.is_closing():
+                conn.transport.close()
+                return conn
         return None
 
     def tell(self, what: str, conn: BoundedProtocol) -> None:
@@ -278,7 +278,7 @@ class BoundedProtocol(HttpToolsProtocol):
                 return
             self._watch.tell("closed", self)
         self._watch.add(self, self.loop.time() + self.bounds.timeout_s)
-        self._watch.idle[self] = None
+        self._watch.waiting[self] = None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._watch.discard(self)
@@ -299,7 +299,6 @@ class BoundedProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._heard = True
-        self._watch.idle.pop(self, None)
         # The first request's wait began with the connection; a later one's with its first byte.
         self._watch.add(self, self.loop.time() + self.bounds.timeout_s)
 
@@ -316,6 +315,7 @@ class BoundedProtocol(HttpToolsProtocol):
         super().on_message_complete()
         self._in_body = False
         self._watch.arrived(self)
+        self._watch.waiting.pop(self, None)  # a request in flight: never closed for a newcomer
         self._in_head = True
         self._head_bytes = 0
 
@@ -337,7 +337,7 @@ class BoundedProtocol(HttpToolsProtocol):
     def on_response_complete(self) -> None:
         super().on_response_complete()
         if self.timeout_keep_alive_task is not None and not self.transport.is_closing():
-            self._watch.idle[self] = None  # kept alive, no request pipelined behind this one
+            self._watch.waiting[self] = None  # kept alive, no request pipelined behind this one
 
     def overdue(self) -> None:
         if self.transport.is_closing():
