@@ -18,6 +18,7 @@ from engine_worker.protocol import GenerateRequest
 from engine_worker.registration import Registration
 from engine_worker.stream import NDJSONStream
 from sluice import keys
+from sluice.connection_bounds import ConnectionBounds
 from sluice.models import ModelError, resolve
 from sluice.prefix_index import PrefixIndex
 from sluice.redis_pool import create_pool
@@ -283,7 +284,8 @@ class Worker:
             metrics = WorkerMetrics(self)
             app = create_app(self, metrics)
             settle_gc()  # the engine's frontend lives in this process: its start-up heap too
-            server = Server(uvicorn_config(app, s.host, s.port, graceful_s=1, proxy_headers=False), self.drain)
+            server = Server(uvicorn_config(app, s.host, s.port, graceful_s=1, proxy_headers=False,
+                                          bounds=ConnectionBounds(cut_slow_readers=False)), self.drain)
             serving = asyncio.create_task(server.serve())
             while not server.started:
                 if serving.done():

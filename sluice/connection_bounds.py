@@ -126,6 +126,10 @@ class ConnectionBounds:
     min_bytes_per_s: int = MIN_BYTES_PER_S
     #: Bytes of responses the process holds for clients that are not taking them, at most.
     max_unsent_bytes: int = MAX_UNSENT_BYTES
+    #: Whether clients slow to take responses are cut (the two bounds above). A worker's
+    #: clients are gateways, which stop reading a stream while their own client is slow to
+    #: take it: the gateway bounds that client, and its worker waits.
+    cut_slow_readers: bool = True
 
 
 def protocol(bounds: ConnectionBounds) -> Callable[..., HttpToolsProtocol]:
@@ -321,7 +325,8 @@ class BoundedProtocol(HttpToolsProtocol):
 
     def pause_writing(self) -> None:
         super().pause_writing()
-        self._watch.pause(self)
+        if self.bounds.cut_slow_readers:
+            self._watch.pause(self)
 
     def resume_writing(self) -> None:
         super().resume_writing()
