@@ -530,7 +530,7 @@ def _is_messages(request: Request) -> bool:
 MESSAGES_PATH = "/v1/messages"
 
 
-def head_refusal(exc: SluiceError, path: bytes) -> bytes:
+def refusal_body(exc: SluiceError, path: bytes) -> bytes:
     """The body of a request refused before any route ran (its head, or a connection past the
     process's most: sluice/connection_bounds.py), in the shape of the API its path so far names."""
     if path.startswith(MESSAGES_PATH.encode()):

@@ -25,7 +25,7 @@ from types import FrameType
 from redis.exceptions import RedisError
 
 from gateway.admission.tenancy import StartupRefused, Tenancy
-from gateway.app import create_app, head_refusal
+from gateway.app import create_app, refusal_body
 from gateway.config import GatewaySettings
 from gateway.metrics import MULTIPROC_DIR_ENV, forget_process
 from sluice.apikeys import load_records
@@ -97,7 +97,7 @@ def _serve(settings: GatewaySettings) -> None:
         create_app(settings), settings.host, settings.port,
         graceful_s=settings.shutdown_grace_s, lifespan=True, proxy_headers=False,  # Front applies them
         bounds=ConnectionBounds(max_bytes=settings.max_head_bytes, timeout_s=settings.head_timeout_s,
-                                render=head_refusal, max_connections=settings.max_connections,
+                                render=refusal_body, max_connections=settings.max_connections,
                                 max_unsent_bytes=settings.max_unsent_bytes),
     )
     settle_gc()
