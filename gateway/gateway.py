@@ -20,6 +20,7 @@ import socket
 import sys
 import tempfile
 import time
+from pathlib import Path
 from types import FrameType
 
 from redis.exceptions import RedisError
@@ -42,6 +43,10 @@ async def preflight(settings: GatewaySettings) -> None:
     """Checks that must stop the process with a message, before uvicorn starts. Redis that
     does not answer (restarting, failing over) is waited for up to ``redis_startup_wait_s``,
     then refused with a message (it was a traceback)."""
+    if settings.tokenizer and not any((Path(settings.tokenizer) / name).is_file()
+                                      for name in ("tokenizer.json", "tokenizer_config.json")):
+        raise StartupRefused(f"SLUICE_GATEWAY_TOKENIZER={settings.tokenizer}: no tokenizer there (a model "
+                             "folder with tokenizer.json or tokenizer_config.json; empty: none)")
     if settings.keys_file is not None:
         try:  # a gateway told to fall back on keys it cannot read does not start without them
             load_records(settings.keys_file)

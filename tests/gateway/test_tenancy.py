@@ -205,6 +205,18 @@ def test_open_gateway_refuses_a_public_address(tmp_path) -> None:
     assert "refusing to serve" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_a_gateway_told_of_a_tokenizer_folder_without_one_refuses_to_start(tmp_path) -> None:
+    """It was a traceback from transformers in every gateway process, at each restart."""
+    with EmbeddedRedis() as server:
+        result = subprocess.run(
+            [sys.executable, "-m", "sluice", "gateway", "--port", "0", "--redis-url", server.url],
+            capture_output=True, text=True, cwd=ROOT, timeout=60,
+            env={**os.environ, "SLUICE_GATEWAY_TOKENIZER": str(tmp_path)},
+        )
+    assert result.returncode == 2
+    assert "no tokenizer there" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_streams_are_private_to_their_key(tenant, tenant_redis) -> None:
     _, gateways, key = tenant
     other = _create(tenant_redis)
