@@ -28,6 +28,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from gateway.streams.journal import RECLAIM_GRACE_S
 from sluice import keys
 from sluice.commands.bench_probe import rss_mib
 from sluice.commands.bench_stack import MODEL
@@ -130,6 +131,23 @@ async def check_all(system: System, specs: list[RequestSpec], refs: list[Referen
 BILLING_LAG_S = 1.0
 
 
+def billing_ends_s(runs: list[FaultRun], ended_s: float) -> float:
+    """When a gateway may still be billing a request whose client read its end at ``ended_s``:
+    :data:`BILLING_LAG_S` of the gateway's running time. A gateway stopped (SIGSTOP) bills
+    nothing while stopped, and a producer that finds on waking that Redis let its claim lapse
+    waits ``RECLAIM_GRACE_S`` for a gateway that may have taken the stream over before it
+    finishes: a stop under way in the window extends it by both. Regression (the nemesis,
+    single Redis, 5faa9e2): nem-3995, whose client read its journal's end through another
+    gateway while its producer's was stopped for 5.9 s, that gateway killed 1.2 s after it
+    woke, its line not yet written, was called billed wrong."""
+    end = ended_s + BILLING_LAG_S
+    for run in sorted(runs, key=lambda r: r.started_s):
+        stopped_until = run.ended_s if run.ended_s is not None else end
+        if run.fault.kind == "gateway_stop" and run.started_s <= end and stopped_until >= ended_s:
+            end = max(end, stopped_until + BILLING_LAG_S + RECLAIM_GRACE_S)
+    return end
+
+
 def served_tokens(hist: History) -> int:
     """Completion tokens the client received over all its attempts (a simulator token is one word)."""
     return sum(len(chunk.text.split()) for attempt in hist.attempts for chunk in attempt.chunks)
@@ -160,7 +178,7 @@ def usage(system: System, specs: list[RequestSpec], histories: list[History], ve
         tenants[spec.tenant]["billed"] += got
         if got == served:
             continue
-        if got < served and "gateway_kill" in overlapping(runs, hist.started_s, hist.ended_s + BILLING_LAG_S):
+        if got < served and "gateway_kill" in overlapping(runs, hist.started_s, billing_ends_s(runs, hist.ended_s)):
             # An attempt whose gateway was killed logged nothing; the others did.
             unbilled += 1
             continue

@@ -202,3 +202,31 @@ def test_a_stream_whose_gateway_died_just_after_its_end_is_unbilled_not_wrong(tm
 
     assert billing(BILLING_LAG_S / 2) == {**billing(BILLING_LAG_S / 2), "wrong": [], "unbilled_killed": 1}
     assert billing(BILLING_LAG_S + 2.5)["wrong"] == [f"nem-1: served {len(_words(spec))}, billed 0 in 0 line(s)"]
+
+
+def test_a_gateway_stopped_at_the_streams_end_bills_it_later(tmp_path) -> None:
+    """A gateway stopped (SIGSTOP) when its stream's client read [DONE] through another
+    gateway bills it only once it runs again, after waiting for its lapsed claim (nemesis,
+    single Redis, 5faa9e2: nem-3995, its gateway killed 1.2 s after it woke): a kill then is
+    unbilled, not a wrong bill; a kill long after the stop still is."""
+    from types import SimpleNamespace
+
+    from gateway.streams.journal import RECLAIM_GRACE_S
+    from sluice.nemesis.invariants import BILLING_LAG_S, usage
+
+    spec = _spec()
+    log = tmp_path / "gateway-0.log"
+    log.write_text("")
+    system = SimpleNamespace(gateways=[SimpleNamespace(log_path=log)])
+    hist = _history(_attempt(spec, _words(spec)))
+    verdict = check(spec, reference(spec), hist, [], [PORT])
+    end = hist.ended_s
+    stop = FaultRun(Fault(1, 0.0, "gateway_stop", "gateway-0", 3.0), started_s=end - 1.5, ended_s=end + 1.5)
+
+    def billing(kill_after_end_s: float) -> dict:
+        kill = FaultRun(Fault(2, 0.0, "gateway_kill", "gateway-0", 1.0), started_s=end + kill_after_end_s,
+                        ended_s=end + kill_after_end_s + 1)
+        return usage(system, [spec], [hist], [verdict], [stop, kill]).value  # type: ignore[arg-type]
+
+    assert billing(1.5 + BILLING_LAG_S + RECLAIM_GRACE_S - 0.5)["unbilled_killed"] == 1
+    assert billing(1.5 + BILLING_LAG_S + RECLAIM_GRACE_S + 2.5)["wrong"]
