@@ -172,7 +172,14 @@ class _Watch:
             self._timer = loop.call_later(SWEEP_S, self._sweep)
 
     def arrived(self, conn: BoundedProtocol) -> None:
+        """A head or a whole request came: nothing of it is awaited any more."""
         self._due.pop(conn, None)
+
+    def in_flight(self, conn: BoundedProtocol) -> None:
+        """A whole request came: nothing of it is awaited, and the connection is never closed
+        for a newcomer until its response is complete."""
+        self._due.pop(conn, None)
+        self.waiting.pop(conn, None)
 
     def discard(self, conn: BoundedProtocol) -> None:
         self._due.pop(conn, None)
@@ -307,19 +314,20 @@ class BoundedProtocol(HttpToolsProtocol):
         self._watch.add(self, self.loop.time() + self.bounds.timeout_s)
 
     def on_headers_complete(self) -> None:
+        # A body not whole once this read is parsed is awaited from here (data_received):
+        # most come with their head, and cost no entry.
         self._in_head = False
         self._heard = False
         self._in_body = True
         self._body_from = self.loop.time()
         self._body_bytes = 0
-        self._watch.move(self, self._body_from + self.bounds.timeout_s)
+        self._watch.arrived(self)
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._in_body = False
-        self._watch.arrived(self)
-        self._watch.waiting.pop(self, None)  # a request in flight: never closed for a newcomer
+        self._watch.in_flight(self)
         self._in_head = True
         self._head_bytes = 0
 
