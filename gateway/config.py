@@ -31,7 +31,8 @@ class GatewaySettings(RedisSettings):
     #: a body's slack: after it, a body must average 16 KiB/s (else 408 request_body_timeout).
     head_timeout_s: float = Field(default=connection_bounds.HEAD_TIMEOUT_S, gt=0)
     #: Client connections one gateway process keeps open; past it a newcomer closes the one
-    #: idle longest, or gets 503 too_many_connections if every one has a request in flight.
+    #: that has waited longest without a request in flight (idle, or its request still
+    #: coming), or gets 503 too_many_connections if every one has a request in flight.
     #: 0: half the process's descriptor limit (raised to its hard limit at start).
     max_connections: int = Field(default=0, ge=0)
     #: Bytes of responses one gateway process holds for clients that take them slower than

@@ -126,7 +126,8 @@ class ConnectionBounds:
     min_bytes_per_s: int = MIN_BYTES_PER_S
     #: Bytes of responses the process holds for clients that are not taking them, at most.
     max_unsent_bytes: int = MAX_UNSENT_BYTES
-    #: Whether clients slow to take responses are cut (the two bounds above). A worker's
+    #: Whether clients slow to take responses are cut (at ``min_bytes_per_s``, and past
+    #: ``max_unsent_bytes``; a body's rate holds either way). A worker's
     #: clients are gateways, which stop reading a stream while their own client is slow to
     #: take it: the gateway bounds that client, and its worker waits.
     cut_slow_readers: bool = True

@@ -81,9 +81,9 @@ def uvicorn_config(
     bounds: ConnectionBounds = ConnectionBounds(),
 ) -> uvicorn.Config:
     """``proxy_headers=False``: the app applies X-Forwarded-* itself where it reads them
-    (the gateway's :class:`sluice.lean_routes.Front`). ``bounds``: each request's head is
-    bounded in size and time, and the connections kept open in number (uvicorn's httptools
-    protocol, sluice/connection_bounds.py)."""
+    (the gateway's :class:`sluice.lean_routes.Front`). ``bounds``: what a client's connections
+    hold (uvicorn's httptools protocol, sluice/connection_bounds.py): a request's head in size
+    and time, its body in time, the connections kept open, the answers clients do not take."""
     return uvicorn.Config(
         app,
         proxy_headers=proxy_headers,
