@@ -56,6 +56,8 @@ import asyncio
 import functools
 import logging
 import resource
+import socket
+import struct
 import time
 import weakref
 from collections.abc import Callable
@@ -86,6 +88,8 @@ MAX_UNSENT_BYTES = 256 * 2**20
 SWEEP_S = 1.0
 #: Descriptors a process keeps for anything but connections (Redis, logs, its own files).
 SPARE_DESCRIPTORS = 64
+#: SO_LINGER on, for 0 s: closing the socket resets the connection.
+_RESET = struct.pack("ii", 1, 0)
 #: At most one log line in this many seconds about connections closed or refused at the bound.
 TELL_EVERY_S = 10.0
 
@@ -343,9 +347,16 @@ class BoundedProtocol(HttpToolsProtocol):
 
     def cut(self) -> None:
         """Drop what the client did not take, and the connection (a request in flight finds
-        its client gone)."""
+        its client gone): reset, so that the kernel drops what its send buffer held for the
+        client too (closed, it would go on offering it to a client that takes nothing)."""
         self._watch.discard(self)
         self._watch.tell("cut", self)
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+            except OSError:
+                pass
         self.transport.abort()
 
     def on_response_complete(self) -> None:
