@@ -158,6 +158,7 @@ async def open_services(settings: GatewaySettings) -> Services:
     watch.listen(admission.after_look)  # a loss the epoch does not show: leases and waiters again
     readers = JournalReaders(redis)  # one reader loop for every re-attached stream of this process
     metrics = GatewayMetrics()
+    connection_bounds.count_shed(lambda reason: metrics.connections_shed.labels(reason).inc())
     adapters = AdapterDirectory(redis)
     dispatcher = Dispatcher(settings, admission, http, workers, IndexCorrections(PrefixIndex(redis)), adapters,
                             Disaggregation(FleetRoles(redis), settings.stall_timeout_s), tokenizer)

@@ -130,6 +130,11 @@ class GatewayMetrics:
         self.queue_wait = Histogram("sluice_gateway_queue_wait_seconds", "Time waiting for a worker slot",
                                     ["model", "priority_class"], buckets=_LATENCY, registry=r)
         self.stalls = Stalls("gateway", r)  # its loop's backlog, the collector's pauses (started by the app)
+        #: sluice/connection_bounds.py's shedding, told by the app once it runs on its loop.
+        self.connections_shed = Counter(
+            "sluice_gateway_connections_shed", "Client connections closed for a newcomer (closed), refused "
+            "with 503 (refused) or cut for not taking their answer (cut) at this process's bounds",
+            ["reason"], registry=r)
         self.e2e = Histogram("sluice_gateway_request_duration_seconds", "Arrival to last byte",
                              ["model"], buckets=_LATENCY, registry=r)
         self.prompt_tokens = Counter("sluice_gateway_prompt_tokens", "Prompt tokens", ["model"], registry=r)

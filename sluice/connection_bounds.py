@@ -158,6 +158,8 @@ class _Watch:
         self.paused: dict[BoundedProtocol, tuple[float, int]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._shed = {"closed": 0, "refused": 0, "cut": 0}
+        #: Told each connection closed, refused or cut at a bound (a metric's counter).
+        self.on_shed: Callable[[str], None] | None = None
         self._quiet_until: dict[str, float] = {}
 
     def add(self, conn: BoundedProtocol, due: float) -> None:
@@ -207,6 +209,8 @@ class _Watch:
         :data:`TELL_EVERY_S` for each kind of bound (a client opening connections in a loop
         is not a line each; the next line has what the quiet time counted)."""
         self._shed[what] += 1
+        if self.on_shed is not None:
+            self.on_shed(what)
         topic = "cut" if what == "cut" else "connections"
         now = time.monotonic()
         if now < self._quiet_until.get(topic, 0.0):
@@ -265,6 +269,19 @@ class _Watch:
 _WATCHES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Watch] = weakref.WeakKeyDictionary()
 
 
+def _watch_of(loop: asyncio.AbstractEventLoop) -> _Watch:
+    watch = _WATCHES.get(loop)
+    if watch is None:
+        watch = _WATCHES[loop] = _Watch()
+    return watch
+
+
+def count_shed(on_shed: Callable[[str], None]) -> None:
+    """Tell ``on_shed`` ("closed", "refused" or "cut") of each connection this event loop's
+    servers close for a newcomer, refuse or cut at their bounds. Call it on the loop."""
+    _watch_of(asyncio.get_running_loop()).on_shed = on_shed
+
+
 class BoundedProtocol(HttpToolsProtocol):
     """uvicorn's protocol; a request's head is counted and timed until it is complete, its
     body timed, and the connections kept open are bounded."""
@@ -278,10 +295,7 @@ class BoundedProtocol(HttpToolsProtocol):
         self._in_body = False  # a head is in, its body (if any) not yet whole
         self._body_from = 0.0  # when the body's wait began: its head's end
         self._body_bytes = 0  # bytes read since
-        watch = _WATCHES.get(self.loop)
-        if watch is None:
-            watch = _WATCHES[self.loop] = _Watch()
-        self._watch = watch
+        self._watch = _watch_of(self.loop)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)

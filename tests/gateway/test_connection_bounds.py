@@ -278,6 +278,13 @@ def capped(private_redis: EmbeddedRedis, worker: Proc, start_gateway) -> Proc:
                                                           "SLUICE_GATEWAY_MAX_UNSENT_BYTES": str(MAX_UNSENT_BYTES)})
 
 
+def _shed(proc: Proc, reason: str) -> float:
+    """sluice_gateway_connections_shed_total{reason} of the gateway's /metrics."""
+    text = httpx.get(proc.url + "/metrics").text
+    prefix = f'sluice_gateway_connections_shed_total{{reason="{reason}"}} '
+    return sum(float(line.removeprefix(prefix)) for line in text.splitlines() if line.startswith(prefix))
+
+
 def _open_descriptors(proc: Proc) -> int:
     return len(list(Path(f"/proc/{proc.process.pid}/fd").iterdir()))
 
@@ -308,6 +315,7 @@ def test_idle_connections_past_the_bound_make_room_for_newcomers(capped: Proc) -
         for sock in idle:
             sock.close()
     assert "holds its most connections (40)" in capped.log_tail()
+    assert _shed(capped, "closed") >= 4 * MAX_CONNECTIONS
 
 
 def test_connections_whose_request_is_still_coming_make_room_too(capped: Proc) -> None:
@@ -369,6 +377,7 @@ def test_past_the_bound_with_every_connection_busy_a_newcomer_gets_503(capped: P
         stop.set()
         for thread in busy:
             thread.join()
+    assert _shed(capped, "refused") >= 1  # asked once a connection is free: /metrics would get the 503 too
 
 
 def test_a_processs_default_bound_is_half_its_descriptors() -> None:
@@ -385,6 +394,7 @@ def test_answers_held_for_slow_clients_stay_under_the_process_bound(capped: Proc
         # 30 s of slack would end.
         wait_for(lambda: all(_cut(sock) for sock in socks), 25, "slow readers cut at the process's bound")
         assert "connections cut whose client took its response slower" in capped.log_tail()
+        assert _shed(capped, "cut") >= 3
     finally:
         for sock in socks:
             sock.close()
