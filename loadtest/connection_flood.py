@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import resource
 import socket
 import tempfile
 import threading
@@ -38,7 +37,9 @@ import httpx
 import openai
 import orjson
 
+from sluice.commands.bench_probe import rss_mib
 from sluice.commands.bench_stack import Stack, StackShape
+from sluice.connection_bounds import descriptors
 
 
 BIG_ANSWER = orjson.dumps({"model": "sim", "messages": [{"role": "user", "content": "x"}], "n": 16,
@@ -63,8 +64,7 @@ def _open(address: tuple[str, int], attack: str) -> socket.socket:
 def hold(url: str, attack: str, count: int, seconds: float, opened: multiprocessing.Queue) -> None:
     """Open ``count`` connections and keep them (idle: those the server closes stay closed;
     trickle: each is reopened; unread: one opened a second)."""
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    descriptors()  # as many as this process may have
     parts = urlsplit(url)
     address = (parts.hostname or "127.0.0.1", parts.port or 80)
     held: list[socket.socket] = []
@@ -123,7 +123,7 @@ def sample(pid: int, url: str, until: float, peak: dict[str, float]) -> None:
     with httpx.Client(timeout=10) as http:
         while time.monotonic() < until:
             fds = len(list(Path(f"/proc/{pid}/fd").iterdir()))
-            rss = int(Path(f"/proc/{pid}/status").read_text().split("VmRSS:")[1].split()[0]) / 1024
+            rss = rss_mib(pid) or 0.0
             began = time.monotonic()
             try:
                 ok = http.get(url + "/v1/models").status_code == 200

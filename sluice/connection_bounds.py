@@ -405,9 +405,9 @@ class BoundedProtocol(HttpToolsProtocol):
         if body and cycle is not None:
             cycle.disconnected = True  # the app's receive() says so; its send() writes nothing
             cycle.message_event.set()
-        body = self.bounds.render(exc, getattr(self, "url", b""))
+        payload = self.bounds.render(exc, getattr(self, "url", b""))
         headers = b"".join(b"%s: %s\r\n" % (k.lower().encode(), v.encode()) for k, v in exc.headers().items())
         self.transport.write(b"".join((
             STATUS_LINE[exc.status], b"content-type: application/json\r\n", headers,
-            b"content-length: %d\r\n" % len(body), b"connection: close\r\n\r\n", body)))
+            b"content-length: %d\r\n" % len(payload), b"connection: close\r\n\r\n", payload)))
         self.transport.close()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import httpx
 import orjson
 
+from sluice.connection_bounds import descriptors
 from sluice.processes import child_preexec
 
 #: Seconds between launching the load processes and the plan's start.
@@ -155,8 +156,7 @@ async def _fire_here(urls: list[str], shots: list[Shot], start: float) -> list[O
 
 def _fire_process(urls: list[str], shots: list[Shot], start: float) -> tuple[list[Outcome], float]:
     """Outcomes of ``shots``, and the CPU seconds this load process spent."""
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    descriptors()  # as many as this process may have: thousands of streams
     try:
         import uvloop
 
