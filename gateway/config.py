@@ -8,6 +8,7 @@ from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from gateway.admission.name_limits import NameLimit
+from gateway.relay import whole_answers
 from sluice import connection_bounds, keys
 from sluice.settings import RedisSettings
 
@@ -39,6 +40,10 @@ class GatewaySettings(RedisSettings):
     #: they come (16 KiB/s after head_timeout_s of slack, else cut); past it, the connection
     #: holding most is cut.
     max_unsent_bytes: int = Field(default=connection_bounds.MAX_UNSENT_BYTES, ge=2**20)
+    #: Bytes of non-streaming answers one gateway process builds at once (their text and
+    #: logprobs as JSON): past it the largest ends with 503 answers_full + Retry-After, and one
+    #: alone past it with 400 answer_too_large (gateway/relay/whole_answers.py).
+    max_answer_bytes: int = Field(default=whole_answers.MAX_ANSWER_BYTES, ge=2**20)
     #: Workers tried for one request before the first token (first try included).
     max_attempts: int = Field(default=3, ge=1, le=10)
     retry_backoff_ms: float = Field(default=50.0, ge=0)

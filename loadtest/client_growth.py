@@ -4,12 +4,15 @@ Starts a private stack (embedded Redis, one sim worker, one gateway process), th
 one phase after another: requests with 1 MB model names, requests naming invented models,
 invented names asked of ``GET /v1/models/{name}``, then long resumable streams with the
 largest ``n`` (``n=16`` x 1,300 tokens, 20,802 events each, journaled) and as many plain
-ones, read to their end at once. After each phase it prints the gateway's RSS (and, for
+ones, read to their end at once; then non-streaming ``n=16`` chats with top-20 logprobs at
+once (answers of ~86 MB each at 4,000 tokens, built whole in the gateway). After each phase it prints the gateway's RSS (and, for
 the streams, its peak), Redis's ``used_memory`` and its key count, and what the requests got.
 
     .venv/bin/python loadtest/client_growth.py            # ~20 s
     .venv/bin/python loadtest/client_growth.py --streams-only --huge 8 --tenant-max-mib 8
                                                           # one API key past its journal bound
+    .venv/bin/python loadtest/client_growth.py --whole-only --whole 3 --whole-tokens 4000
+                                                          # the whole answers alone (~45 s)
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import argparse
 import collections
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -37,6 +42,10 @@ def main() -> None:
     parser.add_argument("--tenant-max-mib", type=float, default=None,
                         help="SLUICE_GATEWAY_JOURNAL_TENANT_MAX_BYTES, in MiB (default: the gateway's)")
     parser.add_argument("--streams-only", action="store_true", help="only the long streams' phases")
+    parser.add_argument("--whole", type=int, default=2,
+                        help="concurrent non-streaming n=16 chats with top-20 logprobs (0: none)")
+    parser.add_argument("--whole-tokens", type=int, default=4000, help="tokens of each of their choices")
+    parser.add_argument("--whole-only", action="store_true", help="only the non-streaming answers' phase")
     args = parser.parse_args()
     env = {} if args.tenant_max_mib is None else \
         {"SLUICE_GATEWAY_JOURNAL_TENANT_MAX_BYTES": str(int(args.tenant_max_mib * 2**20))}
@@ -54,6 +63,10 @@ def main() -> None:
                   f"{client.dbsize():4d} keys   statuses {dict(statuses)}")
 
         report("after start and one request", collections.Counter())
+        if args.whole_only:
+            peak, statuses = whole_answers(url, pid, args.whole, args.whole_tokens)
+            report(f"{args.whole} x n=16 x {args.whole_tokens:,} whole (peak RSS {peak:.0f} MB)", statuses)
+            return
         for resumable in (True, False) if args.streams_only else ():
             peak, statuses = huge_streams(url, pid, args.huge, resumable)
             kind = "resumable" if resumable else "plain"
@@ -76,6 +89,9 @@ def main() -> None:
             peak, statuses = huge_streams(url, pid, args.huge, resumable)
             kind = "resumable" if resumable else "plain"
             report(f"{args.huge} x n=16 x 1,300 {kind} (peak RSS {peak:.0f} MB)", statuses)
+        if args.whole:
+            peak, statuses = whole_answers(url, pid, args.whole, args.whole_tokens)
+            report(f"{args.whole} x n=16 x {args.whole_tokens:,} whole (peak RSS {peak:.0f} MB)", statuses)
         http.close()
         client.close()
 
@@ -83,11 +99,8 @@ def main() -> None:
 def huge_streams(url: str, pid: int, count: int, resumable: bool) -> tuple[float, collections.Counter[int | str]]:
     """``count`` concurrent n=16 x 1,300-token streams read to their end; the gateway's
     peak RSS meanwhile, and the statuses."""
-    import threading
-
     body = {"model": "sim", "prompt": "long", "n": 16, "max_tokens": 1300, "ignore_eos": True, "stream": True}
     statuses: collections.Counter[int | str] = collections.Counter()
-    peak = [rss_mb(pid)]
 
     def one(i: int) -> None:
         headers = {"Idempotency-Key": f"huge-{i}-{threading.get_ident()}"} if resumable else {}
@@ -98,13 +111,35 @@ def huge_streams(url: str, pid: int, count: int, resumable: bool) -> tuple[float
             statuses["200, ended in-band: journal_memory_exceeded" if cut and r.status_code == 200
                      else r.status_code] += 1
 
+    return _peak_while(one, count, pid), statuses
+
+
+def whole_answers(url: str, pid: int, count: int, tokens: int) -> tuple[float, collections.Counter[int | str]]:
+    """``count`` concurrent non-streaming n=16 x ``tokens`` chats with top-20 logprobs; the
+    gateway's peak RSS meanwhile, and the statuses (with the error's code)."""
+    body = {"model": "sim", "messages": [{"role": "user", "content": "long"}], "n": 16, "max_tokens": tokens,
+            "ignore_eos": True, "logprobs": True, "top_logprobs": 20}
+    statuses: collections.Counter[int | str] = collections.Counter()
+
+    def one(i: int) -> None:
+        with httpx.Client(timeout=900) as c:
+            r = c.post(url + "/v1/chat/completions", json={**body, "user": f"whole-{i}"})
+            code = r.json()["error"]["code"] if r.status_code != 200 else f"{len(r.content) / 1e6:.0f} MB"
+            statuses[f"{r.status_code} {code}"] += 1
+
+    return _peak_while(one, count, pid), statuses
+
+
+def _peak_while(one: Callable[[int], None], count: int, pid: int) -> float:
+    """Run ``one(i)`` for ``count`` threads at once; the gateway's peak RSS until all end."""
+    peak = [rss_mb(pid)]
     threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
     for t in threads:
         t.start()
     while any(t.is_alive() for t in threads):
         peak.append(rss_mb(pid))
         threads[0].join(0.2)
-    return max(peak), statuses
+    return max(peak)
 
 
 if __name__ == "__main__":

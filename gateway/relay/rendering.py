@@ -13,12 +13,15 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, Literal
 
+import orjson
 from starlette.responses import Response
 
 from gateway.admission.queue import ClientGone, as_sluice_error
 from gateway.record import RequestRecord
+from gateway.relay.logprobs import RenderedLogprobs
 from gateway.relay.logprobs import render as render_logprobs
 from gateway.relay.upstream import Line, close_lines
+from gateway.relay.whole_answers import WholeAnswers
 from gateway.surfaces.openai import (
     DONE,
     ChatCompletionRequest,
@@ -127,49 +130,70 @@ async def json_response(
     kind: Kind, req: ChatCompletionRequest | CompletionRequest, lines: AsyncIterator[tuple[int, Line]],
     record: RequestRecord, headers: dict[str, str], disconnected: Callable[[], Awaitable[bool]] | None,
     choices: int, end: Callable[[], Awaitable[None]], delivered: Callable[[], Awaitable[None]],
-    shape: Shape | None = None,
+    answers: WholeAnswers, shape: Shape | None = None,
 ) -> Response:
     """A whole completion as one JSON body; ``end()`` runs once, shielded, when the lines stop,
     and ``delivered()`` once the body was sent (:class:`DeliveredJSON`). A client that leaves
-    meanwhile cancels the generation."""
-    texts = [""] * choices
+    meanwhile cancels the generation, and so does ``answers``' bound on what the process
+    builds at once (gateway/relay/whole_answers.py): the answer's lines are counted as they
+    arrive, its logprobs held as their JSON."""
+    texts: list[list[str]] = [[] for _ in range(choices)]
     finishes: list[str | None] = [None] * choices
     stops: list[str | None] = [None] * choices  # the stop string that ended each, if one did
-    entries: list[list[list[object]]] = [[] for _ in range(choices)]
+    wants = shape is None and req.logprobs_count() is not None
+    logprobs = [RenderedLogprobs("text" if kind == "text" else "chat") for _ in range(choices)]
     calls = [ToolCallAssembler() for _ in range(choices)]
+    answer = answers.open()
 
     async def gather() -> None:
-        async for index, line in lines:
-            record.add(index, line)
-            texts[index] += line.get("echo", "") + line.get("text", "")
-            calls[index].add(line.get("tc") or [])
-            finishes[index] = line.get("finish_reason") or finishes[index]
-            stops[index] = line.get("stop_sequence") or stops[index]
-            entries[index].extend(line.get("lp") or ())
+        try:
+            async for index, line in lines:
+                record.add(index, line)
+                text = line.get("echo", "") + line.get("text", "")
+                size = len(text)
+                if text:
+                    texts[index].append(text)
+                tc = line.get("tc")
+                if tc:
+                    calls[index].add(tc)
+                    size += len(orjson.dumps(tc))
+                finishes[index] = line.get("finish_reason") or finishes[index]
+                stops[index] = line.get("stop_sequence") or stops[index]
+                lp = line.get("lp")
+                if lp and wants:
+                    size += logprobs[index].add(lp)
+                answer.add(size)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if answer.ended is not None and task is not None and task.uncancel() == 0:
+                raise answer.ended from None  # the process's bound ended it (whole_answers.py)
+            raise
 
     try:
-        await _unless_disconnected(gather(), disconnected)
-    except SluiceError as exc:
-        record.served_nothing()  # the client gets an error, none of the tokens generated
-        record.finish(exc)
-        raise
-    except Exception as exc:
-        record.served_nothing()
-        record.finish(as_sluice_error(exc))
-        raise
-    finally:
-        await to_the_end(_close_then(lines, end))
-    if shape is not None:
-        body = shape.json_body(texts[0], finishes[0], stops[0], calls[0].calls(), record.usage())
+        try:
+            await _unless_disconnected(gather(), disconnected)
+        except SluiceError as exc:
+            record.served_nothing()  # the client gets an error, none of the tokens generated
+            record.finish(exc)
+            raise
+        except Exception as exc:
+            record.served_nothing()
+            record.finish(as_sluice_error(exc))
+            raise
+        finally:
+            answer.gathered()
+            await to_the_end(_close_then(lines, end))
+        if shape is not None:
+            body = shape.json_body("".join(texts[0]), finishes[0], stops[0], calls[0].calls(), record.usage())
+            return DeliveredJSON(body, headers, delivered)
+        rendered = [
+            ("".join(parts), finish, lp.value() if wants else None, assembled.calls())
+            for parts, finish, lp, assembled in zip(texts, finishes, logprobs, calls, strict=True)
+        ]
+        body = completion_body("text" if kind == "text" else "chat", req.model, rendered, record.usage())
         return DeliveredJSON(body, headers, delivered)
-    wants = req.logprobs_count() is not None
-    rendered = [
-        (text, finish, render_logprobs("text" if kind == "text" else "chat", lp) if wants else None,
-         assembled.calls())
-        for text, finish, lp, assembled in zip(texts, finishes, entries, calls, strict=True)
-    ]
-    body = completion_body("text" if kind == "text" else "chat", req.model, rendered, record.usage())
-    return DeliveredJSON(body, headers, delivered)
+    finally:
+        answer.close()
 
 
 async def _unless_disconnected(

@@ -24,6 +24,7 @@ from gateway.loss_watch import LossWatch
 from gateway.metrics import GatewayMetrics
 from gateway.record import RequestRecord
 from gateway.relay.rendering import TYPED, Kind, json_response, sse_events
+from gateway.relay.whole_answers import WholeAnswers
 from gateway.relay.sse import Keepalive, SSEResponse
 from gateway.relay.upstream import Dispatcher, Line, Upstream
 from gateway.streams import event_ids
@@ -89,6 +90,7 @@ class Serving:
         #: Streams a take-over found without a plan, and since when (monotonic): see take_over.
         self._planless: dict[str, float] = {}
         self._keepalive = Keepalive(settings.sse_ping_s)
+        self._answers = WholeAnswers(settings.max_answer_bytes)  # non-streaming answers being built
 
     async def close(self) -> None:
         await self._keepalive.close()
@@ -190,7 +192,8 @@ class Serving:
             return SSEResponse(events, self._keepalive, abandon, headers)
         try:
             response = await json_response(kind, req, lines, record, headers, ctx.disconnected, len(upstreams),
-                                           lambda: _close(upstreams), lambda: self._bill_json(ctx), shape)
+                                           lambda: _close(upstreams), lambda: self._bill_json(ctx), self._answers,
+                                           shape)
         except BaseException:
             record.served_nothing()  # no body reached the client (a cancelled one too)
             await to_the_end(abandon())

@@ -1,0 +1,163 @@
+"""What a gateway process holds of the non-streaming answers it builds is bounded
+(gateway/relay/whole_answers.py): one answer past the bound ends with 400 answer_too_large,
+answers together past it lose the largest (503 answers_full + Retry-After), and either frees
+its engine at once; logprobs are held as their JSON, rendered as before."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from gateway.relay.logprobs import RenderedLogprobs, render
+from gateway.relay.whole_answers import AnswerTooLarge, WholeAnswers
+from sluice.embedded_redis import EmbeddedRedis
+from sluice.errors import Unavailable
+from tests.conftest import Proc, streaming, wait_for
+
+BOUND = 2 * 2**20  # the smallest the setting takes; a top-20 token is ~1.3 KB of JSON here
+
+
+@pytest.fixture(scope="module")
+def worker(private_redis: EmbeddedRedis, start_worker) -> Proc:
+    return start_worker("sim", redis_at=private_redis.url, sim_token_ms=1, sim_ttft_ms=0)
+
+
+@pytest.fixture(scope="module")
+def gateway(private_redis: EmbeddedRedis, worker: Proc, start_gateway) -> Proc:
+    return start_gateway(redis_at=private_redis.url, env={"SLUICE_GATEWAY_MAX_ANSWER_BYTES": str(BOUND)})
+
+
+def _chat(tokens: int, n: int = 1, prompt: str = "tell me everything") -> dict:
+    return {"model": "sim", "messages": [{"role": "user", "content": prompt}], "n": n, "max_tokens": tokens,
+            "ignore_eos": True, "logprobs": True, "top_logprobs": 20}
+
+
+def _sdk(body: dict) -> dict:
+    """``body`` as the SDK's arguments (``ignore_eos`` is vLLM's, an extra field)."""
+    return {**{k: v for k, v in body.items() if k != "ignore_eos"}, "extra_body": {"ignore_eos": True}}
+
+
+def test_an_answer_past_the_bound_is_a_400_and_frees_its_engine(gateway: Proc, worker: Proc) -> None:
+    """Regression: one request (n=16, 8,000 tokens, top-20 logprobs) took a gateway process to
+    1.59 GB while its 172 MB answer was built, and nothing bounded it short of the model's
+    context. Now an answer ends where it passes the bound: at 1 ms a token this one would
+    generate for 20 s."""
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    started = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**_sdk(_chat(20_000, n=2)))
+    assert refused.value.code == "answer_too_large"
+    assert "stream" in refused.value.message
+    assert time.monotonic() - started < 10
+    wait_for(lambda: streaming(worker) == 0, 2, "the worker's streams of the ended answer closed")
+    # The gateway goes on: an answer within the bound is whole.
+    answer = client.chat.completions.create(**_sdk(_chat(300)))
+    assert answer.usage.completion_tokens == 300
+    assert len(answer.choices[0].logprobs.content) == 300
+
+
+def test_answers_together_past_the_bound_lose_the_largest(gateway: Proc, worker: Proc) -> None:
+    """Four answers of ~1.6 MB each at once, against a 2 MiB bound: each would fit alone, all
+    together do not. Those ended get 503 answers_full with Retry-After; the rest are whole."""
+    results: list[httpx.Response] = []
+
+    def ask(i: int) -> None:
+        results.append(httpx.post(gateway.url + "/v1/chat/completions", json=_chat(1_200, prompt=f"user {i}"),
+                                  timeout=60))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ended = [r for r in results if r.status_code == 503]
+    whole = [r for r in results if r.status_code == 200]
+    assert len(ended) + len(whole) == 4, [r.status_code for r in results]
+    assert ended and whole
+    for r in ended:
+        assert r.json()["error"]["code"] == "answers_full"
+        assert r.headers["retry-after"] == "1"
+    for r in whole:
+        body = r.json()
+        assert body["usage"]["completion_tokens"] == 1_200
+        assert len(body["choices"][0]["logprobs"]["content"]) == 1_200
+    wait_for(lambda: streaming(worker) == 0, 2, "the worker's streams closed")
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_a_whole_answers_logprobs_are_the_streams(gateway: Proc, kind: str) -> None:
+    """The same request whole and streamed: the same tokens, logprobs and offsets (the whole
+    answer's are rendered line by line as they arrive now, the stream's chunk by chunk)."""
+    body = _chat(50, n=2)
+    if kind == "text":
+        body = {**{k: v for k, v in body.items() if k not in ("messages", "top_logprobs", "logprobs")},
+                "prompt": "tell me everything", "logprobs": 5}
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    whole = httpx.post(gateway.url + path, json=body, timeout=30).json()
+    streamed: dict[int, list] = {0: [], 1: []}
+    with httpx.stream("POST", gateway.url + path, json={**body, "stream": True}, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in orjson.loads(line[6:])["choices"]:
+                    if choice.get("logprobs"):
+                        streamed[choice["index"]].append(choice["logprobs"])
+    for choice in whole["choices"]:
+        parts = streamed[choice["index"]]
+        if kind == "chat":
+            assert choice["logprobs"]["content"] == [e for p in parts for e in p["content"]]
+        else:
+            for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                assert choice["logprobs"][field] == [e for p in parts for e in p[field]], field
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_rendered_line_by_line_is_rendered_whole(kind: str) -> None:
+    rng = random.Random(7)
+    words = ["a", " the", "é", "💡", " x\"y", "\n", "\\"]
+    lines = [[[rng.choice(words), -rng.random() * 9, [[rng.choice(words), -rng.random() * 9] for _ in range(3)]]
+              for _ in range(rng.randrange(0, 4))] for _ in range(40)]
+    rendered = RenderedLogprobs(kind)  # type: ignore[arg-type]
+    added = sum(rendered.add(entries) for entries in lines)
+    got = orjson.dumps(rendered.value())
+    assert got == orjson.dumps(render(kind, [e for entries in lines for e in entries]))  # type: ignore[arg-type]
+    assert added <= len(got)
+
+
+def test_the_largest_answer_ends_first_and_its_task_is_cancelled() -> None:
+    async def run() -> None:
+        answers = WholeAnswers(1000)
+        small_added = asyncio.Event()
+
+        async def build(size: int, steps: int) -> str:
+            answer = answers.open()
+            try:
+                for _ in range(steps):
+                    answer.add(size)
+                    small_added.set()
+                    await asyncio.sleep(0.01)
+                return "whole"
+            except asyncio.CancelledError:
+                assert answer.ended is not None
+                return answer.ended.code or ""
+            except (AnswerTooLarge, Unavailable) as exc:
+                return exc.code or ""
+            finally:
+                answer.close()
+
+        big = asyncio.create_task(build(300, 3))  # 900: alone within the bound
+        await small_added.wait()
+        small = asyncio.create_task(build(100, 3))  # the two together pass 1,000: the big one ends
+        assert await big == "answers_full"
+        assert await small == "whole"
+        assert answers.total == 0
+        assert await asyncio.create_task(build(600, 2)) == "answer_too_large"
+        assert answers.total == 0
+
+    asyncio.run(run())
