@@ -199,8 +199,23 @@ class Serving:
             await to_the_end(abandon())
             raise
         if ctx.idempotency_key is not None:
-            await self._idempotency.settle(ctx.idempotency_key, ctx.internal_id, True, bytes(response.body))
+            await self._keep_answer(ctx, ctx.idempotency_key, bytes(response.body))
         return response
+
+    async def _keep_answer(self, ctx: RequestContext, key: str, body: bytes) -> None:
+        """A keyed non-streaming answer, kept in Redis for its retries once the journal quota
+        holds its bytes (gateway/streams/journal_quota.py); past a bound it is sent but not
+        kept: its key is forgotten, so a retry runs it again."""
+        try:
+            kept = await self._quota.keep(key, ctx.tenant, len(body), hold_s=self._settings.idempotency_ttl_s)
+        except (RedisError, OSError):
+            kept = True  # the settling meets Redis's failure too, and says so
+        if kept:
+            await self._idempotency.settle(key, ctx.internal_id, True, body)
+            return
+        log.warning("request %s: its answer (%d bytes) is not kept for Idempotency-Key %s: the journal memory of "
+                    "its API key or of all is at its bound; a retry runs it again", ctx.request_id, len(body), key)
+        await self._idempotency.settle(key, ctx.internal_id, False)
 
     async def _produce(
         self, kind: Kind, req: ChatCompletionRequest | CompletionRequest, ctx: RequestContext,

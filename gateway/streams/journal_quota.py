@@ -8,6 +8,11 @@ A journal (gateway/streams/journal.py) is never trimmed, so it must be bounded a
   ``5 x max_tokens + 10``. A request whose own ``max_tokens`` cannot
   fit ``journal_max_events`` is refused up front (400); one without ``max_tokens`` is
   journaled with that cap and, should it reach it, ends with an in-band error.
+- **answers**: a non-streaming request with an Idempotency-Key keeps its whole answer in
+  Redis for its retries (``idempotency_ttl_s``); it reserves that many bytes the same way
+  (:meth:`JournalQuota.keep`), and one past a bound is sent but not kept (its key is
+  forgotten: a retry runs it again). Before, nothing bounded them: one client's keyed answers
+  could fill Redis, and every tenant's admission with it.
 - **bytes**: a stream reserves journal bytes for its tenant (API key) in chunks of
   ``CHUNK_BYTES`` as it writes, the plan (its request body) first. Each reservation
   holds until its journal can have expired (the request's deadline plus the journal's
@@ -231,6 +236,12 @@ class JournalQuota:
         budget = StreamBudget(self, scope, tenant, int(hold_s * 1000), holder)
         budget.opening = first_bytes + CHUNK_BYTES
         return budget
+
+    async def keep(self, scope: str, tenant: str, size: int, *, hold_s: float) -> bool:
+        """Reserve ``size`` bytes for a keyed non-streaming answer that Redis keeps ``hold_s``
+        for its retries (gateway/relay/serving.py); False when a bound refuses. Counted with the
+        journals: both are what Redis holds for Idempotency-Keys."""
+        return await StreamBudget(self, scope, tenant, int(hold_s * 1000)).reserve(size, new=True) is None
 
     @property
     def reserve_script(self) -> AsyncScript:

@@ -14,6 +14,7 @@ import httpx
 import openai
 import orjson
 import pytest
+import redis
 
 from gateway.relay.logprobs import RenderedLogprobs, render
 from gateway.relay.whole_answers import AnswerTooLarge, WholeAnswers
@@ -22,6 +23,7 @@ from sluice.errors import Unavailable
 from tests.conftest import Proc, streaming, wait_for
 
 BOUND = 2 * 2**20  # the smallest the setting takes; a top-20 token is ~1.3 KB of JSON here
+KEPT_BOUND = 2**20  # what Redis keeps for one API key's Idempotency-Keys (the smallest it takes)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,8 @@ def worker(private_redis: EmbeddedRedis, start_worker) -> Proc:
 
 @pytest.fixture(scope="module")
 def gateway(private_redis: EmbeddedRedis, worker: Proc, start_gateway) -> Proc:
-    return start_gateway(redis_at=private_redis.url, env={"SLUICE_GATEWAY_MAX_ANSWER_BYTES": str(BOUND)})
+    return start_gateway(redis_at=private_redis.url, env={"SLUICE_GATEWAY_MAX_ANSWER_BYTES": str(BOUND),
+                                                          "SLUICE_GATEWAY_JOURNAL_TENANT_MAX_BYTES": str(KEPT_BOUND)})
 
 
 def _chat(tokens: int, n: int = 1, prompt: str = "tell me everything") -> dict:
@@ -89,6 +92,33 @@ def test_answers_together_past_the_bound_lose_the_largest(gateway: Proc, worker:
         assert body["usage"]["completion_tokens"] == 1_200
         assert len(body["choices"][0]["logprobs"]["content"]) == 1_200
     wait_for(lambda: streaming(worker) == 0, 2, "the worker's streams closed")
+
+
+def test_keyed_answers_past_the_journal_bound_are_sent_but_not_kept(gateway: Proc,
+                                                                   private_redis: EmbeddedRedis) -> None:
+    """Regression: a non-streaming answer with an Idempotency-Key was kept in Redis for an hour
+    whatever its size, outside the journal quota: one client's keyed answers could fill Redis
+    (and with it every tenant's admission). Now they count in the key's journal memory: within
+    it an answer is kept and replayed; past it, sent but not kept (a retry runs it again)."""
+    sizes, replayed = [], []
+    for i in range(4):  # ~400 KB each against a 1 MiB bound: two are kept
+        body = _chat(300, prompt=f"keyed {i}")
+        first = httpx.post(gateway.url + "/v1/chat/completions", json=body,
+                           headers={"Idempotency-Key": f"kept-{i}"}, timeout=30)
+        assert first.status_code == 200
+        sizes.append(len(first.content))
+        again = httpx.post(gateway.url + "/v1/chat/completions", json=body,
+                           headers={"Idempotency-Key": f"kept-{i}"}, timeout=30)
+        assert again.status_code == 200
+        assert again.json()["choices"] == first.json()["choices"]
+        replayed.append(again.headers.get("idempotent-replayed") == "true")
+    assert replayed[:2] == [True, True] and not any(replayed[2:]), (sizes, replayed)
+    client = redis.Redis.from_url(private_redis.url)
+    try:
+        held = sum(len(client.hget(k, "body") or b"") for k in client.scan_iter("sl:idem:*"))
+    finally:
+        client.close()
+    assert held <= KEPT_BOUND
 
 
 @pytest.mark.parametrize("kind", ["chat", "text"])
