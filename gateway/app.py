@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import orjson
@@ -34,7 +34,7 @@ from gateway.admission.adapters import AdapterDirectory
 from gateway.admission.affinity import session_header, session_of
 from gateway.admission.caps import check_caps, generations, queue_cost, token_estimate
 from gateway.admission.prompt_tokens import PromptTokenizer
-from gateway.admission.queue import Admission, ClientGone, as_sluice_error
+from gateway.admission.queue import Admission, as_sluice_error
 from gateway.admission.routing import IndexCorrections
 from gateway.admission.tenancy import Tenancy
 from gateway.config import GatewaySettings
@@ -55,6 +55,7 @@ from gateway.streams.journal_quota import journal_events
 from gateway.streams.journal_readers import JournalReaders
 from gateway.streams.regenerate import Held
 from gateway.surfaces import messages
+from gateway.surfaces.body import parse_body, validation_error
 from gateway.surfaces.messages import CountTokensRequest, MessageShape, MessagesRequest
 from gateway.surfaces.openai import ChatCompletionRequest, CompletionRequest
 from gateway.surfaces.pooling import (
@@ -72,7 +73,6 @@ from sluice.aftercare import to_the_end
 from sluice.apikeys import ApiKey
 from sluice.errors import (
     AuthenticationFailed,
-    BodyTooLarge,
     DeadlineExceeded,
     InvalidRequest,
     MethodNotAllowed,
@@ -92,10 +92,7 @@ from sluice.telemetry import extract
 
 log = logging.getLogger("sluice.gateway")
 
-M = TypeVar("M", bound=BaseModel)
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-#: Past this much, an oversized body is no longer drained before the 413.
-_DRAIN_LIMIT = 64 * 1024 * 1024
 #: The longest one part of the gateway may take to close at shutdown.
 CLOSE_STEP_S = 5.0
 
@@ -219,7 +216,7 @@ def create_app(settings: GatewaySettings) -> Front:
         or Messages request goes on as the chat completion it is generated as, with its shape."""
         s = svc(request)
         key = await s.tenancy.authenticate(_credential(request))
-        parsed, body = await _parse(request, model, settings.max_body_bytes)
+        parsed, body = await parse_body(request, model, settings.max_body_bytes)
         shape: Shape | None = None
         if isinstance(parsed, ResponsesRequest | MessagesRequest | CountTokensRequest):
             refused = parsed.refusal()
@@ -229,7 +226,7 @@ def create_app(settings: GatewaySettings) -> Front:
             try:
                 parsed = parsed.to_chat()
             except ValidationError as exc:
-                raise _validation_error(exc.errors()) from None
+                raise validation_error(exc.errors()) from None
         req = parsed
         chars = check_caps(req, settings)
         ctx = _context(request, req, body, settings, key, record, queue_cost(req, chars, settings.fair_output_tokens))
@@ -305,7 +302,7 @@ def create_app(settings: GatewaySettings) -> Front:
         prompt's estimate (corrected by the tokens the engine counted), one slot each."""
         s = svc(request)
         key = await s.tenancy.authenticate(headers_of(request).get("authorization"))
-        req, body = await _parse(request, model, settings.max_body_bytes)  # type: ignore[type-var]
+        req, body = await parse_body(request, model, settings.max_body_bytes)  # type: ignore[type-var]
         refused = req.refusal()
         if refused is not None:
             raise InvalidRequest(f"{refused[0]}: {refused[1]}", param=refused[0])
@@ -573,129 +570,6 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = headers_of(request).get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > _DRAIN_LIMIT:
-        raise _too_large(limit)
-    # Straight from ``receive``: Starlette's ``request.stream()`` is an async generator
-    # around the same loop, a frame and a few µs more per request.
-    chunks: list[bytes] = []
-    size = 0
-    receive = request.receive
-    more = True
-    while more:
-        message = await receive()
-        if message["type"] != "http.request":  # it left while sending its body: a 499, not an error of ours
-            raise ClientGone("the client disconnected while sending its request body")
-        chunk = message.get("body", b"")
-        more = message.get("more_body", False)
-        size += len(chunk)
-        if size <= limit:
-            chunks.append(chunk)
-        elif size > _DRAIN_LIMIT:
-            break
-    if size > limit:
-        raise _too_large(limit)
-    return b"".join(chunks)
-
-
-def _too_large(limit: int) -> BodyTooLarge:
-    return BodyTooLarge(f"request body exceeds the {limit}-byte limit")
-
-
-async def _parse(request: Request, model: type[M], limit: int) -> tuple[M, bytes]:
-    body = await _read_body(request, limit)
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise InvalidRequest("request body is not valid JSON") from None
-    if not isinstance(obj, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    # Each level of nesting opens with a bracket (brackets in strings only count extra): a
-    # body with few of them needs no walk.
-    if body.count(b"{") + body.count(b"[") > MAX_JSON_DEPTH and _depth(obj) > MAX_JSON_DEPTH:
-        raise InvalidRequest(f"request body nests deeper than {MAX_JSON_DEPTH} levels")
-    try:
-        return model.model_validate(obj), body
-    except ValidationError as exc:
-        raise _validation_error(exc.errors()) from None
-
-
-#: Deeper JSON is refused: orjson refuses to write what it read past its own limit, and no
-#: OpenAI request (tool schemas included) comes near this.
-MAX_JSON_DEPTH = 64
-
-
-def _depth(obj: object) -> int:
-    """Nesting depth of parsed JSON, without recursion."""
-    deepest, stack = 0, [(obj, 1)]
-    while stack:
-        node, level = stack.pop()
-        deepest = max(deepest, level)
-        if deepest > MAX_JSON_DEPTH:
-            return deepest
-        if isinstance(node, dict):
-            stack.extend((v, level + 1) for v in node.values())
-        elif isinstance(node, list):
-            stack.extend((v, level + 1) for v in node)
-    return deepest
-
-
-def _validation_error(errors: Any) -> InvalidRequest:
-    first = _telling_error(errors)
-    loc = [str(p) for p in _untagged(first) if p != "body"]
-    param = ".".join(loc) or None
-    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-    if param is None:
-        # A check across fields (a model validator) names its field first: "best_of: ...".
-        named = _FIELD_FIRST.match(msg)
-        return InvalidRequest(msg, param=named.group(1) if named else None)
-    return InvalidRequest(f"{param}: {msg}", param=param)
-
-
-_FIELD_FIRST = re.compile(r"^([a-z_]+): ")
-
-
-def _is_branch_tag(part: object) -> bool:
-    """Whether a location part names a union's branch (``str``, ``list[str]``,
-    ``list[constrained-int]``, a model's class name) rather than a field or an index: a
-    client never wrote it, so it is no part of ``param``."""
-    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part or part[:1].isupper())
-
-
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "list", "dict", "none", "any"})
-
-
-def _telling_error(errors: Any) -> Any:
-    """The error to report. A value that fits no branch of a union gets one error per branch,
-    the first branch's first. Among the errors of the first one's field, prefer one past the
-    type check (a negative token id: "greater than or equal to 0", not the string branch's
-    "should be a valid string"), then the deepest (a list of the wrong items: the item)."""
-    first = errors[0]
-    loc = tuple(first.get("loc", ()))
-    if _untagged(first) == loc:
-        return first  # no union branch in its location
-    tag = next(i for i, part in enumerate(loc) if _is_branch_tag(part))
-    field = loc[:tag]
-
-    def telling(error: Any) -> tuple[bool, int]:
-        return not str(error.get("type", "")).endswith(_TYPE_MISMATCH), len(_untagged(error))
-
-    same = [e for e in errors if _untagged(e)[:len(field)] == field]
-    return max(same, key=telling)  # the first of the best: max keeps the earliest
-
-
-_TYPE_MISMATCH = ("_type", "_parsing")
-
-
-def _untagged(error: Any) -> tuple[object, ...]:
-    """An error's location without union branch tags; an unexpected key (its last part) is
-    the client's own, whatever it looks like."""
-    loc = tuple(error.get("loc", ()))
-    keep = loc[-1:] if error.get("type") == "extra_forbidden" else ()
-    return tuple(p for p in loc[:len(loc) - len(keep)] if not _is_branch_tag(p)) + keep
-
-
 _REF = "#/components/schemas/{model}"
 
 
@@ -733,7 +607,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return render(request, _validation_error(exc.errors()))
+        return render(request, validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
