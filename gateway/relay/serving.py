@@ -497,7 +497,7 @@ class Serving:
         if len(payloads) == 1:
             return [await self._dispatcher.open(req.model, payloads[0], ctx, cost=ctx.cost)]
         leases = await self._dispatcher.admit(req.model, ctx.internal_id, ctx, need=len(payloads), cost=ctx.cost,
-                                              prefix=self._dispatcher.prefix_of(payloads[0]))
+                                              prefix=await self._dispatcher.prefix_of(payloads[0]))
         for more in payloads[1:]:  # one prompt: its ids, when the gateway tokenized it, are every choice's
             more.update((k, payloads[0][k]) for k in ("gateway_prompt_ids", "gateway_tokenizer") if k in payloads[0])
         results = await asyncio.gather(

@@ -314,7 +314,7 @@ class Dispatcher:
     async def release(self, lease: Lease) -> None:
         await self._admission.release(lease)
 
-    def prefix_of(self, payload: dict[str, Any]) -> PromptPrefix:
+    async def prefix_of(self, payload: dict[str, Any]) -> PromptPrefix:
         """The prompt's blocks when routing by cache (hashing costs nothing otherwise).
 
         With a tokenizer the prompt's token ids go into ``payload`` as well, with the
@@ -324,7 +324,7 @@ class Dispatcher:
         precise = s.routing == "cache" and s.prefix_index == "precise" and self._tokenizer is not None
         ids = None
         if self._tokenizer is not None and (precise or s.send_prompt_ids):
-            ids = payload.get("gateway_prompt_ids") or self._tokenizer.ids(payload)
+            ids = payload.get("gateway_prompt_ids") or await self._tokenizer.ids(payload)
             if ids is not None and s.send_prompt_ids:
                 payload["gateway_prompt_ids"], payload["gateway_tokenizer"] = ids, self._tokenizer.digest
         if s.routing != "cache":
@@ -427,7 +427,7 @@ class Dispatcher:
         s = self._settings
         payload["priority"] = ctx.priority
         # A decode hop's prompt arrives as KV from its prefill worker: its own cache is not routed on.
-        prefix = self.prefix_of(payload) if task == GENERATE and role != DECODE else PromptPrefix((), 0)
+        prefix = await self.prefix_of(payload) if task == GENERATE and role != DECODE else PromptPrefix((), 0)
         body = orjson.dumps(payload)
         path = "/internal/generate" if task == GENERATE else "/internal/pool"
         # Only cache routing expects anything of the engine's cache: the others are not checked.

@@ -97,11 +97,11 @@ def main() -> int:
     payloads = [{"messages": [{"role": "system", "content": system},
                               {"role": "user", "content": text(rng, 24) + "?"}]} for _ in range(args.requests)]
     tokenizer = PromptTokenizer(args.tokenizer)
-    ids = tokenizer.ids(payloads[0]) or []
+    ids = tokenizer.ids_now(payloads[0]) or []
     row = {
         "prompt_tokens": len(ids), "prompt_words": args.prefix_words + 24,
         "gateway_tokenize_and_hash_us": round(per_call_us(
-            lambda q: PromptPrefix.of_tokens(tokenizer.ids(q) or []), payloads), 1),
+            lambda q: PromptPrefix.of_tokens(tokenizer.ids_now(q) or []), payloads), 1),
         "approx_word_blocks_us": round(per_call_us(PromptPrefix.of, payloads), 1),
         "endpoint_gateway_share_us": round(asyncio.run(endpoint_us(payloads, ids, Path("/tmp"))), 1),
     }

@@ -77,3 +77,46 @@ def test_remembered_pieces_stay_within_their_bytes(tokenizer: Any, monkeypatch: 
         assert pieces.encode(text) == tokenizer.encode(text, add_special_tokens=False)
         assert pieces._bytes <= 8_000
     assert 0 < len(pieces._pieces) < 40
+
+
+def test_a_long_prompt_is_tokenized_apart_from_the_event_loop() -> None:
+    """Regression: the gateway tokenized every prompt on its event loop, 0.6 s of it for a
+    1M-character one, which every other stream of the process waited (from a thread too: the
+    tokenizer's ``encode`` holds the GIL). A prompt past ``APART_CHARS`` is tokenized on a
+    thread with the GIL released, to the same ids; the loop keeps ticking meanwhile."""
+    import asyncio
+    import time
+
+    from gateway.admission.prompt_tokens import APART_CHARS, PromptTokenizer
+    from sluice.models import default_model_dir, is_prepared
+
+    if not is_prepared(default_model_dir()):
+        pytest.skip("run 'sluice model prepare' first")
+    prompts = PromptTokenizer(str(default_model_dir()))
+    text = ("The gate opens at dawn <|im_end|> for boats, é 1234.\n\n " * 12_000)[:600_000]
+    payloads = [{"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]},
+                {"prompt": text}]
+    assert len(text) > 10 * APART_CHARS
+
+    async def tokenize(payload: dict[str, Any]) -> tuple[list[int] | None, int, float]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.001)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.01)
+        ticks, started = 0, time.perf_counter()
+        ids = await prompts.ids(payload)
+        ticker.cancel()
+        return ids, ticks, time.perf_counter() - started
+
+    for payload in payloads:
+        ids, ticks, took_s = asyncio.run(tokenize(payload))
+        assert ids == prompts.ids_now(payload)
+        assert len(ids or ()) > 100_000
+        # Inline, the loop could not tick at all; a tick is 1 ms and more on a busy machine.
+        assert ticks >= 10, f"the loop ticked {ticks} times in the {took_s:.3f} s a prompt was tokenized"
