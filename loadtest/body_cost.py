@@ -1,13 +1,17 @@
 """What one request body costs a gateway's event loop, by its shape.
 
-A body is read, parsed and validated on the gateway process's one event loop, so its CPU is
-time every stream of that process waits. The body's byte limit (4 MiB) bounds its size, not
-its shape: a body of many small arrays or objects costs the parser and the validator
-microseconds each. Starts a private stack (embedded Redis, one sim worker, one gateway
-process), sends each shape ``--requests`` times one after the other, and prints the wall
-time, the gateway's CPU per request (from /proc) and the statuses.
+A body is read, parsed, validated (and, with a tokenizer, tokenized) in the gateway process
+whose one event loop serves every stream of the process: what it holds that loop for, they
+wait. The body's byte limit (4 MiB) bounds its size, not its shape: a body of many small
+arrays or objects costs the parser and the validator microseconds each, a long prompt the
+tokenizer about 0.6 µs a character. Starts a private stack (embedded Redis, one sim worker,
+one gateway process; ``--tokenizer``: the gateway tokenizes prompts with the default model's
+tokenizer, as ``sluice up`` does with vLLM), keeps one bystander stream reading throughout,
+sends each shape ``--requests`` times one after the other, and prints the wall time, the
+gateway's CPU per request (from /proc), the statuses, and the bystander's longest gap between
+two chunks meanwhile (its tokens come every 5 ms).
 
-    .venv/bin/python loadtest/body_cost.py                  # ~10 s on this code
+    .venv/bin/python loadtest/body_cost.py [--tokenizer]     # ~15 s on this code
     cd <worktree> && PYTHONPATH=. <venv>/bin/python <this file>   # another code, same shapes
 """
 
@@ -15,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -23,8 +29,9 @@ import orjson
 
 from sluice.commands.bench_probe import cpu_s
 from sluice.commands.bench_stack import Stack, StackShape
+from sluice.models import default_model_dir
 
-SHAPES = {
+SHAPES: dict[str, bytes | Callable[[int], bytes]] = {
     "500k one-token prompts (2 MB)":
         b'{"model":"sim","max_tokens":1,"prompt":[' + b",".join([b"[1]"] * 500_000) + b"]}",
     "100k content parts (3.9 MB)": orjson.dumps({"model": "sim", "max_tokens": 1, "messages": [
@@ -33,26 +40,73 @@ SHAPES = {
                                             "messages": [{"role": "user", "content": "a"}] * 130_000}),
     "one 3.9 MB text prompt": orjson.dumps({"model": "sim", "max_tokens": 1,
                                             "messages": [{"role": "user", "content": "[a], {b} " * 430_000}]}),
+    "one 1M-character prompt (served)": lambda i: _long_prompt(""),
+    "a new 1M-character prompt each time": lambda i: _long_prompt(f"{i} {time.time()} "),
 }
+
+
+def _long_prompt(head: str) -> bytes:
+    text = head + "The gate opens at dawn for boats, 1234. " * 25_000
+    return orjson.dumps({"model": "sim", "max_tokens": 1, "messages": [{"role": "user", "content": text[:999_000]}]})
+
+
+class Bystander:
+    """One long stream read throughout; the arrival time of each chunk."""
+
+    def __init__(self, url: str) -> None:
+        self.arrivals: list[float] = []
+        self._url = url
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        body = {"model": "sim", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 30_000,
+                "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=600) as http:
+            while not self._stop.is_set():
+                with http.stream("POST", self._url + "/v1/chat/completions", json=body) as r:
+                    for _ in r.iter_lines():
+                        self.arrivals.append(time.monotonic())
+                        if self._stop.is_set():
+                            return
+
+    def longest_gap_s(self, since: float, until: float) -> float:
+        times = [t for t in self.arrivals if since <= t <= until]
+        return max((b - a for a, b in zip(times, times[1:])), default=0.0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=8, help="requests per shape")
+    parser.add_argument("--tokenizer", action="store_true",
+                        help="the gateway tokenizes prompts (SLUICE_GATEWAY_TOKENIZER: the default model's)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as logs, Stack(StackShape(gateways=1, workers=1), Path(logs)) as stack:
+    env = {"SLUICE_GATEWAY_TOKENIZER": str(default_model_dir())} if args.tokenizer else {}
+    shape = StackShape(gateways=1, workers=1, gateway_env=env)
+    with tempfile.TemporaryDirectory() as logs, Stack(shape, Path(logs)) as stack:
         url = stack.gateway_urls[0]
         pid = stack.gateways[0].pid
+        bystander = Bystander(url)
         with httpx.Client(timeout=300) as http:
-            for name, body in SHAPES.items():
-                path = "/v1/completions" if b'"prompt"' in body else "/v1/chat/completions"
+            time.sleep(1.0)
+            for name, shape in SHAPES.items():
+                bodies = [shape(i) if callable(shape) else shape for i in range(args.requests)]
+                path = "/v1/completions" if b'"prompt"' in bodies[0] else "/v1/chat/completions"
                 before, started = cpu_s(pid) or 0.0, time.monotonic()
                 statuses = sorted({http.post(url + path, content=body,
                                              headers={"content-type": "application/json"}).status_code
-                                   for _ in range(args.requests)})
+                                   for body in bodies})
+                ended = time.monotonic()
                 spent = ((cpu_s(pid) or 0.0) - before) / args.requests
-                print(f"{name:<32} {args.requests} requests in {time.monotonic() - started:6.2f} s, gateway CPU "
-                      f"{spent * 1000:6.0f} ms a request, statuses {statuses}")
+                print(f"{name:<34} {args.requests} requests in {ended - started:6.2f} s, gateway CPU "
+                      f"{spent * 1000:6.0f} ms a request, statuses {statuses}, the bystander's longest gap "
+                      f"{bystander.longest_gap_s(started, ended) * 1000:5.0f} ms")
+        bystander.stop()
 
 
 if __name__ == "__main__":

@@ -99,9 +99,21 @@ class PromptTokenizer:
         # The few fields prompt_token_ids reads; GenerateRequest.model_construct cost a
         # quarter of this call (pydantic inspects every default factory's signature).
         request = _PromptFields(**{k: payload.get(k) for k in _PROMPT_FIELDS})
+        pieces = self._pieces
         if _chars(request) <= APART_CHARS:
-            return self._ids(request, None if self._pieces is None else self._pieces.encode)
-        return await asyncio.to_thread(self._ids, request, None if self._pieces is None else self._pieces.encode_apart)
+            return self._ids(request, None if pieces is None else pieces.encode)
+        if pieces is None:
+            return await asyncio.to_thread(self._ids, request, None)
+        learned: list[tuple[str, list[int]]] = []
+
+        def encode(text: str) -> list[int]:
+            ids, new = pieces.encode_apart(text)
+            learned.extend(new)
+            return ids
+
+        ids = await asyncio.to_thread(self._ids, request, encode)
+        pieces.remember(learned)  # here, on the loop's thread, which alone changes them
+        return ids
 
     def ids_now(self, payload: dict[str, Any]) -> list[int] | None:
         """:meth:`ids` in the caller's thread, whatever the prompt's size (a benchmark's)."""

@@ -115,13 +115,15 @@ class PieceEncoder:
             return whole
         return ids
 
-    def encode_apart(self, text: str) -> list[int]:
-        """:meth:`encode`'s ids for a thread of its own, while the event loop goes on: the
-        remembered pieces only read (the loop's thread changes them), nothing remembered or
-        verified, and each other piece tokenized with the GIL released (the tokenizer's
-        ``encode`` holds it: a 1M-character prompt held a gateway's loop 0.6 s even from a
-        thread; ``encode_batch`` of one text, the same ids, 15 ms at most)."""
+    def encode_apart(self, text: str) -> tuple[list[int], list[tuple[str, list[int]]]]:
+        """:meth:`encode`'s ids for a thread of its own, while the event loop goes on, and the
+        long pieces it tokenized, for the loop to :meth:`remember`: the remembered pieces are
+        only read here (the loop's thread changes them), nothing verified, and each piece not
+        remembered is tokenized with the GIL released (the tokenizer's ``encode`` holds it: a
+        1M-character prompt held a gateway's loop 0.6 s even from a thread; ``encode_batch``
+        of one text, the same ids, let it run)."""
         out: list[int] = []
+        learned: list[tuple[str, list[int]]] = []
         for piece in self._split.split(text) if self.on else (text,):
             if not piece:
                 continue
@@ -130,8 +132,18 @@ class PieceEncoder:
                 out.append(added)
                 continue
             ids = self._pieces.get(piece) if self.on else None
-            out.extend(ids if ids is not None else self._backend.encode_batch([piece], add_special_tokens=False)[0].ids)
-        return out
+            if ids is None:
+                ids = self._backend.encode_batch([piece], add_special_tokens=False)[0].ids
+                if self.on and len(piece) >= MIN_PIECE_CHARS:
+                    learned.append((piece, ids))
+            out.extend(ids)
+        return out, learned
+
+    def remember(self, learned: list[tuple[str, list[int]]]) -> None:
+        """Keep the pieces :meth:`encode_apart` tokenized (on the loop's thread)."""
+        for piece, ids in learned:
+            if piece not in self._pieces:
+                self._keep(piece, array("I", ids))
 
     def _whole(self, text: str) -> list[int]:
         return list(self._backend.encode(text, add_special_tokens=False).ids)
@@ -157,6 +169,10 @@ class PieceEncoder:
             self.hits += 1
             return ids
         ids = array("I", self._whole(piece))
+        self._keep(piece, ids)
+        return ids
+
+    def _keep(self, piece: str, ids: array[int]) -> None:
         size = len(piece) + 4 * len(ids) + _PIECE_OVERHEAD
         if size <= CACHE_BYTES:
             self._pieces[piece] = ids
@@ -164,4 +180,3 @@ class PieceEncoder:
             while self._bytes > CACHE_BYTES:
                 old, old_ids = self._pieces.popitem(last=False)
                 self._bytes -= len(old) + 4 * len(old_ids) + _PIECE_OVERHEAD
-        return ids

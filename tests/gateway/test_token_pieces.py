@@ -120,3 +120,11 @@ def test_a_long_prompt_is_tokenized_apart_from_the_event_loop() -> None:
         assert len(ids or ()) > 100_000
         # Inline, the loop could not tick at all; a tick is 1 ms and more on a busy machine.
         assert ticks >= 10, f"the loop ticked {ticks} times in the {took_s:.3f} s a prompt was tokenized"
+    # The long pieces tokenized apart are remembered as those tokenized on the loop are: the
+    # loop's next tokenizing of the same prompt finds them.
+    assert prompts._pieces is not None
+    fresh = {"messages": [{"role": "user", "content": "again: " + text.replace("<|im_end|>", "")}]}
+    apart = asyncio.run(prompts.ids(fresh))
+    hits = prompts._pieces.hits
+    assert prompts.ids_now(fresh) == apart
+    assert prompts._pieces.hits > hits
