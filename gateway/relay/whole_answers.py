@@ -9,7 +9,7 @@ the gateway process at 1.59 GB at its peak, 958 MB after; at the context's 32,76
 such request alone would take several GB, and a few at once the machine. Two changes:
 
 - Each line's logprobs are rendered to their JSON bytes as the line arrives
-  (:func:`gateway.relay.logprobs.parts`), not kept as Python lists until the end: a token
+  (:class:`gateway.relay.logprobs.RenderedLogprobs`), not kept as Python lists until the end: a token
   entry costs its JSON's ~64 bytes, not ~550 bytes of objects.
 - This module counts what each answer being built holds (its text and its rendered logprobs,
   in bytes) against one bound per process (``SLUICE_GATEWAY_MAX_ANSWER_BYTES``, 128 MiB by
