@@ -418,12 +418,16 @@ async def measure(paths: list[Path_], levels: list[int], warmup_s: float, measur
                   stream: bool = True, keep_alive: bool = False,
                   think_ms: float = 0.0) -> dict[str, dict[str, dict[str, object]]]:
     """Each path at each level; with ``repeat`` > 1 the paths take turns ``repeat`` times per
-    level and each figure is the median of its windows (errors summed)."""
+    level and each figure is the median of its windows (errors summed). Each round starts one
+    path later than the one before (``direct, A, B``; ``A, B, direct``; ``B, direct, A``), so
+    with as many rounds as paths each path runs once in each place: the place right after
+    ``direct`` read up to 90 µs of gateway CPU a request more at 16 streams, whichever gateway
+    was in it (README, 2026-12-07 morning)."""
     results: dict[str, dict[str, dict[str, object]]] = {p.name: {} for p in paths}
     for level in levels:
         runs: dict[str, list[dict[str, object]]] = {p.name: [] for p in paths}
-        for _ in range(repeat):
-            for p in paths:
+        for turn in range(repeat):
+            for p in paths[turn % len(paths):] + paths[:turn % len(paths)]:
                 win, cpu = await asyncio.gather(run(p.url, p.model, level, warmup_s, measure_s, max_tokens,
                                                     api_key=p.api_key, stream=stream, keep_alive=keep_alive,
                                                     think_ms=think_ms, resumable=p.resumable),
@@ -450,7 +454,8 @@ def main() -> None:
     parser.add_argument("--base-port", type=int, default=18520)
     parser.add_argument("--only", help="comma-separated path names to run (default: all)")
     parser.add_argument("--repeat", type=int, default=1,
-                        help="windows per path and level, taken in turns; figures are their medians")
+                        help="windows per path and level, taken in turns (each round starting one path "
+                             "later); figures are their medians")
     parser.add_argument("--no-stream", action="store_true",
                         help="non-streaming requests (one JSON body each; TTFT is the whole answer)")
     parser.add_argument("--keep-alive", action="store_true",
