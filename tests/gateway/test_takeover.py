@@ -151,7 +151,13 @@ def stall_while_taken_over(stalled, other, body: dict[str, object],
                            key: str) -> tuple[Events, Events, threading.Thread, str]:
     """Stream ``body`` from ``stalled`` for 20 events, then SIGSTOP it until a reader
     re-attached on ``other`` got 5 events of its take-over, then SIGCONT it. Returns the
-    events seen, the reader's (still filling), the reader's thread, and the request id."""
+    events seen, the reader's (still filling), the reader's thread, and the request id.
+
+    "Of its take-over": the reader's first events may be ones the producer journaled before it
+    stopped (a client lags its producer; on a loaded machine by more than 5 events): waking
+    the producer then let it go on with no take-over at all, and a test waiting for the
+    take-over's part timed out (CI, 2026-12-06 and 2026-12-07). So it waits for the take-over
+    itself, in ``other``'s log."""
     with httpx.stream("POST", stalled.url + "/v1/chat/completions", json=body,
                       headers={"Idempotency-Key": key}, timeout=60) as r:
         request_id = r.headers["x-request-id"]
@@ -169,7 +175,9 @@ def stall_while_taken_over(stalled, other, body: dict[str, object],
     reader = threading.Thread(target=follow)
     try:
         reader.start()
-        wait_for(lambda: len(rest) >= 5, 30, "the other gateway to take the stream over")
+        taking_over = f"request {request_id}: taking over its resumable stream"
+        wait_for(lambda: len(rest) >= 5 and taking_over in other.log_path.read_text(errors="replace"), 30,
+                 "the other gateway to take the stream over")
     finally:
         os.kill(stalled.pid, signal.SIGCONT)
     return seen, rest, reader, request_id
