@@ -100,17 +100,22 @@ def _containers(body: bytes) -> int:
 def _depth(obj: object) -> int:
     """Nesting depth of parsed JSON (up to ``MAX_JSON_DEPTH + 1``), a level at a time: a
     container's scalars are passed over in C (``set(map(type, ...))``), only its arrays and
-    objects in Python, and those are at most ``MAX_JSON_CONTAINERS``. (Node by node, a
-    token-id prompt's 250,000 ids took 0.25 s.)"""
-    depth, level = 0, [obj]
+    objects in Python, and those are at most ``MAX_JSON_CONTAINERS``. A scalar counts as a
+    level, as an array or object does. (Node by node, a prompt of 250,000 token ids took
+    150 ms here, 6 ms now.)"""
+    depth, level = 1, [obj]  # the level of ``obj``; each value one below its container's
     while level and depth <= MAX_JSON_DEPTH:
-        depth += 1
         nested: list[object] = []
+        deeper = False
         for node in level:
             values = node.values() if type(node) is dict else node  # type: ignore[attr-defined]
+            if not values:
+                continue
+            deeper = True
             kinds = set(map(type, values))  # type: ignore[call-overload]
             if list in kinds or dict in kinds:
                 nested.extend(v for v in values if type(v) is list or type(v) is dict)  # type: ignore[attr-defined]
+        depth += deeper
         level = nested
     return depth
 
