@@ -168,3 +168,20 @@ def test_metrics_know_a_client_behind_a_local_proxy_by_its_own_address(stack) ->
     answer = httpx.post(stack.url + "/v1/completions", headers={"x-forwarded-for": "203.0.113.7"}, timeout=30,
                         json={"model": "sim", "prompt": "x", "max_tokens": 2})
     assert answer.status_code == 200, answer.text
+
+
+def test_the_depth_bound_counts_as_the_walk_it_replaced() -> None:
+    """The level-at-a-time depth check (gateway/surfaces/body.py) gives the verdicts of the
+    node-by-node walk it replaced: the object is level 1, each value one below its container,
+    a scalar too; past 64, refused."""
+    from gateway.surfaces.body import MAX_JSON_DEPTH, _depth
+
+    def nested(lists: int, leaf: object) -> object:
+        for _ in range(lists):
+            leaf = [leaf]
+        return leaf
+
+    assert _depth({}) == 1 and _depth({"a": []}) == 2 and _depth({"a": [1]}) == 3
+    assert _depth({"a": nested(MAX_JSON_DEPTH - 2, "x")}) == MAX_JSON_DEPTH  # the scalar at 64
+    assert _depth({"a": nested(MAX_JSON_DEPTH - 1, "x")}) > MAX_JSON_DEPTH
+    assert _depth({"a": nested(MAX_JSON_DEPTH - 1, None), "b": list(range(100_000))}) > MAX_JSON_DEPTH
