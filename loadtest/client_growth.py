@@ -62,10 +62,13 @@ def main() -> None:
             print(f"{phase:<34} gateway RSS {rss_mb(pid):7.1f} MB   Redis {memory:6.1f} MB, "
                   f"{client.dbsize():4d} keys   statuses {dict(statuses)}")
 
-        report("after start and one request", collections.Counter())
-        if args.whole_only:
+        def whole() -> None:
             peak, statuses = whole_answers(url, pid, args.whole, args.whole_tokens)
             report(f"{args.whole} x n=16 x {args.whole_tokens:,} whole (peak RSS {peak:.0f} MB)", statuses)
+
+        report("after start and one request", collections.Counter())
+        if args.whole_only:
+            whole()
             return
         for resumable in (True, False) if args.streams_only else ():
             peak, statuses = huge_streams(url, pid, args.huge, resumable)
@@ -90,8 +93,7 @@ def main() -> None:
             kind = "resumable" if resumable else "plain"
             report(f"{args.huge} x n=16 x 1,300 {kind} (peak RSS {peak:.0f} MB)", statuses)
         if args.whole:
-            peak, statuses = whole_answers(url, pid, args.whole, args.whole_tokens)
-            report(f"{args.whole} x n=16 x {args.whole_tokens:,} whole (peak RSS {peak:.0f} MB)", statuses)
+            whole()
         http.close()
         client.close()
 

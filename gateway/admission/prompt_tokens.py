@@ -96,9 +96,7 @@ class PromptTokenizer:
         they are not part of the shared prefix); None if the tokenizer refuses it. A prompt
         of more than :data:`APART_CHARS` characters is tokenized on a thread, the GIL
         released, so the event loop serves the process's other streams meanwhile."""
-        # The few fields prompt_token_ids reads; GenerateRequest.model_construct cost a
-        # quarter of this call (pydantic inspects every default factory's signature).
-        request = _PromptFields(**{k: payload.get(k) for k in _PROMPT_FIELDS})
+        request = _fields(payload)
         pieces = self._pieces
         if _chars(request) <= APART_CHARS:
             return self._ids(request, None if pieces is None else pieces.encode)
@@ -117,8 +115,7 @@ class PromptTokenizer:
 
     def ids_now(self, payload: dict[str, Any]) -> list[int] | None:
         """:meth:`ids` in the caller's thread, whatever the prompt's size (a benchmark's)."""
-        request = _PromptFields(**{k: payload.get(k) for k in _PROMPT_FIELDS})
-        return self._ids(request, None if self._pieces is None else self._pieces.encode)
+        return self._ids(_fields(payload), None if self._pieces is None else self._pieces.encode)
 
     def _ids(self, request: _PromptFields, encode: Callable[[str], list[int]] | None) -> list[int] | None:
         try:
@@ -133,6 +130,12 @@ class PromptTokenizer:
 #: a 1M-character prompt, which every other stream of the process waited; handing one to a
 #: thread costs about 0.1 ms.
 APART_CHARS = 32_768
+
+
+def _fields(payload: dict[str, Any]) -> _PromptFields:
+    # The few fields prompt_token_ids reads; GenerateRequest.model_construct cost a quarter
+    # of a short prompt's tokenizing (pydantic inspects every default factory's signature).
+    return _PromptFields(**{k: payload.get(k) for k in _PROMPT_FIELDS})
 
 
 def _chars(request: _PromptFields) -> int:

@@ -79,7 +79,7 @@ def test_remembered_pieces_stay_within_their_bytes(tokenizer: Any, monkeypatch: 
     assert 0 < len(pieces._pieces) < 40
 
 
-def test_a_long_prompt_is_tokenized_apart_from_the_event_loop() -> None:
+def test_a_long_prompt_is_tokenized_apart_from_the_event_loop(tokenizer: Any) -> None:
     """Regression: the gateway tokenized every prompt on its event loop, 0.6 s of it for a
     1M-character one, which every other stream of the process waited (from a thread too: the
     tokenizer's ``encode`` holds the GIL). A prompt past ``APART_CHARS`` is tokenized on a
@@ -88,11 +88,9 @@ def test_a_long_prompt_is_tokenized_apart_from_the_event_loop() -> None:
     import time
 
     from gateway.admission.prompt_tokens import APART_CHARS, PromptTokenizer
-    from sluice.models import default_model_dir, is_prepared
+    from sluice.models import default_model_dir
 
-    if not is_prepared(default_model_dir()):
-        pytest.skip("run 'sluice model prepare' first")
-    prompts = PromptTokenizer(str(default_model_dir()))
+    prompts = PromptTokenizer(str(default_model_dir()))  # (the fixture: the model is prepared)
     text = ("The gate opens at dawn <|im_end|> for boats, é 1234.\n\n " * 12_000)[:600_000]
     payloads = [{"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]},
                 {"prompt": text}]
