@@ -38,6 +38,7 @@ from sluice.errors import (
     UpstreamFailed,
 )
 from sluice.http1 import Http1Pool, Http1Response, drain
+from sluice.lines import LineCutter
 
 log = logging.getLogger("sluice.engine_server")
 
@@ -371,13 +372,11 @@ class EngineServer:
         finish: Delta | None = None
         usage: Usage | None = None
         try:
-            buffer = b""
+            cut = LineCutter()
             chunks = response.aiter_raw()
             ended = False
             async for raw in chunks:
-                buffer += raw
-                *events, buffer = buffer.split(b"\n")
-                for event in events:
+                for event in cut.feed(raw):
                     if not event.startswith(b"data:"):
                         continue
                     data = event[5:].strip()

@@ -46,6 +46,7 @@ from sluice.errors import (
     from_body,
 )
 from sluice.http1 import Http1Pool, Http1Response, drain
+from sluice.lines import LineCutter
 from sluice.roles import DECODE
 from sluice.tasks import GENERATE, Task
 from sluice.telemetry import inject
@@ -100,13 +101,9 @@ class WorkerLines:
         self._lines = self._parse()
 
     async def _parse(self) -> AsyncIterator[Line]:
-        buffer = b""
+        cut = LineCutter()
         async for chunk in self._raw:
-            buffer += chunk
-            if b"\n" not in buffer:
-                continue
-            *lines, buffer = buffer.split(b"\n")
-            for line in lines:
+            for line in cut.feed(chunk):
                 if line:
                     yield orjson.loads(line)
 
