@@ -56,6 +56,8 @@ class WorkerSettings(RedisSettings):
     sim_prefill_chunk: int = Field(default=512, ge=1)
     #: sim: prefix cache capacity in blocks of 64 tokens (0: no prefix cache).
     sim_cache_blocks: int = Field(default=1024, ge=0)
+    #: sim: the size of its embeddings (a large one stands in for a 4,096-wide model's answers).
+    sim_embed_dim: int = Field(default=64, ge=1, le=16384)
     #: sim fault injection: the first N requests fail before their first token (worker 500).
     sim_fail_first: int = Field(default=0, ge=0)
     #: sim fault injection: a prompt containing this text kills the worker process.

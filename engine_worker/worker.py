@@ -185,7 +185,7 @@ class Worker:
         if self.engine.name == "sim":
             from engine_worker.engines.sim_pooling import SimPooling
 
-            return SimPooling()
+            return SimPooling(self.settings.sim_embed_dim)
         if self.engine.name == "vllm":
             from engine_worker.engines.vllm_engine import VllmEngine
             from engine_worker.engines.vllm_pooling import VllmPooling

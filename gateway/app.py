@@ -166,7 +166,7 @@ async def open_services(settings: GatewaySettings) -> Services:
     readers.producing = serving.produces  # ... never one whose producer runs here
     metrics.stalls.start()
     return Services(redis=redis, http=http, workers=workers, admission=admission, serving=serving,
-                    pooling=PoolingServing(settings, dispatcher, tenancy), tenancy=tenancy, metrics=metrics,
+                    pooling=PoolingServing(settings, dispatcher, tenancy, serving.answers), tenancy=tenancy, metrics=metrics,
                     readers=readers, adapters=adapters, watch=watch,
                     counter=PromptCounter(settings, dispatcher, http, workers), stalls=metrics.stalls)
 

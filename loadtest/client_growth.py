@@ -7,12 +7,16 @@ largest ``n`` (``n=16`` x 1,300 tokens, 20,802 events each, journaled) and as ma
 ones, read to their end at once; then non-streaming ``n=16`` chats with top-20 logprobs at
 once (answers of ~86 MB each at 4,000 tokens, built whole in the gateway). After each phase it prints the gateway's RSS (and, for
 the streams, its peak), Redis's ``used_memory`` and its key count, and what the requests got.
+``--embed-only`` instead serves a wide embedding model (the simulator's, 4,096 floats an
+input) and sends embeddings requests of 2,048 inputs at once (~170 MB answers).
 
     .venv/bin/python loadtest/client_growth.py            # ~20 s
     .venv/bin/python loadtest/client_growth.py --streams-only --huge 8 --tenant-max-mib 8
                                                           # one API key past its journal bound
     .venv/bin/python loadtest/client_growth.py --whole-only --whole 3 --whole-tokens 4000
                                                           # the whole answers alone (~45 s)
+    .venv/bin/python loadtest/client_growth.py --embed-only --embed 4
+                                                          # 4 embeddings requests of 2,048 x 4,096 at once
 """
 
 from __future__ import annotations
@@ -46,16 +50,28 @@ def main() -> None:
                         help="concurrent non-streaming n=16 chats with top-20 logprobs (0: none)")
     parser.add_argument("--whole-tokens", type=int, default=4000, help="tokens of each of their choices")
     parser.add_argument("--whole-only", action="store_true", help="only the non-streaming answers' phase")
+    parser.add_argument("--embed", type=int, default=2, help="--embed-only: concurrent embeddings requests")
+    parser.add_argument("--embed-inputs", type=int, default=2048, help="inputs of each")
+    parser.add_argument("--embed-dim", type=int, default=4096, help="the simulated embedding model's width")
+    parser.add_argument("--embed-only", action="store_true",
+                        help="only the embeddings phase (its worker serves embeddings alone)")
+    parser.add_argument("--max-answer-mib", type=float, default=None,
+                        help="SLUICE_GATEWAY_MAX_ANSWER_BYTES, in MiB (default: the gateway's; a large one: as unbounded)")
     args = parser.parse_args()
     env = {} if args.tenant_max_mib is None else \
         {"SLUICE_GATEWAY_JOURNAL_TENANT_MAX_BYTES": str(int(args.tenant_max_mib * 2**20))}
-    shape = StackShape(gateways=1, workers=1, gateway_env=env)
+    if args.max_answer_mib is not None:
+        env["SLUICE_GATEWAY_MAX_ANSWER_BYTES"] = str(int(args.max_answer_mib * 2**20))
+    worker_args = ["--task", "embed", "--sim-embed-dim", str(args.embed_dim)] if args.embed_only else []
+    shape = StackShape(gateways=1, workers=1, gateway_env=env, worker_args=worker_args)
     with tempfile.TemporaryDirectory() as logs, Stack(shape, Path(logs)) as stack:
         client = sync_client(stack.redis_url)
         url = stack.gateway_urls[0]
         pid = stack.gateways[0].pid
         http = httpx.Client(timeout=120)
-        assert http.post(url + "/v1/completions", json={"model": "sim", "prompt": "warm", "max_tokens": 2}).status_code == 200
+        warm = ("/v1/embeddings", {"model": "sim", "input": "warm"}) if args.embed_only else \
+            ("/v1/completions", {"model": "sim", "prompt": "warm", "max_tokens": 2})
+        assert http.post(url + warm[0], json=warm[1]).status_code == 200
 
         def report(phase: str, statuses: collections.Counter[int | str]) -> None:
             memory = client.info("memory")["used_memory"] / 2**20
@@ -67,6 +83,11 @@ def main() -> None:
             report(f"{args.whole} x n=16 x {args.whole_tokens:,} whole (peak RSS {peak:.0f} MB)", statuses)
 
         report("after start and one request", collections.Counter())
+        if args.embed_only:
+            peak, statuses = embeddings(url, pid, args.embed, args.embed_inputs)
+            report(f"{args.embed} x {args.embed_inputs:,} x {args.embed_dim:,} embeddings (peak RSS {peak:.0f} MB)",
+                   statuses)
+            return
         if args.whole_only:
             whole()
             return
@@ -126,6 +147,21 @@ def whole_answers(url: str, pid: int, count: int, tokens: int) -> tuple[float, c
     def one(i: int) -> None:
         with httpx.Client(timeout=900) as c:
             r = c.post(url + "/v1/chat/completions", json={**body, "user": f"whole-{i}"})
+            code = r.json()["error"]["code"] if r.status_code != 200 else f"{len(r.content) / 1e6:.0f} MB"
+            statuses[f"{r.status_code} {code}"] += 1
+
+    return _peak_while(one, count, pid), statuses
+
+
+def embeddings(url: str, pid: int, count: int, inputs: int) -> tuple[float, collections.Counter[int | str]]:
+    """``count`` concurrent embeddings requests of ``inputs`` inputs each (floats, as the
+    API's default); the gateway's peak RSS meanwhile, and the statuses."""
+    statuses: collections.Counter[int | str] = collections.Counter()
+
+    def one(i: int) -> None:
+        body = {"model": "sim", "input": [f"the quick brown fox {i}"] * inputs, "encoding_format": "float"}
+        with httpx.Client(timeout=900) as c:
+            r = c.post(url + "/v1/embeddings", json=body)
             code = r.json()["error"]["code"] if r.status_code != 200 else f"{len(r.content) / 1e6:.0f} MB"
             statuses[f"{r.status_code} {code}"] += 1
 

@@ -12,8 +12,10 @@ the simulator counts prompt tokens when it generates.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
+import operator
 
 from engine_worker.engines.sim import VOCAB, SimSequence
 from engine_worker.engines.prompts import checked_ids
@@ -28,18 +30,21 @@ SIM_MAX_MODEL_LEN = 32768
 _INDEX = {word: i for i, word in enumerate(VOCAB)}
 
 
-def _word_vector(word: str) -> list[float]:
-    raw = hashlib.blake2b(word.encode(), digest_size=SIM_EMBED_DIM).digest()
-    return [b / 127.5 - 1.0 for b in raw]
+@functools.lru_cache(maxsize=4096)
+def _word_vector(word: str, dim: int) -> tuple[float, ...]:
+    raw = hashlib.blake2b(word.encode(), digest_size=min(dim, 64)).digest()
+    for part in range(1, -(-dim // 64)):  # wider: more digests of the word, each salted by its place
+        raw += hashlib.blake2b(word.encode(), digest_size=64, salt=part.to_bytes(16, "little")).digest()
+    return tuple(b / 127.5 - 1.0 for b in raw[:dim])
 
 
-def sim_embedding(text: str) -> list[float]:
-    """The simulator's embedding of ``text`` (unit length)."""
-    total = [0.0] * SIM_EMBED_DIM
-    for word in text.split() or [""]:
-        for i, x in enumerate(_word_vector(word)):
-            total[i] += x
-    norm = math.sqrt(sum(x * x for x in total)) or 1.0
+def sim_embedding(text: str, dim: int = SIM_EMBED_DIM) -> list[float]:
+    """The simulator's embedding of ``text`` (unit length, ``dim`` wide)."""
+    words = text.split() or [""]
+    total = _word_vector(words[0], dim)
+    for word in words[1:]:
+        total = tuple(map(operator.add, total, _word_vector(word, dim)))
+    norm = math.hypot(*total) or 1.0
     return [x / norm for x in total]
 
 
@@ -59,7 +64,11 @@ def sim_detokenize(ids: list[int], param: str = "tokens") -> str:
 
 
 class SimPooling:
-    """The :class:`~engine_worker.pooling.PoolingEngine` half of the simulator."""
+    """The :class:`~engine_worker.pooling.PoolingEngine` half of the simulator; its embeddings
+    ``dim`` wide."""
+
+    def __init__(self, dim: int = SIM_EMBED_DIM) -> None:
+        self.dim = dim
 
     async def embed(self, request: PoolRequest, inputs: list[str | list[int]]) -> Pooled:
         if request.dimensions is not None:
@@ -68,10 +77,10 @@ class SimPooling:
         vectors, used = [], 0
         for item in inputs:
             if isinstance(item, str):
-                vectors.append(sim_embedding(item))
+                vectors.append(sim_embedding(item, self.dim))
                 used += max(1, len(item.split()))
             else:
-                vectors.append(sim_embedding(sim_detokenize(item, "input")))
+                vectors.append(sim_embedding(sim_detokenize(item, "input"), self.dim))
                 used += len(item)
         return Pooled(vectors, used)
 

@@ -8,10 +8,16 @@ tenant's fair share), its retries on another worker until that line arrives (a w
 that is unreachable, answers 5xx, or is too slow before the answer), its deadline; the
 lease's release corrects the fair-share charge with the real usage, and the key's TPM
 charge is settled with the prompt tokens the engine counted.
+
+Its answer counts in the process's bound on answers being built (gateway/relay/whole_answers.py)
+from the moment its line has arrived, before it is parsed, until its body is made: an
+embeddings answer is inputs x width floats (2,048 x 4,096 is a 170 MB line, ~270 MB more once
+parsed, ~170 MB again rendered), and a few at once took a gateway by GBs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from starlette.responses import Response
@@ -20,6 +26,7 @@ from gateway.admission.tenancy import Tenancy
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
 from gateway.relay.upstream import Dispatcher, Line
+from gateway.relay.whole_answers import WholeAnswers
 from gateway.surfaces.pooling import PoolingRequest, render
 from sluice.aftercare import to_the_end
 from sluice.errors import UpstreamFailed
@@ -28,10 +35,12 @@ log = logging.getLogger("sluice.gateway")
 
 
 class PoolingServing:
-    def __init__(self, settings: GatewaySettings, dispatcher: Dispatcher, tenancy: Tenancy) -> None:
+    def __init__(self, settings: GatewaySettings, dispatcher: Dispatcher, tenancy: Tenancy,
+                 answers: WholeAnswers) -> None:
         self._settings = settings
         self._dispatcher = dispatcher
         self._tenancy = tenancy
+        self._answers = answers
 
     async def serve(self, req: PoolingRequest, ctx: RequestContext) -> Response:
         names = req.unknown_fields()
@@ -40,8 +49,17 @@ class PoolingServing:
         record = ctx.record
         payload = {"request_id": ctx.internal_id, "model": req.model, **req.payload()}
         answer: Line | None = None
+        held = self._answers.open(streamable=False)  # its bytes counted as they arrive, before they are held
         try:
-            upstream = await self._dispatcher.open(req.model, payload, ctx, cost=ctx.cost, task=req.TASK)
+            try:
+                upstream = await self._dispatcher.open(req.model, payload, ctx, cost=ctx.cost, task=req.TASK,
+                                                       weigh=held.add)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if held.ended is not None and task is not None and task.uncancel() == 0:
+                    raise held.ended from None  # the process's bound ended it (whole_answers.py)
+                raise
+            held.gathered()  # its one line is in
             try:
                 headers = {"x-request-id": ctx.request_id, **ctx.headers,
                            "x-sluice-queue-ms": str(round(record.queue_wait_s * 1000))}
@@ -56,6 +74,8 @@ class PoolingServing:
         except BaseException:
             await to_the_end(self._settle(ctx, 0))
             raise
+        finally:
+            held.close()
         record.finish()
         await self._settle(ctx, record.prompt_tokens)
         return Response(body, media_type="application/json", headers=headers)

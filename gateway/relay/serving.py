@@ -90,7 +90,8 @@ class Serving:
         #: Streams a take-over found without a plan, and since when (monotonic): see take_over.
         self._planless: dict[str, float] = {}
         self._keepalive = Keepalive(settings.sse_ping_s)
-        self._answers = WholeAnswers(settings.max_answer_bytes)  # non-streaming answers being built
+        #: Non-streaming answers being built, bounded per process (embeddings answers too).
+        self.answers = WholeAnswers(settings.max_answer_bytes)
 
     async def close(self) -> None:
         await self._keepalive.close()
@@ -192,7 +193,7 @@ class Serving:
             return SSEResponse(events, self._keepalive, abandon, headers)
         try:
             response = await json_response(kind, req, lines, record, headers, ctx.disconnected, len(upstreams),
-                                           lambda: _close(upstreams), lambda: self._bill_json(ctx), self._answers,
+                                           lambda: _close(upstreams), lambda: self._bill_json(ctx), self.answers,
                                            shape)
         except BaseException:
             record.served_nothing()  # no body reached the client (a cancelled one too)

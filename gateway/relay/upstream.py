@@ -16,7 +16,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -93,16 +93,26 @@ class RouteFacts:
 
 
 class WorkerLines:
-    """A worker's NDJSON response as parsed lines."""
+    """A worker's NDJSON response as parsed lines. ``weigh``, if given, is told the body's
+    bytes before they are held: all of them before it is read when the response says its
+    length (a pooling answer does), else each piece as it arrives; it may refuse them by
+    raising (gateway/relay/whole_answers.py)."""
 
-    def __init__(self, response: Http1Response | httpx.Response) -> None:
+    def __init__(self, response: Http1Response | httpx.Response, weigh: Callable[[int], None] | None = None) -> None:
         self._response = response
         self._raw = response.aiter_raw()
-        self._lines = self._parse()
+        if weigh is not None:
+            length = response.headers.get(b"content-length" if isinstance(response, Http1Response) else "content-length")
+            if length is not None and length.isdigit():
+                weigh(int(length))
+                weigh = None
+        self._lines = self._parse(weigh)
 
-    async def _parse(self) -> AsyncIterator[Line]:
+    async def _parse(self, weigh: Callable[[int], None] | None) -> AsyncIterator[Line]:
         cut = LineCutter()
         async for chunk in self._raw:
+            if weigh is not None:
+                weigh(len(chunk))
             for line in cut.feed(chunk):
                 if line:
                     yield orjson.loads(line)
@@ -406,6 +416,7 @@ class Dispatcher:
         cost: int = 1,
         task: Task = GENERATE,
         role: str = "",
+        weigh: Callable[[int], None] | None = None,
     ) -> Upstream:
         """Admit, route and connect, retrying on other workers until a first line arrives.
 
@@ -413,7 +424,9 @@ class Dispatcher:
         ``boost`` puts the request ahead of the queue (a migration); ``exclude``
         names workers that already failed it. Retries and migrations are routed on the
         same prompt prefix, so they too prefer a worker that holds it. ``task``: a worker
-        serving it answers ``POST /internal/generate`` (generate) or ``/internal/pool``.
+        serving it answers ``POST /internal/generate`` (generate) or ``/internal/pool``;
+        ``weigh`` is told the bytes of a worker's answer before they are held
+        (:class:`WorkerLines`).
 
         A model with prefill and decode workers serves a generation in two hops (``role``:
         this call is one of them; gateway/relay/disagg.py). A ``lease`` granted beforehand
@@ -445,7 +458,7 @@ class Dispatcher:
                                      "sluice.route.matched_blocks": lease.matched_blocks,
                                      "sluice.route.prompt_blocks": len(prefix.blocks)})
             try:
-                upstream = await self._attempt(lease, body, ctx.deadline, span, route, path)
+                upstream = await self._attempt(lease, body, ctx.deadline, span, route, path, weigh)
                 self._admission.prefilled(lease)
                 record.admitted(attempt, lease.worker_id, lease.matched_blocks, len(prefix.blocks), role)
                 return upstream
@@ -482,7 +495,7 @@ class Dispatcher:
 
     async def _attempt(
         self, lease: Lease, body: bytes, deadline: float, span: Span, route: RouteFacts | None,
-        path: str = "/internal/generate",
+        path: str = "/internal/generate", weigh: Callable[[int], None] | None = None,
     ) -> Upstream:
         s = self._settings
         left_s = deadline - time.monotonic()
@@ -501,7 +514,7 @@ class Dispatcher:
                     headers = {"content-type": "application/json", **self._auth,
                                **inject(trace.set_span_in_context(span))}
                     response = await self._send(lease.url, path, body, headers)
-                    upstream = Upstream(self._admission, lease, WorkerLines(response), span, route)
+                    upstream = Upstream(self._admission, lease, WorkerLines(response, weigh), span, route)
                     if response.status_code != 200:
                         detail = await response.aread()
                         if response.status_code in (401, 403):

@@ -56,25 +56,29 @@ class WholeAnswers:
         self._building: set[Answer] = set()
         self._logged: dict[str, float] = {}
 
-    def open(self) -> Answer:
-        """An answer built by the current task (the one its end interrupts)."""
-        answer = Answer(self, asyncio.current_task())
+    def open(self, streamable: bool = True) -> Answer:
+        """An answer built by the current task (the one its end interrupts); ``streamable``: its
+        client could ask for it as a stream (a completion), else (an embeddings answer) for
+        fewer inputs."""
+        answer = Answer(self, asyncio.current_task(), streamable)
         self._building.add(answer)
         return answer
 
     def _grew(self, answer: Answer) -> None:
         if answer.size > self.limit_bytes:
+            smaller = ("ask for it as a stream (\"stream\": true), or for fewer tokens, choices or logprobs"
+                       if answer.streamable else "ask for fewer inputs a request")
             self._end(answer, AnswerTooLarge(
-                f"this non-streaming answer passed the gateway's bound of {_mib(self.limit_bytes)} for answers "
-                "being built; ask for it as a stream (\"stream\": true), or for fewer tokens, choices or logprobs",
-                param="stream"))
+                f"this answer ({_mib(answer.size)} so far) passed the gateway's bound of {_mib(self.limit_bytes)} "
+                f"for answers being built; {smaller}", param="stream" if answer.streamable else "input"))
         while self.total > self.limit_bytes:
-            gathering = [a for a in self._building if a.task is not None]
-            if not gathering:  # (only answers being rendered and sent: they are over in a moment)
+            gathering = [a for a in self._building if a.task is not None and a.size]
+            if not gathering:  # (only answers being rendered and sent, over in a moment, or empty ones)
                 return
             self._end(max(gathering, key=lambda a: a.size), Unavailable(
                 f"this gateway is building {_mib(self.total)} of non-streaming answers, past its bound of "
-                f"{_mib(self.limit_bytes)}, and this one was the largest; send it again, or ask for it as a stream",
+                f"{_mib(self.limit_bytes)}, and this one was the largest; send it again"
+                + (", or ask for it as a stream" if answer.streamable else ""),
                 code="answers_full", retry_after_s=1))
 
     def _end(self, answer: Answer, error: InvalidRequest | Unavailable) -> None:
@@ -100,11 +104,12 @@ class WholeAnswers:
 class Answer:
     """One answer being built: what it holds so far."""
 
-    __slots__ = ("_answers", "ended", "size", "task")
+    __slots__ = ("_answers", "ended", "size", "streamable", "task")
 
-    def __init__(self, answers: WholeAnswers, task: asyncio.Task[object] | None) -> None:
+    def __init__(self, answers: WholeAnswers, task: asyncio.Task[object] | None, streamable: bool) -> None:
         self._answers = answers
         self.task = task
+        self.streamable = streamable
         self.size = 0
         #: Why it had to end (raised in its task), once it had to.
         self.ended: InvalidRequest | Unavailable | None = None

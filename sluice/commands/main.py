@@ -99,6 +99,8 @@ def _build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--sim-prefill-chunk", type=int, help="sim: prompt tokens prefilled per step (default 512)")
     wk.add_argument("--sim-cache-blocks", type=int,
                     help="sim: prefix cache capacity in blocks of 64 tokens (default 1024; 0 disables it)")
+    wk.add_argument("--sim-embed-dim", type=int,
+                    help="sim: the size of its embeddings (default 64; a wide model's answers at up to 16384)")
     wk.add_argument("--sim-crash-on", metavar="TEXT",
                     help="sim fault injection: a prompt containing TEXT kills the worker (a query of death)")
     wk.add_argument("--sim-fail-first", type=int,
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
                 args, "engine", "host", "port", "advertise_url", "worker_id", "model",
                 "served_model_name", "heartbeat_ms", "drain_timeout_s", "sim_ttft_ms",
                 "sim_token_ms", "sim_max_seqs", "sim_fail_first", "sim_crash_on", "sim_prefill_ms_per_token",
-                "sim_prefill_chunk", "sim_cache_blocks", "redis_url", "vllm_max_model_len",
+                "sim_prefill_chunk", "sim_cache_blocks", "sim_embed_dim", "redis_url", "vllm_max_model_len",
                 "vllm_max_num_seqs", "vllm_kv_cache_gib", "vllm_tensor_parallel_size", "vllm_enforce_eager",
                 "vllm_trtllm_kernels", "tool_call_parser", "upstream_url", "upstream_model", "upstream_capacity",
                 "upstream_token_ids", "upstream_poll_ms", "relay", "task", "lora", "max_loras", "max_lora_rank",

@@ -16,6 +16,7 @@ import orjson
 import pytest
 import redis
 
+from engine_worker.engines.sim_pooling import sim_embedding
 from gateway.relay.logprobs import RenderedLogprobs, render
 from gateway.relay.whole_answers import AnswerTooLarge, WholeAnswers
 from sluice.embedded_redis import EmbeddedRedis
@@ -35,6 +36,12 @@ def worker(private_redis: EmbeddedRedis, start_worker) -> Proc:
 def gateway(private_redis: EmbeddedRedis, worker: Proc, start_gateway) -> Proc:
     return start_gateway(redis_at=private_redis.url, env={"SLUICE_GATEWAY_MAX_ANSWER_BYTES": str(BOUND),
                                                           "SLUICE_GATEWAY_JOURNAL_TENANT_MAX_BYTES": str(KEPT_BOUND)})
+
+
+@pytest.fixture(scope="module")
+def wide(private_redis: EmbeddedRedis, start_worker) -> Proc:
+    """Embeddings 4,096 wide, as a large embedding model's."""
+    return start_worker("wide", redis_at=private_redis.url, task="embed", sim_embed_dim=4096)
 
 
 def _chat(tokens: int, n: int = 1, prompt: str = "tell me everything") -> dict:
@@ -92,6 +99,23 @@ def test_answers_together_past_the_bound_lose_the_largest(gateway: Proc, worker:
         assert body["usage"]["completion_tokens"] == 1_200
         assert len(body["choices"][0]["logprobs"]["content"]) == 1_200
     wait_for(lambda: streaming(worker) == 0, 5, "the worker's streams closed")
+
+
+def test_an_embeddings_answer_counts_in_the_bound_before_it_is_parsed(gateway: Proc, wide: Proc) -> None:
+    """Regression: embeddings answers (inputs x width floats) were outside the bound: 2,048
+    inputs of a 4,096-wide model are a 170 MB line, parsed into ~270 MB more and rendered
+    into ~170 MB again, and a few at once took a gateway by GBs. Here 64 inputs (a ~5 MB
+    line) pass the 2 MiB bound alone: a 400 that says what to ask for instead."""
+    text = "the quick brown fox"
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=60) as client:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.embeddings.create(model="wide", input=[text] * 64)
+        assert refused.value.code == "answer_too_large"
+        assert refused.value.param == "input" and "fewer inputs" in refused.value.message
+        # Nothing of it stays counted: answers within the bound are whole, one after another.
+        for _ in range(3):
+            got = client.embeddings.create(model="wide", input=[text] * 4)
+            assert [d.embedding for d in got.data] == [pytest.approx(sim_embedding(text, 4096), abs=1e-6)] * 4
 
 
 def test_keyed_answers_past_the_journal_bound_are_sent_but_not_kept(gateway: Proc,
