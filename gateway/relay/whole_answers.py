@@ -18,6 +18,12 @@ such request alone would take several GB, and a few at once the machine. Two cha
   ``503 answers_full`` and ``Retry-After`` (the others go on). Either way its generation stops,
   which frees its engine slots, and nothing of it is billed (as for any failed answer).
 
+An embeddings answer counts too (gateway/relay/pooling.py): inputs x width floats, weighed
+by the length its worker's response announces before a byte of it is held (4 x 2,048 inputs
+of a 4,096-wide model at once took a gateway to 1.83 GB; now each is a 400 that asks for
+fewer inputs, the process at 83 MB). An answer that holds nothing yet is never ended for
+the others (it would free nothing).
+
 Streams hold nothing of this kind: each chunk leaves as it is made (what a slow reader leaves
 unread is sluice/connection_bounds.py's bound).
 
