@@ -165,10 +165,10 @@ async def open_services(settings: GatewaySettings) -> Services:
     readers.adopt = serving.take_over  # a re-attached reader whose producer died: continue it here
     readers.producing = serving.produces  # ... never one whose producer runs here
     metrics.stalls.start()
+    pooling = PoolingServing(settings, dispatcher, tenancy, serving.answers)  # one bound on answers a process
     return Services(redis=redis, http=http, workers=workers, admission=admission, serving=serving,
-                    pooling=PoolingServing(settings, dispatcher, tenancy, serving.answers), tenancy=tenancy, metrics=metrics,
-                    readers=readers, adapters=adapters, watch=watch,
-                    counter=PromptCounter(settings, dispatcher, http, workers), stalls=metrics.stalls)
+                    pooling=pooling, tenancy=tenancy, metrics=metrics, readers=readers, adapters=adapters,
+                    watch=watch, counter=PromptCounter(settings, dispatcher, http, workers), stalls=metrics.stalls)
 
 
 def create_app(settings: GatewaySettings) -> Front:

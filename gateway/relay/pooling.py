@@ -10,9 +10,9 @@ lease's release corrects the fair-share charge with the real usage, and the key'
 charge is settled with the prompt tokens the engine counted.
 
 Its answer counts in the process's bound on answers being built (gateway/relay/whole_answers.py)
-from the moment its line has arrived, before it is parsed, until its body is made: an
-embeddings answer is inputs x width floats (2,048 x 4,096 is a 170 MB line, ~270 MB more once
-parsed, ~170 MB again rendered), and a few at once took a gateway by GBs.
+from the moment its worker's response announces its length, before a byte of it is held, until
+its body is made: an embeddings answer is inputs x width floats (2,048 x 4,096 is a 170 MB
+line, ~270 MB more once parsed, ~170 MB again rendered), and a few at once took a gateway by GBs.
 """
 
 from __future__ import annotations

@@ -102,7 +102,8 @@ class WorkerLines:
         self._response = response
         self._raw = response.aiter_raw()
         if weigh is not None:
-            length = response.headers.get(b"content-length" if isinstance(response, Http1Response) else "content-length")
+            name = b"content-length" if isinstance(response, Http1Response) else "content-length"
+            length = response.headers.get(name)
             if length is not None and length.isdigit():
                 weigh(int(length))
                 weigh = None
