@@ -26,16 +26,15 @@ class LineCutter:
         self._parts: list[bytes] = []
 
     def feed(self, piece: bytes) -> list[bytes]:
-        if b"\n" not in piece:
-            if piece:
-                self._parts.append(piece)
-            return []
         parts = self._parts
-        if parts:
+        if parts:  # a line is still arriving
             parts.append(piece)
+            if b"\n" not in piece:
+                return []
             piece = b"".join(parts)
             parts.clear()
-        *lines, rest = piece.split(b"\n")
+        lines = piece.split(b"\n")  # (a piece that ends its lines, as most do, leaves ``b""`` last)
+        rest = lines.pop()
         if rest:
             parts.append(rest)
         return lines
