@@ -53,7 +53,7 @@ class PoolingServing:
         try:
             try:
                 upstream = await self._dispatcher.open(req.model, payload, ctx, cost=ctx.cost, task=req.TASK,
-                                                       weigh=held.add)
+                                                       weigh=held.holds)
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if held.ended is not None and task is not None and task.uncancel() == 0:

@@ -93,10 +93,10 @@ class RouteFacts:
 
 
 class WorkerLines:
-    """A worker's NDJSON response as parsed lines. ``weigh``, if given, is told the body's
-    bytes before they are held: all of them before it is read when the response says its
-    length (a pooling answer does), else each piece as it arrives; it may refuse them by
-    raising (gateway/relay/whole_answers.py)."""
+    """A worker's NDJSON response as parsed lines. ``weigh``, if given, is told how many of
+    the body's bytes it holds before they are held: all of them before it is read when the
+    response says its length (a pooling answer does), else the pieces' sum so far at each;
+    it may refuse them by raising (gateway/relay/whole_answers.py)."""
 
     def __init__(self, response: Http1Response | httpx.Response, weigh: Callable[[int], None] | None = None) -> None:
         self._response = response
@@ -111,9 +111,11 @@ class WorkerLines:
 
     async def _parse(self, weigh: Callable[[int], None] | None) -> AsyncIterator[Line]:
         cut = LineCutter()
+        held = 0
         async for chunk in self._raw:
             if weigh is not None:
-                weigh(len(chunk))
+                held += len(chunk)
+                weigh(held)
             for line in cut.feed(chunk):
                 if line:
                     yield orjson.loads(line)
@@ -426,8 +428,8 @@ class Dispatcher:
         names workers that already failed it. Retries and migrations are routed on the
         same prompt prefix, so they too prefer a worker that holds it. ``task``: a worker
         serving it answers ``POST /internal/generate`` (generate) or ``/internal/pool``;
-        ``weigh`` is told the bytes of a worker's answer before they are held
-        (:class:`WorkerLines`).
+        ``weigh`` is told what a worker's answer holds before it is held, each attempt's
+        in place of the last's (:class:`WorkerLines`).
 
         A model with prefill and decode workers serves a generation in two hops (``role``:
         this call is one of them; gateway/relay/disagg.py). A ``lease`` granted beforehand

@@ -130,6 +130,11 @@ class Answer:
         if self.ended is not None:
             raise self.ended
 
+    def holds(self, size: int) -> None:
+        """It holds ``size`` bytes now, in place of what it held (a retried attempt's answer
+        replaces the failed one's); raises as :meth:`add`."""
+        self.add(size - self.size)
+
     def gathered(self) -> None:
         """Its lines are all in: it is rendered and sent now, no longer ended for others (its
         bytes count until :meth:`close`)."""

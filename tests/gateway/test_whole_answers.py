@@ -215,3 +215,21 @@ def test_the_largest_answer_ends_first_and_its_task_is_cancelled() -> None:
         assert answers.total == 0
 
     asyncio.run(run())
+
+
+def test_a_retried_attempts_answer_replaces_the_failed_ones() -> None:
+    """What an embeddings answer holds is told per attempt (WorkerLines): a worker that broke
+    off mid-answer, then another's whole answer, is one answer's bytes, not two."""
+    async def run() -> None:
+        answers = WholeAnswers(1000)
+        answer = answers.open(streamable=False)
+        answer.holds(300)
+        answer.holds(700)  # the broken attempt's pieces so far
+        answer.holds(900)  # the next attempt's announced length: in place of them
+        assert answers.total == 900
+        with pytest.raises(AnswerTooLarge):
+            answer.holds(1001)
+        answer.close()
+        assert answers.total == 0
+
+    asyncio.run(run())
