@@ -290,7 +290,6 @@ class EmbeddedCluster:
                         for host, port in self.nodes[:i] + self.nodes[i + 1:]:
                             client.cluster("MEET", host, port)
             time.sleep(0.05)
-            time.sleep(0.05)
 
     def stop(self) -> None:
         for server in self.servers:
