@@ -9,9 +9,12 @@ one gateway process; ``--tokenizer``: the gateway tokenizes prompts with the def
 tokenizer, as ``sluice up`` does with vLLM), keeps one bystander stream reading throughout,
 sends each shape ``--requests`` times one after the other, and prints the wall time, the
 gateway's CPU per request (from /proc), the statuses, and the bystander's longest gap between
-two chunks meanwhile (its tokens come every 5 ms).
+two chunks meanwhile (its tokens come every 5 ms). ``--embed``: answers instead of bodies, an
+embeddings request of ``--embed-inputs`` inputs to a simulated model 4,096 wide (its answer
+is parsed and rendered in the gateway, ~88 KB an input).
 
     .venv/bin/python loadtest/body_cost.py [--tokenizer]     # ~15 s on this code
+    .venv/bin/python loadtest/body_cost.py --embed --embed-inputs 1024
     cd <worktree> && PYTHONPATH=. <venv>/bin/python <this file>   # another code, same shapes
 """
 
@@ -85,18 +88,26 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8, help="requests per shape")
     parser.add_argument("--tokenizer", action="store_true",
                         help="the gateway tokenizes prompts (SLUICE_GATEWAY_TOKENIZER: the default model's)")
+    parser.add_argument("--embed", action="store_true", help="embeddings answers instead of bodies")
+    parser.add_argument("--embed-inputs", type=int, default=1024, help="inputs of each embeddings request")
     args = parser.parse_args()
     env = {"SLUICE_GATEWAY_TOKENIZER": str(default_model_dir())} if args.tokenizer else {}
     shape = StackShape(gateways=1, workers=1, gateway_env=env)
     with tempfile.TemporaryDirectory() as logs, Stack(shape, Path(logs)) as stack:
         url = stack.gateway_urls[0]
         pid = stack.gateways[0].pid
+        shapes = SHAPES
+        if args.embed:
+            stack.add_worker("--served-model-name", "wide", "--task", "embed", "--sim-embed-dim", "4096")
+            shapes = {f"embeddings of {args.embed_inputs:,} x 4,096": orjson.dumps(
+                {"model": "wide", "input": ["the quick brown fox"] * args.embed_inputs, "encoding_format": "float"})}
         bystander = Bystander(url)
         with httpx.Client(timeout=300) as http:
             time.sleep(1.0)
-            for name, shape in SHAPES.items():
+            for name, shape in shapes.items():
                 bodies = [shape(i) if callable(shape) else shape for i in range(args.requests)]
-                path = "/v1/completions" if b'"prompt"' in bodies[0] else "/v1/chat/completions"
+                path = "/v1/embeddings" if args.embed else \
+                    "/v1/completions" if b'"prompt"' in bodies[0] else "/v1/chat/completions"
                 before, started = cpu_s(pid) or 0.0, time.monotonic()
                 statuses = sorted({http.post(url + path, content=body,
                                              headers={"content-type": "application/json"}).status_code

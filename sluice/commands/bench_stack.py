@@ -105,18 +105,19 @@ class Stack:
             self._wait_http(child, url + "/ready", time.monotonic() + timeout_s)
         return self
 
-    def _spawn_worker(self) -> None:
+    def _spawn_worker(self, *args: str) -> None:
         port = free_port()
         name = f"w{len(self.worker_urls)}-{port}"
         argv = [sys.executable, "-m", "sluice", "--log-level", self.shape.log_level, "worker", "--engine", "sim",
                 "--port", str(port), "--redis-url", self.redis_url, "--served-model-name", MODEL,
-                "--worker-id", name, *self.shape.worker_args]
+                "--worker-id", name, *self.shape.worker_args, *args]
         self.workers.append(self._spawn(f"worker-{name}", argv, {}))
         self.worker_urls.append(f"http://127.0.0.1:{port}")
 
-    def add_worker(self, timeout_s: float = 60.0) -> None:
-        """Start one more sim worker and wait until it is registered."""
-        self._spawn_worker()
+    def add_worker(self, *args: str, timeout_s: float = 60.0) -> None:
+        """Start one more sim worker (``args``: flags of its own, e.g. another model's name)
+        and wait until it is registered."""
+        self._spawn_worker(*args)
         self._wait_http(self.workers[-1], self.worker_urls[-1] + "/health", time.monotonic() + timeout_s)
 
     def kill_worker(self, index: int) -> None:
