@@ -18,7 +18,9 @@ vLLM scores with one; an engine that scores natively (an upstream server) says s
 
 from __future__ import annotations
 
+import base64
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -44,6 +46,9 @@ class PoolRequest(BaseModel):
     input: list[str | list[int]] | None = Field(default=None, max_length=MAX_POOL_INPUTS)
     #: embed: a Matryoshka model's output size; refused by a model without one.
     dimensions: int | None = Field(default=None, ge=1)
+    #: embed: "base64": each vector as OpenAI's base64 of its float32 bytes, made here (a
+    #: gateway then passes strings on instead of parsing and packing every float).
+    encoding_format: Literal["float", "base64"] = "float"
     #: score: pairs (text_1[i], text_2[i]).
     text_1: list[str] | None = Field(default=None, max_length=MAX_POOL_INPUTS)
     text_2: list[str] | None = Field(default=None, max_length=MAX_POOL_INPUTS)
@@ -109,6 +114,9 @@ async def answer(engine: Any, request: PoolRequest) -> dict[str, Any]:
     if request.op == "embed":
         assert request.input is not None
         pooled = await engine.embed(request, request.input)
+        if request.encoding_format == "base64":
+            return {"embeddings_base64": [float32_base64(v) for v in pooled.vectors],
+                    "usage": _usage(pooled.prompt_tokens)}
         return {"embeddings": pooled.vectors, "usage": _usage(pooled.prompt_tokens)}
     if request.op == "score":
         if hasattr(engine, "score"):  # scores natively (a cross-encoder behind an upstream server)
@@ -127,6 +135,12 @@ async def answer(engine: Any, request: PoolRequest) -> dict[str, Any]:
                 "usage": _usage(len(done.tokens))}
     assert request.tokens is not None
     return {"prompt": await engine.detokenize(request), "usage": _usage(len(request.tokens))}
+
+
+def float32_base64(vector: list[float]) -> str:
+    """OpenAI's base64 encoding of an embedding: its little-endian float32 bytes (what the
+    SDK asks for by default, and decodes)."""
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
 
 def encode_line(answer: dict[str, Any]) -> bytes:

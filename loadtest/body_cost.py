@@ -99,8 +99,9 @@ def main() -> None:
         shapes = SHAPES
         if args.embed:
             stack.add_worker("--served-model-name", "wide", "--task", "embed", "--sim-embed-dim", "4096")
-            shapes = {f"embeddings of {args.embed_inputs:,} x 4,096": orjson.dumps(
-                {"model": "wide", "input": ["the quick brown fox"] * args.embed_inputs, "encoding_format": "float"})}
+            shapes = {f"embeddings of {args.embed_inputs:,} x 4,096, {encoding}": orjson.dumps(
+                {"model": "wide", "input": ["the quick brown fox"] * args.embed_inputs, "encoding_format": encoding})
+                for encoding in ("float", "base64")}
         bystander = Bystander(url)
         with httpx.Client(timeout=300) as http:
             time.sleep(1.0)

@@ -6,7 +6,9 @@ its engine at once; logprobs are held as their JSON, rendered as before."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import random
+import struct
 import threading
 import time
 
@@ -104,18 +106,24 @@ def test_answers_together_past_the_bound_lose_the_largest(gateway: Proc, worker:
 def test_an_embeddings_answer_counts_in_the_bound_before_it_is_parsed(gateway: Proc, wide: Proc) -> None:
     """Regression: embeddings answers (inputs x width floats) were outside the bound: 2,048
     inputs of a 4,096-wide model are a 170 MB line, parsed into ~270 MB more and rendered
-    into ~170 MB again, and a few at once took a gateway by GBs. Here 64 inputs (a ~5 MB
-    line) pass the 2 MiB bound alone: a 400 that says what to ask for instead."""
+    into ~170 MB again, and a few at once took a gateway by GBs. Here 64 inputs as floats (a
+    ~5 MB line) pass the 2 MiB bound alone: a 400 that says what to ask for instead. As
+    base64 (the SDK's default) the worker makes the strings, a quarter of the bytes: they fit."""
     text = "the quick brown fox"
     with openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=60) as client:
         with pytest.raises(openai.BadRequestError) as refused:
-            client.embeddings.create(model="wide", input=[text] * 64)
+            client.embeddings.create(model="wide", input=[text] * 64, encoding_format="float")
         assert refused.value.code == "answer_too_large"
         assert refused.value.param == "input" and "fewer inputs" in refused.value.message
         # Nothing of it stays counted: answers within the bound are whole, one after another.
-        for _ in range(3):
-            got = client.embeddings.create(model="wide", input=[text] * 4)
-            assert [d.embedding for d in got.data] == [pytest.approx(sim_embedding(text, 4096), abs=1e-6)] * 4
+        for encoding in ("float", "base64", "float"):
+            got = client.embeddings.create(model="wide", input=[text] * 4, encoding_format=encoding)
+            vectors = [d.embedding for d in got.data]
+            if encoding == "base64":  # the SDK hands a base64 it was asked for explicitly on as it came
+                vectors = [list(struct.unpack("<4096f", base64.b64decode(v))) for v in vectors]
+            assert vectors == [pytest.approx(sim_embedding(text, 4096), abs=1e-6)] * 4
+        wide_base64 = client.embeddings.create(model="wide", input=[text] * 64)  # the SDK's default
+    assert len(wide_base64.data) == 64 and len(wide_base64.data[0].embedding) == 4096
 
 
 def test_keyed_answers_past_the_journal_bound_are_sent_but_not_kept(gateway: Proc,
