@@ -46,9 +46,11 @@ class PoolRequest(BaseModel):
     input: list[str | list[int]] | None = Field(default=None, max_length=MAX_POOL_INPUTS)
     #: embed: a Matryoshka model's output size; refused by a model without one.
     dimensions: int | None = Field(default=None, ge=1)
-    #: embed: "base64": each vector as OpenAI's base64 of its float32 bytes, made here (a
-    #: gateway then passes strings on instead of parsing and packing every float).
-    encoding_format: Literal["float", "base64"] = "float"
+    #: embed: how the vectors travel. "float": lists of floats (a gateway of an earlier
+    #: version's); "base64": each as OpenAI's base64 of its float32 bytes; "float_text": each
+    #: as its JSON text in a string. Both are made here, so a gateway passes strings on instead
+    #: of parsing every float and rendering it again.
+    encoding_format: Literal["float", "base64", "float_text"] = "float"
     #: score: pairs (text_1[i], text_2[i]).
     text_1: list[str] | None = Field(default=None, max_length=MAX_POOL_INPUTS)
     text_2: list[str] | None = Field(default=None, max_length=MAX_POOL_INPUTS)
@@ -114,10 +116,12 @@ async def answer(engine: Any, request: PoolRequest) -> dict[str, Any]:
     if request.op == "embed":
         assert request.input is not None
         pooled = await engine.embed(request, request.input)
+        usage = _usage(pooled.prompt_tokens)
         if request.encoding_format == "base64":
-            return {"embeddings_base64": [float32_base64(v) for v in pooled.vectors],
-                    "usage": _usage(pooled.prompt_tokens)}
-        return {"embeddings": pooled.vectors, "usage": _usage(pooled.prompt_tokens)}
+            return {"embeddings_base64": [float32_base64(v) for v in pooled.vectors], "usage": usage}
+        if request.encoding_format == "float_text":
+            return {"embeddings_text": [orjson.dumps(v).decode() for v in pooled.vectors], "usage": usage}
+        return {"embeddings": pooled.vectors, "usage": usage}
     if request.op == "score":
         if hasattr(engine, "score"):  # scores natively (a cross-encoder behind an upstream server)
             scores, used = await engine.score(request)
