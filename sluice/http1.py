@@ -180,8 +180,13 @@ class Http1Response:
                 while left > 0:
                     if not buffer and not await conn.fill():
                         raise httpx.RemoteProtocolError("the server closed the connection mid-body")
-                    data = bytes(buffer[:left])
-                    del buffer[:left]
+                    if len(buffer) <= left:  # (one copy: slicing, then bytes(), was two)
+                        data = bytes(buffer)
+                        buffer.clear()
+                    else:
+                        with memoryview(buffer) as view:
+                            data = bytes(view[:left])
+                        del buffer[:left]
                     left -= len(data)
                     yield data
             else:

@@ -27,16 +27,22 @@ class LineCutter:
 
     def feed(self, piece: bytes) -> list[bytes]:
         parts = self._parts
-        if parts:  # a line is still arriving
-            parts.append(piece)
-            if b"\n" not in piece:
+        first = None
+        if parts:  # a line is still arriving: its end, if this piece has it, joined to its parts once
+            end = piece.find(b"\n")
+            if end < 0:
+                parts.append(piece)
                 return []
-            piece = b"".join(parts)
+            parts.append(piece[:end])
+            first = b"".join(parts)
             parts.clear()
+            piece = piece[end + 1:]
         lines = piece.split(b"\n")  # (a piece that ends its lines, as most do, leaves ``b""`` last)
         rest = lines.pop()
         if rest:
             parts.append(rest)
+        if first is not None:
+            lines.insert(0, first)
         return lines
 
     def pending(self) -> int:
