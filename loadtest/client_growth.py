@@ -53,6 +53,8 @@ def main() -> None:
     parser.add_argument("--embed", type=int, default=2, help="--embed-only: concurrent embeddings requests")
     parser.add_argument("--embed-inputs", type=int, default=2048, help="inputs of each")
     parser.add_argument("--embed-dim", type=int, default=4096, help="the simulated embedding model's width")
+    parser.add_argument("--embed-encoding", choices=["float", "base64"], default="float",
+                        help="the encoding the requests ask for (the SDK's default is base64)")
     parser.add_argument("--embed-only", action="store_true",
                         help="only the embeddings phase (its worker serves embeddings alone)")
     parser.add_argument("--max-answer-mib", type=float, default=None,
@@ -84,9 +86,9 @@ def main() -> None:
 
         report("after start and one request", collections.Counter())
         if args.embed_only:
-            peak, statuses = embeddings(url, pid, args.embed, args.embed_inputs)
-            report(f"{args.embed} x {args.embed_inputs:,} x {args.embed_dim:,} embeddings (peak RSS {peak:.0f} MB)",
-                   statuses)
+            peak, statuses = embeddings(url, pid, args.embed, args.embed_inputs, args.embed_encoding)
+            report(f"{args.embed} x {args.embed_inputs:,} x {args.embed_dim:,} {args.embed_encoding} embeddings "
+                   f"(peak RSS {peak:.0f} MB)", statuses)
             return
         if args.whole_only:
             whole()
@@ -153,13 +155,14 @@ def whole_answers(url: str, pid: int, count: int, tokens: int) -> tuple[float, c
     return _peak_while(one, count, pid), statuses
 
 
-def embeddings(url: str, pid: int, count: int, inputs: int) -> tuple[float, collections.Counter[int | str]]:
-    """``count`` concurrent embeddings requests of ``inputs`` inputs each (floats, as the
-    API's default); the gateway's peak RSS meanwhile, and the statuses."""
+def embeddings(url: str, pid: int, count: int, inputs: int,
+               encoding: str) -> tuple[float, collections.Counter[int | str]]:
+    """``count`` concurrent embeddings requests of ``inputs`` inputs each, in ``encoding``;
+    the gateway's peak RSS meanwhile, and the statuses."""
     statuses: collections.Counter[int | str] = collections.Counter()
 
     def one(i: int) -> None:
-        body = {"model": "sim", "input": [f"the quick brown fox {i}"] * inputs, "encoding_format": "float"}
+        body = {"model": "sim", "input": [f"the quick brown fox {i}"] * inputs, "encoding_format": encoding}
         with httpx.Client(timeout=900) as c:
             r = c.post(url + "/v1/embeddings", json=body)
             code = r.json()["error"]["code"] if r.status_code != 200 else f"{len(r.content) / 1e6:.0f} MB"
