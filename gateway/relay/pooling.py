@@ -11,8 +11,9 @@ charge is settled with the prompt tokens the engine counted.
 
 Its answer counts in the process's bound on answers being built (gateway/relay/whole_answers.py)
 from the moment its worker's response announces its length, before a byte of it is held, until
-its body is made: an embeddings answer is inputs x width floats (2,048 x 4,096 is a 170 MB
-line, ~270 MB more once parsed, ~170 MB again rendered), and a few at once took a gateway by GBs.
+its body is made: an embeddings answer is inputs x width floats (2,048 x 4,096 are a 170 MB
+line as JSON text, 46 MB as base64, passed on as the worker made them: gateway/surfaces/pooling.py),
+and a few at once took a gateway by GBs.
 """
 
 from __future__ import annotations
