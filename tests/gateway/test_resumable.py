@@ -135,7 +135,9 @@ def test_a_client_that_attached_to_a_running_stream_ends_at_its_own_deadline(sta
     client."""
     start_worker("slow-attach", sim_token_ms=1500, sim_ttft_ms=0)
     gateway = start_gateway()
-    body = {"model": "slow-attach", "prompt": "p", "max_tokens": 4, "ignore_eos": True, "stream": True}
+    # 8 tokens: the stream goes on ~10 s after its first event, past any follower's deadline
+    # (CI once took ~3 s to attach the follower, and 4 tokens ended within its 2 s).
+    body = {"model": "slow-attach", "prompt": "p", "max_tokens": 8, "ignore_eos": True, "stream": True}
     key = {"Idempotency-Key": uuid.uuid4().hex}
     first: list[tuple[int | None, str]] = []
     with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=30, headers=key) as r:
@@ -153,7 +155,7 @@ def test_a_client_that_attached_to_a_running_stream_ends_at_its_own_deadline(sta
     followed = _events(again.text.splitlines())
     assert took < 2.0 + 4.5, took  # the deadline and a loaded machine's slack (as test_redis_outage's)
     assert followed[-1][1] == "[DONE]" and '"timeout"' in followed[-2][1], followed
-    assert rest[-1][1] == "[DONE]" and len([i for i, _ in rest if i]) == 4  # the stream went on
+    assert rest[-1][1] == "[DONE]" and len([i for i, _ in rest if i]) == 8  # the stream went on
 
 
 @pytest.mark.timeout(300)  # a 64 s stream, and 150 readers arriving a few at a time
