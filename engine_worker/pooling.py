@@ -11,6 +11,14 @@ retries before the first line, the same lease release corrected by usage)::
     {"tokens": [504, 2365], "token_strs": null, "max_model_len": 2048, ...}
     {"prompt": "Hello world", ...}
 
+A gateway may ask for an embeddings answer's vectors apart (``vectors_apart``): each comes in
+a line of its own before the answer (sluice/lines.py ``RAW_MARK``), its JSON value as the
+gateway's client gets it::
+
+    =[0.01,...]
+    =[0.02,...]
+    {"finish_reason": "stop", "usage": {...}}
+
 Scores of an embedding model are the cosine similarities of the pair's embeddings, as
 vLLM scores with one; an engine that scores natively (an upstream server) says so with a
 ``score`` method of its own.
@@ -28,6 +36,9 @@ import orjson
 from pydantic import BaseModel, Field, model_validator
 
 from engine_worker.protocol import parse_body
+from sluice.lines import RAW_KEY, RAW_MARK
+
+_RAW_MARK = bytes((RAW_MARK,))
 
 #: Inputs one request may carry (texts to embed, pairs to score): the gateway's cap too.
 MAX_POOL_INPUTS = 2048
@@ -51,6 +62,10 @@ class PoolRequest(BaseModel):
     #: as its JSON text in a string. Both are made here, so a gateway passes strings on instead
     #: of parsing every float and rendering it again.
     encoding_format: Literal["float", "base64", "float_text"] = "float"
+    #: embed: the vectors, as ``encoding_format`` makes them (base64 in quotes, the floats'
+    #: text), each in a line of its own before the answer's (above): a gateway puts them in its
+    #: client's body unparsed. A worker of an earlier version ignores it (strings in the answer).
+    vectors_apart: bool = False
     #: score: pairs (text_1[i], text_2[i]).
     text_1: list[str] | None = Field(default=None, max_length=MAX_POOL_INPUTS)
     text_2: list[str] | None = Field(default=None, max_length=MAX_POOL_INPUTS)
@@ -112,11 +127,16 @@ def cosine(a: list[float], b: list[float]) -> float:
 
 
 async def answer(engine: Any, request: PoolRequest) -> dict[str, Any]:
-    """The one line answering ``request`` (without its ending)."""
+    """The line answering ``request`` (without its ending), with the bytes of its raw lines
+    (vectors apart) as its ``RAW_KEY``."""
     if request.op == "embed":
         assert request.input is not None
         pooled = await engine.embed(request, request.input)
         usage = _usage(pooled.prompt_tokens)
+        if request.vectors_apart:
+            values = [orjson.dumps(float32_base64(v) if request.encoding_format == "base64" else v)
+                      for v in pooled.vectors]
+            return {"usage": usage, RAW_KEY: values}
         if request.encoding_format == "base64":
             return {"embeddings_base64": [float32_base64(v) for v in pooled.vectors], "usage": usage}
         if request.encoding_format == "float_text":
@@ -148,7 +168,15 @@ def float32_base64(vector: list[float]) -> str:
 
 
 def encode_line(answer: dict[str, Any]) -> bytes:
-    return orjson.dumps({**answer, "finish_reason": "stop"}) + b"\n"
+    raw = answer.pop(RAW_KEY, None)
+    line = orjson.dumps({**answer, "finish_reason": "stop"}) + b"\n"
+    if raw is None:
+        return line
+    parts = []
+    for value in raw:
+        parts += (_RAW_MARK, value, b"\n")
+    parts.append(line)
+    return b"".join(parts)
 
 
 def _usage(prompt_tokens: int) -> dict[str, int]:

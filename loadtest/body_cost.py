@@ -21,8 +21,9 @@ is parsed and rendered in the gateway, ~88 KB an input).
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -54,33 +55,32 @@ def _long_prompt(head: str) -> bytes:
 
 
 class Bystander:
-    """One long stream read throughout; the arrival time of each chunk."""
+    """One long stream read throughout, in a process of its own (the client reading a large
+    answer in this one would hold the interpreter, and the chunks' arrival times with it):
+    the arrival time of each chunk (``time.monotonic``: one clock for every process)."""
 
-    def __init__(self, url: str) -> None:
-        self.arrivals: list[float] = []
-        self._url = url
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+    def __init__(self, url: str, times: Path) -> None:
+        self._times = times
+        self._proc = subprocess.Popen([sys.executable, __file__, "--bystander", url, str(times)])
 
-    def _run(self) -> None:
+    @staticmethod
+    def run(url: str, times: Path) -> None:
         body = {"model": "sim", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 30_000,
                 "ignore_eos": True, "stream": True}
-        with httpx.Client(timeout=600) as http:
-            while not self._stop.is_set():
-                with http.stream("POST", self._url + "/v1/chat/completions", json=body) as r:
+        with httpx.Client(timeout=600) as http, times.open("w", buffering=1) as out:
+            while True:
+                with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
                     for _ in r.iter_lines():
-                        self.arrivals.append(time.monotonic())
-                        if self._stop.is_set():
-                            return
+                        out.write(f"{time.monotonic()}\n")
 
     def longest_gap_s(self, since: float, until: float) -> float:
-        times = [t for t in self.arrivals if since <= t <= until]
+        arrivals = [float(t) for t in self._times.read_text().split()]
+        times = [t for t in arrivals if since <= t <= until]
         return max((b - a for a, b in zip(times, times[1:])), default=0.0)
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
+        self._proc.terminate()
+        self._proc.wait(5)
 
 
 def main() -> None:
@@ -90,7 +90,11 @@ def main() -> None:
                         help="the gateway tokenizes prompts (SLUICE_GATEWAY_TOKENIZER: the default model's)")
     parser.add_argument("--embed", action="store_true", help="embeddings answers instead of bodies")
     parser.add_argument("--embed-inputs", type=int, default=1024, help="inputs of each embeddings request")
+    parser.add_argument("--bystander", nargs=2, metavar=("URL", "TIMES"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.bystander:
+        Bystander.run(args.bystander[0], Path(args.bystander[1]))
+        return
     env = {"SLUICE_GATEWAY_TOKENIZER": str(default_model_dir())} if args.tokenizer else {}
     shape = StackShape(gateways=1, workers=1, gateway_env=env)
     with tempfile.TemporaryDirectory() as logs, Stack(shape, Path(logs)) as stack:
@@ -102,7 +106,7 @@ def main() -> None:
             shapes = {f"embeddings of {args.embed_inputs:,} x 4,096, {encoding}": orjson.dumps(
                 {"model": "wide", "input": ["the quick brown fox"] * args.embed_inputs, "encoding_format": encoding})
                 for encoding in ("float", "base64")}
-        bystander = Bystander(url)
+        bystander = Bystander(url, Path(logs) / "bystander.times")
         with httpx.Client(timeout=300) as http:
             time.sleep(1.0)
             for name, shape in shapes.items():

@@ -11,9 +11,19 @@ event loop (97-122 ms; 16 ms now), a 50 MB one 10.6-14.7 s (77 ms now).
 >>> cut = LineCutter()
 >>> cut.feed(b'{"a": 1}\\n{"b"'), cut.feed(b': 2}\\n')
 ([b'{"a": 1}'], [b'{"b": 2}'])
+
+A worker's lines may carry bytes for the line after them instead of JSON (:data:`RAW_MARK`):
+an embeddings answer's vectors, made by the worker, which the gateway puts in its client's body
+without parsing them (engine_worker/pooling.py, gateway/surfaces/pooling.py).
 """
 
 from __future__ import annotations
+
+#: A line that begins with this byte (``=``, never JSON's first) holds bytes for the next JSON
+#: line, which says what they are; readers give that line the bytes of the raw lines before it,
+#: in order, as its :data:`RAW_KEY`.
+RAW_MARK = 0x3D
+RAW_KEY = "raw"
 
 
 class LineCutter:

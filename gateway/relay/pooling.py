@@ -11,28 +11,34 @@ charge is settled with the prompt tokens the engine counted.
 
 Its answer counts in the process's bound on answers being built (gateway/relay/whole_answers.py)
 from the moment its worker's response announces its length, before a byte of it is held, until
-its body is made: an embeddings answer is inputs x width floats (2,048 x 4,096 are a 170 MB
+its body is sent: an embeddings answer is inputs x width floats (2,048 x 4,096 are a 170 MB
 line as JSON text, 46 MB as base64, passed on as the worker made them: gateway/surfaces/pooling.py),
-and a few at once took a gateway by GBs.
+and a few at once took a gateway by GBs. Such a body leaves a MiB at a time (:class:`PiecesResponse`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
+from collections.abc import Callable
 
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from gateway.admission.tenancy import Tenancy
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext
 from gateway.relay.upstream import Dispatcher, Line
 from gateway.relay.whole_answers import WholeAnswers
-from gateway.surfaces.pooling import PoolingRequest, render
+from gateway.surfaces.pooling import Pieces, PoolingRequest, render
 from sluice.aftercare import to_the_end
 from sluice.errors import UpstreamFailed
 
 log = logging.getLogger("sluice.gateway")
+
+#: Bytes of a pieced body sent before the event loop's other work is let in.
+SEND_BYTES = 2**20
 
 
 class PoolingServing:
@@ -73,16 +79,54 @@ class PoolingServing:
                 raise UpstreamFailed("the worker sent no answer", code="worker_lost")
             body = render(req, answer)
         except BaseException:
+            held.close()
             await to_the_end(self._settle(ctx, 0))
             raise
-        finally:
+        if isinstance(body, bytes):
             held.close()
+            response: Response = Response(body, media_type="application/json", headers=headers)
+        else:
+            response = PiecesResponse(body, headers, held.close)  # its bytes count until they are sent
         record.finish()
         await self._settle(ctx, record.prompt_tokens)
-        return Response(body, media_type="application/json", headers=headers)
+        return response
 
     async def _settle(self, ctx: RequestContext, used_tokens: int) -> None:
         """Correct the key's and the model name's TPM charges with the prompt tokens really
         used; once."""
         for charge in ctx.take_charges():
             await self._tenancy.settle_quietly(charge, used_tokens, ctx.request_id)
+
+
+class PiecesResponse(Response):
+    """A JSON body of many pieces (a large embeddings answer, gateway/surfaces/pooling.py),
+    joined and sent :data:`SEND_BYTES` at a time, the event loop let go between: made and sent
+    whole, a 1,024 x 4,096 answer held the loop for its every byte copied at once. ``sent``
+    runs once, when the response ends however it ends, or when it is dropped unsent."""
+
+    def __init__(self, pieces: Pieces, headers: dict[str, str], sent: Callable[[], None]) -> None:
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        self.raw_headers += [(b"content-type", b"application/json"),
+                             (b"content-length", b"%d" % sum(map(len, pieces)))]
+        self._pieces = pieces
+        self._sent = weakref.finalize(self, sent)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            batch: Pieces = []
+            size = 0
+            for piece in self._pieces:
+                batch.append(piece)
+                size += len(piece)
+                if size >= SEND_BYTES:
+                    await send({"type": "http.response.body", "body": b"".join(batch), "more_body": True})
+                    batch.clear()
+                    size = 0
+                    await asyncio.sleep(0)
+            await send({"type": "http.response.body", "body": b"".join(batch)})
+        finally:
+            self._pieces = []
+            self._sent()

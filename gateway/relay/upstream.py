@@ -46,7 +46,7 @@ from sluice.errors import (
     from_body,
 )
 from sluice.http1 import Http1Pool, Http1Response, drain
-from sluice.lines import LineCutter
+from sluice.lines import RAW_KEY, RAW_MARK, LineCutter
 from sluice.roles import DECODE
 from sluice.tasks import GENERATE, Task
 from sluice.telemetry import inject
@@ -93,7 +93,8 @@ class RouteFacts:
 
 
 class WorkerLines:
-    """A worker's NDJSON response as parsed lines. ``weigh``, if given, is told how many of
+    """A worker's NDJSON response as parsed lines (the raw lines before one given to it, as its
+    ``RAW_KEY``: sluice/lines.py). ``weigh``, if given, is told how many of
     the body's bytes it holds before they are held: all of them before it is read when the
     response says its length (a pooling answer does), else the pieces' sum so far at each;
     it may refuse them by raising (gateway/relay/whole_answers.py)."""
@@ -112,13 +113,20 @@ class WorkerLines:
     async def _parse(self, weigh: Callable[[int], None] | None) -> AsyncIterator[Line]:
         cut = LineCutter()
         held = 0
+        raw: list[memoryview] = []
         async for chunk in self._raw:
             if weigh is not None:
                 held += len(chunk)
                 weigh(held)
             for line in cut.feed(chunk):
                 if line:
-                    yield orjson.loads(line)
+                    if line[0] == RAW_MARK:  # (not tried as JSON: orjson reads all of a line before failing)
+                        raw.append(memoryview(line)[1:])  # for the next line (sluice/lines.py)
+                        continue
+                    parsed = orjson.loads(line)
+                    if raw:
+                        parsed[RAW_KEY], raw = raw, []
+                    yield parsed
 
     def __aiter__(self) -> AsyncIterator[Line]:
         return self._lines

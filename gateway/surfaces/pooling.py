@@ -21,6 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine_worker.pooling import float32_base64
 from gateway.surfaces.openai import ChatMessage, ModelName, TokenIds, UserId
+from sluice.errors import UpstreamFailed
+from sluice.lines import RAW_KEY
 from sluice.tasks import EMBED, SCORE, TOKENIZE, Task
 
 #: Inputs in one request: OpenAI's limit for embeddings (and the worker's, engine_worker/pooling.py).
@@ -83,7 +85,7 @@ class EmbeddingRequest(_PoolingFields):
         return list(value)  # type: ignore[arg-type]
 
     def payload(self) -> dict[str, Any]:
-        return {"op": "embed", "input": self.inputs(), "dimensions": self.dimensions,
+        return {"op": "embed", "input": self.inputs(), "dimensions": self.dimensions, "vectors_apart": True,
                 "encoding_format": "base64" if self.encoding_format == "base64" else "float_text"}
 
     def prompt_chars(self) -> int:
@@ -233,12 +235,21 @@ def _chars(items: list[str] | list[str | list[int]]) -> int:
 # -- responses -----------------------------------------------------------------------
 
 
-def embedding_body(req: EmbeddingRequest, answer: dict[str, Any]) -> bytes:
+#: A body made of pieces: sent in order, a piece at most once (gateway/relay/pooling.py).
+Pieces = list[bytes | memoryview]
+
+
+def embedding_body(req: EmbeddingRequest, answer: dict[str, Any]) -> bytes | Pieces:
     """The client's body. The vectors come made by the worker, as strings the gateway passes
-    on: base64 (``embeddings_base64``), or each vector's JSON text (``embeddings_text``, put in
+    on, in their own line before the answer (its ``raw``: the body's pieces, none parsed or
+    copied here; :func:`embedding_pieces`), or in the answer (a worker of the version before):
+    base64 (``embeddings_base64``), or each vector's JSON text (``embeddings_text``, put in
     the body as it is). Their 8.4M floats, parsed and rendered again here, held the gateway's
-    loop about 0.7 s for a 1,024 x 4,096 answer. A worker of an earlier version sends floats,
-    rendered (or packed) here."""
+    loop about 0.7 s for a 1,024 x 4,096 answer, and the strings, parsed, 0.2 s. A worker of
+    an earlier version still sends floats, rendered (or packed) here."""
+    raw = answer.get(RAW_KEY)
+    if raw is not None:
+        return embedding_pieces(req, answer, raw)
     usage = _usage(answer)
     made = answer.get("embeddings_base64")
     texts = answer.get("embeddings_text")
@@ -253,6 +264,21 @@ def embedding_body(req: EmbeddingRequest, answer: dict[str, Any]) -> bytes:
     data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
     return orjson.dumps({"object": "list", "data": data, "model": req.model,
                          "usage": {"prompt_tokens": usage, "total_tokens": usage}})
+
+
+def embedding_pieces(req: EmbeddingRequest, answer: dict[str, Any], raw: list[memoryview]) -> Pieces:
+    """The bytes :func:`embedding_body` makes of the same vectors, as pieces: each vector's
+    bytes as the worker made them (``raw``), between its object's head and end."""
+    if len(raw) != len(req.inputs()):
+        raise UpstreamFailed(f"the worker's answer has {len(raw)} embeddings for {len(req.inputs())} inputs")
+    pieces: Pieces = [b'{"object":"list","data":[']
+    for index, vector in enumerate(raw):
+        pieces += (b'%s{"object":"embedding","index":%d,"embedding":' % (b"," if index else b"", index),
+                   vector, b"}")
+    usage = _usage(answer)
+    pieces.append(b'],"model":%s,"usage":%s}' % (orjson.dumps(req.model), orjson.dumps(
+        {"prompt_tokens": usage, "total_tokens": usage})))
+    return pieces
 
 
 def score_body(req: ScoreRequest, answer: dict[str, Any]) -> bytes:
@@ -286,7 +312,7 @@ def detokenize_body(req: DetokenizeRequest, answer: dict[str, Any]) -> bytes:
     return orjson.dumps({"prompt": answer["prompt"]})
 
 
-def render(req: PoolingRequest, answer: dict[str, Any]) -> bytes:
+def render(req: PoolingRequest, answer: dict[str, Any]) -> bytes | Pieces:
     if isinstance(req, EmbeddingRequest):
         return embedding_body(req, answer)
     if isinstance(req, ScoreRequest):

@@ -1,0 +1,105 @@
+"""Embeddings whose vectors come apart from their answer (engine_worker/pooling.py
+``vectors_apart``): the worker's bytes, read by the gateway's line reader in pieces cut
+anywhere, make the very body the answer of the version before made; the body leaves in parts,
+its bytes counted until it is sent. The engine is the simulator's pooling half; the rest is
+the gateway's and the worker's own code, no process needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import AsyncIterator
+
+import pytest
+
+from engine_worker.engines.sim_pooling import SimPooling
+from engine_worker.pooling import PoolRequest, answer, encode_line
+from gateway.relay.pooling import SEND_BYTES, PiecesResponse
+from gateway.relay.upstream import WorkerLines
+from gateway.surfaces.pooling import EmbeddingRequest, embedding_body
+from sluice.errors import UpstreamFailed
+
+INPUTS = ["the cat sat", "on the mat", "stock markets fell", "a", "b c d"]
+
+
+class _Body:
+    """A worker's response body as the gateway's HTTP client hands it on: in pieces."""
+
+    def __init__(self, data: bytes, piece: int) -> None:
+        self.headers = {b"content-length": b"%d" % len(data)}
+        self._pieces = [data[i:i + piece] for i in range(0, len(data), piece)]
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        for piece in self._pieces:
+            yield piece
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def _worker_line(req: EmbeddingRequest, apart: bool, dim: int) -> bytes:
+    payload = {"request_id": "r1", "model": req.model, **req.payload()}
+    if not apart:
+        del payload["vectors_apart"]  # as a gateway of the version before asks
+    return encode_line(await answer(SimPooling(dim), PoolRequest.model_validate(payload)))
+
+
+async def _read(data: bytes, piece: int) -> dict:
+    lines = [line async for line in WorkerLines(_Body(data, piece))]  # type: ignore[arg-type]
+    assert len(lines) == 1  # the raw lines are not lines of their own
+    return lines[0]
+
+
+@pytest.mark.parametrize("encoding", ["float", "base64"])
+@pytest.mark.parametrize("piece", [7, 1000, 1 << 20])
+def test_the_body_is_the_one_the_answer_made_before(encoding: str, piece: int) -> None:
+    req = EmbeddingRequest.model_validate({"model": "pool", "input": INPUTS, "encoding_format": encoding})
+
+    async def both() -> tuple[object, bytes]:
+        apart = embedding_body(req, await _read(await _worker_line(req, True, 64), piece))
+        whole = embedding_body(req, await _read(await _worker_line(req, False, 64), piece))
+        return apart, whole
+
+    apart, whole = asyncio.run(both())
+    assert isinstance(apart, list) and isinstance(whole, bytes)
+    assert b"".join(apart) == whole
+
+
+def test_an_answer_short_of_its_inputs_is_the_workers_failure() -> None:
+    req = EmbeddingRequest.model_validate({"model": "pool", "input": INPUTS})
+    line = asyncio.run(_read(asyncio.run(_worker_line(req, True, 8)), 64))
+    line["raw"].pop()
+    with pytest.raises(UpstreamFailed, match="4 embeddings for 5 inputs"):
+        embedding_body(req, line)
+
+
+def test_a_large_body_leaves_in_parts_and_counts_until_sent() -> None:
+    req = EmbeddingRequest.model_validate({"model": "pool", "input": [f"text {i}" for i in range(64)]})
+    pieces = embedding_body(req, asyncio.run(_read(asyncio.run(_worker_line(req, True, 4096)), 1 << 16)))
+    assert isinstance(pieces, list)
+    size = sum(map(len, pieces))
+    assert size > 2 * SEND_BYTES
+    sent: list[str] = []
+    messages: list[dict] = []
+
+    async def send(message: dict) -> None:
+        assert not sent, "its bytes stopped counting before they were all sent"
+        messages.append(message)
+
+    response = PiecesResponse(pieces, {"x-request-id": "r1"}, lambda: sent.append("sent"))
+    asyncio.run(response(  # type: ignore[arg-type]
+        {"type": "http"}, None, send))
+    assert sent == ["sent"]
+    start, *bodies = messages
+    assert (b"content-length", b"%d" % size) in start["headers"]
+    assert len(bodies) > 2 and all(m["more_body"] for m in bodies[:-1]) and not bodies[-1].get("more_body")
+    assert b"".join(m["body"] for m in bodies) == b"".join(pieces)
+    del response
+    gc.collect()
+    assert sent == ["sent"]  # once
+
+    dropped: list[str] = []
+    PiecesResponse(pieces, {}, lambda: dropped.append("sent"))  # never sent (its request failed after)
+    gc.collect()
+    assert dropped == ["sent"]
