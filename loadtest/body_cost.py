@@ -6,12 +6,12 @@ wait. The body's byte limit (4 MiB) bounds its size, not its shape: a body of ma
 arrays or objects costs the parser and the validator microseconds each, a long prompt the
 tokenizer about 0.6 µs a character. Starts a private stack (embedded Redis, one sim worker,
 one gateway process; ``--tokenizer``: the gateway tokenizes prompts with the default model's
-tokenizer, as ``sluice up`` does with vLLM), keeps one bystander stream reading throughout,
-sends each shape ``--requests`` times one after the other, and prints the wall time, the
+tokenizer, as ``sluice up`` does with vLLM), keeps one bystander stream reading throughout
+(in a process of its own), sends each shape ``--requests`` times one after the other, and prints the wall time, the
 gateway's CPU per request (from /proc), the statuses, and the bystander's longest gap between
 two chunks meanwhile (its tokens come every 5 ms). ``--embed``: answers instead of bodies, an
-embeddings request of ``--embed-inputs`` inputs to a simulated model 4,096 wide (its answer
-is parsed and rendered in the gateway, ~88 KB an input).
+embeddings request of ``--embed-inputs`` inputs to a simulated model 4,096 wide (~80 KB of
+answer an input as floats, passed through the gateway).
 
     .venv/bin/python loadtest/body_cost.py [--tokenizer]     # ~15 s on this code
     .venv/bin/python loadtest/body_cost.py --embed --embed-inputs 1024
