@@ -15,6 +15,8 @@ input) and sends embeddings requests of 2,048 inputs at once (~170 MB answers).
                                                           # one API key past its journal bound
     .venv/bin/python loadtest/client_growth.py --whole-only --whole 3 --whole-tokens 4000
                                                           # the whole answers alone (~45 s)
+    ... --whole-only --whole 16 --whole-tokens 8000 --whole-top-logprobs 0 --sim-max-seqs 256 --max-answer-mib 16
+                                                          # text alone: what the bound's bytes hold
     .venv/bin/python loadtest/client_growth.py --embed-only --embed 4
                                                           # 4 embeddings requests of 2,048 x 4,096 at once
 """
@@ -49,6 +51,8 @@ def main() -> None:
     parser.add_argument("--whole", type=int, default=2,
                         help="concurrent non-streaming n=16 chats with top-20 logprobs (0: none)")
     parser.add_argument("--whole-tokens", type=int, default=4000, help="tokens of each of their choices")
+    parser.add_argument("--whole-top-logprobs", type=int, default=20,
+                        help="top_logprobs of each (0: no logprobs, the text alone)")
     parser.add_argument("--whole-only", action="store_true", help="only the non-streaming answers' phase")
     parser.add_argument("--embed", type=int, default=2, help="--embed-only: concurrent embeddings requests")
     parser.add_argument("--embed-inputs", type=int, default=2048, help="inputs of each")
@@ -57,6 +61,8 @@ def main() -> None:
                         help="the encoding the requests ask for (the SDK's default is base64)")
     parser.add_argument("--embed-only", action="store_true",
                         help="only the embeddings phase (its worker serves embeddings alone)")
+    parser.add_argument("--sim-max-seqs", type=int, default=None,
+                        help="the sim worker's slots (an n=16 request takes 16; default: the worker's)")
     parser.add_argument("--max-answer-mib", type=float, default=None,
                         help="SLUICE_GATEWAY_MAX_ANSWER_BYTES, in MiB (default: the gateway's; a large one: as unbounded)")
     args = parser.parse_args()
@@ -65,6 +71,8 @@ def main() -> None:
     if args.max_answer_mib is not None:
         env["SLUICE_GATEWAY_MAX_ANSWER_BYTES"] = str(int(args.max_answer_mib * 2**20))
     worker_args = ["--task", "embed", "--sim-embed-dim", str(args.embed_dim)] if args.embed_only else []
+    if args.sim_max_seqs is not None:
+        worker_args += ["--sim-max-seqs", str(args.sim_max_seqs)]
     shape = StackShape(gateways=1, workers=1, gateway_env=env, worker_args=worker_args)
     with tempfile.TemporaryDirectory() as logs, Stack(shape, Path(logs)) as stack:
         client = sync_client(stack.redis_url)
@@ -81,8 +89,9 @@ def main() -> None:
                   f"{client.dbsize():4d} keys   statuses {dict(statuses)}")
 
         def whole() -> None:
-            peak, statuses = whole_answers(url, pid, args.whole, args.whole_tokens)
-            report(f"{args.whole} x n=16 x {args.whole_tokens:,} whole (peak RSS {peak:.0f} MB)", statuses)
+            peak, statuses = whole_answers(url, pid, args.whole, args.whole_tokens, args.whole_top_logprobs)
+            report(f"{args.whole} x n=16 x {args.whole_tokens:,} whole, top-{args.whole_top_logprobs} "
+                   f"(peak RSS {peak:.0f} MB)", statuses)
 
         report("after start and one request", collections.Counter())
         if args.embed_only:
@@ -139,11 +148,14 @@ def huge_streams(url: str, pid: int, count: int, resumable: bool) -> tuple[float
     return _peak_while(one, count, pid), statuses
 
 
-def whole_answers(url: str, pid: int, count: int, tokens: int) -> tuple[float, collections.Counter[int | str]]:
-    """``count`` concurrent non-streaming n=16 x ``tokens`` chats with top-20 logprobs; the
-    gateway's peak RSS meanwhile, and the statuses (with the error's code)."""
+def whole_answers(url: str, pid: int, count: int, tokens: int,
+                  top_logprobs: int = 20) -> tuple[float, collections.Counter[int | str]]:
+    """``count`` concurrent non-streaming n=16 x ``tokens`` chats with ``top_logprobs`` (0: none);
+    the gateway's peak RSS meanwhile, and the statuses (with the error's code)."""
     body = {"model": "sim", "messages": [{"role": "user", "content": "long"}], "n": 16, "max_tokens": tokens,
-            "ignore_eos": True, "logprobs": True, "top_logprobs": 20}
+            "ignore_eos": True}
+    if top_logprobs:
+        body.update(logprobs=True, top_logprobs=top_logprobs)
     statuses: collections.Counter[int | str] = collections.Counter()
 
     def one(i: int) -> None:

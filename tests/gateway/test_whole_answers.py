@@ -11,6 +11,7 @@ import random
 import struct
 import threading
 import time
+import tracemalloc
 
 import httpx
 import openai
@@ -20,6 +21,7 @@ import redis
 
 from engine_worker.engines.sim_pooling import sim_embedding
 from gateway.relay.logprobs import RenderedLogprobs, render
+from gateway.relay.rendering import _Text
 from gateway.relay.whole_answers import AnswerTooLarge, WholeAnswers
 from sluice.embedded_redis import EmbeddedRedis
 from sluice.errors import Unavailable
@@ -241,3 +243,29 @@ def test_a_retried_attempts_answer_replaces_the_failed_ones() -> None:
         assert answers.total == 0
 
     asyncio.run(run())
+
+
+def test_a_choices_text_holds_about_its_bytes() -> None:
+    """The bound counts an answer's text in bytes; held as the lines bring it (a string a
+    token), 4-character tokens cost ~15 times that in objects, and the bound let a process
+    hold 20 times what it counted (gateway/relay/rendering.py)."""
+    lines = [orjson.dumps({"text": f" t{i % 97:02d}"}) for i in range(50_000)]
+    counted = 0
+    text = _Text()
+    tracemalloc.start()
+    try:
+        for line in lines:
+            token = orjson.loads(line)["text"]  # a string of its own, as each line's
+            counted += len(token)
+            text.add(token)
+        del token
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert held < 1.5 * counted, f"{held:,} bytes held for {counted:,} counted"
+    assert text.value() == "".join(f" t{i % 97:02d}" for i in range(50_000))
+    for n in (0, 1, 255, 256, 257, 513):  # around the joins
+        short = _Text()
+        for i in range(n):
+            short.add(str(i))
+        assert short.value() == "".join(map(str, range(n)))
