@@ -15,6 +15,8 @@ input) and sends embeddings requests of 2,048 inputs at once (~170 MB answers).
                                                           # one API key past its journal bound
     .venv/bin/python loadtest/client_growth.py --whole-only --whole 3 --whole-tokens 4000
                                                           # the whole answers alone (~45 s)
+    ... --streams-only --plain-only --huge 16 --huge-tokens 16000 --sim-max-seqs 256
+                                                          # long plain streams: what a stream holds a token
     ... --whole-only --whole 16 --whole-tokens 8000 --whole-top-logprobs 0 --sim-max-seqs 256 --max-answer-mib 16
                                                           # text alone: what the bound's bytes hold
     .venv/bin/python loadtest/client_growth.py --embed-only --embed 4
@@ -45,6 +47,8 @@ def main() -> None:
     parser.add_argument("--big", type=int, default=30, help="requests with a 1 MB model name")
     parser.add_argument("--invented", type=int, default=200, help="requests naming invented models")
     parser.add_argument("--huge", type=int, default=4, help="concurrent n=16 x 1,300-token streams, per kind")
+    parser.add_argument("--huge-tokens", type=int, default=1300, help="tokens of each of their choices")
+    parser.add_argument("--plain-only", action="store_true", help="--streams-only: the plain streams alone")
     parser.add_argument("--tenant-max-mib", type=float, default=None,
                         help="SLUICE_GATEWAY_JOURNAL_TENANT_MAX_BYTES, in MiB (default: the gateway's)")
     parser.add_argument("--streams-only", action="store_true", help="only the long streams' phases")
@@ -102,10 +106,10 @@ def main() -> None:
         if args.whole_only:
             whole()
             return
-        for resumable in (True, False) if args.streams_only else ():
-            peak, statuses = huge_streams(url, pid, args.huge, resumable)
+        for resumable in ((False,) if args.plain_only else (True, False)) if args.streams_only else ():
+            peak, statuses = huge_streams(url, pid, args.huge, resumable, args.huge_tokens)
             kind = "resumable" if resumable else "plain"
-            report(f"{args.huge} x n=16 x 1,300 {kind} (peak RSS {peak:.0f} MB)", statuses)
+            report(f"{args.huge} x n=16 x {args.huge_tokens:,} {kind} (peak RSS {peak:.0f} MB)", statuses)
         if args.streams_only:
             return
         big = "m" * 2**20
@@ -130,10 +134,11 @@ def main() -> None:
         client.close()
 
 
-def huge_streams(url: str, pid: int, count: int, resumable: bool) -> tuple[float, collections.Counter[int | str]]:
-    """``count`` concurrent n=16 x 1,300-token streams read to their end; the gateway's
+def huge_streams(url: str, pid: int, count: int, resumable: bool,
+                 tokens: int = 1300) -> tuple[float, collections.Counter[int | str]]:
+    """``count`` concurrent n=16 x ``tokens`` streams read to their end; the gateway's
     peak RSS meanwhile, and the statuses."""
-    body = {"model": "sim", "prompt": "long", "n": 16, "max_tokens": 1300, "ignore_eos": True, "stream": True}
+    body = {"model": "sim", "prompt": "long", "n": 16, "max_tokens": tokens, "ignore_eos": True, "stream": True}
     statuses: collections.Counter[int | str] = collections.Counter()
 
     def one(i: int) -> None:

@@ -27,6 +27,7 @@ from gateway.surfaces.openai import (
     ChatCompletionRequest,
     ChunkWriter,
     CompletionRequest,
+    PiecedText,
     ToolCallAssembler,
     completion_body,
 )
@@ -137,7 +138,7 @@ async def json_response(
     meanwhile cancels the generation, and so does ``answers``' bound on what the process
     builds at once (gateway/relay/whole_answers.py): the answer's lines are counted as they
     arrive, its logprobs held as their JSON."""
-    texts = [_Text() for _ in range(choices)]
+    texts = [PiecedText() for _ in range(choices)]
     finishes: list[str | None] = [None] * choices
     stops: list[str | None] = [None] * choices  # the stop string that ended each, if one did
     wants = shape is None and req.logprobs_count() is not None
@@ -195,34 +196,6 @@ async def json_response(
         return DeliveredJSON(body, headers, delivered)
     finally:
         answer.close()
-
-
-class _Text:
-    """A choice's text as its lines bring it, a token or a few each: their strings joined
-    :data:`_JOIN_EVERY` at a time, so that it holds about its bytes. Kept one by one, a
-    4-character token cost ~60 bytes of objects, and a process's bound on the answers it builds
-    (gateway/relay/whole_answers.py) let 20 times its bytes be held: 16 answers of n=16 x 8,000
-    tokens, 10 MB of text, grew a gateway by 214 MB."""
-
-    __slots__ = ("_chunks", "_parts")
-
-    def __init__(self) -> None:
-        self._chunks: list[str] = []
-        self._parts: list[str] = []
-
-    def add(self, text: str) -> None:
-        parts = self._parts
-        parts.append(text)
-        if len(parts) == _JOIN_EVERY:
-            self._chunks.append("".join(parts))
-            parts.clear()
-
-    def value(self) -> str:
-        return "".join(self._chunks + self._parts)
-
-
-#: Strings of a choice's text joined into one (~1 KB of text: its object costs ~5 % more).
-_JOIN_EVERY = 256
 
 
 async def _unless_disconnected(

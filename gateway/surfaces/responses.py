@@ -18,7 +18,8 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.surfaces.openai import ChatCompletionRequest, ModelName, ToolCallAssembler, UserId, first_refused
+from gateway.surfaces.openai import (ChatCompletionRequest, ModelName, PiecedText, ToolCallAssembler, UserId,
+                                     first_refused)
 from sluice.errors import InvalidRequest
 
 #: Fields that change what a Responses request means and that this gateway cannot honour.
@@ -259,7 +260,7 @@ class ResponseEvents:
         text = line.get("text", "")
         if text:
             message = self._open_message(out)
-            message["text"] += text
+            message["text"].add(text)
             out.append(self._event("response.output_text.delta", item_id=message["id"],
                                    output_index=message["index"], content_index=0, delta=text, logprobs=[]))
         for delta in line.get("tc") or ():
@@ -270,7 +271,7 @@ class ResponseEvents:
     def _open_message(self, out: list[bytes]) -> dict[str, Any]:
         """The message item, announced (item and its text part) on first use."""
         if self._message is None:
-            self._message = {"id": "msg_" + uuid.uuid4().hex, "text": "", "index": len(self._items)}
+            self._message = {"id": "msg_" + uuid.uuid4().hex, "text": PiecedText(), "index": len(self._items)}
             self._items.append(self._message)
             out.append(self._event("response.output_item.added", output_index=self._message["index"],
                                    item=_message(self._message["id"], "", "in_progress")))
@@ -303,10 +304,11 @@ class ResponseEvents:
         output: list[dict[str, Any]] = []
         for item in self._items:
             if item is self._message:
-                done = _message(item["id"], item["text"], "completed")
+                text = item["text"].value()
+                done = _message(item["id"], text, "completed")
                 part = done["content"][0]
                 out.append(self._event("response.output_text.done", item_id=item["id"], output_index=item["index"],
-                                       content_index=0, text=item["text"], logprobs=[]))
+                                       content_index=0, text=text, logprobs=[]))
                 out.append(self._event("response.content_part.done", item_id=item["id"],
                                        output_index=item["index"], content_index=0, part=part))
             else:

@@ -21,8 +21,8 @@ import redis
 
 from engine_worker.engines.sim_pooling import sim_embedding
 from gateway.relay.logprobs import RenderedLogprobs, render
-from gateway.relay.rendering import _Text
 from gateway.relay.whole_answers import AnswerTooLarge, WholeAnswers
+from gateway.surfaces.openai import PiecedText, ToolCallAssembler
 from sluice.embedded_redis import EmbeddedRedis
 from sluice.errors import Unavailable
 from tests.conftest import Proc, streaming, wait_for
@@ -248,10 +248,10 @@ def test_a_retried_attempts_answer_replaces_the_failed_ones() -> None:
 def test_a_choices_text_holds_about_its_bytes() -> None:
     """The bound counts an answer's text in bytes; held as the lines bring it (a string a
     token), 4-character tokens cost ~15 times that in objects, and the bound let a process
-    hold 20 times what it counted (gateway/relay/rendering.py)."""
+    hold 20 times what it counted (gateway/surfaces/openai.py)."""
     lines = [orjson.dumps({"text": f" t{i % 97:02d}"}) for i in range(50_000)]
     counted = 0
-    text = _Text()
+    text = PiecedText()
     tracemalloc.start()
     try:
         for line in lines:
@@ -265,7 +265,22 @@ def test_a_choices_text_holds_about_its_bytes() -> None:
     assert held < 1.5 * counted, f"{held:,} bytes held for {counted:,} counted"
     assert text.value() == "".join(f" t{i % 97:02d}" for i in range(50_000))
     for n in (0, 1, 255, 256, 257, 513):  # around the joins
-        short = _Text()
+        short = PiecedText()
         for i in range(n):
             short.add(str(i))
         assert short.value() == "".join(map(str, range(n)))
+
+
+def test_a_tool_calls_arguments_in_many_pieces_are_whole() -> None:
+    """Arguments held as pieces (before: ``+=`` on the call's string, each piece copying all
+    before it), joined when the call is read, the same as the pieces' concatenation."""
+    assembler = ToolCallAssembler()
+    pieces = [f'"k{i}": {i}, ' for i in range(1000)]
+    assembler.add([{"index": 1, "id": "call_b", "function": {"name": "second", "arguments": "{"}}])
+    assembler.add([{"index": 0, "id": "call_a", "function": {"name": "first", "arguments": ""}}])
+    for piece in pieces:
+        assembler.add([{"index": 0, "function": {"arguments": piece}}, {"index": 1, "function": {"arguments": "x"}}])
+    assert assembler.call(0)["function"]["arguments"] == "".join(pieces)
+    first, second = assembler.calls()
+    assert (first["id"], first["function"]["name"]) == ("call_a", "first")
+    assert second["function"] == {"name": "second", "arguments": "{" + "x" * 1000}
