@@ -444,7 +444,8 @@ class PiecedText:
     bound on the answers it builds (gateway/relay/whole_answers.py) let 20 times what it
     counted be held (16 answers of n=16 x 8,000 tokens, 10 MB of text, grew a gateway by 214
     MB); added with ``+=`` to a string kept elsewhere, each piece copied all that came before
-    (32,000 pieces of a tool call's arguments: 89 ms, 10 times the joins')."""
+    (a tool call's arguments in 32,000 pieces: 176-355 ms, 33-37 ms so; in 128,000: 1.9-13.3 s,
+    0.16-0.18 s so)."""
 
     __slots__ = ("_chunks", "_parts")
 
