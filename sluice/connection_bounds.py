@@ -29,7 +29,10 @@ response's transport pauses (more than 64 KiB not taken), the client must take i
 :attr:`ConnectionBounds.min_bytes_per_s` on average after ``timeout_s`` of slack, and the
 responses held for such clients stay under :attr:`ConnectionBounds.max_unsent_bytes` in all
 (the largest cut first); a cut connection is dropped with what it held (its request, if still
-in flight, finds its client gone, which frees its engine).
+in flight, finds its client gone, which frees its engine). A body the app writes in parts (a
+large embeddings answer, gateway/relay/pooling.py) counts whole: what the app still holds of
+it (:meth:`BoundedProtocol.hold_unsent`) with what the transport does, its client's rate
+judged from its first pause to its end.
 
 **Connections.** Each costs a process a descriptor and ~9 KB. Measured on a gateway (one
 process, descriptors limited to 20,000, as on this project's machines): one client opening
@@ -171,7 +174,8 @@ class _Watch:
         self._arm(conn.loop)
 
     def pause(self, conn: BoundedProtocol) -> None:
-        self.paused[conn] = (conn.loop.time(), conn.transport.get_write_buffer_size())
+        if conn not in self.paused:  # (a response written in parts is judged from its first pause)
+            self.paused[conn] = (conn.loop.time(), conn.unsent())
         self._arm(conn.loop)
 
     def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -250,7 +254,7 @@ class _Watch:
         memory as long as it kept the connection: 40 such clients of 10.7 MB answers, 480 MB.)"""
         held: list[tuple[int, BoundedProtocol]] = []
         for conn, (since, at_pause) in list(self.paused.items()):
-            size = conn.transport.get_write_buffer_size()
+            size = conn.unsent()
             bounds = conn.bounds
             if now > since + bounds.timeout_s + max(0, at_pause - size) / bounds.min_bytes_per_s:
                 conn.cut()
@@ -267,6 +271,10 @@ class _Watch:
 
 
 _WATCHES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Watch] = weakref.WeakKeyDictionary()
+
+
+#: The scope's key of the request's :class:`BoundedProtocol` (:meth:`BoundedProtocol.hold_unsent`).
+CONNECTION = "sluice.connection"
 
 
 def _watch_of(loop: asyncio.AbstractEventLoop) -> _Watch:
@@ -296,6 +304,9 @@ class BoundedProtocol(HttpToolsProtocol):
         self._body_from = 0.0  # when the body's wait began: its head's end
         self._body_bytes = 0  # bytes read since
         self._watch = _watch_of(self.loop)
+        #: Bytes of the response under way that its app holds still, to write in parts
+        #: (:meth:`hold_unsent`): counted as the transport's.
+        self._unsent_in_app = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -333,6 +344,7 @@ class BoundedProtocol(HttpToolsProtocol):
         self._watch.add(self, self.loop.time() + self.bounds.timeout_s)
 
     def on_headers_complete(self) -> None:
+        self.scope[CONNECTION] = self  # (the scope of the request whose head this is)
         # A body not whole once this read is parsed is awaited from here (data_received):
         # most come with their head, and cost no entry.
         self._in_head = False
@@ -357,7 +369,22 @@ class BoundedProtocol(HttpToolsProtocol):
 
     def resume_writing(self) -> None:
         super().resume_writing()
-        self._watch.paused.pop(self, None)
+        if not self._unsent_in_app:  # else its client still owes the rest, at the same rate
+            self._watch.paused.pop(self, None)
+
+    def unsent(self) -> int:
+        """Bytes of responses its client has not taken yet: the transport's, and what the app
+        holds still of the one under way."""
+        return self.transport.get_write_buffer_size() + self._unsent_in_app
+
+    def hold_unsent(self, size: int) -> None:
+        """The app holds ``size`` bytes of the response under way that it has not written yet
+        (it writes a large body in parts, each once the client took the last): the bounds on
+        what clients leave unread count them (the largest cut first past the process's bound,
+        a client cut that takes them slower than the least rate); 0 once all are written."""
+        self._unsent_in_app = size
+        if not size and not self.flow.write_paused:
+            self._watch.paused.pop(self, None)
 
     def cut(self) -> None:
         """Drop what the client did not take, and the connection (a request in flight finds

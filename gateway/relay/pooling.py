@@ -11,9 +11,10 @@ charge is settled with the prompt tokens the engine counted.
 
 Its answer counts in the process's bound on answers being built (gateway/relay/whole_answers.py)
 from the moment its worker's response announces its length, before a byte of it is held, until
-its body is sent: an embeddings answer is inputs x width floats (2,048 x 4,096 are a 170 MB
+its body leaves: an embeddings answer is inputs x width floats (2,048 x 4,096 are a 170 MB
 line as JSON text, 46 MB as base64, passed on as the worker made them: gateway/surfaces/pooling.py),
-and a few at once took a gateway by GBs. Such a body leaves a MiB at a time (:class:`PiecesResponse`).
+and a few at once took a gateway by GBs. Such a body leaves a MiB at a time (:class:`PiecesResponse`),
+counted from then on as what its client has not taken (sluice/connection_bounds.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from gateway.relay.upstream import Dispatcher, Line
 from gateway.relay.whole_answers import WholeAnswers
 from gateway.surfaces.pooling import Pieces, PoolingRequest, render
 from sluice.aftercare import to_the_end
+from sluice.connection_bounds import CONNECTION, BoundedProtocol
 from sluice.errors import UpstreamFailed
 
 log = logging.getLogger("sluice.gateway")
@@ -86,7 +88,7 @@ class PoolingServing:
             held.close()
             response: Response = Response(body, media_type="application/json", headers=headers)
         else:
-            response = PiecesResponse(body, headers, held.close)  # its bytes count until they are sent
+            response = PiecesResponse(body, headers, held.close)  # its bytes count until they leave
         record.finish()
         await self._settle(ctx, record.prompt_tokens)
         return response
@@ -101,20 +103,28 @@ class PoolingServing:
 class PiecesResponse(Response):
     """A JSON body of many pieces (a large embeddings answer, gateway/surfaces/pooling.py),
     joined and sent :data:`SEND_BYTES` at a time, the event loop let go between: made and sent
-    whole, a 1,024 x 4,096 answer held the loop for its every byte copied at once. ``sent``
-    runs once, when the response ends however it ends, or when it is dropped unsent."""
+    whole, a 1,024 x 4,096 answer held the loop for its every byte copied at once. What it has
+    not written yet counts as its connection's unsent bytes (sluice/connection_bounds.py: a
+    client slower than the least rate is cut, and the largest past the process's bound), as
+    the whole body in the transport did. ``handed`` runs once: when the body starts on its
+    way (its bytes then counted there), or when the response is dropped unsent."""
 
-    def __init__(self, pieces: Pieces, headers: dict[str, str], sent: Callable[[], None]) -> None:
+    def __init__(self, pieces: Pieces, headers: dict[str, str], handed: Callable[[], None]) -> None:
         self.status_code = 200
         self.background = None
+        self._size = sum(map(len, pieces))
         self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-        self.raw_headers += [(b"content-type", b"application/json"),
-                             (b"content-length", b"%d" % sum(map(len, pieces)))]
+        self.raw_headers += [(b"content-type", b"application/json"), (b"content-length", b"%d" % self._size)]
         self._pieces = pieces
-        self._sent = weakref.finalize(self, sent)
+        self._handed = weakref.finalize(self, handed)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        conn: BoundedProtocol | None = scope.get(CONNECTION)
+        left = self._size
         try:
+            if conn is not None:
+                conn.hold_unsent(left)
+            self._handed()
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             batch: Pieces = []
             size = 0
@@ -122,11 +132,18 @@ class PiecesResponse(Response):
                 batch.append(piece)
                 size += len(piece)
                 if size >= SEND_BYTES:
+                    left -= size
+                    if conn is not None:
+                        conn.hold_unsent(left)
                     await send({"type": "http.response.body", "body": b"".join(batch), "more_body": True})
                     batch.clear()
                     size = 0
                     await asyncio.sleep(0)
+            if conn is not None:
+                conn.hold_unsent(0)
             await send({"type": "http.response.body", "body": b"".join(batch)})
         finally:
             self._pieces = []
-            self._sent()
+            if conn is not None:
+                conn.hold_unsent(0)
+            self._handed()

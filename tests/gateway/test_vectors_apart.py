@@ -1,7 +1,7 @@
 """Embeddings whose vectors come apart from their answer (engine_worker/pooling.py
 ``vectors_apart``): the worker's bytes, read by the gateway's line reader in pieces cut
-anywhere, make the very body the answer of the version before made; the body leaves in parts,
-its bytes counted until it is sent. The engine is the simulator's pooling half; the rest is
+anywhere, make the very body the answer of the version before made; the body leaves in parts, what
+is not written yet counted as its connection's unsent bytes. The engine is the simulator's pooling half; the rest is
 the gateway's and the worker's own code, no process needed.
 """
 
@@ -18,6 +18,7 @@ from engine_worker.pooling import PoolRequest, answer, encode_line
 from gateway.relay.pooling import SEND_BYTES, PiecesResponse
 from gateway.relay.upstream import WorkerLines
 from gateway.surfaces.pooling import EmbeddingRequest, embedding_body
+from sluice.connection_bounds import CONNECTION
 from sluice.errors import UpstreamFailed
 
 INPUTS = ["the cat sat", "on the mat", "stock markets fell", "a", "b c d"]
@@ -74,32 +75,44 @@ def test_an_answer_short_of_its_inputs_is_the_workers_failure() -> None:
         embedding_body(req, line)
 
 
-def test_a_large_body_leaves_in_parts_and_counts_until_sent() -> None:
+class _Connection:
+    """What the response tells its connection (sluice/connection_bounds.py ``hold_unsent``)."""
+
+    def __init__(self) -> None:
+        self.held: list[int] = []
+
+    def hold_unsent(self, size: int) -> None:
+        self.held.append(size)
+
+
+def test_a_large_body_leaves_in_parts_its_rest_counted_as_unsent() -> None:
     req = EmbeddingRequest.model_validate({"model": "pool", "input": [f"text {i}" for i in range(64)]})
     pieces = embedding_body(req, asyncio.run(_read(asyncio.run(_worker_line(req, True, 4096)), 1 << 16)))
     assert isinstance(pieces, list)
     size = sum(map(len, pieces))
     assert size > 2 * SEND_BYTES
-    sent: list[str] = []
+    handed: list[str] = []
     messages: list[dict] = []
+    conn = _Connection()
 
     async def send(message: dict) -> None:
-        assert not sent, "its bytes stopped counting before they were all sent"
+        assert handed == ["handed"], "the answer bound still counted a body on its way"
+        unsent = size - sum(len(m["body"]) for m in messages[1:])  # before this message
+        assert conn.held[-1] == unsent - len(message.get("body", b"")), "what is not written is not counted"
         messages.append(message)
 
-    response = PiecesResponse(pieces, {"x-request-id": "r1"}, lambda: sent.append("sent"))
-    asyncio.run(response(  # type: ignore[arg-type]
-        {"type": "http"}, None, send))
-    assert sent == ["sent"]
+    response = PiecesResponse(pieces, {"x-request-id": "r1"}, lambda: handed.append("handed"))
+    asyncio.run(response({"type": "http", CONNECTION: conn}, None, send))  # type: ignore[arg-type]
+    assert handed == ["handed"] and conn.held[-1] == 0
     start, *bodies = messages
     assert (b"content-length", b"%d" % size) in start["headers"]
     assert len(bodies) > 2 and all(m["more_body"] for m in bodies[:-1]) and not bodies[-1].get("more_body")
     assert b"".join(m["body"] for m in bodies) == b"".join(pieces)
     del response
     gc.collect()
-    assert sent == ["sent"]  # once
+    assert handed == ["handed"]  # once
 
     dropped: list[str] = []
-    PiecesResponse(pieces, {}, lambda: dropped.append("sent"))  # never sent (its request failed after)
+    PiecesResponse(pieces, {}, lambda: dropped.append("handed"))  # never sent (its request failed after)
     gc.collect()
-    assert dropped == ["sent"]
+    assert dropped == ["handed"]
