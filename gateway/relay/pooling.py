@@ -132,6 +132,8 @@ class PiecesResponse(Response):
                 batch.append(piece)
                 size += len(piece)
                 if size >= SEND_BYTES:
+                    if conn is not None and conn.transport.is_closing():
+                        return  # its client left, or was cut: the rest would be joined for nobody
                     left -= size
                     if conn is not None:
                         conn.hold_unsent(left)

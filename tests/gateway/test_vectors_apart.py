@@ -76,13 +76,19 @@ def test_an_answer_short_of_its_inputs_is_the_workers_failure() -> None:
 
 
 class _Connection:
-    """What the response tells its connection (sluice/connection_bounds.py ``hold_unsent``)."""
+    """What the response tells its connection (sluice/connection_bounds.py ``hold_unsent``),
+    and whether its transport is closing."""
 
     def __init__(self) -> None:
         self.held: list[int] = []
+        self.transport = self
+        self.closing = False
 
     def hold_unsent(self, size: int) -> None:
         self.held.append(size)
+
+    def is_closing(self) -> bool:
+        return self.closing
 
 
 def test_a_large_body_leaves_in_parts_its_rest_counted_as_unsent() -> None:
@@ -116,3 +122,20 @@ def test_a_large_body_leaves_in_parts_its_rest_counted_as_unsent() -> None:
     PiecesResponse(pieces, {}, lambda: dropped.append("handed"))  # never sent (its request failed after)
     gc.collect()
     assert dropped == ["handed"]
+
+
+def test_a_body_whose_client_left_is_not_made_further() -> None:
+    req = EmbeddingRequest.model_validate({"model": "pool", "input": [f"text {i}" for i in range(64)]})
+    pieces = embedding_body(req, asyncio.run(_read(asyncio.run(_worker_line(req, True, 4096)), 1 << 16)))
+    conn = _Connection()
+    bodies: list[bytes] = []
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.body":
+            bodies.append(message["body"])
+            conn.closing = True  # the client hangs up after the first part
+
+    handed: list[str] = []
+    response = PiecesResponse(pieces, {}, lambda: handed.append("handed"))
+    asyncio.run(response({"type": "http", CONNECTION: conn}, None, send))  # type: ignore[arg-type]
+    assert len(bodies) == 1 and conn.held[-1] == 0 and handed == ["handed"]
