@@ -19,6 +19,15 @@ gateway's client gets it::
     =[0.02,...]
     {"finish_reason": "stop", "usage": {...}}
 
+An engine may give its vectors as float32 arrays (vLLM's: its pooled tensors, never made
+into Python floats): their JSON is float32's shortest text, as vLLM's own server and OpenAI
+write it (``0.0019690907``, where the same value as a Python float is
+``0.001969090662896633``: 1.69x the bytes), the same float32 values when read back. For 1,024
+vectors of 4,096 (numpy 2.3, one core): their JSON in 363 ms, where the floats' lists took 732
+ms to make and 541 to write; their base64 in 61 ms, where packing the floats took 218 more.
+An engine's lists of Python floats (the simulator's, an upstream server's) are written as they
+are.
+
 Scores of an embedding model are the cosine similarities of the pair's embeddings, as
 vLLM scores with one; an engine that scores natively (an upstream server) says so with a
 ``score`` method of its own.
@@ -30,6 +39,7 @@ import base64
 import math
 import struct
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
 import orjson
@@ -97,9 +107,10 @@ class PoolRequest(BaseModel):
 
 @dataclass(slots=True)
 class Pooled:
-    """Embeddings of a request's inputs, in order, and the prompt tokens they took."""
+    """Embeddings of a request's inputs, in order, and the prompt tokens they took. A vector
+    is a list of floats or a float32 array (numpy's, as an engine's tensor gives it)."""
 
-    vectors: list[list[float]]
+    vectors: list[Sequence[float]]
     prompt_tokens: int
 
 
@@ -120,7 +131,8 @@ class PoolingEngine(Protocol):
     async def detokenize(self, request: PoolRequest) -> str: ...
 
 
-def cosine(a: list[float], b: list[float]) -> float:
+def cosine(a: Sequence[float], b: Sequence[float]) -> float:
+    a, b = list(map(float, a)), list(map(float, b))  # summed in float64, whatever the engine gave
     dot = sum(x * y for x, y in zip(a, b, strict=True))
     norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
     return dot / norm if norm else 0.0
@@ -134,13 +146,13 @@ async def answer(engine: Any, request: PoolRequest) -> dict[str, Any]:
         pooled = await engine.embed(request, request.input)
         usage = _usage(pooled.prompt_tokens)
         if request.vectors_apart:
-            values = [orjson.dumps(float32_base64(v) if request.encoding_format == "base64" else v)
+            values = [orjson.dumps(float32_base64(v)) if request.encoding_format == "base64" else vector_json(v)
                       for v in pooled.vectors]
             return {"usage": usage, RAW_KEY: values}
         if request.encoding_format == "base64":
             return {"embeddings_base64": [float32_base64(v) for v in pooled.vectors], "usage": usage}
         if request.encoding_format == "float_text":
-            return {"embeddings_text": [orjson.dumps(v).decode() for v in pooled.vectors], "usage": usage}
+            return {"embeddings_text": [vector_json(v).decode() for v in pooled.vectors], "usage": usage}
         return {"embeddings": pooled.vectors, "usage": usage}
     if request.op == "score":
         if hasattr(engine, "score"):  # scores natively (a cross-encoder behind an upstream server)
@@ -161,15 +173,23 @@ async def answer(engine: Any, request: PoolRequest) -> dict[str, Any]:
     return {"prompt": await engine.detokenize(request), "usage": _usage(len(request.tokens))}
 
 
-def float32_base64(vector: list[float]) -> str:
+def vector_json(vector: Sequence[float]) -> bytes:
+    """A vector's JSON array: a float32 array's values as float32's shortest text, a list's
+    as they are (see the module)."""
+    return orjson.dumps(vector, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def float32_base64(vector: Sequence[float]) -> str:
     """OpenAI's base64 encoding of an embedding: its little-endian float32 bytes (what the
     SDK asks for by default, and decodes)."""
-    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+    astype = getattr(vector, "astype", None)  # a numpy array: its bytes, not a float per value
+    raw = astype("<f4", copy=False).tobytes() if astype is not None else struct.pack(f"<{len(vector)}f", *vector)
+    return base64.b64encode(raw).decode()
 
 
 def encode_line(answer: dict[str, Any]) -> bytes:
     raw = answer.pop(RAW_KEY, None)
-    line = orjson.dumps({**answer, "finish_reason": "stop"}) + b"\n"
+    line = orjson.dumps({**answer, "finish_reason": "stop"}, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
     if raw is None:
         return line
     parts = []

@@ -50,7 +50,7 @@ class VllmPooling:
             raise InvalidRequest(str(exc), param="dimensions") from None
         tag = uuid.uuid4().hex[:8]
 
-        async def one(index: int, ids: list[int]) -> list[float]:
+        async def one(index: int, ids: list[int]) -> Any:
             last: Any = None
             async for out in self._engine.llm.encode(vllm.TokensPrompt(prompt_token_ids=ids), params,
                                                      request_id=f"{request.request_id}-{index}-{tag}",
@@ -58,7 +58,9 @@ class VllmPooling:
                 last = out
             if last is None:
                 raise RuntimeError("the engine returned no embedding")
-            return [float(x) for x in last.outputs.data.tolist()]
+            # float32 on the CPU as numpy's (engine_worker/pooling.py writes it without a
+            # Python float per value); a bfloat16 tensor widens exactly.
+            return last.outputs.data.float().cpu().numpy()
 
         try:
             vectors = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
