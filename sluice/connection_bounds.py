@@ -273,7 +273,9 @@ class _Watch:
 _WATCHES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Watch] = weakref.WeakKeyDictionary()
 
 
-#: The scope's key of the request's :class:`BoundedProtocol` (:meth:`BoundedProtocol.hold_unsent`).
+#: The scope's key of a weak reference to the request's :class:`BoundedProtocol`
+#: (:meth:`BoundedProtocol.hold_unsent`): the protocol holds its last scope, and a strong one
+#: left each closed connection (protocol, transport, scope) to the cyclic collector.
 CONNECTION = "sluice.connection"
 
 
@@ -344,7 +346,7 @@ class BoundedProtocol(HttpToolsProtocol):
         self._watch.add(self, self.loop.time() + self.bounds.timeout_s)
 
     def on_headers_complete(self) -> None:
-        self.scope[CONNECTION] = self  # (the scope of the request whose head this is)
+        self.scope[CONNECTION] = weakref.ref(self)  # (the scope of the request whose head this is)
         # A body not whole once this read is parsed is awaited from here (data_received):
         # most come with their head, and cost no entry.
         self._in_head = False
@@ -385,6 +387,21 @@ class BoundedProtocol(HttpToolsProtocol):
         self._unsent_in_app = size
         if not size and not self.flow.write_paused:
             self._watch.paused.pop(self, None)
+
+    async def writable(self, scope: dict[str, Any]) -> bool:
+        """Whether the app may write the next part of the response of ``scope``'s request: once
+        the transport takes writes (a paused one drained), True; False if the connection is
+        closing (its client left, or was cut), which uvicorn's cycle is told at once: it learns
+        it at ``connection_lost``, a loop turn or more later, and logs an app that ends its
+        response short meanwhile as an error."""
+        if self.flow.write_paused:
+            await self.flow.drain()
+        if not self.transport.is_closing():
+            return True
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is scope and not cycle.response_complete:
+            cycle.disconnected = True
+        return False
 
     def cut(self) -> None:
         """Drop what the client did not take, and the connection (a request in flight finds

@@ -119,8 +119,12 @@ class PiecesResponse(Response):
         self._handed = weakref.finalize(self, handed)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        conn: BoundedProtocol | None = scope.get(CONNECTION)
+        ref = scope.get(CONNECTION)
+        conn: BoundedProtocol | None = None if ref is None else ref()  # (alive while its request runs)
         left = self._size
+        # Taken from the end, each piece let go once joined into its batch: what is held is
+        # what is not written yet, as the connection's unsent count says.
+        pieces, self._pieces = self._pieces[::-1], []
         try:
             if conn is not None:
                 conn.hold_unsent(left)
@@ -128,24 +132,27 @@ class PiecesResponse(Response):
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             batch: Pieces = []
             size = 0
-            for piece in self._pieces:
+            if not pieces:
+                await send({"type": "http.response.body", "body": b""})
+            while pieces:
+                piece = pieces.pop()
                 batch.append(piece)
                 size += len(piece)
-                if size >= SEND_BYTES:
-                    if conn is not None and conn.transport.is_closing():
-                        return  # its client left, or was cut: the rest would be joined for nobody
+                if size >= SEND_BYTES or not pieces:
+                    # The batch stays counted until the transport takes it (uvicorn's send
+                    # waits for a paused transport first); its client left, or was cut: the
+                    # rest would be joined for nobody.
+                    if conn is not None and not await conn.writable(scope):
+                        return
                     left -= size
                     if conn is not None:
                         conn.hold_unsent(left)
-                    await send({"type": "http.response.body", "body": b"".join(batch), "more_body": True})
+                    await send({"type": "http.response.body", "body": b"".join(batch), "more_body": bool(pieces)})
                     batch.clear()
                     size = 0
-                    await asyncio.sleep(0)
-            if conn is not None:
-                conn.hold_unsent(0)
-            await send({"type": "http.response.body", "body": b"".join(batch)})
+                    if pieces:
+                        await asyncio.sleep(0)
         finally:
-            self._pieces = []
             if conn is not None:
                 conn.hold_unsent(0)
             self._handed()

@@ -103,6 +103,10 @@ class Migrator:
         """
         # 4 bytes a token (a list of ints held 40: 18 MB for one n=16 x 32k-token stream)
         sent = array("i", progress.ids if progress else ())
+        #: The ids relayed are all in ``sent``: an engine's that are no 32-bit integers (no
+        #: vocabulary's; a broken engine's) are relayed as they come, but the choice cannot
+        #: be resumed exactly, so it is not migrated.
+        exact = True
         chars = progress.chars if progress else 0
         migrations = moves = 0
         shunned: list[str] = []   # workers that broke off this choice before it progressed on them
@@ -115,8 +119,11 @@ class Migrator:
                 try:
                     async for line in upstream.lines(self._settings.stall_timeout_s, ctx.deadline):
                         ids = line.get("ids")
-                        if ids:
-                            sent.fromlist(ids)
+                        if ids and exact:
+                            try:
+                                sent.fromlist(ids)  # (unchanged when it fails)
+                            except (OverflowError, TypeError):
+                                exact = False
                         chars += len(line.get("text", ""))
                         if resumed and line.get("usage"):
                             # The worker counted the resumed ids as prompt; the client's prompt is shorter.
@@ -148,6 +155,10 @@ class Migrator:
                                     exc.message, "" if len(upstreams) == 1 else f" (choice {index}, and any other "
                                     "choice it served)")
                     await upstream.aclose()
+            if not exact:
+                raise UpstreamFailed(
+                    "this stream broke off mid-stream and cannot be resumed on another worker: its engine "
+                    "sent token ids that are no 32-bit integers", code="worker_lost")
             if sent and not resumable(payload):
                 raise UpstreamFailed(
                     "this structured (JSON or tool-call) output broke off mid-stream; it cannot be resumed "

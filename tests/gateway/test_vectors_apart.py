@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import weakref
 from collections.abc import AsyncIterator
 
 import base64
@@ -122,18 +123,17 @@ def test_an_answer_short_of_its_inputs_is_the_workers_failure() -> None:
 
 class _Connection:
     """What the response tells its connection (sluice/connection_bounds.py ``hold_unsent``),
-    and whether its transport is closing."""
+    and whether it may write on (``writable``: its client has not left)."""
 
     def __init__(self) -> None:
         self.held: list[int] = []
-        self.transport = self
-        self.closing = False
+        self.left = False
 
     def hold_unsent(self, size: int) -> None:
         self.held.append(size)
 
-    def is_closing(self) -> bool:
-        return self.closing
+    async def writable(self, scope: dict) -> bool:
+        return not self.left
 
 
 def test_a_large_body_leaves_in_parts_its_rest_counted_as_unsent() -> None:
@@ -153,7 +153,7 @@ def test_a_large_body_leaves_in_parts_its_rest_counted_as_unsent() -> None:
         messages.append(message)
 
     response = PiecesResponse(pieces, {"x-request-id": "r1"}, lambda: handed.append("handed"))
-    asyncio.run(response({"type": "http", CONNECTION: conn}, None, send))  # type: ignore[arg-type]
+    asyncio.run(response({"type": "http", CONNECTION: weakref.ref(conn)}, None, send))  # type: ignore[arg-type]
     assert handed == ["handed"] and conn.held[-1] == 0
     start, *bodies = messages
     assert (b"content-length", b"%d" % size) in start["headers"]
@@ -178,9 +178,9 @@ def test_a_body_whose_client_left_is_not_made_further() -> None:
     async def send(message: dict) -> None:
         if message["type"] == "http.response.body":
             bodies.append(message["body"])
-            conn.closing = True  # the client hangs up after the first part
+            conn.left = True  # the client hangs up after the first part
 
     handed: list[str] = []
     response = PiecesResponse(pieces, {}, lambda: handed.append("handed"))
-    asyncio.run(response({"type": "http", CONNECTION: conn}, None, send))  # type: ignore[arg-type]
+    asyncio.run(response({"type": "http", CONNECTION: weakref.ref(conn)}, None, send))  # type: ignore[arg-type]
     assert len(bodies) == 1 and conn.held[-1] == 0 and handed == ["handed"]
