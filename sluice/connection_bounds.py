@@ -49,6 +49,14 @@ requests. Only when every connection has a request in flight is the new one answ
 ``503 too_many_connections`` with ``Retry-After`` and closed. A request in flight is never
 given up for a newcomer.
 
+**Pipelined requests.** uvicorn queues each request pipelined behind one in flight (a cycle
+and its scope) and parses every request of a read at once (~7,700 tiny ones in 256 KiB); its
+pause of reading does not hold, as each response's end reads on. A review measured one
+connection pipelining ``GET /health`` queue 212,992 requests in 3.5 s, the gateway's memory
+76 -> 250 MB. No SDK pipelines. Past :data:`MAX_PIPELINED` requests waiting on one connection,
+its parsing stops and the connection is closed (what is under way is cut): each connection holds
+at most that many.
+
 Cost: a counter a read while a head or body is coming, and a few dict entries a request; one
 timer a second per process while heads, bodies or slow clients are awaited sweeps the overdue.
 """
@@ -273,6 +281,14 @@ class _Watch:
 _WATCHES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Watch] = weakref.WeakKeyDictionary()
 
 
+#: Requests pipelined on one connection, waiting behind the one in flight, that it may hold.
+MAX_PIPELINED = 16
+
+
+class _PipelineFull(Exception):
+    """Raised in the parser's callback: httptools stops parsing the read at once."""
+
+
 #: The scope's key of a weak reference to the request's :class:`BoundedProtocol`
 #: (:meth:`BoundedProtocol.hold_unsent`): the protocol holds its last scope, and a strong one
 #: left each closed connection (protocol, transport, scope) to the cyclic collector.
@@ -306,6 +322,7 @@ class BoundedProtocol(HttpToolsProtocol):
         self._body_from = 0.0  # when the body's wait began: its head's end
         self._body_bytes = 0  # bytes read since
         self._watch = _watch_of(self.loop)
+        self._pipelined_past = False  # more than MAX_PIPELINED requests came waiting
         #: Bytes of the response under way that its app holds still, to write in parts
         #: (:meth:`hold_unsent`): counted as the transport's.
         self._unsent_in_app = 0
@@ -346,6 +363,9 @@ class BoundedProtocol(HttpToolsProtocol):
         self._watch.add(self, self.loop.time() + self.bounds.timeout_s)
 
     def on_headers_complete(self) -> None:
+        if len(self.pipeline) >= MAX_PIPELINED:
+            self._pipelined_past = True
+            raise _PipelineFull  # out of feed_data: uvicorn's data_received answers it (send_400_response)
         self.scope[CONNECTION] = weakref.ref(self)  # (the scope of the request whose head this is)
         # A body not whole once this read is parsed is awaited from here (data_received):
         # most come with their head, and cost no entry.
@@ -356,6 +376,13 @@ class BoundedProtocol(HttpToolsProtocol):
         self._body_bytes = 0
         self._watch.arrived(self)
         super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        if not self._pipelined_past:
+            super().send_400_response(msg)
+            return
+        self._refuse(Unavailable(f"more than {MAX_PIPELINED} requests pipelined on one connection",
+                                 code="too_many_pipelined", retry_after_s=1))
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
