@@ -20,7 +20,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine_worker.pooling import float32_base64
-from gateway.surfaces.openai import ChatMessage, ModelName, TokenIds, UserId
+from gateway.surfaces.openai import ChatMessage, ModelName, Prompt, TokenIds, UserId
 from sluice.errors import UpstreamFailed
 from sluice.lines import RAW_KEY
 from sluice.tasks import EMBED, SCORE, TOKENIZE, Task
@@ -60,7 +60,7 @@ class _PoolingFields(BaseModel):
 
 class EmbeddingRequest(_PoolingFields):
     #: A text, texts, token ids, or lists of token ids (one embedding each).
-    input: str | list[str] | TokenIds | list[TokenIds] = Field(min_length=1)
+    input: Prompt
     encoding_format: Literal["float", "base64"] = "float"
     #: Matryoshka models only; any other model refuses it (400).
     dimensions: int | None = Field(default=None, ge=1)
