@@ -38,8 +38,8 @@ from __future__ import annotations
 import base64
 import math
 import struct
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import orjson

@@ -103,9 +103,9 @@ class Migrator:
         """
         # 4 bytes a token (a list of ints held 40: 18 MB for one n=16 x 32k-token stream)
         sent = array("i", progress.ids if progress else ())
-        #: The ids relayed are all in ``sent``: an engine's that are no 32-bit integers (no
-        #: vocabulary's; a broken engine's) are relayed as they come, but the choice cannot
-        #: be resumed exactly, so it is not migrated.
+        # While every id relayed is in ``sent``. Ids no 32-bit integer holds (no vocabulary's:
+        # a broken engine's) are relayed as they come, but the choice cannot be resumed
+        # exactly, so it is not migrated.
         exact = True
         chars = progress.chars if progress else 0
         migrations = moves = 0

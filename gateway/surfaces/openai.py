@@ -253,11 +253,12 @@ TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
 def _prompt_kind(value: Any) -> str:
-    """Which of a prompt's (or embeddings input's) shapes to validate it as, by its first item. A union tried each
-    shape in turn and kept the errors of those that failed: a flat list of 1.9M token ids (one
-    array, within the body's bounds) failed the list of texts once per id first, 1.7 s of the
-    event loop for a 400 in the end (a review); 0.3 s now. The tags are what pydantic names
-    the branches (gateway/surfaces/body.py leaves them out of an error's ``param``)."""
+    """Which of a prompt's (or an embeddings input's) shapes to validate it as, by its first
+    item. A union tried each shape in turn and kept the errors of those that failed: a flat
+    list of 1.9M token ids (one array, within the body's bounds) failed the list of texts once
+    per id first, 1.7 s of the event loop for a 400 in the end (a review); 0.3 s now. The tags
+    are what pydantic names the branches (gateway/surfaces/body.py leaves them out of an
+    error's ``param``)."""
     if not isinstance(value, list):
         return "str"
     first = value[0] if value else ""

@@ -190,16 +190,24 @@ def test_a_silent_connection_is_closed_and_an_idle_one_between_requests_is_kept(
         kept.close()
 
 
-def _one_response(sock: socket.socket) -> bytes:
-    """One response with a Content-Length on a kept-alive connection, whole."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += sock.recv(65536) or pytest.fail(f"the connection closed after {data!r}")
-    head, _, body = data.partition(b"\r\n\r\n")
+def _response(sock: socket.socket, buffered: bytearray) -> tuple[bytes, bytes]:
+    """The head and body of the next response (with a Content-Length) on a kept-alive
+    connection; what was read past it stays in ``buffered``."""
+    while b"\r\n\r\n" not in buffered:
+        buffered += sock.recv(1 << 20) or pytest.fail(f"the connection closed after {bytes(buffered)!r}")
+    head, _, rest = bytes(buffered).partition(b"\r\n\r\n")
     length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
-    while len(body) < length:
-        body += sock.recv(65536) or pytest.fail("the connection closed mid-body")
-    return head
+    buffered[:] = rest
+    while len(buffered) < length:
+        buffered += sock.recv(1 << 20) or pytest.fail(f"the connection closed after {len(buffered)} of {length} bytes")
+    body = bytes(buffered[:length])
+    del buffered[:length]
+    return head, body
+
+
+def _one_response(sock: socket.socket) -> bytes:
+    """One response with a Content-Length on a kept-alive connection, whole: its head."""
+    return _response(sock, bytearray())[0]
 
 
 def test_a_large_body_is_not_counted_as_head(gateway: Proc) -> None:
@@ -457,33 +465,17 @@ def test_requests_after_an_answer_in_parts_are_answered_on_its_connection(gatewa
         sock.sendall(_post_head(b"/v1/embeddings", len(EMBEDDINGS_21_MB)) + EMBEDDINGS_21_MB
                      + _post_head(b"/v1/embeddings", len(small)) + small)
         buffered = bytearray()
-        assert len(orjson.loads(_sized_response(sock, buffered))["data"]) == 256
-        assert len(orjson.loads(_sized_response(sock, buffered))["data"]) == 1
+
+        def inputs_answered() -> int:
+            head, body = _response(sock, buffered)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            return len(orjson.loads(body)["data"])
+
+        assert inputs_answered() == 256 and inputs_answered() == 1
         sock.sendall(_post_head(b"/v1/embeddings", len(small)) + small)
-        assert len(orjson.loads(_sized_response(sock, buffered))["data"]) == 1
-        assert not buffered
+        assert inputs_answered() == 1 and not buffered
     finally:
         sock.close()
-
-
-def _sized_response(sock: socket.socket, buffered: bytearray) -> bytes:
-    """The body of the next 200 on a kept-alive ``sock`` (with content-length); what was
-    read past it stays in ``buffered``."""
-    while b"\r\n\r\n" not in buffered:
-        chunk = sock.recv(1 << 20)
-        assert chunk, "the connection closed before a head"
-        buffered += chunk
-    head, _, rest = bytes(buffered).partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 200"), head
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
-    buffered[:] = rest
-    while len(buffered) < length:
-        chunk = sock.recv(1 << 20)
-        assert chunk, f"the connection closed after {len(buffered)} of {length} body bytes"
-        buffered += chunk
-    body = bytes(buffered[:length])
-    del buffered[:length]
-    return body
 
 
 def _rss_mb(proc: Proc) -> float:

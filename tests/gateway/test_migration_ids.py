@@ -59,7 +59,8 @@ def _relay(upstream: _Upstream) -> list[str]:
 def test_ids_no_32_bit_integer_holds_are_relayed_as_they_come(ids: list[Any]) -> None:
     """Regression: an id of 2**31 or more, or a float, failed the stream before its first
     line (OverflowError, TypeError), where a list of them had relayed it whole."""
-    assert _relay(_Upstream([{"ids": ids, "text": "a"}, {"ids": [5], "text": "b", "finish_reason": "stop"}])) == ["a", "b"]
+    lines = [{"ids": ids, "text": "a"}, {"ids": [5], "text": "b", "finish_reason": "stop"}]
+    assert _relay(_Upstream(lines)) == ["a", "b"]
 
 
 def test_a_choice_with_such_ids_is_not_migrated_when_its_worker_breaks_off() -> None:

@@ -56,7 +56,8 @@ class _Float32Pooling(SimPooling):
     async def embed(self, request: PoolRequest, inputs: list[str | list[int]]) -> Pooled:
         pooled = await super().embed(request, inputs)
         arrays = [np.asarray(v, dtype=np.float32) for v in pooled.vectors]
-        return Pooled([a.tolist() for a in arrays] if self.as_lists else arrays, pooled.prompt_tokens)  # type: ignore[misc]
+        vectors = [a.tolist() for a in arrays] if self.as_lists else arrays
+        return Pooled(vectors, pooled.prompt_tokens)  # type: ignore[arg-type]
 
 
 async def _worker_line(req: EmbeddingRequest, apart: bool, dim: int, engine: SimPooling | None = None) -> bytes:
