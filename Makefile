@@ -40,13 +40,13 @@ run: $(MODEL)
 # short nemesis runs, ~80 s each, there since 2026-12-06: the gateway's first half ran 15:24). Most tests wait on the processes they start, so on 2 cores they
 # take together about as long as the longest alone (2026-12-03: one process for all but
 # real_model took 28-35 minutes; three processes 22:18, the gateway tests the longest).
-# The Redis data-loss tests of resumable streams (~5 minutes, mostly waiting) run beside
-# real_model: on 2026-12-07 the shards took 13:26 (real_model), 19:43, 21:37 (the gateway's
-# halves, the second with them) and 18:56. All must pass. With PYTEST_ARGS (a file, -k ...),
-# one plain pytest run.
-MOVED := tests/gateway/test_resumable_data_loss.py
-SHARDS := real_model:tests/real_model@$(MOVED) gateway-a:tests/gateway/test_[a-l]*.py \
-	gateway-m:tests/gateway/test_[m-z]*.py@--deselect=$(MOVED) rest:--ignore=tests/real_model@--ignore=tests/gateway
+# Tried and reverted (2026-12-07): the Redis data-loss tests of resumable streams beside
+# real_model made the longest part 18:07 (not 21:37), but all four parts then ran loaded
+# together throughout, and three CI runs each failed a different timing-bound test (a worker's
+# 200 ms heartbeat, a Redis connect beside 400 waiters, an RPM budget in 4 s).
+# All must pass. With PYTEST_ARGS (a file, -k ...), one plain pytest run.
+SHARDS := real_model:tests/real_model gateway-a:tests/gateway/test_[a-l]*.py \
+	gateway-m:tests/gateway/test_[m-z]*.py rest:--ignore=tests/real_model@--ignore=tests/gateway
 ifeq ($(strip $(PYTEST_ARGS)),)
 test: $(MODEL)
 	@dir=$$(mktemp -d -t sluice-test.XXXXXX); pids=""; \
