@@ -23,8 +23,9 @@ An engine may give its vectors as float32 arrays (vLLM's: its pooled tensors, ne
 into Python floats): their JSON is float32's shortest text, as vLLM's own server and OpenAI
 write it (``0.0019690907``, where the same value as a Python float is
 ``0.001969090662896633``: 1.69x the bytes), the same float32 values when read back. For 1,024
-vectors of 4,096 (numpy 2.3, one core): their JSON in 363 ms, where the floats' lists took 732
-ms to make and 541 to write; their base64 in 61 ms, where packing the floats took 218 more.
+vectors of 4,096 (``loadtest/embed_text_cost.py``, medians of 3): their JSON in 123 ms, where
+the floats' lists took 270 ms to make and 198 to write; their base64 in 37 ms, against 100 after
+the same 270.
 An engine's lists of Python floats (the simulator's, an upstream server's) are written as they
 are.
 
