@@ -133,7 +133,6 @@ class PoolingEngine(Protocol):
 
 
 def cosine(a: Sequence[float], b: Sequence[float]) -> float:
-    a, b = list(map(float, a)), list(map(float, b))  # summed in float64, whatever the engine gave
     dot = sum(x * y for x, y in zip(a, b, strict=True))
     norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
     return dot / norm if norm else 0.0
@@ -163,7 +162,8 @@ async def answer(engine: Any, request: PoolRequest) -> dict[str, Any]:
         # Each distinct text embedded once (a rerank's query appears in every pair).
         texts = list(dict.fromkeys([*request.text_1, *request.text_2]))
         pooled = await engine.embed(request, texts)  # type: ignore[arg-type]
-        vector = dict(zip(texts, pooled.vectors, strict=True))
+        # As Python floats once per text (a float32 array's values summed in float64 below).
+        vector = dict(zip(texts, (list(map(float, v)) for v in pooled.vectors), strict=True))
         scores = [cosine(vector[a], vector[b]) for a, b in zip(request.text_1, request.text_2, strict=True)]
         return {"scores": scores, "usage": _usage(pooled.prompt_tokens)}
     if request.op == "tokenize":
