@@ -29,7 +29,8 @@ from gateway.relay.sse import Keepalive, SSEResponse
 from gateway.relay.upstream import Dispatcher, Line, Upstream
 from gateway.streams import event_ids
 from gateway.streams.event_ids import DONE, usage_id
-from gateway.streams.idempotency import Idempotency, wait_for_producer_s
+from gateway.streams.idempotency import Idempotency
+from gateway.streams.producers import wait_for_producer_s
 from gateway.streams.journal import (
     JournalCommitter,
     JournalLost,

@@ -75,8 +75,8 @@ from redis.exceptions import NoScriptError, RedisError
 from starlette.responses import Response
 
 from gateway.loss_watch import LossWatch
-from gateway.streams.journal import DONE, LIVE_TTL_MS, RECLAIM_GRACE_S, now_ms
-from gateway.streams.producers import PRODUCER_STALL_S, ProducerBeat
+from gateway.streams.journal import DONE, LIVE_TTL_MS, now_ms
+from gateway.streams.producers import ProducerBeat, wait_for_producer_s
 from sluice import keys
 from sluice.errors import Conflict, DeadlineExceeded, InvalidRequest, SluiceError, Unavailable, UpstreamFailed
 from sluice.script_channel import ScriptChannel, script_runner
@@ -203,18 +203,6 @@ local held = redis.call('HMGET', KEYS[1], 'owner', 'state')
 if held[2] ~= 'done' and (not held[1] or held[1] == ARGV[1]) then redis.call('DEL', KEYS[1]) end
 return 1
 """
-
-def wait_for_producer_s() -> float:
-    """How long a caller that holds events of a stream Redis lost waits for its producer to
-    write the journal again (gateway/streams/journal.py), within the caller's deadline: a
-    running producer refreshes ``:live`` far more often than it expires; one whose process
-    is stalled writes again only once it runs, and then first gives a gateway that may have
-    taken the stream over ``RECLAIM_GRACE_S`` to re-claim it. Giving up means the client
-    runs the whole request again, so the wait is generous (nemesis: clients that came back
-    while their producer was stopped got 502 one to two seconds before it wrote the journal
-    back, at 3 s and again at 5 s)."""
-    return LIVE_TTL_MS / 1000 + PRODUCER_STALL_S + RECLAIM_GRACE_S
-
 
 def scoped(owner: str, key: str) -> str:
     """The name a client's Idempotency-Key gets in Redis: private to its API key.

@@ -32,10 +32,20 @@ Sentinel, 7be22dc: a gateway restarted 0.4 s before a re-sent POST trusted the m
 the process it replaced; that producer was dead, so no harm came, but one alive in another
 process would have had its stream generated twice.)
 
-Ids without an instance (from gateways before this) wait as before. So does a take-over
-that finds a stream without its plan (gateway/relay/serving.py, ``take_over``): ended by the
-beat, a loaded CI run told the readers of a producer stopped 5 s across a ``FLUSHALL`` that
-their stream was lost, so only the re-sent POST and the ``GET`` use it.
+And none of this waits where nothing was lost: once this process has seen Redis answer
+without a loss for ``wait_for_producer_s`` (as long as any producer takes to write its
+stream back after one), a stream Redis does not know was never there, expired, failed, or
+went with a loss older than any write-back, so nobody writes it now: :meth:`ProducerBeat.gone`
+says so (after one look at Redis, as for a missing beat), whatever the id. Before, a
+``Last-Event-ID`` on a key never used, or naming a process that runs, held its request 10 s,
+polling Redis every 50 ms (~575 commands, 55-75 ms of the gateway's CPU each), and any
+client could send as many at once as it liked.
+
+Ids without an instance (from gateways before this) wait as before while a loss is recent.
+So does a take-over that finds a stream without its plan (gateway/relay/serving.py,
+``take_over``): ended by the beat, a loaded CI run told the readers of a producer stopped
+5 s across a ``FLUSHALL`` that their stream was lost, so only the re-sent POST and the
+``GET`` use it.
 
 >>> beat = ProducerBeat(redis, watch)   # one per process; Idempotency owns it
 >>> beat.start()
@@ -54,7 +64,7 @@ from typing import TYPE_CHECKING, Any
 from redis.exceptions import RedisError
 
 from gateway.admission.queue import stop_tasks
-from gateway.streams.journal import LIVE_TTL_MS
+from gateway.streams.journal import LIVE_TTL_MS, RECLAIM_GRACE_S
 from sluice import keys
 from sluice.single_flight import SingleFlight
 
@@ -83,6 +93,19 @@ BEAT_GRACE_S = BEAT_TTL_MS / 1000
 #: How long one look at a beat answers for, and for how many processes answers are kept.
 SEEN_S = 0.25
 SEEN_MAX = 1024
+
+
+def wait_for_producer_s() -> float:
+    """How long a caller that holds events of a stream Redis lost waits for its producer to
+    write the journal again (gateway/streams/journal.py), within the caller's deadline: a
+    running producer refreshes ``:live`` far more often than it expires; one whose process
+    is stalled writes again only once it runs, and then first gives a gateway that may have
+    taken the stream over ``RECLAIM_GRACE_S`` to re-claim it. Giving up means the client
+    runs the whole request again, so the wait is generous (nemesis: clients that came back
+    while their producer was stopped got 502 one to two seconds before it wrote the journal
+    back, at 3 s and again at 5 s). It is also how long after a loss a producer may still
+    write back at all (:meth:`ProducerBeat.gone`)."""
+    return LIVE_TTL_MS / 1000 + PRODUCER_STALL_S + RECLAIM_GRACE_S
 
 
 def instance_of(tag: bytes | None) -> bytes | None:
@@ -122,19 +145,26 @@ class ProducerBeat:
         """Whether the process that produced the event tagged ``tag`` is known not to run.
         Its waiters ask every 50 ms: concurrent asks share one look, and an answer serves
         for :data:`SEEN_S`."""
+        answered_s = self._answered_s()
+        if answered_s >= wait_for_producer_s():
+            # No loss for as long as any producer takes to write its stream back: a stream
+            # Redis does not know was never there, expired or failed, or went with a loss
+            # older than that, and nobody writes it now.
+            return await self._no_loss_since_last_look()
         instance = instance_of(tag)
-        if instance is None or instance == self.instance or self._answered_s() < BEAT_GRACE_S:
+        if instance is None or instance == self.instance or answered_s < BEAT_GRACE_S:
             return False
         seen = self._seen.get(instance)
         if seen is not None and time.monotonic() - seen[0] < SEEN_S:
             gone = seen[1]
         else:
             gone = await self._looks.run(instance, lambda: self._look(instance))
-        if not gone:
-            return False
+        return gone and await self._no_loss_since_last_look()
+
+    async def _no_loss_since_last_look(self) -> bool:
         assert self._watch is not None  # (else _answered_s is 0)
         try:
-            return await self._watch.confirm()  # no loss since the watch's last look
+            return await self._watch.confirm()
         except (RedisError, OSError):
             return False
 

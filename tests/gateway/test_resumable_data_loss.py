@@ -13,15 +13,16 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import orjson
 import pytest
 import redis
 
-from gateway.streams.idempotency import scoped, wait_for_producer_s
+from gateway.streams.idempotency import scoped
 from gateway.streams.journal import entry_number
-from gateway.streams.producers import BEAT_GRACE_S
+from gateway.streams.producers import BEAT_GRACE_S, wait_for_producer_s
 from sluice import keys
 from sluice.embedded_redis import EmbeddedRedis
 from tests.conftest import access_line, wait_for
@@ -710,3 +711,38 @@ def test_a_stream_generated_again_whose_producer_writes_it_back_first_is_followe
             break  # the producer's stream won, and was followed from the client's last event
     else:
         raise AssertionError(f"in 3 attempts the producer never wrote its stream back first{told}")
+
+
+def _age_s(pid: int) -> float:
+    """How long the process ``pid`` has run (Linux: its start in clock ticks since boot)."""
+    start = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19]) / os.sysconf("SC_CLK_TCK")
+    return float(Path("/proc/uptime").read_text().split()[0]) - start
+
+
+def test_a_last_event_id_where_redis_lost_nothing_is_answered_at_once(gateways) -> None:
+    """Regression (review, 2026-12-07): a ``Last-Event-ID`` on a key never used found it
+    "lost" and waited ``wait_for_producer_s`` (10 s) for a producer to write it back,
+    polling Redis every 50 ms (~575 commands, 55-75 ms of the gateway's CPU each), whether
+    the id named no process or one that runs; a client could send any number at once. Where
+    Redis lost nothing for that long, nobody writes such a stream back: the GET and the
+    re-sent POST are told at once that it cannot be resumed."""
+    gateway, _ = gateways
+    time.sleep(max(0.0, wait_for_producer_s() + 0.5 - _age_s(gateway.pid)))  # the process saw no loss as long
+    _, raw = _begin_raw(gateway, uuid.uuid4().hex, {**BODY, "max_tokens": 5}, 2)
+    running = raw.split(".")[1]  # the tag of this gateway's own process, which runs
+    ids = ["7", f"7.{running}", f"7.{uuid.uuid4().hex[:14]}"]
+
+    def attach(i: int) -> tuple[float, httpx.Response]:
+        began, last = time.monotonic(), ids[i % len(ids)]
+        if i % 2:
+            r = httpx.get(f"{gateway.url}/v1/streams/{uuid.uuid4().hex}", headers={"Last-Event-ID": last}, timeout=60)
+        else:
+            r = httpx.post(gateway.url + "/v1/chat/completions", json=BODY, timeout=60,
+                           headers={"Idempotency-Key": uuid.uuid4().hex, "Last-Event-ID": last})
+        return time.monotonic() - began, r
+
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(attach, range(24)))
+    for took, r in answers:
+        assert r.status_code == 502 and r.json()["error"]["code"] == "stream_history_lost", r.text
+        assert took < wait_for_producer_s() / 2, f"waited {took:.1f} s for a producer: {r.request.method}"
