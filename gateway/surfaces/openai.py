@@ -174,11 +174,17 @@ class _SamplingFields(BaseModel):
     #: Token id (as a string, OpenAI's shape) -> bias added to its logit, -100..100.
     logit_bias: dict[str, float] | None = None
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_count(cls, value: object) -> object:
+        # Before its items are validated: 330,000 of them took the loop ~0.1 s for this 400.
+        if isinstance(value, dict) and len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens may be biased")
+        return value
+
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value is not None and len(value) > MAX_LOGIT_BIAS:
-            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens may be biased")
         for token, bias in (value or {}).items():
             if not token.isdigit():
                 raise ValueError(f"keys are token ids; {token!r} is not one")
