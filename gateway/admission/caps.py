@@ -5,14 +5,13 @@ from __future__ import annotations
 import orjson
 
 from gateway.config import GatewaySettings
-from gateway.surfaces.openai import ChatCompletionRequest, CompletionRequest
+from gateway.surfaces.openai import ChatCompletionRequest, CompletionRequest, prompts_chars
 from sluice.errors import InvalidRequest
 
 
 def prompt_chars(req: ChatCompletionRequest | CompletionRequest) -> int:
     if isinstance(req, CompletionRequest):
-        # A token id stands for about four characters (the estimate token_estimate undoes).
-        return sum(len(p) if isinstance(p, str) else 4 * len(p) for p in req.prompts())
+        return prompts_chars(req.prompts())
     total = 0
     for message in req.messages:
         if isinstance(message.content, str):

@@ -280,6 +280,12 @@ Prompt = Annotated[
     Discriminator(_prompt_kind)]
 
 
+def prompts_chars(prompts: list[str] | list[str | list[int]]) -> int:
+    """The characters of prompts given as texts or token ids: a token id stands for about
+    four characters (the estimate gateway/admission/caps.py's token_estimate undoes)."""
+    return sum(len(p) if isinstance(p, str) else 4 * len(p) for p in prompts)
+
+
 class CompletionRequest(_SamplingFields):
     #: Text, texts, token ids, or lists of token ids (one generation each).
     prompt: Prompt

@@ -20,7 +20,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine_worker.pooling import float32_base64
-from gateway.surfaces.openai import ChatMessage, ModelName, Prompt, TokenIds, UserId
+from gateway.surfaces.openai import ChatMessage, ModelName, Prompt, TokenIds, UserId, prompts_chars
 from sluice.errors import UpstreamFailed
 from sluice.lines import RAW_KEY
 from sluice.tasks import EMBED, SCORE, TOKENIZE, Task
@@ -89,7 +89,7 @@ class EmbeddingRequest(_PoolingFields):
                 "encoding_format": "base64" if self.encoding_format == "base64" else "float_text"}
 
     def prompt_chars(self) -> int:
-        return _chars(self.inputs())
+        return prompts_chars(self.inputs())
 
 
 #: A side of a score: one text or several (vLLM also takes multimodal parts: refused).
@@ -130,7 +130,7 @@ class ScoreRequest(_PoolingFields):
 
     def prompt_chars(self) -> int:
         text_1, text_2 = pairs(*self.sides())
-        return _chars(text_1) + _chars(text_2)
+        return prompts_chars(text_1) + prompts_chars(text_2)
 
 
 _PAIRINGS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
@@ -158,7 +158,7 @@ class RerankRequest(_PoolingFields):
 
     def prompt_chars(self) -> int:
         documents = _listed(self.documents)
-        return len(self.query) * len(documents) + _chars(documents)
+        return len(self.query) * len(documents) + prompts_chars(documents)
 
 
 class TokenizeRequest(_PoolingFields):
@@ -225,11 +225,6 @@ def pairs(first: list[str], second: list[str]) -> tuple[list[str], list[str]]:
 
 def _listed(side: str | list[str]) -> list[str]:
     return [side] if isinstance(side, str) else list(side)
-
-
-def _chars(items: list[str] | list[str | list[int]]) -> int:
-    # A token id stands for about four characters (as for completions' token prompts).
-    return sum(len(i) if isinstance(i, str) else 4 * len(i) for i in items)
 
 
 # -- responses -----------------------------------------------------------------------
