@@ -40,7 +40,7 @@ from gateway.admission.tenancy import Tenancy
 from gateway.config import GatewaySettings
 from gateway.context import RequestContext, headers_of, resolve_deadline, resolve_priority
 from sluice.lean_routes import Front, LeanRoutes
-from gateway.loss_watch import LossWatch
+from gateway.loss_watch import LossWatch, warn_if_evicting
 from gateway.metrics import GatewayMetrics
 from gateway.record import RequestRecord
 from gateway.relay.counting import PromptCounter
@@ -147,6 +147,7 @@ async def open_services(settings: GatewaySettings) -> Services:
     )
     workers = Http1Pool(settings.connect_timeout_s)
     watch = LossWatch(redis)  # one per process: the keepers write back what Redis lost
+    await warn_if_evicting(redis)
     tenancy = Tenancy(redis, settings, watch)
     await tenancy.check_startup()
     await tenancy.start()

@@ -36,7 +36,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from gateway.admission.queue import stop_tasks
 from sluice import keys
@@ -54,6 +54,25 @@ _UNSEEN = b"\0unseen"
 #: Called after every look: ``lost`` when Redis may have lost writes since the listener's
 #: last successful call. Returns False (or raises a Redis error) when its write-back failed.
 Listener = Callable[[bool], Awaitable[bool]]
+
+
+async def warn_if_evicting(redis: Any) -> None:
+    """Say at start when Redis may evict keys: Sluice's live state (leases, queues, journals,
+    idempotency records) all has TTLs, so any policy but ``noeviction`` can drop it under
+    memory pressure, and no look of the watch sees an eviction as a loss (so no write-back
+    follows, and a re-attach is told at once that its stream is gone). A Redis that refuses
+    ``CONFIG`` (a managed one) is not asked twice."""
+    try:
+        found = await redis.config_get("maxmemory-policy")
+    except (RedisError, RedisClusterException, OSError) as exc:
+        log.debug("Redis's maxmemory-policy could not be read: %s", exc)
+        return
+    # One server: {name: value}; a Cluster may answer per node ({node: {name: value}}).
+    policies = {v.get("maxmemory-policy") if isinstance(v, dict) else v for v in found.values()} - {None}
+    evicting = sorted(str(p) for p in policies if p not in ("noeviction", b"noeviction"))
+    if evicting:
+        log.warning("Redis's maxmemory-policy is %s: under memory pressure it evicts Sluice's leases, queues "
+                    "and resumable streams unseen; set maxmemory-policy noeviction", ", ".join(evicting))
 
 
 class LossWatch:
@@ -117,7 +136,7 @@ class LossWatch:
             return self._check_s  # (a write-back failing for longer is not a loss on its way back)
         return max(0.0, self._changed_at + keys.API_KEYS_RESTORE_S - time.monotonic())
 
-    async def confirm(self) -> bool:
+    async def confirm(self, *, full: bool = False) -> bool:
         """Look at Redis now: False when it lost data since this process's last look, which
         then makes this process unsure (:meth:`unsure_s`) at once; its next regular look tells
         the listeners. For a caller about to act on something's absence: a client's retry
@@ -133,8 +152,12 @@ class LossWatch:
         34 s in one gateway of the nemesis), the epoch a confirm reads stays ahead of the
         last look's: every confirm said "lost" again, and each claim let go of its key and
         took it again at once, for as long as that lasted (the nemesis, Cluster: 106
-        requests went round for 10-37 s; two clients got no byte for 35 s)."""
-        if self._directory.clustered:
+        requests went round for 10-37 s; two clients got no byte for 35 s).
+
+        ``full``: on a Cluster too, ask every master which process it is, for a caller that
+        acts on no loss anywhere (:meth:`ProducerBeat.gone`'s "nothing lost for as long as
+        a write-back takes"), and is rare."""
+        if self._directory.clustered and not full:
             epoch, server = await self._directory.epoch_id(), self._server or ""
         else:
             epoch, server = await self._directory.look()

@@ -149,8 +149,9 @@ class ProducerBeat:
         if answered_s >= wait_for_producer_s():
             # No loss for as long as any producer takes to write its stream back: a stream
             # Redis does not know was never there, expired or failed, or went with a loss
-            # older than that, and nobody writes it now.
-            return await self._no_loss_since_last_look()
+            # older than that, and nobody writes it now. Every master is asked: on a Cluster
+            # a node that restarted empty leaves the epoch as it was (a review).
+            return await self._no_loss_since_last_look(full=True)
         instance = instance_of(tag)
         if instance is None or instance == self.instance or answered_s < BEAT_GRACE_S:
             return False
@@ -161,10 +162,10 @@ class ProducerBeat:
             gone = await self._looks.run(instance, lambda: self._look(instance))
         return gone and await self._no_loss_since_last_look()
 
-    async def _no_loss_since_last_look(self) -> bool:
+    async def _no_loss_since_last_look(self, *, full: bool = False) -> bool:
         assert self._watch is not None  # (else _answered_s is 0)
         try:
-            return await self._watch.confirm()
+            return await self._watch.confirm(full=full)
         except (RedisError, OSError):
             return False
 

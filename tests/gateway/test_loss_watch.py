@@ -8,12 +8,12 @@ import asyncio
 import math
 from collections.abc import Callable
 
-from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ConnectionError as RedisConnectionError, RedisError
 
-from gateway.loss_watch import LossWatch
+from gateway.loss_watch import LossWatch, warn_if_evicting
 from sluice import keys
 from sluice.directory import Directory
-from sluice.embedded_redis import EmbeddedRedis
+from sluice.embedded_redis import EmbeddedCluster, EmbeddedRedis
 from sluice.redis_pool import create_pool
 
 
@@ -161,6 +161,64 @@ async def test_a_write_back_failing_for_good_keeps_the_watch_unsure_for_a_bounde
             assert watch.unsure_s() > 0  # past the restore window: its write-back is still owed
             # owed for longer than REGISTRY_REBUILD_S: no longer unsure
             await until(lambda: watch.unsure_s() == 0, within_s=8, what="no longer unsure")
+        finally:
+            await watch.close()
+            await client.aclose()
+
+
+async def test_a_redis_that_may_evict_is_named_at_start(caplog) -> None:
+    """Any policy but ``noeviction`` drops Sluice's live state unseen by the watch: said once,
+    at start; ``noeviction`` (the embedded Redis's) says nothing."""
+    with EmbeddedRedis() as server:
+        client = await create_pool(server.url)
+        try:
+            with caplog.at_level("WARNING", logger="sluice.loss"):
+                await warn_if_evicting(client)
+                assert not caplog.records, [r.getMessage() for r in caplog.records]
+                await client.config_set("maxmemory-policy", "allkeys-lru")
+                await warn_if_evicting(client)
+            assert [r.getMessage() for r in caplog.records] == [
+                "Redis's maxmemory-policy is allkeys-lru: under memory pressure it evicts Sluice's leases, queues "
+                "and resumable streams unseen; set maxmemory-policy noeviction"]
+        finally:
+            await client.aclose()
+
+
+async def test_a_cluster_is_asked_its_eviction_policy_too(redis_cluster_url: str, caplog) -> None:
+    client = await create_pool(redis_cluster_url)
+    try:
+        with caplog.at_level("DEBUG", logger="sluice.loss"):
+            await warn_if_evicting(client)
+        assert not caplog.records, [r.getMessage() for r in caplog.records]  # read, and noeviction
+    finally:
+        await client.aclose()
+
+
+async def test_a_full_confirm_sees_a_cluster_node_that_restarted_empty() -> None:
+    """Regression (review, 2026-12-07): on a Cluster :meth:`LossWatch.confirm` reads the epoch
+    alone, so a node that restarted empty (the epoch on another) went unseen until the next
+    regular look; a re-attach told "nothing lost for 10 s, so nobody writes your stream
+    back" acted on that. ``confirm(full=True)`` asks every master which process it is."""
+    with EmbeddedCluster() as cluster:
+        client = await create_pool(cluster.url)
+        watch = LossWatch(client, check_s=3600)  # one regular look, at start
+        try:
+            await client.hset(keys.EPOCH, "id", "epoch-1")
+            watch.start()
+            await until(lambda: watch.seen_epoch == "epoch-1", what="the first look")
+            epoch_port = client.get_node_from_key(keys.EPOCH).port
+            node = next(server for server in cluster.servers if server.port != epoch_port)
+            node.shutdown(save=False)
+            node.start()  # back empty, with its slots (nodes.conf)
+            assert await watch.confirm(), "the epoch alone told the loss: the test shows nothing"
+            for _ in range(100):  # the client reconnects to the node that came back
+                try:
+                    confirmed = await watch.confirm(full=True)
+                    break
+                except (RedisError, OSError):
+                    await asyncio.sleep(0.1)
+            assert confirmed is False, "a node that restarted empty went unseen"
+            assert watch.since_loss_s() < 5
         finally:
             await watch.close()
             await client.aclose()
