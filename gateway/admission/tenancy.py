@@ -276,7 +276,8 @@ class Tenancy:
                               retry_after_s=max(1, math.ceil(int(result[1]) / 1000)))
             err.extra_headers = headers
             raise err
-        self._running.setdefault(key.prefix, {})[stream_id] = weight
+        if weight:  # (a charge of no generations holds no concurrency: nothing to renew)
+            self._running.setdefault(key.prefix, {})[stream_id] = weight
         # The script charges at most a full bucket; settle against what it charged.
         return Charge(key=key, stream_id=stream_id, estimate=min(estimate, key.tpm), weight=weight,
                       headers=headers)

@@ -239,6 +239,31 @@ def test_streams_are_private_to_their_key(tenant, tenant_redis) -> None:
     assert mine.status_code == 200 and mine.text.rstrip().endswith("data: [DONE]")
 
 
+def test_a_re_attach_is_a_request_of_its_keys_rpm(tenant, tenant_redis) -> None:
+    """Regression (review, 2026-12-07): ``GET /v1/streams/<key>`` was charged nothing, so one
+    paid stream was read again without end after its key's RPM was spent (24 reads of a
+    4.6 MB journal, 171 ms of the gateway's CPU each). Each is now one request of the key's
+    RPM (no tokens), and holds none of its concurrency: a key of one concurrent request may
+    re-attach while its stream runs."""
+    _, gateways, _ = tenant
+    key = _create(tenant_redis, "--rpm", "3", "--tpm", "10000000", "--max-concurrent", "1")
+    auth = {"Authorization": f"Bearer {key}"}
+    idem = uuid.uuid4().hex
+    body = {"model": MODEL, "prompt": "read me again", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    url = f"{gateways[0].url}/v1/streams/{idem}"
+    with httpx.stream("POST", gateways[0].url + "/v1/completions", json=body, timeout=60,
+                      headers={**auth, "Idempotency-Key": idem}) as first:  # request 1
+        assert first.status_code == 200
+        during = httpx.get(url, headers=auth, timeout=60)  # request 2, while the stream runs
+        assert during.status_code == 200 and during.text.rstrip().endswith("data: [DONE]"), during.text[-300:]
+        first.read()
+    statuses = [httpx.get(url, headers=auth, timeout=60).status_code for _ in range(3)]
+    assert statuses[0] == 200 and 429 in statuses, statuses  # request 3, then the RPM is spent
+    refused = httpx.get(url, headers=auth, timeout=60)
+    assert refused.status_code == 429 and "requests per minute" in refused.json()["error"]["message"]
+    assert int(refused.headers["retry-after"]) >= 1
+
+
 def test_short_deadlines_cannot_reset_the_concurrency_cap(tenant, tenant_redis, start_worker) -> None:
     """Regression: a rejected call with a 1 ms deadline shortened the slot set's expiry."""
     _, gateways, _ = tenant
