@@ -40,7 +40,7 @@ from engine_worker.engines.prefix_cache import PrefixCache
 from engine_worker.engines.prompts import checked_bias, checked_ids
 from engine_worker.engines.sim_kv import NONE as NO_TRANSFER
 from engine_worker.engines.sim_kv import SimConnector, Transfer
-from engine_worker.engines.sim_structured import structured_pieces
+from engine_worker.engines.sim_structured import MAX_CHARS, PIECE_CHARS, structured_pieces
 from engine_worker.engines.tool_calls import ForcedCalls, decoding_constraint
 from engine_worker.protocol import Delta, GenerateRequest, KVEvent, Usage
 from sluice.prefix import BLOCK_TOKENS, block_hashes_of_words, chat_text
@@ -205,10 +205,15 @@ class SimEngine:
             end = resumed + request.max_tokens
         end = max(end, resumed + request.min_tokens)
         constraint = decoding_constraint(request)
-        pieces = None if constraint is None else structured_pieces(constraint, f"{request.seed or 0}:{prompt}")
-        if pieces is not None:
-            end = len(pieces)  # the grammar ends the output: EOS once the JSON is complete
-        limit, end_reason = end, "stop"
+        pieces, end_reason = None, "stop"
+        if constraint is not None:
+            # The grammar ends the output: EOS once the JSON is complete. Built only as far as
+            # the token limit (and one piece) lets it out.
+            # (A resumed generation's budget is its first's: the same text.)
+            room = MAX_CHARS if request.max_tokens is None else PIECE_CHARS * (resumed + request.max_tokens + 1)
+            pieces, whole = structured_pieces(constraint, f"{request.seed or 0}:{prompt}", min(room, MAX_CHARS))
+            end, end_reason = len(pieces), "stop" if whole else "length"
+        limit = end
         if request.max_tokens is not None and resumed + request.max_tokens <= end:
             limit, end_reason = resumed + request.max_tokens, "length"
         words = prompt.split()

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from engine_worker.engines.sim_structured import example, structured_pieces
+from engine_worker.engines.sim_structured import MAX_CHARS, example, structured_pieces
 from engine_worker.engines.tool_calls import (
     ForcedCalls,
     decoding_constraint,
@@ -60,7 +60,9 @@ def test_a_required_call_cut_short_is_text_with_finish_length() -> None:
 def test_sim_json_validates_against_its_schema() -> None:
     jsonschema = pytest.importorskip("jsonschema")
     schema = forced_schema(_request(tools=[WEATHER, TIME], tool_mode="required"))
-    value = json.loads("".join(structured_pieces({"json": schema}, "seed")))
+    pieces, whole = structured_pieces({"json": schema}, "seed")
+    value = json.loads("".join(pieces))
+    assert whole
     jsonschema.validate(value, schema)
     nested = {"type": "object", "properties": {"tags": {"type": "array", "items": {"$ref": "#/$defs/T"},
                                                         "minItems": 2}},
@@ -131,3 +133,19 @@ def test_a_template_without_tools_gets_them_as_text() -> None:
     messages = template_messages(_Template("{{ m.content }}"), request)
     assert messages[0]["role"] == "system" and "get_weather" in messages[0]["content"]
     assert "tool_calls" not in messages[2] and "Oslo" in messages[2]["content"]
+
+
+def test_a_schema_asking_for_more_than_the_token_limit_lets_out_is_built_only_that_far() -> None:
+    """Regression (review, 2026-12-07): ``minLength``/``minItems`` were built whatever the
+    request's token limit: a 300-byte schema made a one-token request build 20 MB on the
+    worker's loop (1.07 s, +345 MiB), nested ``minItems`` multiplied it."""
+    huge = {"type": "object", "properties": {
+        "text": {"type": "string", "minLength": 20_000_000},
+        "grid": {"type": "array", "minItems": 2000, "items": {"type": "array", "minItems": 2000,
+                                                              "items": {"type": "integer"}}}}}
+    pieces, whole = structured_pieces({"json": huge}, "seed", max_chars=4 * 9)
+    assert not whole and len("".join(pieces)) < 200, len("".join(pieces))
+    pieces, whole = structured_pieces({"json": huge}, "seed")  # no limit: at most a simulated context
+    assert not whole and len("".join(pieces)) < 2 * MAX_CHARS
+    small = {"type": "object", "properties": {"tags": {"type": "array", "minItems": 3, "items": {"type": "string"}}}}
+    assert structured_pieces({"json": small}, "seed", max_chars=4 * 40)[1]  # fits: whole, as before
