@@ -60,8 +60,8 @@ async def warn_if_evicting(redis: Any) -> None:
     """Say at start when Redis may evict keys: Sluice's live state (leases, queues, journals,
     idempotency records) all has TTLs, so any policy but ``noeviction`` can drop it under
     memory pressure, and no look of the watch sees an eviction as a loss (so no write-back
-    follows, and a re-attach is told at once that its stream is gone). A Redis that refuses
-    ``CONFIG`` (a managed one) is not asked twice."""
+    follows, and a re-attach is told at once that its stream is gone). Of a Redis that
+    refuses ``CONFIG`` (a managed one), only the debug log says so."""
     try:
         found = await redis.config_get("maxmemory-policy")
     except (RedisError, RedisClusterException, OSError) as exc:

@@ -142,8 +142,9 @@ class ProducerBeat:
                 await self._redis.delete(keys.producer(self.instance.decode()))
 
     async def gone(self, tag: bytes | None) -> bool:
-        """Whether the process that produced the event tagged ``tag`` is known not to run.
-        Its waiters ask every 50 ms: concurrent asks share one look, and an answer serves
+        """Whether no producer will write back the stream whose event was tagged ``tag``:
+        Redis lost nothing for longer than a write-back takes, or the process that produced
+        it is known not to run. Its waiters ask every 50 ms: concurrent asks share one look, and an answer serves
         for :data:`SEEN_S`."""
         answered_s = self._answered_s()
         if answered_s >= wait_for_producer_s():
