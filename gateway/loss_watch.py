@@ -67,12 +67,10 @@ async def warn_if_evicting(redis: Any) -> None:
     except (RedisError, RedisClusterException, OSError) as exc:
         log.debug("Redis's maxmemory-policy could not be read: %s", exc)
         return
-    # One server: {name: value}; a Cluster may answer per node ({node: {name: value}}).
-    policies = {v.get("maxmemory-policy") if isinstance(v, dict) else v for v in found.values()} - {None}
-    evicting = sorted(str(p) for p in policies if p not in ("noeviction", b"noeviction"))
-    if evicting:
+    policy = found.get("maxmemory-policy")  # (a Cluster client asks its default node)
+    if policy is not None and policy not in ("noeviction", b"noeviction"):
         log.warning("Redis's maxmemory-policy is %s: under memory pressure it evicts Sluice's leases, queues "
-                    "and resumable streams unseen; set maxmemory-policy noeviction", ", ".join(evicting))
+                    "and resumable streams unseen; set maxmemory-policy noeviction", policy)
 
 
 class LossWatch:
